@@ -1,0 +1,28 @@
+"""Registration of the compiled handlers with XLA."""
+from __future__ import annotations
+
+import jax
+
+FORWARD_TARGET = "nbx_fused_moe_fwd"
+
+_PLATFORMS: list[str] = []
+
+try:
+    from . import _ffi
+except ImportError as e:  # pragma: no cover - a broken install
+    _ffi = None
+    _IMPORT_ERROR: ImportError | None = e
+else:
+    _IMPORT_ERROR = None
+    for _name, _capsule in _ffi.cpu_handlers().items():
+        jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+    _PLATFORMS.append("cpu")
+
+
+def platforms() -> list[str]:
+    """Platforms with a registered jax_nbx handler."""
+    return list(_PLATFORMS)
+
+
+def has_handler(platform: str) -> bool:
+    return platform in _PLATFORMS

@@ -1,0 +1,202 @@
+"""`fused_moe`: the public op, its validation, and the FFI call."""
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_batching import custom_vmap
+
+from . import _registry
+from .experts import FLOAT_DTYPES, Experts
+from .reference import ACTIVATIONS, moe_reference
+
+__all__ = ["fused_moe", "IMPLEMENTATIONS"]
+
+IMPLEMENTATIONS = ("ffi", "xla")
+_ACTIVATION_CODES = {"swiglu": 0, "geglu": 1}
+
+
+def _dtype_names() -> str:
+    return ", ".join(str(d) for d in FLOAT_DTYPES)
+
+
+def _validate(x, topk_weights, topk_ids, experts: Experts, activation: str) -> tuple[int, int, int, int]:
+    """Trace-time checks; returns (E, H, I, k)."""
+    if not isinstance(experts, Experts):
+        raise TypeError(f"experts must be a jax_nbx.Experts; got {type(experts).__name__}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+    if x.ndim < 1:
+        raise ValueError(f"x must have shape [..., H]; got shape {x.shape}")
+    if np.dtype(x.dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; expected one of {_dtype_names()}")
+    for name in ("gate", "up", "down"):
+        a = getattr(experts, name)
+        if getattr(a, "ndim", None) != 3:
+            raise ValueError(f"experts.{name} must be a 3-D array; got shape {getattr(a, 'shape', None)}")
+        if np.dtype(a.dtype) not in FLOAT_DTYPES:
+            raise TypeError(f"experts.{name} has dtype {a.dtype}; expected one of {_dtype_names()}")
+    E, H, I = experts.gate.shape
+    if experts.up.shape != (E, H, I):
+        raise ValueError(f"experts.up has shape {experts.up.shape}; expected gate's shape {(E, H, I)} [E, H, I]")
+    if experts.down.shape != (E, I, H):
+        raise ValueError(f"experts.down has shape {experts.down.shape}; expected {(E, I, H)} [E, I, H]")
+    if experts.up.dtype != experts.gate.dtype or experts.down.dtype != experts.gate.dtype:
+        raise TypeError("experts.gate, experts.up and experts.down must share one dtype; got "
+                        f"{experts.gate.dtype}, {experts.up.dtype}, {experts.down.dtype}")
+    if x.shape[-1] != H:
+        raise ValueError(f"x has shape {x.shape}; its last axis must be the experts' hidden size H={H}")
+    if topk_ids.ndim != x.ndim:
+        raise ValueError(f"topk_ids has shape {topk_ids.shape}; expected {x.shape[:-1] + ('k',)} (x's leading dims, then k)")
+    k = topk_ids.shape[-1]
+    if topk_ids.shape != x.shape[:-1] + (k,):
+        raise ValueError(f"topk_ids has shape {topk_ids.shape}; expected {x.shape[:-1] + (k,)} (x's leading dims, then k)")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights has shape {topk_weights.shape}; expected topk_ids' shape {topk_ids.shape}")
+    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected an integer dtype")
+    if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
+        raise TypeError(f"topk_weights has dtype {topk_weights.dtype}; expected a float dtype")
+    if k < 1 or k > E:
+        raise ValueError(f"k={k} (last axis of topk_ids {topk_ids.shape}) must be in [1, E={E}]")
+    return E, H, I, k
+
+
+def _resolve_implementation(implementation: str | None) -> str:
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None; got {implementation!r}")
+    platform = jax.default_backend()
+    has_handler = _registry.has_handler(platform)
+    if implementation is None:
+        return "ffi" if has_handler else "xla"
+    if implementation == "ffi" and not has_handler:
+        raise ValueError(f"implementation='ffi': jax_nbx has no handler for platform {platform!r} "
+                         f"(handlers: {_registry.platforms()}); use implementation='xla'")
+    return implementation
+
+
+def _ffi_forward(x, w, ids, gate, up, down, *, activation: str, band_tokens: int):
+    """The raw FFI call on 2-D inputs (no batching rule, no derivative)."""
+    call = jax.ffi.ffi_call(
+        _registry.FORWARD_TARGET,
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        vmap_method="sequential",
+    )
+    return call(x, w, ids, gate, up, down,
+                activation=np.int64(_ACTIVATION_CODES[activation]),
+                band_tokens=np.int64(band_tokens))
+
+
+@functools.lru_cache(maxsize=None)
+def _ffi_op(activation: str, band_tokens: int):
+    """The FFI op on 2-D inputs with a batching rule and a derivative."""
+    raw = functools.partial(_ffi_forward, activation=activation, band_tokens=band_tokens)
+
+    @custom_vmap
+    def forward(x, w, ids, gate, up, down):
+        return raw(x, w, ids, gate, up, down)
+
+    @forward.def_vmap
+    def _batch(axis_size, in_batched, x, w, ids, gate, up, down):
+        # Experts shared across the batch: the batch is just more tokens.
+        args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+                for a, b in zip((x, w, ids), in_batched[:3])]
+        if not any(in_batched[3:]):
+            xb, wb, ib = args
+            B, T, H = xb.shape
+            y = forward(xb.reshape(B * T, H), wb.reshape(B * T, -1), ib.reshape(B * T, -1), gate, up, down)
+            return y.reshape(B, T, H), True
+        # Experts differ per batch element: one call per element.
+        ex = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+              for a, b in zip((gate, up, down), in_batched[3:])]
+        return jax.lax.map(lambda a: forward(*a), (*args, *ex)), True
+
+    @jax.custom_vjp
+    def op(x, w, ids, experts):
+        return forward(x, w, ids, experts.gate, experts.up, experts.down)
+
+    def op_fwd(x, w, ids, experts):
+        return op(x, w, ids, experts), (x, w, ids, experts)
+
+    def op_bwd(res, g):
+        x, w, ids, experts = res
+        _, vjp = jax.vjp(lambda x_, w_, e_: moe_reference(x_, w_, ids, e_, activation), x, w, experts)
+        dx, dw, dexperts = vjp(g)
+        return dx, dw, None, dexperts
+
+    op.defvjp(op_fwd, op_bwd)
+    return op
+
+
+def fused_moe(
+    x: jax.Array,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    experts: Experts,
+    *,
+    activation: Literal["swiglu", "geglu"] = "swiglu",
+    implementation: Literal["ffi", "xla"] | None = None,
+    _band_tokens: int | None = None,
+) -> jax.Array:
+    """The MoE feed-forward block: route each token to its k experts, run each
+    expert's gated MLP on the tokens it received, add the results back
+    weighted by the router.
+
+    ``y[t] = sum_j topk_weights[t, j] * mlp_{topk_ids[t, j]}(x[t])`` with
+    ``mlp_e(v) = (act(v @ gate[e]) * (v @ up[e])) @ down[e]``.
+
+    Args:
+      x: ``[..., H]`` activations, float32, bfloat16 or float16.
+      topk_weights: ``[..., k]`` routed weights (any float dtype; used as float32).
+      topk_ids: ``[..., k]`` expert ids in ``[0, E)`` (any integer dtype).
+        On the FFI path an id outside the range raises at run time
+        (``INVALID_ARGUMENT`` naming the position and the id); the "xla"
+        path drops such slots.
+      experts: `Experts` with ``gate, up [E, H, I]`` and ``down [E, I, H]``.
+      activation: ``"swiglu"`` (silu gate) or ``"geglu"`` (tanh-approximated gelu gate).
+      implementation: ``"ffi"`` (jax_nbx's handler for the current platform),
+        ``"xla"`` (the pure-JAX reference, every platform), or ``None``:
+        ``"ffi"`` where a handler exists for ``jax.default_backend()``, else ``"xla"``.
+
+    Returns:
+      ``y`` with x's shape and dtype; accumulation is float32.
+
+    Works eagerly, under ``jax.jit``, ``jax.vmap`` (experts shared across the
+    batch fold into the token axis; per-element experts run one call per
+    element) and ``jax.grad``.  The FFI path's backward currently
+    differentiates the "xla" reference (a fused backward is planned):
+    gradients flow to x, topk_weights and the experts, never to topk_ids.
+
+    Raises:
+      ValueError / TypeError at trace time for mismatched shapes, ranks,
+      dtypes, ``k > E`` or an unknown activation/implementation.
+    """
+    x = jnp.asarray(x)
+    topk_weights = jnp.asarray(topk_weights)
+    topk_ids = jnp.asarray(topk_ids)
+    if isinstance(experts, Experts):
+        experts = jax.tree.map(jnp.asarray, experts)
+    E, H, I, k = _validate(x, topk_weights, topk_ids, experts, activation)
+    impl = _resolve_implementation(implementation)
+
+    lead = x.shape[:-1]
+    T = int(np.prod(lead, dtype=np.int64))
+    if T == 0:
+        return jnp.zeros(x.shape, x.dtype)
+    x2 = x.reshape(T, H)
+    w2 = topk_weights.reshape(T, k).astype(jnp.float32)
+    ids2 = topk_ids.reshape(T, k)
+    if np.dtype(ids2.dtype).itemsize > 4 or np.dtype(ids2.dtype) == np.uint32:
+        # keep out-of-range ids out of range when narrowing to int32
+        ids2 = jnp.clip(ids2, -1, E)
+    ids2 = ids2.astype(jnp.int32)
+
+    if impl == "xla":
+        y = moe_reference(x2, w2, ids2, experts, activation)
+    else:
+        band = 0 if _band_tokens is None else int(_band_tokens)
+        y = _ffi_op(activation, band)(x2, w2, ids2, experts)
+    return y.reshape(x.shape)
