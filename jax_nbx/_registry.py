@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax
 
 FORWARD_TARGET = "nbx_fused_moe_fwd"
+FORWARD_INTO_TARGET = "nbx_fused_moe_fwd_into"  # tests: output aliased to a poisoned input
 
 _PLATFORMS: list[str] = []
 

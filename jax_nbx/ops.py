@@ -78,16 +78,23 @@ def _resolve_implementation(implementation: str | None) -> str:
     return implementation
 
 
-def _ffi_forward(x, w, ids, gate, up, down, *, activation: str, band_tokens: int):
-    """The raw FFI call on 2-D inputs (no batching rule, no derivative)."""
-    call = jax.ffi.ffi_call(
-        _registry.FORWARD_TARGET,
-        jax.ShapeDtypeStruct(x.shape, x.dtype),
-        vmap_method="sequential",
-    )
-    return call(x, w, ids, gate, up, down,
-                activation=np.int64(_ACTIVATION_CODES[activation]),
-                band_tokens=np.int64(band_tokens))
+def _ffi_forward(x, w, ids, gate, up, down, *, activation: str, band_tokens: int,
+                 poison: bool = False):
+    """The raw FFI call on 2-D inputs (no batching rule, no derivative).
+
+    ``band_tokens`` > 0 cuts the tokens into bands of that many (0: one band).
+    ``poison=True`` (tests) hands the handler an output buffer filled with NaN,
+    so any row it fails to write shows.
+    """
+    attrs = dict(activation=np.int64(_ACTIVATION_CODES[activation]),
+                 band_tokens=np.int64(band_tokens))
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    if poison:
+        call = jax.ffi.ffi_call(_registry.FORWARD_INTO_TARGET, out, vmap_method="sequential",
+                                input_output_aliases={6: 0})
+        return call(x, w, ids, gate, up, down, jnp.full(x.shape, jnp.nan, x.dtype), **attrs)
+    call = jax.ffi.ffi_call(_registry.FORWARD_TARGET, out, vmap_method="sequential")
+    return call(x, w, ids, gate, up, down, **attrs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,7 +146,6 @@ def fused_moe(
     *,
     activation: Literal["swiglu", "geglu"] = "swiglu",
     implementation: Literal["ffi", "xla"] | None = None,
-    _band_tokens: int | None = None,
 ) -> jax.Array:
     """The MoE feed-forward block: route each token to its k experts, run each
     expert's gated MLP on the tokens it received, add the results back
@@ -197,6 +203,5 @@ def fused_moe(
     if impl == "xla":
         y = moe_reference(x2, w2, ids2, experts, activation)
     else:
-        band = 0 if _band_tokens is None else int(_band_tokens)
-        y = _ffi_op(activation, band)(x2, w2, ids2, experts)
+        y = _ffi_op(activation, 0)(x2, w2, ids2, experts)
     return y.reshape(x.shape)

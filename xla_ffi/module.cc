@@ -20,6 +20,7 @@ NB_MODULE(_ffi, m) {
   m.def("cpu_handlers", []() {
     nb::dict d;
     d["nbx_fused_moe_fwd"] = Capsule(nbx::FusedMoeForwardCpu);
+    d["nbx_fused_moe_fwd_into"] = Capsule(nbx::FusedMoeForwardIntoCpu);
     return d;
   }, "Handler capsules for platform 'cpu', keyed by FFI target name.");
   m.def("alloc_stats", []() {

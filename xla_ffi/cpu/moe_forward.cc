@@ -390,16 +390,39 @@ ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
 
 }  // namespace
 
+#define NBX_FORWARD_ARGS                                          \
+  ffi::Ffi::Bind()                                                \
+      .Ctx<ffi::ThreadPool>()                                     \
+      .Arg<ffi::AnyBuffer>()        /* x [T, H] */                \
+      .Arg<ffi::Buffer<ffi::F32>>() /* topk_weights [T, k] */     \
+      .Arg<ffi::Buffer<ffi::S32>>() /* topk_ids [T, k] */         \
+      .Arg<ffi::AnyBuffer>()        /* gate [E, H, I] */          \
+      .Arg<ffi::AnyBuffer>()        /* up [E, H, I] */            \
+      .Arg<ffi::AnyBuffer>()        /* down [E, I, H] */
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCpu, FusedMoeForwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()           // x [T, H]
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // topk_weights [T, k]
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // topk_ids [T, k]
-                                  .Arg<ffi::AnyBuffer>()           // gate [E, H, I]
-                                  .Arg<ffi::AnyBuffer>()           // up [E, H, I]
-                                  .Arg<ffi::AnyBuffer>()           // down [E, I, H]
-                                  .Ret<ffi::AnyBuffer>()           // y [T, H]
+                              NBX_FORWARD_ARGS
+                                  .Ret<ffi::AnyBuffer>()  // y [T, H]
+                                  .Attr<int64_t>("activation")
+                                  .Attr<int64_t>("band_tokens"));
+
+// Same op with one more input aliased to y: tests pass a NaN-filled buffer
+// so that a row the handler fails to write shows.
+static ffi::Error FusedMoeForwardIntoImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                                   ffi::Buffer<ffi::F32> topk_w,
+                                   ffi::Buffer<ffi::S32> topk_ids,
+                                   ffi::AnyBuffer gate, ffi::AnyBuffer up,
+                                   ffi::AnyBuffer down, ffi::AnyBuffer /*y_in*/,
+                                   ffi::Result<ffi::AnyBuffer> y,
+                                   int64_t activation, int64_t band_tokens) {
+  return FusedMoeForwardImpl(pool, x, topk_w, topk_ids, gate, up, down, y,
+                             activation, band_tokens);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardIntoCpu, FusedMoeForwardIntoImpl,
+                              NBX_FORWARD_ARGS
+                                  .Arg<ffi::AnyBuffer>()  // y_in, aliased to y
+                                  .Ret<ffi::AnyBuffer>()  // y [T, H]
                                   .Attr<int64_t>("activation")
                                   .Attr<int64_t>("band_tokens"));
 

@@ -1,0 +1,109 @@
+"""Shared helpers: random MoE problems and a float64 numpy reference."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_nbx as nbx
+
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+# max |y - ref| / max |ref|: f32 accumulation; bf16/f16 add the output's rounding.
+TOL = {"f32": 1e-5, "bf16": 1e-2, "f16": 2e-3}
+
+
+def np_silu(g):
+    return g / (1.0 + np.exp(-g))
+
+
+def np_gelu_tanh(g):
+    return 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g ** 3)))
+
+
+NP_ACT = {"swiglu": np_silu, "geglu": np_gelu_tanh}
+
+
+def f64(a) -> np.ndarray:
+    return np.asarray(jnp.asarray(a).astype(jnp.float32), dtype=np.float64)
+
+
+def np_moe(x, w, ids, experts: nbx.Experts, activation="swiglu") -> np.ndarray:
+    """float64 MoE forward, one expert at a time; x [T, H], w/ids [T, k]."""
+    x, w, ids = f64(x), f64(w), np.asarray(ids)
+    gate, up, down = f64(experts.gate), f64(experts.up), f64(experts.down)
+    T, H = x.shape
+    y = np.zeros((T, H))
+    act = NP_ACT[activation]
+    for e in range(gate.shape[0]):
+        t_idx, j_idx = np.nonzero(ids == e)
+        if t_idx.size == 0:
+            continue
+        a = x[t_idx]
+        h = act(a @ gate[e]) * (a @ up[e])
+        np.add.at(y, t_idx, w[t_idx, j_idx][:, None] * (h @ down[e]))
+    return y
+
+
+def np_moe_grads(x, w, ids, experts: nbx.Experts, ct):
+    """float64 gradients of sum(y * ct) for swiglu: (dx, dw, dgate, dup, ddown)."""
+    x, w, ids, ct = f64(x), f64(w), np.asarray(ids), f64(ct)
+    G, U, D = f64(experts.gate), f64(experts.up), f64(experts.down)
+    dx, dw = np.zeros_like(x), np.zeros_like(w)
+    dG, dU, dD = np.zeros_like(G), np.zeros_like(U), np.zeros_like(D)
+    for e in range(G.shape[0]):
+        t_idx, j_idx = np.nonzero(ids == e)
+        if t_idx.size == 0:
+            continue
+        a, c, wt = x[t_idx], ct[t_idx], w[t_idx, j_idx][:, None]
+        g, u = a @ G[e], a @ U[e]
+        s = 1.0 / (1.0 + np.exp(-g))
+        h = g * s * u
+        o = h @ D[e]
+        np.add.at(dw, (t_idx, j_idx), np.sum(o * c, axis=1))
+        do = wt * c
+        dD[e] += h.T @ do
+        dh = do @ D[e].T
+        dg = dh * u * (s + g * s * (1.0 - s))
+        du = dh * g * s
+        dG[e] += a.T @ dg
+        dU[e] += a.T @ du
+        np.add.at(dx, t_idx, dg @ G[e].T + du @ U[e].T)
+    return dx, dw, dG, dU, dD
+
+
+def rel_err(y, ref) -> float:
+    y = np.asarray(jnp.asarray(y).astype(jnp.float32), dtype=np.float64)
+    scale = max(np.max(np.abs(ref)), 1e-30) if ref.size else 1.0
+    return float(np.max(np.abs(y - ref)) / scale) if ref.size else 0.0
+
+
+def make_problem(seed, T, E, k, H, I, x_dtype=jnp.float32, w_dtype=jnp.float32,
+                 routing="topk"):
+    """x [T, H], routed (w, ids) [T, k] and Experts with unit-scale outputs."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((T, H)), x_dtype)
+    experts = nbx.Experts(
+        gate=jnp.asarray(rng.standard_normal((E, H, I)) / np.sqrt(H), w_dtype),
+        up=jnp.asarray(rng.standard_normal((E, H, I)) / np.sqrt(H), w_dtype),
+        down=jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), w_dtype),
+    )
+    if routing == "topk":
+        w, ids = nbx.route(jnp.asarray(rng.standard_normal((T, E)), jnp.float32), k)
+    elif routing == "one":  # every slot to expert E-1 (skewed), repeated ids allowed
+        ids = jnp.full((T, k), E - 1, jnp.int32)
+        w = jnp.asarray(rng.uniform(0.1, 1.0, (T, k)), jnp.float32)
+    else:  # independent draws: repeats within a token allowed
+        ids = jnp.asarray(rng.integers(0, E, (T, k)), jnp.int32)
+        w = jnp.asarray(rng.uniform(0.1, 1.0, (T, k)), jnp.float32)
+    return x, w, ids, experts
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_handler_bytes():
+    """Every test leaves the handlers' live allocation count at zero."""
+    yield
+    assert nbx.alloc_stats()["live"] == 0
+
+
+jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -1,0 +1,117 @@
+"""Bad input: clear errors naming the argument and value; nothing leaks."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_nbx as nbx
+from conftest import make_problem, np_moe, rel_err
+
+
+@pytest.fixture
+def prob():
+    return make_problem(0, 10, 8, 2, 65, 33)
+
+
+def _bad_ids(ids, value, t=5, j=1):
+    return ids.at[t, j].set(value)
+
+
+@pytest.mark.parametrize("bad", [8, 100, -1])
+def test_out_of_range_id_eager(prob, bad):
+    x, w, ids, experts = prob
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=rf"INVALID_ARGUMENT.*topk_ids\[5, 1\] = {bad} is outside \[0, 8\)"):
+        nbx.fused_moe(x, w, _bad_ids(ids, bad), experts, implementation="ffi").block_until_ready()
+
+
+def test_out_of_range_id_under_jit_then_recovers(prob):
+    x, w, ids, experts = prob
+    f = jax.jit(lambda i: nbx.fused_moe(x, w, i, experts, implementation="ffi"))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"topk_ids\[5, 1\] = 9 is outside \[0, 8\)"):
+        f(_bad_ids(ids, 9)).block_until_ready()
+    assert nbx.alloc_stats()["live"] == 0
+    assert rel_err(f(ids), np_moe(x, w, ids, experts)) < 1e-5
+
+
+def test_int64_id_beyond_int32_is_still_refused(prob):
+    x, w, ids, experts = prob
+    big = np.asarray(ids, np.int64)
+    big[2, 0] = 2 ** 32 + 1  # would wrap to 1 if narrowed to int32 naively
+    with jax.enable_x64(True):
+        assert jnp.asarray(big).dtype == jnp.int64
+        with pytest.raises(jax.errors.JaxRuntimeError, match=r"topk_ids\[2, 0\] = 8 is outside"):
+            nbx.fused_moe(x, w, big, experts, implementation="ffi").block_until_ready()
+
+
+def test_xla_path_drops_out_of_range_slots(prob):
+    x, w, ids, experts = prob
+    bad = _bad_ids(ids, 8)
+    y = nbx.fused_moe(x, w, bad, experts, implementation="xla")
+    keep = np.asarray(w).copy()
+    keep[5, 1] = 0.0
+    assert rel_err(y, np_moe(x, keep, ids, experts)) < 1e-5
+
+
+def _experts_with(experts, **kw):
+    d = dict(gate=experts.gate, up=experts.up, down=experts.down)
+    d.update(kw)
+    return nbx.Experts(**d)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_shape_errors_name_the_argument(prob, impl):
+    x, w, ids, experts = prob
+    f = lambda *a, **k: nbx.fused_moe(*a, implementation=impl, **k)  # noqa: E731
+    with pytest.raises(ValueError, match=r"x has shape \(10, 64\).*H=65"):
+        f(x[:, :64], w, ids, experts)
+    with pytest.raises(ValueError, match=r"experts.up has shape \(8, 65, 32\).*\(8, 65, 33\)"):
+        f(x, w, ids, _experts_with(experts, up=experts.up[..., :32]))
+    with pytest.raises(ValueError, match=r"experts.down has shape \(7, 33, 65\).*\(8, 33, 65\)"):
+        f(x, w, ids, _experts_with(experts, down=experts.down[:7]))
+    with pytest.raises(ValueError, match=r"experts.gate must be a 3-D array; got shape \(65, 33\)"):
+        f(x, w, ids, _experts_with(experts, gate=experts.gate[0]))
+    with pytest.raises(ValueError, match=r"topk_ids has shape \(10, 2, 1\)"):
+        f(x, w, ids[..., None], experts)
+    with pytest.raises(ValueError, match=r"topk_ids has shape \(9, 2\); expected \(10, 2\)"):
+        f(x, w, ids[:9], experts)
+    with pytest.raises(ValueError, match=r"topk_weights has shape \(10, 3\); expected topk_ids' shape \(10, 2\)"):
+        f(x, jnp.ones((10, 3)), ids, experts)
+    with pytest.raises(ValueError, match=r"k=9 .* must be in \[1, E=8\]"):
+        f(x, jnp.ones((10, 9)), jnp.zeros((10, 9), jnp.int32), experts)
+    with pytest.raises(ValueError, match=r"x must have shape \[..., H\]"):
+        f(x[0, 0], w[0, 0], ids[0, 0], experts)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_dtype_errors_name_the_argument(prob, impl):
+    x, w, ids, experts = prob
+    f = lambda *a, **k: nbx.fused_moe(*a, implementation=impl, **k)  # noqa: E731
+    with pytest.raises(TypeError, match=r"x has dtype int32"):
+        f(x.astype(jnp.int32), w, ids, experts)
+    with pytest.raises(TypeError, match=r"topk_ids has dtype float32"):
+        f(x, w, ids.astype(jnp.float32), experts)
+    with pytest.raises(TypeError, match=r"topk_weights has dtype int32"):
+        f(x, w.astype(jnp.int32), ids, experts)
+    with pytest.raises(TypeError, match=r"experts.up has dtype int8"):
+        f(x, w, ids, _experts_with(experts, up=experts.up.astype(jnp.int8)))
+    with pytest.raises(TypeError, match=r"share one dtype; got float32, bfloat16, float32"):
+        f(x, w, ids, _experts_with(experts, up=experts.up.astype(jnp.bfloat16)))
+    with pytest.raises(TypeError, match=r"experts must be a jax_nbx.Experts; got tuple"):
+        f(x, w, ids, (experts.gate, experts.up, experts.down))
+
+
+def test_option_errors(prob):
+    x, w, ids, experts = prob
+    with pytest.raises(ValueError, match=r"activation must be one of \('swiglu', 'geglu'\); got 'relu'"):
+        nbx.fused_moe(x, w, ids, experts, activation="relu")
+    with pytest.raises(ValueError, match=r"implementation must be one of .*; got 'cuda'"):
+        nbx.fused_moe(x, w, ids, experts, implementation="cuda")
+    with pytest.raises(ValueError, match=r"k must be an int in \[1, E=8\].*got k=9"):
+        nbx.route(jnp.zeros((3, 8)), k=9)
+    with pytest.raises(ValueError, match=r"got k=0"):
+        nbx.route(jnp.zeros((3, 8)), k=0)
+    with pytest.raises(TypeError, match=r"logits must be a float array; got dtype int32"):
+        nbx.route(jnp.zeros((3, 8), jnp.int32), k=2)
