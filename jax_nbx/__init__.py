@@ -5,8 +5,9 @@
     w, ids = nbx.route(logits, k=2)
     y = nbx.fused_moe(x, w, ids, experts)
 """
-from . import _registry
+from . import _registry, memory
 from .experts import Experts
+from .memory import DeviceOOMError
 from .models import MODELS, ModelShape
 from .ops import IMPLEMENTATIONS, fused_moe
 from .reference import moe_reference
@@ -15,12 +16,4 @@ from .routing import route
 __version__ = "0.1.0"
 
 __all__ = ["Experts", "route", "fused_moe", "moe_reference", "IMPLEMENTATIONS", "MODELS",
-           "ModelShape", "alloc_stats", "__version__"]
-
-
-def alloc_stats() -> dict[str, int]:
-    """Counters of the handlers' own allocations (bytes): live, peak,
-    allocations, largest_request.  ``live`` is 0 whenever no call runs."""
-    if _registry._ffi is None:
-        raise RuntimeError(f"jax_nbx's compiled module failed to import: {_registry._IMPORT_ERROR}")
-    return dict(_registry._ffi.alloc_stats())
+           "ModelShape", "DeviceOOMError", "memory", "__version__"]

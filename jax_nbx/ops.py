@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Literal
 
 import jax
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
-from . import _registry
+from . import _registry, memory
 from .experts import FLOAT_DTYPES, Experts
 from .reference import ACTIVATIONS, moe_reference
 
@@ -78,6 +79,40 @@ def _resolve_implementation(implementation: str | None) -> str:
     return implementation
 
 
+def planned_workers() -> int:
+    """Workers the CPU handler may use (XLA's pool threads plus the caller);
+    the workspace plan counts one weight panel per worker."""
+    return (os.cpu_count() or 1) + 1
+
+
+def plan_band_tokens(T: int, k: int, E: int, H: int, I: int,
+                     max_workspace_bytes: int | None = None) -> int:
+    """Tokens per band so that one band's workspace fits the CPU headroom
+    (or ``max_workspace_bytes``); equal-sized bands.  Raises DeviceOOMError
+    with the advice when a single token does not fit."""
+    workers = planned_workers()
+
+    def need(t: int) -> int:
+        return int(_registry._ffi.forward_workspace_bytes(t, k, E, H, I, workers))
+
+    if max_workspace_bytes is None:
+        free, total = memory.headroom("cpu"), memory.budget("cpu")
+    else:
+        free = total = memory.parse_bytes(max_workspace_bytes)
+    if need(T) <= free:
+        return T
+    if need(1) > free:
+        raise memory.DeviceOOMError.from_numbers(
+            f"fused_moe workspace for T={T} tokens (E={E} k={k} H={H} I={I})",
+            requested=need(T), free=free, total=total, shape=(T, H), fixed_bytes=need(0))
+    lo, hi = 1, T  # need(lo) fits, need(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
+    n_bands = -(-T // lo)
+    return -(-T // n_bands)
+
+
 def _ffi_forward(x, w, ids, gate, up, down, *, activation: str, band_tokens: int,
                  poison: bool = False):
     """The raw FFI call on 2-D inputs (no batching rule, no derivative).
@@ -87,7 +122,7 @@ def _ffi_forward(x, w, ids, gate, up, down, *, activation: str, band_tokens: int
     so any row it fails to write shows.
     """
     attrs = dict(activation=np.int64(_ACTIVATION_CODES[activation]),
-                 band_tokens=np.int64(band_tokens))
+                 band_tokens=np.int64(band_tokens), max_workers=np.int64(planned_workers()))
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
     if poison:
         call = jax.ffi.ffi_call(_registry.FORWARD_INTO_TARGET, out, vmap_method="sequential",
@@ -146,6 +181,7 @@ def fused_moe(
     *,
     activation: Literal["swiglu", "geglu"] = "swiglu",
     implementation: Literal["ffi", "xla"] | None = None,
+    max_workspace_bytes: int | str | None = None,
 ) -> jax.Array:
     """The MoE feed-forward block: route each token to its k experts, run each
     expert's gated MLP on the tokens it received, add the results back
@@ -166,6 +202,11 @@ def fused_moe(
       implementation: ``"ffi"`` (jax_nbx's handler for the current platform),
         ``"xla"`` (the pure-JAX reference, every platform), or ``None``:
         ``"ffi"`` where a handler exists for ``jax.default_backend()``, else ``"xla"``.
+      max_workspace_bytes: cap on the handler's workspace for this call
+        (bytes or ``"512MiB"``) instead of the account's headroom.  The tokens
+        are cut into bands whose workspace fits; results are bit-identical
+        whatever the bands.  The plan is made at trace time (shapes are
+        static) and kept by ``jax.jit``.
 
     Returns:
       ``y`` with x's shape and dtype; accumulation is float32.
@@ -179,6 +220,10 @@ def fused_moe(
     Raises:
       ValueError / TypeError at trace time for mismatched shapes, ranks,
       dtypes, ``k > E`` or an unknown activation/implementation.
+      `jax_nbx.DeviceOOMError` at trace time when one token's workspace does
+      not fit, and eagerly when the account refuses at run time (under jit
+      the refusal is a ``JaxRuntimeError`` whose text carries the same
+      advice; ``jax_nbx.memory.last_refusal()`` has the record).
     """
     x = jnp.asarray(x)
     topk_weights = jnp.asarray(topk_weights)
@@ -202,6 +247,15 @@ def fused_moe(
 
     if impl == "xla":
         y = moe_reference(x2, w2, ids2, experts, activation)
-    else:
-        y = _ffi_op(activation, 0)(x2, w2, ids2, experts)
+        return y.reshape(x.shape)
+    band = plan_band_tokens(T, k, E, H, I, max_workspace_bytes)
+    try:
+        y = _ffi_op(activation, band)(x2, w2, ids2, experts)
+        if not isinstance(y, jax.core.Tracer):  # eager: surface a refusal here
+            y.block_until_ready()
+    except (jax.errors.JaxRuntimeError, ValueError) as e:  # eager errors may arrive as either
+        err = memory.as_device_oom(e)
+        if err is e:
+            raise
+        raise err from None
     return y.reshape(x.shape)

@@ -103,7 +103,7 @@ def make_problem(seed, T, E, k, H, I, x_dtype=jnp.float32, w_dtype=jnp.float32,
 def _no_leaked_handler_bytes():
     """Every test leaves the handlers' live allocation count at zero."""
     yield
-    assert nbx.alloc_stats()["live"] == 0
+    assert nbx.memory.stats()["cpu:0"]["live"] == 0
 
 
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -32,7 +32,7 @@ def test_out_of_range_id_under_jit_then_recovers(prob):
     f = jax.jit(lambda i: nbx.fused_moe(x, w, i, experts, implementation="ffi"))
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"topk_ids\[5, 1\] = 9 is outside \[0, 8\)"):
         f(_bad_ids(ids, 9)).block_until_ready()
-    assert nbx.alloc_stats()["live"] == 0
+    assert nbx.memory.stats()["cpu:0"]["live"] == 0
     assert rel_err(f(ids), np_moe(x, w, ids, experts)) < 1e-5
 
 

@@ -1,7 +1,9 @@
-// The nanobind module jax_nbx._ffi: handler capsules and the allocation view.
+// The nanobind module jax_nbx._ffi: handler capsules and the account's view.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 
-#include "alloc.h"
+#include "account.h"
 #include "cpu/moe_forward.h"
 
 namespace nb = nanobind;
@@ -13,24 +15,71 @@ nb::capsule Capsule(T* fn) {
                 "not an XLA FFI handler");
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
+
+nb::dict StatsDict(const nbx::DeviceStats& s) {
+  nb::dict d;
+  d["live"] = s.live;
+  d["peak"] = s.peak;
+  d["budget"] = s.budget;
+  d["refusals"] = s.refusals;
+  d["largest_request"] = s.largest_request;
+  d["allocations"] = s.allocations;
+  nb::dict tags;
+  for (const auto& [tag, bytes] : s.live_by_tag) tags[tag.c_str()] = bytes;
+  d["live_by_tag"] = tags;
+  return d;
+}
 }  // namespace
 
 NB_MODULE(_ffi, m) {
-  m.doc() = "jax_nbx XLA FFI handlers (CPU)";
+  m.doc() = "jax_nbx XLA FFI handlers (CPU) and the memory account";
   m.def("cpu_handlers", []() {
     nb::dict d;
     d["nbx_fused_moe_fwd"] = Capsule(nbx::FusedMoeForwardCpu);
     d["nbx_fused_moe_fwd_into"] = Capsule(nbx::FusedMoeForwardIntoCpu);
     return d;
   }, "Handler capsules for platform 'cpu', keyed by FFI target name.");
-  m.def("alloc_stats", []() {
-    nbx::AllocStats s = nbx::GetAllocStats();
+
+  m.def("forward_workspace_bytes", [](int64_t tokens, int64_t k, int64_t E, int64_t H,
+                                      int64_t I, int workers) {
+    return static_cast<int64_t>(nbx::ForwardWorkspaceBytes(tokens, k, E, H, I, workers));
+  }, nb::arg("tokens"), nb::arg("k"), nb::arg("E"), nb::arg("H"), nb::arg("I"),
+     nb::arg("workers"), "Workspace bytes of one CPU forward band of `tokens` tokens.");
+
+  m.def("account_unlimited", []() { return nbx::Account::kUnlimited; });
+  m.def("set_budget", [](const std::string& platform, int ordinal, int64_t bytes) {
+    nbx::Account::Get().SetBudget({platform, ordinal}, bytes);
+  }, nb::arg("platform"), nb::arg("ordinal"), nb::arg("bytes"));
+  m.def("set_wait_ms", [](int64_t ms) { nbx::Account::Get().SetWaitMillis(ms); });
+  m.def("stats", [](const std::string& platform, int ordinal) {
+    return StatsDict(nbx::Account::Get().Stats({platform, ordinal}));
+  }, nb::arg("platform"), nb::arg("ordinal"));
+  m.def("all_stats", []() {
     nb::dict d;
-    d["live"] = s.live;
-    d["peak"] = s.peak;
-    d["allocations"] = s.allocations;
-    d["largest_request"] = s.largest_request;
+    for (const auto& [name, s] : nbx::Account::Get().AllStats()) d[name.c_str()] = StatsDict(s);
     return d;
-  }, "Counters of handler allocations: live, peak, allocations, largest_request (bytes).");
-  m.def("reset_alloc_peak", &nbx::ResetAllocPeak, "Sets the peak to the live bytes.");
+  });
+  m.def("reset_peak", []() { nbx::Account::Get().ResetPeak(); });
+  m.def("last_refusal", []() -> std::optional<nb::dict> {
+    auto r = nbx::Account::Get().LastRefusal();
+    if (!r) return std::nullopt;
+    nb::dict d;
+    d["device"] = r->device.Name();
+    d["tag"] = r->tag;
+    d["requested"] = r->requested;
+    d["free"] = r->free;
+    d["total"] = r->total;
+    d["shortfall"] = r->shortfall;
+    d["shape"] = r->shape.known() ? nb::object(nb::make_tuple(r->shape.rows, r->shape.cols))
+                                  : nb::none();
+    d["fixed_bytes"] = r->shape.fixed_bytes;
+    d["message"] = r->message;
+    return d;
+  });
+  m.def("what_would_have_fit", [](int64_t requested, int64_t free, int64_t total, int64_t rows,
+                                  int64_t cols, int64_t fixed_bytes) {
+    return nbx::WhatWouldHaveFit(requested, free, total, nbx::WorkShape{rows, cols, fixed_bytes});
+  }, nb::arg("requested"), nb::arg("free"), nb::arg("total"), nb::arg("rows") = 0,
+     nb::arg("cols") = 0, nb::arg("fixed_bytes") = 0);
+  m.def("format_bytes", [](double b) { return nbx::FormatBytes(b); });
 }

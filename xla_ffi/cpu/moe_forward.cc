@@ -9,7 +9,8 @@
 //
 // Every row's arithmetic is independent of how rows are grouped into bands,
 // tiles or threads, so banded and unbanded results are identical bit for bit.
-// The workspace of a band comes from the allocation handle in alloc.h.
+// The workspace of a band is one block counted in the account (account.h);
+// Python plans the bands so that each fits before the call runs.
 
 #include <algorithm>
 #include <cmath>
@@ -17,7 +18,7 @@
 #include <cstring>
 #include <string>
 
-#include "alloc.h"
+#include "account.h"
 #include "dtypes.h"
 #include "cpu/moe_forward.h"
 #include "parallel.h"
@@ -302,7 +303,8 @@ ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                ffi::AnyBuffer gate, ffi::AnyBuffer up,
                                ffi::AnyBuffer down,
                                ffi::Result<ffi::AnyBuffer> y,
-                               int64_t activation, int64_t band_tokens) {
+                               int64_t activation, int64_t band_tokens,
+                               int64_t max_workers) {
   // Shapes: Python validated them at trace time; check again, never trust.
   auto xd = x.dimensions();
   auto wd = topk_w.dimensions();
@@ -358,13 +360,19 @@ ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   }
 
   const int64_t band = (band_tokens <= 0) ? T : std::min(band_tokens, T);
-  const int workers = MaxWorkers(pool);
+  // The plan counted panels for max_workers; never use more.
+  const int workers = static_cast<int>(
+      std::clamp<int64_t>(max_workers, 1, MaxWorkers(pool)));
+  const Device cpu{"cpu", 0};
   for (int64_t t0 = 0; t0 < T; t0 += band) {
     const int64_t t1 = std::min(T, t0 + band);
     const int64_t S = (t1 - t0) * k;
     Workspace ws;
     std::string err;
-    if (!Workspace::Allocate(BandBytes(S, E, H, I, workers), "workspace", &ws, &err))
+    const WorkShape shape{t1 - t0, H,
+                          static_cast<int64_t>(BandBytes(0, E, H, I, workers))};
+    if (!Workspace::Allocate(cpu, BandBytes(S, E, H, I, workers), "workspace",
+                             shape, &ws, &err))
       return ffi::Error(ffi::ErrorCode::kResourceExhausted, err);
     Carver cv(ws.data());
     Band b;
@@ -390,6 +398,11 @@ ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
 
 }  // namespace
 
+size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H,
+                             int64_t I, int workers) {
+  return BandBytes(tokens * k, E, H, I, workers);
+}
+
 #define NBX_FORWARD_ARGS                                          \
   ffi::Ffi::Bind()                                                \
       .Ctx<ffi::ThreadPool>()                                     \
@@ -404,7 +417,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCpu, FusedMoeForwardImpl,
                               NBX_FORWARD_ARGS
                                   .Ret<ffi::AnyBuffer>()  // y [T, H]
                                   .Attr<int64_t>("activation")
-                                  .Attr<int64_t>("band_tokens"));
+                                  .Attr<int64_t>("band_tokens")
+                                  .Attr<int64_t>("max_workers"));
 
 // Same op with one more input aliased to y: tests pass a NaN-filled buffer
 // so that a row the handler fails to write shows.
@@ -414,9 +428,10 @@ static ffi::Error FusedMoeForwardIntoImpl(ffi::ThreadPool pool, ffi::AnyBuffer x
                                    ffi::AnyBuffer gate, ffi::AnyBuffer up,
                                    ffi::AnyBuffer down, ffi::AnyBuffer /*y_in*/,
                                    ffi::Result<ffi::AnyBuffer> y,
-                                   int64_t activation, int64_t band_tokens) {
+                                   int64_t activation, int64_t band_tokens,
+                                   int64_t max_workers) {
   return FusedMoeForwardImpl(pool, x, topk_w, topk_ids, gate, up, down, y,
-                             activation, band_tokens);
+                             activation, band_tokens, max_workers);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardIntoCpu, FusedMoeForwardIntoImpl,
@@ -424,6 +439,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardIntoCpu, FusedMoeForwardIntoImpl,
                                   .Arg<ffi::AnyBuffer>()  // y_in, aliased to y
                                   .Ret<ffi::AnyBuffer>()  // y [T, H]
                                   .Attr<int64_t>("activation")
-                                  .Attr<int64_t>("band_tokens"));
+                                  .Attr<int64_t>("band_tokens")
+                                  .Attr<int64_t>("max_workers"));
 
 }  // namespace nbx

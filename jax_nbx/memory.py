@@ -1,0 +1,225 @@
+"""The account's Python view: budgets, statistics, refusals and their advice.
+
+Every byte a jax_nbx handler allocates is counted per device (``"cpu:0"``,
+later ``"cuda:N"``) against a budget.  A request past the budget is refused;
+the refusal says what would have fit (`what_would_have_fit`).  `fused_moe`
+plans its bands from the same numbers so that each fits before it runs.
+
+Default CPU budget: half of the memory available to the process at import
+(the cgroup limit or MemAvailable, whichever is smaller); ``JAX_NBX_BUDGET``
+(e.g. ``"2GiB"``) or `set_budget` override it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+
+from . import _registry
+
+__all__ = ["DeviceOOMError", "set_budget", "set_wait", "budget", "headroom", "stats", "report", "reset_peak",
+           "last_refusal", "what_would_have_fit", "parse_bytes", "format_bytes", "available_memory"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _ffi():
+    if _registry._ffi is None:
+        raise RuntimeError(f"jax_nbx's compiled module failed to import: {_registry._IMPORT_ERROR}")
+    return _registry._ffi
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``2147483648``, ``"2GiB"``, ``"300MB"`` (decimal), ``"1.5G"`` (binary) -> bytes."""
+    if isinstance(value, bool):
+        raise TypeError(f"budget must be a byte count or a string like '2GiB'; got {value!r}")
+    if isinstance(value, (int, float)):
+        n = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot read {value!r} as a byte count; use e.g. 2147483648, '2GiB', "
+                             "'300MB', '1.5G'")
+        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    else:
+        raise TypeError(f"budget must be a byte count or a string like '2GiB'; got {value!r}")
+    if not math.isfinite(n) or n < 0:
+        raise ValueError(f"a byte count must be finite and >= 0; got {value!r}")
+    return int(n)
+
+
+def format_bytes(n: float) -> str:
+    """Decimal units, as in refusal messages: ``'300.0 MB'``."""
+    return _ffi().format_bytes(float(n))
+
+
+def available_memory() -> int:
+    """Memory available to this process: min(cgroup limit - usage, MemAvailable)."""
+    candidates = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    candidates.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f:
+                raw = f.read().strip()
+            if raw == "max" or int(raw) >= 2**60:
+                continue
+            used = 0
+            try:
+                with open(usage_file) as f:
+                    used = int(f.read().strip())
+            except OSError:
+                pass
+            candidates.append(max(int(raw) - used, 0))
+            break
+        except (OSError, ValueError):
+            continue
+    if not candidates:
+        try:
+            candidates.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError):
+            return 8 * 2**30
+    return min(candidates)
+
+
+def set_budget(nbytes: int | float | str, platform: str = "cpu", device: int = 0) -> int:
+    """Sets a device's budget (bytes or a string like ``"2GiB"``); returns it in bytes.
+
+    A jitted ``fused_moe`` keeps the bands it planned when it was traced;
+    the new budget is enforced on its next run (it may be refused).
+    """
+    n = parse_bytes(nbytes)
+    _ffi().set_budget(platform, int(device), n)
+    return n
+
+
+def set_wait(seconds: float) -> None:
+    """How long a request that fits the budget, but not the headroom left by
+    concurrent calls, waits for them to return bytes before it is refused
+    (default 10 s; 0 refuses at once)."""
+    if not seconds >= 0:
+        raise ValueError(f"seconds must be >= 0; got {seconds!r}")
+    _ffi().set_wait_ms(int(seconds * 1000))
+
+
+def budget(platform: str = "cpu", device: int = 0) -> int:
+    return int(_ffi().stats(platform, int(device))["budget"])
+
+
+def headroom(platform: str = "cpu", device: int = 0) -> int:
+    """``mem_get_info``-style free bytes: budget minus live, from the account."""
+    s = _ffi().stats(platform, int(device))
+    return max(int(s["budget"]) - int(s["live"]), 0)
+
+
+def stats() -> dict[str, dict]:
+    """Per device (``"cpu:0"``, …): live, peak, budget, refusals, largest_request,
+    allocations (counts) and live_by_tag (bytes live per tag)."""
+    out = _ffi().all_stats()
+    out.setdefault("cpu:0", _ffi().stats("cpu", 0))
+    return {k: dict(v) for k, v in out.items()}
+
+
+def reset_peak() -> None:
+    """Sets every device's peak to its live bytes."""
+    _ffi().reset_peak()
+
+
+def last_refusal() -> dict | None:
+    """The most recent refusal (any device, any thread) as a dict: device, tag,
+    requested, free, total, shortfall, shape, fixed_bytes, message; or None."""
+    r = _ffi().last_refusal()
+    return None if r is None else dict(r)
+
+
+def what_would_have_fit(requested: int, free: int, total: int,
+                        shape: tuple[int, int] | None = None, fixed_bytes: int = 0) -> str:
+    """The advice that ends every refusal, from the numbers only.
+
+    ``shape`` is the (rows, cols) of the work whose leading axis can be cut
+    into bands, ``fixed_bytes`` the part of the request that does not shrink
+    with the band.  Returns ``""`` when the request fits.
+    """
+    rows, cols = (0, 0) if shape is None else (int(shape[0]), int(shape[1]))
+    return _ffi().what_would_have_fit(int(requested), int(free), int(total), rows, cols,
+                                      int(fixed_bytes))
+
+
+class DeviceOOMError(MemoryError):
+    """A request past a device's budget.  The message ends with the advice of
+    `what_would_have_fit`.  Attributes: requested, free, total, shortfall
+    (bytes, or None when unknown), shape, device."""
+
+    def __init__(self, message: str, *, requested: int | None = None, free: int | None = None,
+                 total: int | None = None, shape: tuple[int, ...] | None = None,
+                 device: str = "cpu:0"):
+        super().__init__(message)
+        self.requested, self.free, self.total = requested, free, total
+        self.shortfall = None if requested is None or free is None else requested - free
+        self.shape = shape
+        self.device = device
+
+    @classmethod
+    def from_numbers(cls, what: str, *, requested: int, free: int, total: int,
+                     shape: tuple[int, int] | None = None, fixed_bytes: int = 0,
+                     device: str = "cpu:0") -> "DeviceOOMError":
+        advice = what_would_have_fit(requested, free, total, shape, fixed_bytes)
+        msg = (f"{what}: {format_bytes(requested)} needed, {format_bytes(free)} free of a "
+               f"{format_bytes(total)} budget on {device}; {advice}")
+        return cls(msg, requested=requested, free=free, total=total, shape=shape, device=device)
+
+
+def as_device_oom(err: BaseException) -> BaseException:
+    """A handler's RESOURCE_EXHAUSTED refusal as a `DeviceOOMError` carrying the
+    account's record; any other error is returned untouched."""
+    text = str(err)
+    if "RESOURCE_EXHAUSTED" not in text or "jax_nbx account" not in text:
+        return err
+    r = last_refusal()
+    msg = text[text.index("jax_nbx account"):]
+    if r is None or r["message"] not in text:
+        return DeviceOOMError(msg)
+    return DeviceOOMError(msg, requested=r["requested"], free=r["free"], total=r["total"],
+                          shape=r["shape"], device=r["device"])
+
+
+def report() -> str:
+    """Prints a table of the account (one row per device) and returns it."""
+    rows = []
+    for dev, s in sorted(stats().items()):
+        b = "unlimited" if s["budget"] == _ffi().account_unlimited() else format_bytes(s["budget"])
+        tags = ", ".join(f"{t} {format_bytes(v)}" for t, v in sorted(s["live_by_tag"].items()) if v)
+        rows.append([dev, format_bytes(s["live"]), format_bytes(s["peak"]), b, str(s["refusals"]),
+                     format_bytes(s["largest_request"]), str(s["allocations"]), tags or "-"])
+    header = ["device", "live", "peak", "budget", "refusals", "largest request", "allocations",
+              "live by tag"]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    text = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+                     for r in [header, ["-" * w for w in widths], *rows])
+    print(text)
+    return text
+
+
+def _init_budget() -> None:
+    if _registry._ffi is None:
+        return
+    env = os.environ.get("JAX_NBX_BUDGET")
+    if env:
+        try:
+            set_budget(env)
+            return
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"JAX_NBX_BUDGET={env!r}: {e}") from None
+    set_budget(available_memory() // 2)
+
+
+_init_budget()

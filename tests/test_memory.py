@@ -1,0 +1,247 @@
+"""The account: budgets, refusals with advice, bands planned to fit."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_nbx as nbx
+from jax_nbx import memory
+from jax_nbx.ops import plan_band_tokens
+from conftest import make_problem, np_moe, rel_err
+
+T, E, K, H, I = 222, 8, 2, 129, 511
+
+
+@pytest.fixture
+def budget():
+    """Restores the CPU budget after the test."""
+    before = memory.budget()
+    yield memory.set_budget
+    memory.set_budget(before)
+
+
+@pytest.fixture(scope="module")
+def prob():
+    return make_problem(0, T, E, K, H, I)
+
+
+def _cpu():
+    return memory.stats()["cpu:0"]
+
+
+def test_stats_and_report_keys():
+    s = _cpu()
+    assert {"live", "peak", "budget", "refusals", "largest_request"} <= set(s)
+    text = memory.report()
+    assert "cpu:0" in text and "budget" in text.splitlines()[0]
+
+
+def test_default_budget_is_half_the_available_memory():
+    out = subprocess.run([sys.executable, "-c",
+                          "import jax_nbx as nbx; from jax_nbx import memory as m; "
+                          "print(m.budget(), m.available_memory())"],
+                         capture_output=True, text=True, check=True,
+                         env={k: v for k, v in os.environ.items() if k != "JAX_NBX_BUDGET"}).stdout
+    b, avail = map(int, out.split())
+    assert 0.4 * avail < b < 0.6 * avail  # available memory moves a little between the two reads
+
+
+def test_budget_from_environment():
+    code = "from jax_nbx import memory; print(memory.budget())"
+    env = dict(os.environ, JAX_NBX_BUDGET="2GiB")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == str(2 * 2**30)
+    env["JAX_NBX_BUDGET"] = "two gigs"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode != 0 and "JAX_NBX_BUDGET='two gigs'" in out.stderr
+
+
+@pytest.mark.parametrize("text,n", [("2GiB", 2 * 2**30), ("300MB", 300 * 10**6), ("1.5G", int(1.5 * 2**30)),
+                                    (" 512 kib ", 512 * 1024), ("1e3", 1000), (4096, 4096)])
+def test_parse_bytes(text, n):
+    assert memory.parse_bytes(text) == n
+
+
+@pytest.mark.parametrize("bad", ["", "12 parsecs", "-1GB", True, None, float("inf")])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises((TypeError, ValueError)):
+        memory.parse_bytes(bad)
+
+
+# --- the advice, word for word on known numbers -------------------------------------------
+
+def test_advice_bands():
+    s = memory.what_would_have_fit(1_200_000_000, 300_000_000, 1_000_000_000, shape=(4096, 2048))
+    assert s == ("short by 900.0 MB; it would fit in 4 bands of about 300.0 MB; cutting the leading "
+                 "axis of (4096, 2048) from 4096 to 1024 per band; a budget of 1.90 GB would have "
+                 "taken it whole (the request alone exceeds the whole budget of 1.00 GB)")
+
+
+def test_advice_bands_with_fixed_part():
+    # 100 MB that never shrinks + 1 MB per row over 1000 rows; 400 MB free of 2 GB
+    s = memory.what_would_have_fit(1_100_000_000, 400_000_000, 2_000_000_000, shape=(1000, 64),
+                                   fixed_bytes=100_000_000)
+    assert s == ("short by 700.0 MB; it would fit in 4 bands of about 350.0 MB; cutting the leading "
+                 "axis of (1000, 64) from 1000 to 250 per band; a budget of 2.70 GB would have "
+                 "taken it whole")
+
+
+def test_advice_no_split_reaches_it():
+    s = memory.what_would_have_fit(5_000_000, 100_000, 100_000, shape=(10, 8), fixed_bytes=4_000_000)
+    assert s == ("short by 4.9 MB; no band split alone reaches it: one row of the leading axis of "
+                 "(10, 8) already needs 4.1 MB with 100.0 kB free; a budget of 5.0 MB would have "
+                 "taken it whole (the request alone exceeds the whole budget of 100.0 kB)")
+
+
+def test_advice_without_shape_and_when_it_fits():
+    assert memory.what_would_have_fit(3_000, 1_000, 10_000) == (
+        "short by 2.0 kB; a budget of 12.0 kB would have taken it whole")
+    assert memory.what_would_have_fit(1_000, 1_000, 10_000) == ""
+
+
+def test_non_oom_errors_pass_untouched():
+    e = jax.errors.JaxRuntimeError("INVALID_ARGUMENT: topk_ids[0, 0] = 9 is outside [0, 8)")
+    assert memory.as_device_oom(e) is e
+    v = ValueError("RESOURCE_EXHAUSTED: out of memory while allocating (not ours)")
+    assert memory.as_device_oom(v) is v
+
+
+# --- bands planned to fit -------------------------------------------------------------------
+
+def test_full_workspace_fits_one_band(prob):
+    assert plan_band_tokens(T, K, E, H, I) == T
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.25, 0.125])
+def test_small_caps_force_bands_with_identical_results(prob, fraction):
+    x, w, ids, experts = prob
+    whole = np.asarray(nbx.fused_moe(x, w, ids, experts))
+    need = lambda t: nbx._registry._ffi.forward_workspace_bytes(t, K, E, H, I,  # noqa: E731
+                                                                nbx.ops.planned_workers())
+    cap = need(0) + int((need(T) - need(0)) * fraction)  # the fixed part plus a fraction of the rest
+    band = plan_band_tokens(T, K, E, H, I, cap)
+    assert band < T
+    memory.reset_peak()
+    y = nbx.fused_moe(x, w, ids, experts, max_workspace_bytes=cap)
+    np.testing.assert_array_equal(np.asarray(y), whole)
+    assert 0 < _cpu()["peak"] <= cap
+
+
+def test_small_budget_forces_bands(prob, budget):
+    x, w, ids, experts = prob
+    whole = np.asarray(nbx.fused_moe(x, w, ids, experts))
+    budget(800_000)
+    memory.reset_peak()
+    y = jax.jit(nbx.fused_moe)(x, w, ids, experts)   # traced now: planned from the new headroom
+    np.testing.assert_array_equal(np.asarray(y), whole)
+    assert 0 < _cpu()["peak"] <= 800_000
+
+
+def test_impossible_cap_raises_at_trace_time_with_advice(prob):
+    x, w, ids, experts = prob
+    with pytest.raises(nbx.DeviceOOMError, match=r"no band split alone reaches it") as info:
+        jax.jit(lambda x: nbx.fused_moe(x, w, ids, experts, max_workspace_bytes="100kB"))(x)
+    e = info.value
+    assert isinstance(e, MemoryError)
+    assert e.free == e.total == 100_000 and e.requested > e.free and e.shortfall == e.requested - e.free
+    assert e.shape == (T, H)
+    assert "fused_moe workspace for T=222 tokens (E=8 k=2 H=129 I=511)" in str(e)
+
+
+def test_refusal_at_run_time_then_recovery(prob, budget):
+    x, w, ids, experts = prob
+    expected = np.asarray(nbx.fused_moe(x, w, ids, experts))
+    refusals = _cpu()["refusals"]
+    budget(800_000)
+    # the plan trusts max_workspace_bytes; the account still holds the line
+    with pytest.raises(nbx.DeviceOOMError, match=r"it would fit in 3 bands of about") as info:
+        nbx.fused_moe(x, w, ids, experts, max_workspace_bytes=3_000_000)
+    e = info.value
+    assert e.total == 800_000 and e.free == 800_000 and e.shape == (T, H) and e.shortfall > 0
+    f = jax.jit(lambda x: nbx.fused_moe(x, w, ids, experts, max_workspace_bytes=3_000_000))
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"RESOURCE_EXHAUSTED: jax_nbx account \(cpu:0\) refused .*short by"):
+        f(x).block_until_ready()
+    r = memory.last_refusal()
+    assert r["device"] == "cpu:0" and r["tag"] == "workspace" and r["total"] == 800_000
+    assert r["shortfall"] == r["requested"] - r["free"] and "it would fit in" in r["message"]
+    s = _cpu()
+    assert s["refusals"] == refusals + 2 and s["live"] == 0
+    budget("1GiB")
+    np.testing.assert_array_equal(np.asarray(f(x)), expected)
+    assert _cpu()["live"] == 0
+
+
+def test_concurrent_calls_stay_within_budget(budget):
+    x, w, ids, experts = make_problem(1, 33, 8, 2, 65, 129)
+    f = jax.jit(nbx.fused_moe)
+    expected = np.asarray(f(x, w, ids, experts))
+    one = nbx._registry._ffi.forward_workspace_bytes(33, 2, 8, 65, 129, nbx.ops.planned_workers())
+    cap = 3 * one  # 8 threads cannot all hold their workspace at once
+    budget(cap)
+    memory.reset_peak()
+    errors, bad = [], []
+
+    def worker():
+        try:
+            for _ in range(200):
+                y = np.asarray(f(x, w, ids, experts))
+                if not np.array_equal(y, expected):
+                    bad.append(1)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:1]
+    assert not bad
+    s = _cpu()
+    assert s["live"] == 0 and 0 < s["peak"] <= cap
+
+
+def test_xla_path_ignores_the_account(prob):
+    x, w, ids, experts = prob
+    before = _cpu()["allocations"]
+    y = nbx.fused_moe(x, w, ids, experts, implementation="xla", max_workspace_bytes=1)
+    assert rel_err(y, np_moe(x, w, ids, experts)) < 1e-5
+    assert _cpu()["allocations"] == before
+
+
+def test_without_waiting_concurrent_calls_are_refused_not_overcommitted(budget):
+    x, w, ids, experts = make_problem(1, 33, 8, 2, 65, 129)
+    f = jax.jit(nbx.fused_moe)
+    f(x, w, ids, experts).block_until_ready()
+    one = nbx._registry._ffi.forward_workspace_bytes(33, 2, 8, 65, 129, nbx.ops.planned_workers())
+    budget(one)  # room for exactly one call at a time
+    memory.set_wait(0)
+    memory.reset_peak()
+    refused = []
+
+    def worker():
+        for _ in range(50):
+            try:
+                f(x, w, ids, experts).block_until_ready()
+            except (jax.errors.JaxRuntimeError, ValueError) as e:
+                assert "RESOURCE_EXHAUSTED" in str(e)
+                refused.append(1)
+
+    try:
+        threads = [threading.Thread(target=worker) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        memory.set_wait(10)
+    s = _cpu()
+    assert s["live"] == 0 and s["peak"] <= one

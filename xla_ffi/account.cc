@@ -1,0 +1,210 @@
+#include "account.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+
+namespace nbx {
+namespace {
+
+struct DeviceState {
+  DeviceStats stats;
+  DeviceState() { stats.budget = Account::kUnlimited; }
+};
+
+struct Ledger {
+  std::mutex mu;
+  std::condition_variable returned;  // signalled whenever bytes come back
+  std::map<std::string, DeviceState> devices;
+  std::optional<Refusal> last_refusal;
+  int64_t wait_ms = 10000;
+};
+
+Ledger& L() {
+  static Ledger* ledger = new Ledger();  // never destroyed: handlers may run at exit
+  return *ledger;
+}
+
+std::string ShapeText(const WorkShape& s) {
+  return "(" + std::to_string(s.rows) + ", " + std::to_string(s.cols) + ")";
+}
+
+}  // namespace
+
+std::string FormatBytes(double b) {
+  char buf[64];
+  if (b < 1e3) std::snprintf(buf, sizeof buf, "%.0f bytes", b);
+  else if (b < 1e6) std::snprintf(buf, sizeof buf, "%.1f kB", b / 1e3);
+  else if (b < 1e9) std::snprintf(buf, sizeof buf, "%.1f MB", b / 1e6);
+  else std::snprintf(buf, sizeof buf, "%.2f GB", b / 1e9);
+  return buf;
+}
+
+std::string WhatWouldHaveFit(int64_t requested, int64_t free, int64_t total,
+                             const WorkShape& shape) {
+  if (requested <= free) return "";
+  free = std::max<int64_t>(free, 0);
+  std::string s = "short by " + FormatBytes(static_cast<double>(requested - free));
+  if (shape.known()) {
+    const double per_row =
+        static_cast<double>(requested - shape.fixed_bytes) / shape.rows;
+    const int64_t rows_fit =
+        (per_row > 0 && free > shape.fixed_bytes)
+            ? static_cast<int64_t>(std::floor((free - shape.fixed_bytes) / per_row))
+            : 0;
+    if (rows_fit >= 1) {
+      const int64_t n = (shape.rows + rows_fit - 1) / rows_fit;
+      const int64_t rows = (shape.rows + n - 1) / n;
+      s += "; it would fit in " + std::to_string(n) + " bands of about " +
+           FormatBytes(shape.fixed_bytes + per_row * rows) +
+           "; cutting the leading axis of " + ShapeText(shape) + " from " +
+           std::to_string(shape.rows) + " to " + std::to_string(rows) +
+           " per band";
+    } else {
+      s += "; no band split alone reaches it: one row of the leading axis of " +
+           ShapeText(shape) + " already needs " +
+           FormatBytes(shape.fixed_bytes + per_row) + " with " +
+           FormatBytes(static_cast<double>(free)) + " free";
+    }
+  }
+  const int64_t used = std::max<int64_t>(total - free, 0);
+  s += "; a budget of " + FormatBytes(static_cast<double>(used + requested)) +
+       " would have taken it whole";
+  if (requested > total) s += " (the request alone exceeds the whole budget of " +
+                              FormatBytes(static_cast<double>(total)) + ")";
+  return s;
+}
+
+Account& Account::Get() {
+  static Account account;
+  return account;
+}
+
+void Account::SetBudget(const Device& d, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(L().mu);
+  L().devices[d.Name()].stats.budget = bytes;
+  L().returned.notify_all();
+}
+
+void Account::SetWaitMillis(int64_t ms) {
+  std::lock_guard<std::mutex> lock(L().mu);
+  L().wait_ms = std::max<int64_t>(ms, 0);
+}
+
+DeviceStats Account::Stats(const Device& d) {
+  std::lock_guard<std::mutex> lock(L().mu);
+  return L().devices[d.Name()].stats;
+}
+
+std::vector<std::pair<std::string, DeviceStats>> Account::AllStats() {
+  std::lock_guard<std::mutex> lock(L().mu);
+  std::vector<std::pair<std::string, DeviceStats>> out;
+  for (auto& [name, st] : L().devices) out.emplace_back(name, st.stats);
+  return out;
+}
+
+void Account::ResetPeak() {
+  std::lock_guard<std::mutex> lock(L().mu);
+  for (auto& [name, st] : L().devices) st.stats.peak = st.stats.live;
+}
+
+std::optional<Refusal> Account::LastRefusal() {
+  std::lock_guard<std::mutex> lock(L().mu);
+  return L().last_refusal;
+}
+
+bool Account::Reserve(const Device& d, int64_t bytes, const char* tag,
+                      const WorkShape& shape, std::string* error) {
+  Ledger& l = L();
+  std::unique_lock<std::mutex> lock(l.mu);
+  DeviceStats& s = l.devices[d.Name()].stats;
+  s.largest_request = std::max(s.largest_request, bytes);
+  auto fits = [&] { return bytes <= s.budget - s.live; };
+  if (!fits() && bytes <= s.budget && s.live > 0) {
+    // It fits the budget: wait for concurrent calls to return their bytes.
+    l.returned.wait_for(lock, std::chrono::milliseconds(l.wait_ms), fits);
+  }
+  if (!fits()) {
+    Refusal r;
+    r.device = d;
+    r.tag = tag;
+    r.requested = bytes;
+    r.free = std::max<int64_t>(s.budget - s.live, 0);
+    r.total = s.budget;
+    r.shortfall = bytes - r.free;
+    r.shape = shape;
+    r.message = "jax_nbx account (" + d.Name() + ") refused " +
+                FormatBytes(static_cast<double>(bytes)) + " of " + tag + ": " +
+                FormatBytes(static_cast<double>(r.free)) + " free of a " +
+                FormatBytes(static_cast<double>(s.budget)) + " budget; " +
+                WhatWouldHaveFit(bytes, r.free, s.budget, shape);
+    ++s.refusals;
+    *error = r.message;
+    l.last_refusal = std::move(r);
+    return false;
+  }
+  s.live += bytes;
+  s.peak = std::max(s.peak, s.live);
+  s.live_by_tag[tag] += bytes;
+  ++s.allocations;
+  return true;
+}
+
+void Account::Release(const Device& d, int64_t bytes, const char* tag) {
+  std::lock_guard<std::mutex> lock(L().mu);
+  DeviceStats& s = L().devices[d.Name()].stats;
+  s.live -= bytes;
+  s.live_by_tag[tag] -= bytes;
+  L().returned.notify_all();
+}
+
+Workspace& Workspace::operator=(Workspace&& o) noexcept {
+  if (this != &o) {
+    Release();
+    ptr_ = o.ptr_;
+    bytes_ = o.bytes_;
+    tag_ = o.tag_;
+    device_ = std::move(o.device_);
+    o.ptr_ = nullptr;
+    o.bytes_ = 0;
+  }
+  return *this;
+}
+
+bool Workspace::Allocate(const Device& d, size_t bytes, const char* tag,
+                         const WorkShape& shape, Workspace* out,
+                         std::string* error) {
+  out->Release();
+  if (bytes == 0) return true;
+  if (!Account::Get().Reserve(d, static_cast<int64_t>(bytes), tag, shape, error))
+    return false;
+  constexpr size_t kAlign = 64;
+  void* p = std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
+  if (p == nullptr) {
+    Account::Get().Release(d, static_cast<int64_t>(bytes), tag);
+    *error = "jax_nbx: the system could not provide " +
+             FormatBytes(static_cast<double>(bytes)) + " of " + tag +
+             " on " + d.Name() + " although the account allowed it";
+    return false;
+  }
+  out->ptr_ = p;
+  out->bytes_ = bytes;
+  out->tag_ = tag;
+  out->device_ = d;
+  return true;
+}
+
+void Workspace::Release() {
+  if (ptr_ != nullptr) {
+    std::free(ptr_);
+    Account::Get().Release(device_, static_cast<int64_t>(bytes_), tag_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+}
+
+}  // namespace nbx

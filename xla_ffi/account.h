@@ -1,0 +1,115 @@
+// The account: every byte a handler allocates, per device, against a budget.
+//
+// One process-wide ledger.  Handlers allocate ONLY through `Workspace`, an
+// owning handle that returns its bytes on every exit path (errors included).
+// A request that would take a device past its budget waits a bounded time
+// for concurrent calls to return bytes when it could fit at all, and is
+// otherwise refused; a refusal is recorded (`LastRefusal`) and its message
+// ends with the advice of `WhatWouldHaveFit`: how many bands the work must be
+// cut into and how large a budget would have taken it whole.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace nbx {
+
+// A device: platform ("cpu", "cuda") and ordinal.
+struct Device {
+  std::string platform = "cpu";
+  int ordinal = 0;
+  std::string Name() const { return platform + ":" + std::to_string(ordinal); }
+};
+
+// The shape of the work behind a request, when known: the request is
+// `fixed_bytes` plus an equal share per row of a leading axis of `rows`
+// (e.g. the tokens T of a (T, H) problem).
+struct WorkShape {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t fixed_bytes = 0;
+  bool known() const { return rows > 0; }
+};
+
+struct DeviceStats {
+  int64_t live = 0;
+  int64_t peak = 0;
+  int64_t budget = 0;
+  int64_t refusals = 0;
+  int64_t largest_request = 0;
+  int64_t allocations = 0;
+  std::map<std::string, int64_t> live_by_tag;
+};
+
+struct Refusal {
+  Device device;
+  std::string tag;
+  int64_t requested = 0;
+  int64_t free = 0;
+  int64_t total = 0;
+  int64_t shortfall = 0;
+  WorkShape shape;
+  std::string message;  // the full text the handler returned
+};
+
+// "1.5 GB", "300.0 MB", "12.0 kB", "512 bytes" (decimal units).
+std::string FormatBytes(double bytes);
+
+// The advice that ends every refusal; empty when requested fits in free.
+std::string WhatWouldHaveFit(int64_t requested, int64_t free, int64_t total,
+                             const WorkShape& shape);
+
+class Account {
+ public:
+  static constexpr int64_t kUnlimited = INT64_MAX;
+  static Account& Get();
+
+  void SetBudget(const Device& d, int64_t bytes);
+  // How long a request that fits the budget but not the headroom waits for
+  // concurrent calls to return bytes before it is refused.
+  void SetWaitMillis(int64_t ms);
+  DeviceStats Stats(const Device& d);
+  std::vector<std::pair<std::string, DeviceStats>> AllStats();
+  void ResetPeak();
+  std::optional<Refusal> LastRefusal();
+
+  // Counts `bytes` against d's budget or returns false with the refusal text.
+  bool Reserve(const Device& d, int64_t bytes, const char* tag,
+               const WorkShape& shape, std::string* error);
+  void Release(const Device& d, int64_t bytes, const char* tag);
+
+ private:
+  Account() = default;
+};
+
+// Owning handle over one 64-byte-aligned block counted in the account.
+class Workspace {
+ public:
+  Workspace() = default;
+  ~Workspace() { Release(); }
+  Workspace(Workspace&& o) noexcept { *this = std::move(o); }
+  Workspace& operator=(Workspace&& o) noexcept;
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+
+  // On refusal returns false, `*error` holds the message (with advice).
+  static bool Allocate(const Device& d, size_t bytes, const char* tag,
+                       const WorkShape& shape, Workspace* out,
+                       std::string* error);
+
+  void* data() const { return ptr_; }
+  size_t size() const { return bytes_; }
+
+ private:
+  void Release();
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+  const char* tag_ = "";
+  Device device_;
+};
+
+}  // namespace nbx
