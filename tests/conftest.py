@@ -99,6 +99,20 @@ def make_problem(seed, T, E, k, H, I, x_dtype=jnp.float32, w_dtype=jnp.float32,
     return x, w, ids, experts
 
 
+ISAS = ["avx512", "avx2", "generic"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Runs the test once per micro-kernel instruction set this CPU supports."""
+    if request.param not in nbx.cpu.supported_isas():
+        pytest.skip(f"this CPU lacks {request.param} (supports {nbx.cpu.supported_isas()})")
+    before = nbx.cpu.isa()
+    nbx.cpu.set_isa(request.param)
+    yield request.param
+    nbx.cpu.set_isa(before)
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_handler_bytes():
     """Every test leaves the handlers' live allocation count at zero."""

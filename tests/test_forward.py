@@ -24,6 +24,8 @@ CASES = [
     (222, 1, 1, 33, 65),
     (1024, 64, 8, 129, 127),
     (1024, 8, 2, 67, 99),
+    (5, 4, 2, 40, 1100),    # I past one streamed span (1024 columns)
+    (5, 4, 2, 1030, 20),    # H past one streamed span
 ]
 # (x dtype, weight dtype)
 DTYPE_PAIRS = [("f32", "f32"), ("bf16", "bf16"), ("f16", "f16"), ("f32", "bf16"), ("bf16", "f32"),
@@ -47,7 +49,7 @@ def run_ffi_poisoned(x, w, ids, experts, activation="swiglu", band_tokens=0):
 
 @pytest.mark.parametrize("xd,wd", DTYPE_PAIRS, ids=[f"x{a}-w{b}" for a, b in DTYPE_PAIRS])
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_ffi_matches_float64_reference(case, xd, wd):
+def test_ffi_matches_float64_reference(case, xd, wd, isa):
     T, E, k, H, I = case
     x, w, ids, experts = make_problem(hash(case) % 1000, T, E, k, H, I, DTYPES[xd], DTYPES[wd])
     ref = np_moe(x, w, ids, experts)
@@ -74,7 +76,7 @@ def test_xla_matches_float64_reference(case, xd, wd):
 
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 @pytest.mark.parametrize("impl", ["ffi", "xla"])
-def test_activations(activation, impl):
+def test_activations(activation, impl, isa):
     x, w, ids, experts = make_problem(7, 33, 8, 2, 129, 511)
     y = nbx.fused_moe(x, w, ids, experts, activation=activation, implementation=impl)
     assert rel_err(y, np_moe(x, w, ids, experts, activation)) < TOL["f32"]
@@ -82,16 +84,19 @@ def test_activations(activation, impl):
 
 @pytest.mark.parametrize("routing", ["one", "random"])
 @pytest.mark.parametrize("impl", ["ffi", "xla"])
-def test_skewed_and_repeated_routing(routing, impl):
+def test_skewed_and_repeated_routing(routing, impl, isa):
     """All slots on one expert; ids repeated within a token."""
     x, w, ids, experts = make_problem(11, 222, 8, 6, 129, 200, routing=routing)
     y = nbx.fused_moe(x, w, ids, experts, implementation=impl)
     assert rel_err(y, np_moe(x, w, ids, experts)) < TOL["f32"]
 
 
+@pytest.mark.parametrize("wd", ["f32", "bf16", "f16"])
 @pytest.mark.parametrize("band", [1, 7, 32, 221, 222, 500])
-def test_bands_are_bit_identical(band):
-    x, w, ids, experts = make_problem(3, 222, 64, 6, 129, 127)
+def test_bands_are_bit_identical(band, wd, isa):
+    """Small bands stream the weights (few rows per expert), large ones pack
+    them: the results must not differ in a single bit."""
+    x, w, ids, experts = make_problem(3, 222, 64, 6, 129, 300, w_dtype=DTYPES[wd])
     whole = run_ffi_poisoned(x, w, ids, experts, band_tokens=0)
     banded = run_ffi_poisoned(x, w, ids, experts, band_tokens=band)
     assert bool(jnp.all(jnp.isfinite(banded)))

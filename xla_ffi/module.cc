@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 
 #include "account.h"
+#include "cpu/kernel_table.h"
 #include "cpu/moe_forward.h"
 
 namespace nb = nanobind;
@@ -81,5 +82,14 @@ NB_MODULE(_ffi, m) {
     return nbx::WhatWouldHaveFit(requested, free, total, nbx::WorkShape{rows, cols, fixed_bytes});
   }, nb::arg("requested"), nb::arg("free"), nb::arg("total"), nb::arg("rows") = 0,
      nb::arg("cols") = 0, nb::arg("fixed_bytes") = 0);
+  m.def("cpu_isa", []() { return std::string(nbx::ActiveKernels()->isa); },
+        "The instruction set of the CPU micro-kernels in use.");
+  m.def("cpu_supported_isas", []() { return std::string(nbx::SupportedIsas()); });
+  m.def("set_cpu_isa", [](const std::string& name) {
+    const char* why = "";
+    if (!nbx::SelectIsa(name.c_str(), &why))
+      throw nb::value_error((std::string("cannot use instruction set '") + name + "': " + why +
+                             " (this CPU supports: " + nbx::SupportedIsas() + ")").c_str());
+  }, nb::arg("name"));
   m.def("format_bytes", [](double b) { return nbx::FormatBytes(b); });
 }

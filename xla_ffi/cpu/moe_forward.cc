@@ -1,26 +1,32 @@
 // CPU handler: the fused MoE forward in one call.
 //
 //   for each band of tokens [t0, t1):
-//     plan    count the band's T*k slots per expert, order them by expert
-//     gather  X[s] = float(x[token(s)])
-//     GEMM1   A[s] = act(X[s] @ gate[e]) * (X[s] @ up[e])     (e = expert of s)
-//     GEMM2   O[s] = weight(s) * (A[s] @ down[e])             (O reuses X)
-//     combine y[t] = O[slot(t,0)] + O[slot(t,1)] + ...        (fixed order)
+//     plan    count the band's T*k slots per expert; order them by expert,
+//             each expert's group padded to whole m-panels of MR rows
+//     gather  x rows -> packed A panels (float32, [H][MR] per panel)
+//     GEMM1   act(A @ gate[e]) * (A @ up[e]) -> packed panels of the
+//             activations ([I][MR]), the activation fused in the epilogue
+//     GEMM2   weight * (act @ down[e]) -> O rows (O reuses the A memory)
+//     combine y[t] = O[slot(t,0)] + O[slot(t,1)] + ...   (fixed order)
 //
-// Every row's arithmetic is independent of how rows are grouped into bands,
-// tiles or threads, so banded and unbanded results are identical bit for bit.
-// The workspace of a band is one block counted in the account (account.h);
+// The arithmetic is in the micro-kernels of the instruction set chosen at run
+// time (kernel_table.h, kernels.h).  Experts with few rows in the band
+// (decode) skip packing: their weights are streamed once, in place.  Every
+// output element is the same kk-ordered sum whatever the kernel, band, tile
+// or thread, so banded and unbanded results are identical bit for bit.  The
+// workspace of a band is one block counted in the account (account.h);
 // Python plans the bands so that each fits before the call runs.
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "account.h"
-#include "dtypes.h"
+#include "cpu/kernel_table.h"
 #include "cpu/moe_forward.h"
+#include "dtypes.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -29,93 +35,23 @@ namespace ffi = xla::ffi;
 namespace nbx {
 namespace {
 
-constexpr int64_t kNB = 64;   // columns per tile
-constexpr int kMB = 4;        // rows per micro-tile
-constexpr int64_t kMC = 256;  // rows per work item
+constexpr int64_t kPanelsPerChunk = 16;  // m-panels per work item
+constexpr int64_t kTileCols = 256;       // output columns per work item
+constexpr int64_t kStreamRows = 4;       // experts with at most this many rows stream
+constexpr int64_t kStreamCols = 1024;    // columns per streamed work item: whole pages
+static_assert(kStreamCols % kTileCols == 0, "a streamed item covers whole tiles");
+
+constexpr int64_t kPackRows = 64;  // weight rows per packing block
+
+// Per-worker scratch: the packing stage, then a packed weight tile (full K)
+// or streaming accumulators.
+constexpr int64_t kStageFloats = kPackRows * 2 * kTileCols;
+int64_t ScratchFloats(int64_t H, int64_t I) {
+  return kStageFloats +
+         std::max({H * 2 * kTileCols, I * kTileCols, 2 * kStreamRows * kStreamCols});
+}
 
 enum Activation : int64_t { kSwiGLU = 0, kGeGLU = 1 };
-
-inline float Silu(float g) { return g / (1.0f + std::exp(-g)); }
-inline float GeluTanh(float g) {
-  const float c = 0.7978845608028654f;  // sqrt(2/pi)
-  return 0.5f * g * (1.0f + std::tanh(c * (g + 0.044715f * g * g * g)));
-}
-
-// P[kk*kNB + nn] = float(w[kk*ld + n0 + nn]) for nn < nb, zero-padded to kNB.
-template <typename W>
-void PackPanel(const W* w, int64_t ld, int64_t K, int64_t n0, int64_t nb,
-               float* P) {
-  for (int64_t kk = 0; kk < K; ++kk) {
-    const W* row = w + kk * ld + n0;
-    float* p = P + kk * kNB;
-    for (int64_t nn = 0; nn < nb; ++nn) p[nn] = ToFloat(row[nn]);
-    for (int64_t nn = nb; nn < kNB; ++nn) p[nn] = 0.0f;
-  }
-}
-
-// A K x kNB block of float32 weights: row kk at p + kk * ld.
-struct Panel {
-  const float* p;
-  int64_t ld;
-};
-
-// Packs (converts, zero-pads) a tile into `scratch`.  Always packed, float32
-// included: reading a tile in place strides by a whole weight row per kk,
-// which measured ~1.5x slower here (cache-set and TLB conflicts).
-template <typename W>
-Panel GetPanel(const W* w, int64_t ld, int64_t K, int64_t n0, int64_t nb,
-               float* scratch) {
-  PackPanel(w, ld, K, n0, nb, scratch);
-  return {scratch, kNB};
-}
-
-// acc[r][:] = sum_kk a[r][kk] * P[kk][:], for MB rows.  Each row's sum runs
-// in kk order whatever MB is, so results do not depend on row grouping.
-template <int MB>
-inline void MicroTile(const float* const* a, Panel P, int64_t K,
-                      float (*acc)[kNB]) {
-  for (int r = 0; r < MB; ++r)
-    for (int64_t nn = 0; nn < kNB; ++nn) acc[r][nn] = 0.0f;
-  for (int64_t kk = 0; kk < K; ++kk) {
-    const float* p = P.p + kk * P.ld;
-    for (int r = 0; r < MB; ++r) {
-      const float av = a[r][kk];
-      for (int64_t nn = 0; nn < kNB; ++nn) acc[r][nn] += av * p[nn];
-    }
-  }
-}
-
-// MicroTile over `rows` (1..kMB) rows.
-inline void MicroTileRows(const float* const* a, int rows, Panel P, int64_t K,
-                          float (*acc)[kNB]) {
-  switch (rows) {
-    case 4: MicroTile<4>(a, P, K, acc); break;
-    case 3: MicroTile<3>(a, P, K, acc); break;
-    case 2: MicroTile<2>(a, P, K, acc); break;
-    default: MicroTile<1>(a, P, K, acc); break;
-  }
-}
-
-// Pointers to rows [m, m + rows) of a matrix with leading dimension ld.
-inline void RowPointers(const float* base, int64_t ld, int64_t m, int rows,
-                        const float* out[kMB]) {
-  for (int r = 0; r < rows; ++r) out[r] = base + (m + r) * ld;
-}
-
-template <typename XT>
-void GatherRows(const XT* x, int64_t H, const int32_t* slot_token, int64_t s0,
-                int64_t s1, float* X) {
-  for (int64_t s = s0; s < s1; ++s) {
-    const XT* src = x + static_cast<int64_t>(slot_token[s]) * H;
-    float* dst = X + s * H;
-    for (int64_t h = 0; h < H; ++h) dst[h] = ToFloat(src[h]);
-  }
-}
-
-template <typename YT>
-void StoreRow(const float* src, int64_t H, YT* dst) {
-  for (int64_t h = 0; h < H; ++h) dst[h] = FromFloat<YT>(src[h]);
-}
 
 inline size_t AlignUp(size_t n) { return (n + 63) / 64 * 64; }
 
@@ -129,39 +65,48 @@ class Carver {
     offset_ += AlignUp(sizeof(T) * static_cast<size_t>(count));
     return p;
   }
-  size_t used() const { return offset_; }
 
  private:
   char* base_;
   size_t offset_ = 0;
 };
 
-struct Band {
-  int32_t* slot_token;   // [S] token of each slot, ordered by expert
-  float* slot_weight;    // [S] routed weight of each slot
-  int32_t* inv;          // [(t-t0)*k + j] -> slot position
-  int64_t* expert_off;   // [E+1] slot range of each expert
-  int32_t* chunk_expert; // [max_chunks] expert of each row chunk
-  int64_t* chunk_begin;  // [max_chunks]
-  int64_t* chunk_end;    // [max_chunks]
-  float* X;              // [S, H]  gathered rows, later GEMM2 output
-  float* A;              // [S, I]  activations
-  float* panels;         // [workers, kNB * max(2H, I)]
-};
+// Padded rows: each non-empty expert's group rounds up to whole m-panels.
+int64_t MaxPaddedRows(int64_t S, int64_t E, int mr) {
+  return S + std::min(S, E) * (mr - 1);
+}
+int64_t MaxChunks(int64_t P, int64_t E, int mr) {
+  return std::min(P / mr, E) + P / (mr * kPanelsPerChunk) + 1;
+}
 
-int64_t MaxChunks(int64_t S, int64_t E) { return E + (S + kMC - 1) / kMC; }
-
-size_t BandBytes(int64_t S, int64_t E, int64_t H, int64_t I, int workers) {
+size_t BandBytes(int64_t S, int64_t E, int64_t H, int64_t I, int workers,
+                 const KernelTable& kt) {
+  const int64_t P = MaxPaddedRows(S, E, kt.mr);
+  const int64_t C = MaxChunks(P, E, kt.mr);
   size_t b = 0;
-  b += AlignUp(4 * S) * 3;
-  b += AlignUp(8 * (E + 1));
-  int64_t mc = MaxChunks(S, E);
-  b += AlignUp(4 * mc) + 2 * AlignUp(8 * mc);
-  b += AlignUp(4 * static_cast<size_t>(S) * H);
-  b += AlignUp(4 * static_cast<size_t>(S) * I);
-  b += AlignUp(4 * static_cast<size_t>(workers) * kNB * std::max(2 * H, I));
+  b += AlignUp(4 * static_cast<size_t>(S));       // inv
+  b += 2 * AlignUp(4 * static_cast<size_t>(P));   // row_token, row_weight
+  b += 2 * AlignUp(8 * static_cast<size_t>(E + 1));
+  b += AlignUp(4 * static_cast<size_t>(C)) + 2 * AlignUp(8 * static_cast<size_t>(C));
+  b += AlignUp(4 * static_cast<size_t>(P) * H);   // packed x, later O
+  b += AlignUp(4 * static_cast<size_t>(P) * I);   // packed activations
+  b += AlignUp(4 * static_cast<size_t>(workers) * ScratchFloats(H, I));
   return b;
 }
+
+struct Band {
+  int32_t* inv;          // [(t-t0)*k + j] -> padded row
+  int32_t* row_token;    // [P] token of each padded row, -1 for padding
+  float* row_weight;     // [P] routed weight of each padded row, 0 for padding
+  int64_t* expert_off;   // [E+1] padded row range of each expert
+  int64_t* cursor;       // [E+1]
+  int32_t* chunk_expert; // [C]
+  int64_t* chunk_begin;  // [C] padded rows, multiples of MR
+  int64_t* chunk_end;    // [C] end of the expert's real rows within the chunk
+  float* XO;             // [P/MR][H][MR] packed x; later O [P][H]
+  float* A2;             // [P/MR][I][MR] packed activations
+  float* scratch;        // [workers][ScratchFloats] packed weight tile
+};
 
 struct Problem {
   int64_t T, H, I, E, k;
@@ -177,115 +122,223 @@ struct Problem {
   int64_t activation;
 };
 
+
+// dst[0, n) = float(src[0, n)), dst[n, width) = 0.
 template <typename W>
-void RunBand(const Problem& p, ffi::ThreadPool& pool, int workers, int64_t t0,
-             int64_t t1, const Band& b) {
+inline void CopyPadRow(const W* src, int n, int width, float* dst) {
+  if constexpr (std::is_same_v<W, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    for (int c = 0; c < n; ++c) dst[c] = ToFloat(src[c]);
+  }
+  for (int c = n; c < width; ++c) dst[c] = 0.0f;
+}
+
+// Packs columns [n0, n0+nc) of gate and up (K rows, leading dimension ld) into
+// micro-panels of VL columns: panel q at dst + q*K*2VL, row kk holds VL gate
+// then VL up values, zero-padded.  In blocks of kPackRows rows: first each
+// row's run of nc values is read whole, in order, into `stage` (converted to
+// float32: hardware prefetch follows it), then each panel's part of the
+// block is written contiguously.  Reading or writing a few columns per row
+// straight from/to memory stalls on a cache miss and a TLB walk per row.
+template <int VL, typename W>
+void PackGateUpTileT(const W* g, const W* u, int64_t ld, int64_t K, int64_t n0, int nc,
+                     float* stage, float* dst) {
+  const int nsub = (nc + VL - 1) / VL;
+  const int width = nsub * VL;
+  for (int64_t k0 = 0; k0 < K; k0 += kPackRows) {
+    const int64_t rows = std::min(K - k0, kPackRows);
+    for (int64_t i = 0; i < rows; ++i) {
+      CopyPadRow(g + (k0 + i) * ld + n0, nc, width, stage + (2 * i) * width);
+      CopyPadRow(u + (k0 + i) * ld + n0, nc, width, stage + (2 * i + 1) * width);
+    }
+    for (int q = 0; q < nsub; ++q) {
+      float* d = dst + (q * K + k0) * 2 * VL;
+      for (int64_t i = 0; i < rows; ++i, d += 2 * VL) {
+        std::memcpy(d, stage + (2 * i) * width + q * VL, VL * sizeof(float));
+        std::memcpy(d + VL, stage + (2 * i + 1) * width + q * VL, VL * sizeof(float));
+      }
+    }
+  }
+}
+
+// Packs columns [n0, n0+nc) of down into micro-panels of 2VL columns (same scheme).
+template <int VL, typename W>
+void PackDownTileT(const W* dn, int64_t ld, int64_t K, int64_t n0, int nc, float* stage,
+                   float* dst) {
+  const int nsub = (nc + 2 * VL - 1) / (2 * VL);
+  const int width = nsub * 2 * VL;
+  for (int64_t k0 = 0; k0 < K; k0 += kPackRows) {
+    const int64_t rows = std::min(K - k0, kPackRows);
+    for (int64_t i = 0; i < rows; ++i)
+      CopyPadRow(dn + (k0 + i) * ld + n0, nc, width, stage + i * width);
+    for (int q = 0; q < nsub; ++q) {
+      float* d = dst + (q * K + k0) * 2 * VL;
+      for (int64_t i = 0; i < rows; ++i, d += 2 * VL)
+        std::memcpy(d, stage + i * width + q * 2 * VL, 2 * VL * sizeof(float));
+    }
+  }
+}
+
+template <typename W>
+void PackGateUpTile(const W* g, const W* u, int64_t ld, int64_t K, int64_t n0, int nc,
+                    int vl, float* stage, float* dst) {
+  switch (vl) {
+    case 16: PackGateUpTileT<16>(g, u, ld, K, n0, nc, stage, dst); break;
+    case 8: PackGateUpTileT<8>(g, u, ld, K, n0, nc, stage, dst); break;
+    default: PackGateUpTileT<4>(g, u, ld, K, n0, nc, stage, dst); break;
+  }
+}
+
+template <typename W>
+void PackDownTile(const W* dn, int64_t ld, int64_t K, int64_t n0, int nc, int vl,
+                  float* stage, float* dst) {
+  switch (vl) {
+    case 16: PackDownTileT<16>(dn, ld, K, n0, nc, stage, dst); break;
+    case 8: PackDownTileT<8>(dn, ld, K, n0, nc, stage, dst); break;
+    default: PackDownTileT<4>(dn, ld, K, n0, nc, stage, dst); break;
+  }
+}
+
+template <typename XT>
+void GatherPanel(const XT* x, int64_t H, const int32_t* row_token, int mr, float* dst) {
+  for (int r = 0; r < mr; ++r) {
+    if (row_token[r] < 0) {
+      for (int64_t h = 0; h < H; ++h) dst[h * mr + r] = 0.0f;
+    } else {
+      const XT* src = x + static_cast<int64_t>(row_token[r]) * H;
+      for (int64_t h = 0; h < H; ++h) dst[h * mr + r] = ToFloat(src[h]);
+    }
+  }
+}
+
+template <typename YT>
+void StoreRow(const float* src, int64_t H, YT* dst) {
+  for (int64_t h = 0; h < H; ++h) dst[h] = FromFloat<YT>(src[h]);
+}
+
+template <typename W>
+void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
+             int workers, int64_t t0, int64_t t1, const Band& b) {
   const int64_t H = p.H, I = p.I, E = p.E, k = p.k;
-  const int64_t S = (t1 - t0) * k;
+  const int mr = kt.mr, vl = kt.vl;
   const W* gate = static_cast<const W*>(p.gate);
   const W* up = static_cast<const W*>(p.up);
   const W* down = static_cast<const W*>(p.down);
+  const int act = static_cast<int>(p.activation);
+  const bool can_stream = sizeof(W) == 4 || p.w_type == ffi::DataType::BF16;
+  const int w_index = sizeof(W) == 4 ? 0 : 1;
 
-  // Plan: counting sort of the band's slots by expert (stable in (t, j)).
+  // Plan: count per expert, pad each group to whole panels, place the slots
+  // (stable in (t, j)).
   std::fill(b.expert_off, b.expert_off + E + 1, int64_t{0});
   for (int64_t i = t0 * k; i < t1 * k; ++i) ++b.expert_off[p.topk_ids[i] + 1];
-  for (int64_t e = 0; e < E; ++e) b.expert_off[e + 1] += b.expert_off[e];
-  {
-    // chunk_end (at least E entries, filled only below) is the cursor here.
-    int64_t* cursor = b.chunk_end;
-    for (int64_t e = 0; e < E; ++e) cursor[e] = b.expert_off[e];
-    for (int64_t i = t0 * k; i < t1 * k; ++i) {
-      int64_t e = p.topk_ids[i];
-      int64_t s = cursor[e]++;
-      b.slot_token[s] = static_cast<int32_t>(i / k);
-      b.slot_weight[s] = p.topk_w[i];
-      b.inv[i - t0 * k] = static_cast<int32_t>(s);
-    }
+  for (int64_t e = 0; e < E; ++e)
+    b.expert_off[e + 1] = b.expert_off[e] + (b.expert_off[e + 1] + mr - 1) / mr * mr;
+  const int64_t P = b.expert_off[E];
+  std::fill(b.row_token, b.row_token + P, int32_t{-1});
+  std::fill(b.row_weight, b.row_weight + P, 0.0f);
+  std::copy(b.expert_off, b.expert_off + E + 1, b.cursor);
+  for (int64_t i = t0 * k; i < t1 * k; ++i) {
+    const int64_t row = b.cursor[p.topk_ids[i]]++;
+    b.row_token[row] = static_cast<int32_t>(i / k);
+    b.row_weight[row] = p.topk_w[i];
+    b.inv[i - t0 * k] = static_cast<int32_t>(row);
   }
   int64_t chunks = 0;
+  const int64_t chunk_rows = mr * kPanelsPerChunk;
   for (int64_t e = 0; e < E; ++e) {
-    for (int64_t m = b.expert_off[e]; m < b.expert_off[e + 1]; m += kMC) {
+    const int64_t real_end = b.cursor[e];  // after placement: end of real rows
+    for (int64_t m = b.expert_off[e]; m < real_end; m += chunk_rows) {
       b.chunk_expert[chunks] = static_cast<int32_t>(e);
       b.chunk_begin[chunks] = m;
-      b.chunk_end[chunks] = std::min(m + kMC, b.expert_off[e + 1]);
+      b.chunk_end[chunks] = std::min(m + chunk_rows, real_end);
       ++chunks;
     }
   }
 
-  // Gather.
-  const int64_t gather_items = (S + 63) / 64;
-  ParallelFor(pool, workers, gather_items, [&](int64_t it, int) {
-    int64_t s0 = it * 64, s1 = std::min(S, s0 + 64);
+  // Gather into packed panels.
+  ParallelFor(pool, workers, P / mr, [&](int64_t panel, int) {
+    float* dst = b.XO + panel * H * mr;
+    const int32_t* rt = b.row_token + panel * mr;
     switch (p.x_type) {
-      case ffi::DataType::F32:
-        GatherRows(static_cast<const float*>(p.x), H, b.slot_token, s0, s1, b.X);
-        break;
-      case ffi::DataType::BF16:
-        GatherRows(static_cast<const bf16*>(p.x), H, b.slot_token, s0, s1, b.X);
-        break;
-      default:
-        GatherRows(static_cast<const f16*>(p.x), H, b.slot_token, s0, s1, b.X);
-        break;
+      case ffi::DataType::F32: GatherPanel(static_cast<const float*>(p.x), H, rt, mr, dst); break;
+      case ffi::DataType::BF16: GatherPanel(static_cast<const bf16*>(p.x), H, rt, mr, dst); break;
+      default: GatherPanel(static_cast<const f16*>(p.x), H, rt, mr, dst); break;
     }
   });
 
-  const int64_t panel_stride = kNB * std::max(2 * H, I);
+  const int64_t scratch_stride = ScratchFloats(H, I);
 
-  // GEMM1 + activation: items are (chunk, column tile of I).
-  const int64_t ntI = (I + kNB - 1) / kNB;
-  ParallelFor(pool, workers, chunks * ntI, [&](int64_t it, int worker) {
-    const int64_t c = it / ntI, n0 = (it % ntI) * kNB;
-    const int64_t nb = std::min(kNB, I - n0);
+  // GEMM1 + activation: items (chunk, tile of kTileCols columns of I).
+  const int64_t tiles1 = (I + kTileCols - 1) / kTileCols;
+  ParallelFor(pool, workers, chunks * tiles1, [&](int64_t it, int worker) {
+    const int64_t c = it / tiles1, n0 = (it % tiles1) * kTileCols;
+    const int nc = static_cast<int>(std::min(kTileCols, I - n0));
     const int64_t e = b.chunk_expert[c];
-    float* scratch = b.panels + worker * panel_stride;
-    const Panel Pg = GetPanel(gate + e * H * I, I, H, n0, nb, scratch);
-    const Panel Pu = GetPanel(up + e * H * I, I, H, n0, nb, scratch + H * kNB);
-    alignas(64) float ag[kMB][kNB];
-    alignas(64) float au[kMB][kNB];
-    const float* rows[kMB];
-    for (int64_t m = b.chunk_begin[c]; m < b.chunk_end[c]; m += kMB) {
-      const int rmax = static_cast<int>(std::min<int64_t>(kMB, b.chunk_end[c] - m));
-      RowPointers(b.X, H, m, rmax, rows);
-      MicroTileRows(rows, rmax, Pg, H, ag);
-      MicroTileRows(rows, rmax, Pu, H, au);
-      for (int r = 0; r < rmax; ++r) {
-        float* dst = b.A + (m + r) * I + n0;
-        if (p.activation == kGeGLU) {
-          for (int64_t nn = 0; nn < nb; ++nn) dst[nn] = GeluTanh(ag[r][nn]) * au[r][nn];
-        } else {
-          for (int64_t nn = 0; nn < nb; ++nn) dst[nn] = Silu(ag[r][nn]) * au[r][nn];
-        }
+    const int64_t m0 = b.chunk_begin[c], m1 = b.chunk_end[c];
+    const W* ge = gate + e * H * I;
+    const W* ue = up + e * H * I;
+    float* scratch = b.scratch + worker * scratch_stride;
+    if (can_stream && b.cursor[e] - b.expert_off[e] <= kStreamRows) {
+      // Few rows: stream the weights in place, kStreamCols columns (whole
+      // contiguous rows of W) per item; the other items of the span are empty.
+      if (n0 % kStreamCols != 0) return;
+      const int ns = static_cast<int>(std::min(kStreamCols, I - n0));
+      const int64_t panel = m0 / mr;  // all rows in one panel: kStreamRows <= MR
+      kt.stream1[w_index](b.XO + panel * H * mr, mr, static_cast<int>(m1 - m0), ge + n0,
+                          ue + n0, I, H, ns, act, scratch, b.A2 + panel * I * mr + n0 * mr,
+                          1, mr);
+      return;
+    }
+    float* packed = scratch + kStageFloats;
+    PackGateUpTile(ge, ue, I, H, n0, nc, vl, scratch, packed);
+    for (int q = 0; q * vl < nc; ++q) {
+      const int cols = std::min(vl, nc - q * vl);
+      for (int64_t m = m0; m < m1; m += mr) {
+        const int64_t panel = m / mr;
+        kt.gemm1(b.XO + panel * H * mr, packed + q * H * 2 * vl, H, act,
+                 static_cast<int>(std::min<int64_t>(mr, m1 - m)), cols,
+                 b.A2 + panel * I * mr + (n0 + q * vl) * mr, 1, mr);
       }
     }
   });
 
-  // GEMM2 + routed weight: items are (chunk, column tile of H); output in X.
-  const int64_t ntH = (H + kNB - 1) / kNB;
-  float* O = b.X;
-  ParallelFor(pool, workers, chunks * ntH, [&](int64_t it, int worker) {
-    const int64_t c = it / ntH, n0 = (it % ntH) * kNB;
-    const int64_t nb = std::min(kNB, H - n0);
+  // GEMM2 + routed weight: items (chunk, tile of kTileCols columns of H).
+  // Output rows go to O (same memory as the packed x, no longer needed).
+  float* O = b.XO;
+  const int64_t tiles2 = (H + kTileCols - 1) / kTileCols;
+  ParallelFor(pool, workers, chunks * tiles2, [&](int64_t it, int worker) {
+    const int64_t c = it / tiles2, n0 = (it % tiles2) * kTileCols;
+    const int nc = static_cast<int>(std::min(kTileCols, H - n0));
     const int64_t e = b.chunk_expert[c];
-    const Panel Pd = GetPanel(down + e * I * H, H, I, n0, nb,
-                              b.panels + worker * panel_stride);
-    alignas(64) float acc[kMB][kNB];
-    const float* rows[kMB];
-    for (int64_t m = b.chunk_begin[c]; m < b.chunk_end[c]; m += kMB) {
-      const int rmax = static_cast<int>(std::min<int64_t>(kMB, b.chunk_end[c] - m));
-      RowPointers(b.A, I, m, rmax, rows);
-      MicroTileRows(rows, rmax, Pd, I, acc);
-      for (int r = 0; r < rmax; ++r) {
-        const float wgt = b.slot_weight[m + r];
-        float* dst = O + (m + r) * H + n0;
-        for (int64_t nn = 0; nn < nb; ++nn) dst[nn] = wgt * acc[r][nn];
+    const int64_t m0 = b.chunk_begin[c], m1 = b.chunk_end[c];
+    const W* de = down + e * I * H;
+    float* scratch = b.scratch + worker * scratch_stride;
+    if (can_stream && b.cursor[e] - b.expert_off[e] <= kStreamRows) {
+      if (n0 % kStreamCols != 0) return;
+      const int ns = static_cast<int>(std::min(kStreamCols, H - n0));
+      const int64_t panel = m0 / mr;
+      kt.stream2[w_index](b.A2 + panel * I * mr, mr, static_cast<int>(m1 - m0), de + n0, H,
+                          I, ns, b.row_weight + m0, scratch, O + m0 * H + n0, H);
+      return;
+    }
+    float* packed = scratch + kStageFloats;
+    PackDownTile(de, H, I, n0, nc, vl, scratch, packed);
+    for (int q = 0; q * 2 * vl < nc; ++q) {
+      const int cols = std::min(2 * vl, nc - q * 2 * vl);
+      for (int64_t m = m0; m < m1; m += mr) {
+        const int64_t panel = m / mr;
+        kt.gemm2(b.A2 + panel * I * mr, packed + q * I * 2 * vl, I, b.row_weight + m,
+                 static_cast<int>(std::min<int64_t>(mr, m1 - m)), cols,
+                 O + m * H + n0 + q * 2 * vl, H);
       }
     }
   });
 
-  // Combine: y[t] = sum over j in order of O[slot(t, j)].
+  // Combine: y[t] = sum over j in order of O[row(t, j)].
   const int64_t Tb = t1 - t0;
-  const int64_t combine_items = (Tb + 15) / 16;
-  ParallelFor(pool, workers, combine_items, [&](int64_t it, int) {
+  ParallelFor(pool, workers, (Tb + 15) / 16, [&](int64_t it, int) {
     for (int64_t t = t0 + it * 16; t < std::min(t1, t0 + it * 16 + 16); ++t) {
       const int32_t* inv = b.inv + (t - t0) * k;
       float* first = O + static_cast<int64_t>(inv[0]) * H;
@@ -294,15 +347,9 @@ void RunBand(const Problem& p, ffi::ThreadPool& pool, int workers, int64_t t0,
         for (int64_t h = 0; h < H; ++h) first[h] += o[h];
       }
       switch (p.x_type) {
-        case ffi::DataType::F32:
-          StoreRow(first, H, static_cast<float*>(p.y) + t * H);
-          break;
-        case ffi::DataType::BF16:
-          StoreRow(first, H, static_cast<bf16*>(p.y) + t * H);
-          break;
-        default:
-          StoreRow(first, H, static_cast<f16*>(p.y) + t * H);
-          break;
+        case ffi::DataType::F32: StoreRow(first, H, static_cast<float*>(p.y) + t * H); break;
+        case ffi::DataType::BF16: StoreRow(first, H, static_cast<bf16*>(p.y) + t * H); break;
+        default: StoreRow(first, H, static_cast<f16*>(p.y) + t * H); break;
       }
     }
   });
@@ -390,33 +437,36 @@ ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   const int workers = static_cast<int>(
       std::clamp<int64_t>(max_workers, 1, MaxWorkers(pool)));
   const Device cpu{"cpu", 0};
+  const KernelTable& kt = *ActiveKernels();
   for (int64_t t0 = 0; t0 < T; t0 += band) {
     const int64_t t1 = std::min(T, t0 + band);
     const int64_t S = (t1 - t0) * k;
     Workspace ws;
     std::string err;
     const WorkShape shape{t1 - t0, H,
-                          static_cast<int64_t>(BandBytes(0, E, H, I, workers))};
-    if (!Workspace::Allocate(cpu, BandBytes(S, E, H, I, workers), "workspace",
+                          static_cast<int64_t>(BandBytes(0, E, H, I, workers, kt))};
+    if (!Workspace::Allocate(cpu, BandBytes(S, E, H, I, workers, kt), "workspace",
                              shape, &ws, &err))
       return ffi::Error(ffi::ErrorCode::kResourceExhausted, err);
+    const int64_t P = MaxPaddedRows(S, E, kt.mr);
+    const int64_t C = MaxChunks(P, E, kt.mr);
     Carver cv(ws.data());
     Band b;
-    b.slot_token = cv.Take<int32_t>(S);
-    b.slot_weight = cv.Take<float>(S);
     b.inv = cv.Take<int32_t>(S);
+    b.row_token = cv.Take<int32_t>(P);
+    b.row_weight = cv.Take<float>(P);
     b.expert_off = cv.Take<int64_t>(E + 1);
-    const int64_t mc = MaxChunks(S, E);
-    b.chunk_expert = cv.Take<int32_t>(mc);
-    b.chunk_begin = cv.Take<int64_t>(mc);
-    b.chunk_end = cv.Take<int64_t>(mc);
-    b.X = cv.Take<float>(S * H);
-    b.A = cv.Take<float>(S * I);
-    b.panels = cv.Take<float>(static_cast<int64_t>(workers) * kNB * std::max(2 * H, I));
+    b.cursor = cv.Take<int64_t>(E + 1);
+    b.chunk_expert = cv.Take<int32_t>(C);
+    b.chunk_begin = cv.Take<int64_t>(C);
+    b.chunk_end = cv.Take<int64_t>(C);
+    b.XO = cv.Take<float>(P * H);
+    b.A2 = cv.Take<float>(P * I);
+    b.scratch = cv.Take<float>(static_cast<int64_t>(workers) * ScratchFloats(H, I));
     switch (wt) {
-      case ffi::DataType::F32: RunBand<float>(p, pool, workers, t0, t1, b); break;
-      case ffi::DataType::BF16: RunBand<bf16>(p, pool, workers, t0, t1, b); break;
-      default: RunBand<f16>(p, pool, workers, t0, t1, b); break;
+      case ffi::DataType::F32: RunBand<float>(p, kt, pool, workers, t0, t1, b); break;
+      case ffi::DataType::BF16: RunBand<bf16>(p, kt, pool, workers, t0, t1, b); break;
+      default: RunBand<f16>(p, kt, pool, workers, t0, t1, b); break;
     }
   }
   return ffi::Error::Success();
@@ -426,7 +476,7 @@ ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
 
 size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H,
                              int64_t I, int workers) {
-  return BandBytes(tokens * k, E, H, I, workers);
+  return BandBytes(tokens * k, E, H, I, workers, *ActiveKernels());
 }
 
 #define NBX_FORWARD_ARGS                                          \

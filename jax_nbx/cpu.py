@@ -1,0 +1,50 @@
+"""The CPU handler's micro-kernels: which instruction set runs them.
+
+The wheel carries one build of the micro-kernels per instruction set
+("avx512", "avx2", "generic" on x86-64; "generic" = NEON on arm64) and picks
+the best the CPU supports when first used.  ``JAX_NBX_ISA=avx2`` (read at
+import) or `set_isa` force one, for tests and benchmarks.
+"""
+from __future__ import annotations
+
+import os
+
+from . import _registry
+
+__all__ = ["isa", "supported_isas", "set_isa"]
+
+
+def _ffi():
+    if _registry._ffi is None:
+        raise RuntimeError(f"jax_nbx's compiled module failed to import: {_registry._IMPORT_ERROR}")
+    return _registry._ffi
+
+
+def isa() -> str:
+    """The instruction set in use: "avx512", "avx2" or "generic"."""
+    return _ffi().cpu_isa()
+
+
+def supported_isas() -> list[str]:
+    """Instruction sets this CPU can run, best first."""
+    return _ffi().cpu_supported_isas().split(",")
+
+
+def set_isa(name: str) -> None:
+    """Forces the micro-kernels' instruction set (ValueError for an unknown
+    name or one this CPU lacks).  Takes effect for calls that start after it."""
+    _ffi().set_cpu_isa(str(name))
+
+
+def _init() -> None:
+    if _registry._ffi is None:
+        return
+    env = os.environ.get("JAX_NBX_ISA")
+    if env:
+        try:
+            set_isa(env)
+        except ValueError as e:
+            raise ValueError(f"JAX_NBX_ISA={env!r}: {e}") from None
+
+
+_init()
