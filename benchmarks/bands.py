@@ -26,15 +26,14 @@ import numpy as np
 
 import jax_nbx as nbx
 from jax_nbx._bench import DTYPES, format_table, machine, make_layer
-from jax_nbx.ops import plan_band_tokens, planned_workers
+from jax_nbx.ops import plan_band_tokens
 
 SPLITS = [1, 2, 4, 8]
 
 
 def cap_for(m, T, split):
     """Workspace of one band of ceil(T / split) tokens."""
-    return nbx._registry._ffi.forward_workspace_bytes(-(-T // split), m.k, m.E, m.H, m.I,
-                                                      planned_workers())
+    return nbx.memory.fused_moe_workspace_bytes(-(-T // split), m.k, m.E, m.H, m.I)
 
 
 def _rss_peak() -> int:

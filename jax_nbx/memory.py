@@ -17,7 +17,7 @@ import re
 
 from . import _registry
 
-__all__ = ["DeviceOOMError", "set_budget", "set_wait", "budget", "headroom", "stats", "report", "reset_peak",
+__all__ = ["DeviceOOMError", "fused_moe_workspace_bytes", "set_budget", "set_wait", "budget", "headroom", "stats", "report", "reset_peak",
            "last_refusal", "what_would_have_fit", "parse_bytes", "format_bytes", "available_memory"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -100,6 +100,17 @@ def set_budget(nbytes: int | float | str, platform: str = "cpu", device: int = 0
     n = parse_bytes(nbytes)
     _ffi().set_budget(platform, int(device), n)
     return n
+
+
+def fused_moe_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int) -> int:
+    """Bytes of workspace the CPU handler takes for one band of ``tokens``
+    tokens (``tokens=0``: the part that does not shrink with the band, mostly
+    one packed weight tile per worker).  The same formula the handler
+    allocates by and `fused_moe` plans with."""
+    from .ops import planned_workers  # ops imports this module
+
+    return int(_ffi().forward_workspace_bytes(int(tokens), int(k), int(E), int(H), int(I),
+                                              planned_workers()))
 
 
 def set_wait(seconds: float) -> None:

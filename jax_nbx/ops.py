@@ -90,10 +90,8 @@ def plan_band_tokens(T: int, k: int, E: int, H: int, I: int,
     """Tokens per band so that one band's workspace fits the CPU headroom
     (or ``max_workspace_bytes``); equal-sized bands.  Raises DeviceOOMError
     with the advice when a single token does not fit."""
-    workers = planned_workers()
-
     def need(t: int) -> int:
-        return int(_registry._ffi.forward_workspace_bytes(t, k, E, H, I, workers))
+        return memory.fused_moe_workspace_bytes(t, k, E, H, I)
 
     if max_workspace_bytes is None:
         free, total = memory.headroom("cpu"), memory.budget("cpu")

@@ -19,6 +19,11 @@ from conftest import make_problem, np_moe, rel_err
 T, E, K, H, I = 222, 8, 2, 129, 511
 
 
+def need(tokens: int) -> int:
+    """The handler's workspace for one band of `tokens` tokens of this problem."""
+    return memory.fused_moe_workspace_bytes(tokens, K, E, H, I)
+
+
 @pytest.fixture
 def budget():
     """Restores the CPU budget after the test."""
@@ -123,8 +128,6 @@ def test_full_workspace_fits_one_band(prob):
 def test_small_caps_force_bands_with_identical_results(prob, fraction):
     x, w, ids, experts = prob
     whole = np.asarray(nbx.fused_moe(x, w, ids, experts))
-    need = lambda t: nbx._registry._ffi.forward_workspace_bytes(t, K, E, H, I,  # noqa: E731
-                                                                nbx.ops.planned_workers())
     cap = need(0) + int((need(T) - need(0)) * fraction)  # the fixed part plus a fraction of the rest
     band = plan_band_tokens(T, K, E, H, I, cap)
     assert band < T
@@ -137,11 +140,12 @@ def test_small_caps_force_bands_with_identical_results(prob, fraction):
 def test_small_budget_forces_bands(prob, budget):
     x, w, ids, experts = prob
     whole = np.asarray(nbx.fused_moe(x, w, ids, experts))
-    budget(800_000)
+    small = need(T // 3)
+    budget(small)
     memory.reset_peak()
     y = jax.jit(nbx.fused_moe)(x, w, ids, experts)   # traced now: planned from the new headroom
     np.testing.assert_array_equal(np.asarray(y), whole)
-    assert 0 < _cpu()["peak"] <= 800_000
+    assert 0 < _cpu()["peak"] <= small
 
 
 def test_impossible_cap_raises_at_trace_time_with_advice(prob):
@@ -159,18 +163,19 @@ def test_refusal_at_run_time_then_recovery(prob, budget):
     x, w, ids, experts = prob
     expected = np.asarray(nbx.fused_moe(x, w, ids, experts))
     refusals = _cpu()["refusals"]
-    budget(800_000)
-    # the plan trusts max_workspace_bytes; the account still holds the line
-    with pytest.raises(nbx.DeviceOOMError, match=r"it would fit in 3 bands of about") as info:
-        nbx.fused_moe(x, w, ids, experts, max_workspace_bytes=3_000_000)
+    small, cap = need(T // 3), need(T)
+    budget(small)
+    # the plan trusts max_workspace_bytes (one band); the account still holds the line
+    with pytest.raises(nbx.DeviceOOMError, match=r"it would fit in [34] bands of about") as info:
+        nbx.fused_moe(x, w, ids, experts, max_workspace_bytes=cap)
     e = info.value
-    assert e.total == 800_000 and e.free == 800_000 and e.shape == (T, H) and e.shortfall > 0
-    f = jax.jit(lambda x: nbx.fused_moe(x, w, ids, experts, max_workspace_bytes=3_000_000))
+    assert e.total == small and e.free == small and e.shape == (T, H) and e.shortfall == cap - small
+    f = jax.jit(lambda x: nbx.fused_moe(x, w, ids, experts, max_workspace_bytes=cap))
     with pytest.raises(jax.errors.JaxRuntimeError,
                        match=r"RESOURCE_EXHAUSTED: jax_nbx account \(cpu:0\) refused .*short by"):
         f(x).block_until_ready()
     r = memory.last_refusal()
-    assert r["device"] == "cpu:0" and r["tag"] == "workspace" and r["total"] == 800_000
+    assert r["device"] == "cpu:0" and r["tag"] == "workspace" and r["total"] == small
     assert r["shortfall"] == r["requested"] - r["free"] and "it would fit in" in r["message"]
     s = _cpu()
     assert s["refusals"] == refusals + 2 and s["live"] == 0
@@ -183,7 +188,7 @@ def test_concurrent_calls_stay_within_budget(budget):
     x, w, ids, experts = make_problem(1, 33, 8, 2, 65, 129)
     f = jax.jit(nbx.fused_moe)
     expected = np.asarray(f(x, w, ids, experts))
-    one = nbx._registry._ffi.forward_workspace_bytes(33, 2, 8, 65, 129, nbx.ops.planned_workers())
+    one = memory.fused_moe_workspace_bytes(33, 2, 8, 65, 129)
     cap = 3 * one  # 8 threads cannot all hold their workspace at once
     budget(cap)
     memory.reset_peak()
@@ -221,7 +226,7 @@ def test_without_waiting_concurrent_calls_are_refused_not_overcommitted(budget):
     x, w, ids, experts = make_problem(1, 33, 8, 2, 65, 129)
     f = jax.jit(nbx.fused_moe)
     f(x, w, ids, experts).block_until_ready()
-    one = nbx._registry._ffi.forward_workspace_bytes(33, 2, 8, 65, 129, nbx.ops.planned_workers())
+    one = memory.fused_moe_workspace_bytes(33, 2, 8, 65, 129)
     budget(one)  # room for exactly one call at a time
     memory.set_wait(0)
     memory.reset_peak()
