@@ -49,10 +49,16 @@ def make_layer(model: ModelShape, T: int, dtype=jnp.float32, seed: int = 0):
     return x, w, ids, experts
 
 
-def median_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
-    """Median wall time (s) of fn(), blocking on its result; warmup runs first."""
+def median_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1,
+                slow_after: float | None = None) -> float:
+    """Median wall time (s) of fn(), blocking on its result; warmup runs first.
+    With ``slow_after``, a warm-up slower than that many seconds cuts the
+    timed runs to one."""
     for _ in range(warmup):
+        t0 = time.perf_counter()
         jax.block_until_ready(fn())
+        if slow_after is not None and time.perf_counter() - t0 > slow_after:
+            repeats = 1
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

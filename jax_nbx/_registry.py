@@ -20,6 +20,13 @@ else:
     _PLATFORMS.append("cpu")
 
 
+def ffi_module():
+    """The compiled module, or RuntimeError saying why it failed to import."""
+    if _ffi is None:
+        raise RuntimeError(f"jax_nbx's compiled module failed to import: {_IMPORT_ERROR}")
+    return _ffi
+
+
 def platforms() -> list[str]:
     """Platforms with a registered jax_nbx handler."""
     return list(_PLATFORMS)

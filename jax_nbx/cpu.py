@@ -14,10 +14,7 @@ from . import _registry
 __all__ = ["isa", "supported_isas", "set_isa"]
 
 
-def _ffi():
-    if _registry._ffi is None:
-        raise RuntimeError(f"jax_nbx's compiled module failed to import: {_registry._IMPORT_ERROR}")
-    return _registry._ffi
+_ffi = _registry.ffi_module
 
 
 def isa() -> str:

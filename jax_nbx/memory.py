@@ -25,10 +25,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def _ffi():
-    if _registry._ffi is None:
-        raise RuntimeError(f"jax_nbx's compiled module failed to import: {_registry._IMPORT_ERROR}")
-    return _registry._ffi
+_ffi = _registry.ffi_module
 
 
 def parse_bytes(value: int | float | str) -> int:
