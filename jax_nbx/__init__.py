@@ -5,7 +5,7 @@
     w, ids = nbx.route(logits, k=2)
     y = nbx.fused_moe(x, w, ids, experts)
 """
-from . import _registry, cpu, memory
+from . import _registry, cpu, memory  # noqa: F401  (_registry registers the handlers)
 from .experts import Experts
 from .memory import DeviceOOMError
 from .models import MODELS, ModelShape

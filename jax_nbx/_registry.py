@@ -1,6 +1,9 @@
 """Registration of the compiled handlers with XLA."""
 from __future__ import annotations
 
+import os
+from typing import Callable
+
 import jax
 
 FORWARD_TARGET = "nbx_fused_moe_fwd"
@@ -25,6 +28,19 @@ def ffi_module():
     if _ffi is None:
         raise RuntimeError(f"jax_nbx's compiled module failed to import: {_IMPORT_ERROR}")
     return _ffi
+
+
+def apply_env(var: str, setter: Callable[[str], object]) -> bool:
+    """Calls setter(value) when the environment variable is set; a bad value
+    raises ValueError naming the variable.  Returns whether it was set."""
+    value = os.environ.get(var)
+    if not value:
+        return False
+    try:
+        setter(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{var}={value!r}: {e}") from None
+    return True
 
 
 def platforms() -> list[str]:

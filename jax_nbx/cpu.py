@@ -7,8 +7,6 @@ import) or `set_isa` force one, for tests and benchmarks.
 """
 from __future__ import annotations
 
-import os
-
 from . import _registry
 
 __all__ = ["isa", "supported_isas", "set_isa"]
@@ -33,15 +31,5 @@ def set_isa(name: str) -> None:
     _ffi().set_cpu_isa(str(name))
 
 
-def _init() -> None:
-    if _registry._ffi is None:
-        return
-    env = os.environ.get("JAX_NBX_ISA")
-    if env:
-        try:
-            set_isa(env)
-        except ValueError as e:
-            raise ValueError(f"JAX_NBX_ISA={env!r}: {e}") from None
-
-
-_init()
+if _registry._ffi is not None:
+    _registry.apply_env("JAX_NBX_ISA", set_isa)

@@ -217,17 +217,5 @@ def report() -> str:
     return text
 
 
-def _init_budget() -> None:
-    if _registry._ffi is None:
-        return
-    env = os.environ.get("JAX_NBX_BUDGET")
-    if env:
-        try:
-            set_budget(env)
-            return
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"JAX_NBX_BUDGET={env!r}: {e}") from None
+if _registry._ffi is not None and not _registry.apply_env("JAX_NBX_BUDGET", set_budget):
     set_budget(available_memory() // 2)
-
-
-_init_budget()

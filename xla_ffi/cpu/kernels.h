@@ -74,34 +74,13 @@ NBX_AI float Act(int act, float g) {
   return g / (1.0f + expf(-g));  // silu
 }
 
-// GEMM1 on one packed m-panel: out[r*rs + c*cs] = act(g) * u for r < rows, c < cols.
+// lo[r] = sum_kk a[kk*MR + r] * b[kk*2VL + (0..VL)], hi[r] the same over
+// b[kk*2VL + (VL..2VL)]: the register-blocked loop both packed GEMMs share.
 template <int VL, int MR>
-NBX_AI void Gemm1Packed(const float* a, const float* b, int64_t K, int act,
-                        int rows, int cols, float* out, int64_t rs, int64_t cs) {
+NBX_AI void AccumulatePanel(const float* a, const float* b, int64_t K,
+                            typename VecT<VL>::type (&lo)[MR],
+                            typename VecT<VL>::type (&hi)[MR]) {
   using V = typename VecT<VL>::type;
-  V g[MR], u[MR];
-#pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r) g[r] = u[r] = V{};
-  for (int64_t kk = 0; kk < K; ++kk) {
-    const V bg = Load<VL>(b + kk * 2 * VL);
-    const V bu = Load<VL>(b + kk * 2 * VL + VL);
-    const float* ak = a + kk * MR;
-#pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) {
-      g[r] += ak[r] * bg;
-      u[r] += ak[r] * bu;
-    }
-  }
-  for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < cols; ++c) out[r * rs + c * cs] = Act(act, g[r][c]) * u[r][c];
-}
-
-// GEMM2 on one packed m-panel: out[r*rs + c] = w[r] * acc for r < rows, c < cols.
-template <int VL, int MR>
-NBX_AI void Gemm2Packed(const float* a, const float* b, int64_t K, const float* w,
-                        int rows, int cols, float* out, int64_t rs) {
-  using V = typename VecT<VL>::type;
-  V lo[MR], hi[MR];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) lo[r] = hi[r] = V{};
   for (int64_t kk = 0; kk < K; ++kk) {
@@ -114,6 +93,26 @@ NBX_AI void Gemm2Packed(const float* a, const float* b, int64_t K, const float* 
       hi[r] += ak[r] * b1;
     }
   }
+}
+
+// GEMM1 on one packed m-panel (b: VL gate then VL up columns per row):
+// out[r*rs + c*cs] = act(g) * u for r < rows, c < cols.
+template <int VL, int MR>
+NBX_AI void Gemm1Packed(const float* a, const float* b, int64_t K, int act,
+                        int rows, int cols, float* out, int64_t rs, int64_t cs) {
+  typename VecT<VL>::type g[MR], u[MR];
+  AccumulatePanel<VL, MR>(a, b, K, g, u);
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) out[r * rs + c * cs] = Act(act, g[r][c]) * u[r][c];
+}
+
+// GEMM2 on one packed m-panel (b: 2VL columns of down per row):
+// out[r*rs + c] = w[r] * acc for r < rows, c < cols.
+template <int VL, int MR>
+NBX_AI void Gemm2Packed(const float* a, const float* b, int64_t K, const float* w,
+                        int rows, int cols, float* out, int64_t rs) {
+  typename VecT<VL>::type lo[MR], hi[MR];
+  AccumulatePanel<VL, MR>(a, b, K, lo, hi);
   for (int r = 0; r < rows; ++r) {
     for (int c = 0; c < cols && c < VL; ++c) out[r * rs + c] = w[r] * lo[r][c];
     for (int c = VL; c < cols; ++c) out[r * rs + c] = w[r] * hi[r][c - VL];
