@@ -3,6 +3,7 @@
     python benchmarks/cpu.py                    # default set (about 15 min on 2 cores)
     python benchmarks/cpu.py --models olmoe-1b-7b --tokens 1 512 --dtypes f32
     python benchmarks/cpu.py --full             # adds T=2048 and Mixtral prefill
+    python benchmarks/cpu.py --skew --models olmoe-1b-7b --tokens 512 --dtypes f32
 
 For each (model layer shape, T, weight dtype) it times, medians of a few runs:
 ours (fused_moe, implementation="ffi"); XLA ragged_dot (slots sorted by expert,
@@ -11,7 +12,9 @@ intermediates fit); a numpy-BLAS loop over the active experts.  Printed with:
 routed GFLOP/s / the numpy sgemm rate measured in this run (2048^3, float32);
 ratios to each baseline; and for T <= 8, our time / (bytes of the active
 experts' weights / the copy bandwidth measured in this run).  Baselines whose
-estimated time exceeds --max-baseline-seconds are skipped ("-").
+estimated time exceeds --max-baseline-seconds are skipped ("-").  --skew adds,
+per row with T >= 64, a "skewed" row where every token goes to the same k
+experts (slot j to expert j), its rate compared with the balanced one.
 """
 from __future__ import annotations
 
@@ -101,6 +104,8 @@ def main() -> None:
     p.add_argument("--full", action="store_true", help="add T=2048 (and Mixtral prefill)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-baseline-seconds", type=float, default=20.0)
+    p.add_argument("--skew", action="store_true",
+                   help="also time routing where every token goes to the same k experts")
     a = p.parse_args()
     tokens = sorted(set(a.tokens + ([2048] if a.full else [])))
 
@@ -136,6 +141,11 @@ def main() -> None:
         rows.append([name, str(T), dname, f"{ours * 1e3:.1f}", f"{flops / ours / 1e9:.1f}",
                      f"{flops / ours / rate:.2f}", ratio(rd), ratio(dn), ratio(npl),
                      f"{ours / floor:.2f}" if T <= 8 else ""])
+        if a.skew and T >= 64:
+            skew_ids = jnp.broadcast_to(jnp.arange(m.k, dtype=jnp.int32), ids.shape)
+            sk = timed(functools.partial(jax.jit(nbx.fused_moe), x, w, skew_ids, experts), a.repeats)
+            rows.append([name, str(T), dname + " skewed", f"{sk * 1e3:.1f}", f"{flops / sk / 1e9:.1f}",
+                         f"{flops / sk / rate:.2f}", "", "", "", f"{ours / sk:.2f} x balanced rate"])
         del x, w, ids, experts, gn, un, dnp
     progress(len(jobs), len(jobs), "done")
     print()
