@@ -17,7 +17,7 @@ import re
 
 from . import _registry
 
-__all__ = ["DeviceOOMError", "fused_moe_workspace_bytes", "set_budget", "set_wait", "budget", "headroom", "stats", "report", "reset_peak",
+__all__ = ["DeviceOOMError", "fused_moe_workspace_bytes", "set_budget", "set_wait", "budget", "headroom", "stats", "report", "reset_peak", "release_cached",
            "last_refusal", "what_would_have_fit", "parse_bytes", "format_bytes", "available_memory"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -124,17 +124,29 @@ def budget(platform: str = "cpu", device: int = 0) -> int:
 
 
 def headroom(platform: str = "cpu", device: int = 0) -> int:
-    """``mem_get_info``-style free bytes: budget minus live, from the account."""
+    """``mem_get_info``-style free bytes: budget minus live, from the account
+    (idle cached blocks give way to requests, so they count as free)."""
     s = _ffi().stats(platform, int(device))
     return max(int(s["budget"]) - int(s["live"]), 0)
 
 
 def stats() -> dict[str, dict]:
     """Per device (``"cpu:0"``, …): live, peak, budget, refusals, largest_request,
-    allocations (counts) and live_by_tag (bytes live per tag)."""
+    allocations (counts), cached and live_by_tag (bytes live per tag).
+
+    ``cached``: workspace blocks (≥ 1 MiB, at most 4 per device) that calls
+    returned and the account keeps idle, so that the next call of the same
+    op reuses one instead of faulting in fresh pages.  They count against the
+    budget and are freed first whenever a request needs the room, when the
+    budget is lowered, or by `release_cached`."""
     out = _ffi().all_stats()
     out.setdefault("cpu:0", _ffi().stats("cpu", 0))
     return {k: dict(v) for k, v in out.items()}
+
+
+def release_cached() -> None:
+    """Frees the idle workspace blocks the account keeps for reuse (see `stats`'s ``cached``)."""
+    _ffi().drop_cached()
 
 
 def reset_peak() -> None:
@@ -206,10 +218,11 @@ def report() -> str:
     for dev, s in sorted(stats().items()):
         b = "unlimited" if s["budget"] == _ffi().account_unlimited() else format_bytes(s["budget"])
         tags = ", ".join(f"{t} {format_bytes(v)}" for t, v in sorted(s["live_by_tag"].items()) if v)
-        rows.append([dev, format_bytes(s["live"]), format_bytes(s["peak"]), b, str(s["refusals"]),
+        rows.append([dev, format_bytes(s["live"]), format_bytes(s["peak"]), b,
+                     format_bytes(s["cached"]), str(s["refusals"]),
                      format_bytes(s["largest_request"]), str(s["allocations"]), tags or "-"])
-    header = ["device", "live", "peak", "budget", "refusals", "largest request", "allocations",
-              "live by tag"]
+    header = ["device", "live", "peak", "budget", "cached", "refusals", "largest request",
+              "allocations", "live by tag"]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     text = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
                      for r in [header, ["-" * w for w in widths], *rows])

@@ -249,3 +249,22 @@ def test_without_waiting_concurrent_calls_are_refused_not_overcommitted(budget):
         memory.set_wait(10)
     s = _cpu()
     assert s["live"] == 0 and s["peak"] <= one
+
+
+def test_idle_blocks_are_reused_counted_and_give_way(prob, budget):
+    x, w, ids, experts = prob
+    memory.release_cached()
+    f = jax.jit(lambda *a: nbx.fused_moe(*a))  # a fresh trace: planned with today's headroom
+    expected = np.asarray(f(x, w, ids, experts))
+    s = _cpu()
+    need_t = need(T)
+    assert s["live"] == 0 and s["cached"] == need_t          # kept for the next call
+    np.testing.assert_array_equal(np.asarray(f(x, w, ids, experts)), expected)
+    assert _cpu()["cached"] == need_t                        # reused, not duplicated
+    budget(need_t // 2)                                      # lowering the budget frees it
+    assert _cpu()["cached"] == 0
+    budget("1GiB")
+    f(x, w, ids, experts).block_until_ready()
+    assert _cpu()["cached"] == need_t
+    memory.release_cached()
+    assert _cpu()["cached"] == 0 and _cpu()["live"] == 0

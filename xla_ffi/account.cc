@@ -13,7 +13,17 @@ namespace {
 
 struct DeviceState {
   DeviceStats stats;
+  std::vector<std::pair<void*, int64_t>> idle;  // blocks kept for reuse
   DeviceState() { stats.budget = Account::kUnlimited; }
+
+  // Frees idle blocks (oldest first) until live + cached + need fits the budget.
+  void EvictFor(int64_t need) {
+    while (!idle.empty() && need > stats.budget - stats.live - stats.cached) {
+      std::free(idle.front().first);
+      stats.cached -= idle.front().second;
+      idle.erase(idle.begin());
+    }
+  }
 };
 
 struct Ledger {
@@ -86,7 +96,19 @@ Account& Account::Get() {
 
 void Account::SetBudget(const Device& d, int64_t bytes) {
   std::lock_guard<std::mutex> lock(L().mu);
-  L().devices[d.Name()].stats.budget = bytes;
+  DeviceState& st = L().devices[d.Name()];
+  st.stats.budget = bytes;
+  st.EvictFor(0);
+  L().returned.notify_all();
+}
+
+void Account::DropCached() {
+  std::lock_guard<std::mutex> lock(L().mu);
+  for (auto& [name, st] : L().devices) {
+    for (auto& [p, n] : st.idle) std::free(p);
+    st.idle.clear();
+    st.stats.cached = 0;
+  }
   L().returned.notify_all();
 }
 
@@ -118,12 +140,26 @@ std::optional<Refusal> Account::LastRefusal() {
 }
 
 bool Account::Reserve(const Device& d, int64_t bytes, const char* tag,
-                      const WorkShape& shape, std::string* error) {
+                      const WorkShape& shape, std::string* error, void** reuse) {
   Ledger& l = L();
   std::unique_lock<std::mutex> lock(l.mu);
-  DeviceStats& s = l.devices[d.Name()].stats;
+  DeviceState& st = l.devices[d.Name()];
+  DeviceStats& s = st.stats;
   s.largest_request = std::max(s.largest_request, bytes);
-  auto fits = [&] { return bytes <= s.budget - s.live; };
+  *reuse = nullptr;
+  for (size_t i = 0; i < st.idle.size(); ++i) {
+    if (st.idle[i].second == bytes) {  // an idle block of this size: it moves to live
+      *reuse = st.idle[i].first;
+      st.idle.erase(st.idle.begin() + static_cast<std::ptrdiff_t>(i));
+      s.cached -= bytes;
+      break;
+    }
+  }
+  // Idle blocks give way to live requests.
+  auto fits = [&] {
+    st.EvictFor(bytes);
+    return bytes <= s.budget - s.live - s.cached;
+  };
   if (!fits() && bytes <= s.budget && s.live > 0) {
     // It fits the budget: wait for concurrent calls to return their bytes.
     l.returned.wait_for(lock, std::chrono::milliseconds(l.wait_ms), fits);
@@ -145,6 +181,10 @@ bool Account::Reserve(const Device& d, int64_t bytes, const char* tag,
     ++s.refusals;
     *error = r.message;
     l.last_refusal = std::move(r);
+    if (*reuse != nullptr) {
+      std::free(*reuse);
+      *reuse = nullptr;
+    }
     return false;
   }
   s.live += bytes;
@@ -154,11 +194,21 @@ bool Account::Reserve(const Device& d, int64_t bytes, const char* tag,
   return true;
 }
 
-void Account::Release(const Device& d, int64_t bytes, const char* tag) {
+void Account::Release(const Device& d, int64_t bytes, const char* tag, void* ptr) {
   std::lock_guard<std::mutex> lock(L().mu);
-  DeviceStats& s = L().devices[d.Name()].stats;
+  DeviceState& st = L().devices[d.Name()];
+  DeviceStats& s = st.stats;
   s.live -= bytes;
   s.live_by_tag[tag] -= bytes;
+  if (ptr != nullptr) {
+    if (bytes >= kMinIdleBytes && static_cast<int>(st.idle.size()) < kIdleBlocks &&
+        bytes <= s.budget - s.live - s.cached) {
+      st.idle.emplace_back(ptr, bytes);
+      s.cached += bytes;
+    } else {
+      std::free(ptr);
+    }
+  }
   L().returned.notify_all();
 }
 
@@ -180,12 +230,13 @@ bool Workspace::Allocate(const Device& d, size_t bytes, const char* tag,
                          std::string* error) {
   out->Release();
   if (bytes == 0) return true;
-  if (!Account::Get().Reserve(d, static_cast<int64_t>(bytes), tag, shape, error))
+  void* p = nullptr;
+  if (!Account::Get().Reserve(d, static_cast<int64_t>(bytes), tag, shape, error, &p))
     return false;
   constexpr size_t kAlign = 64;
-  void* p = std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
+  if (p == nullptr) p = std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
   if (p == nullptr) {
-    Account::Get().Release(d, static_cast<int64_t>(bytes), tag);
+    Account::Get().Release(d, static_cast<int64_t>(bytes), tag, nullptr);
     *error = "jax_nbx: the system could not provide " +
              FormatBytes(static_cast<double>(bytes)) + " of " + tag +
              " on " + d.Name() + " although the account allowed it";
@@ -200,8 +251,7 @@ bool Workspace::Allocate(const Device& d, size_t bytes, const char* tag,
 
 void Workspace::Release() {
   if (ptr_ != nullptr) {
-    std::free(ptr_);
-    Account::Get().Release(device_, static_cast<int64_t>(bytes_), tag_);
+    Account::Get().Release(device_, static_cast<int64_t>(bytes_), tag_, ptr_);  // frees or keeps idle
     ptr_ = nullptr;
     bytes_ = 0;
   }

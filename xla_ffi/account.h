@@ -42,6 +42,7 @@ struct DeviceStats {
   int64_t refusals = 0;
   int64_t largest_request = 0;
   int64_t allocations = 0;
+  int64_t cached = 0;  // idle blocks kept for reuse (count against the budget)
   std::map<std::string, int64_t> live_by_tag;
 };
 
@@ -78,9 +79,19 @@ class Account {
   std::optional<Refusal> LastRefusal();
 
   // Counts `bytes` against d's budget or returns false with the refusal text.
+  // `*reuse` receives an idle block of exactly `bytes` when one is cached
+  // (else nullptr): repeated calls of one op skip the page faults of fresh
+  // memory.
   bool Reserve(const Device& d, int64_t bytes, const char* tag,
-               const WorkShape& shape, std::string* error);
-  void Release(const Device& d, int64_t bytes, const char* tag);
+               const WorkShape& shape, std::string* error, void** reuse);
+  // Returns `bytes` (the block at `ptr`) and frees the block or keeps it idle
+  // for reuse while it fits the budget (at most kIdleBlocks per device).
+  void Release(const Device& d, int64_t bytes, const char* tag, void* ptr);
+  // Frees every idle block.
+  void DropCached();
+
+  static constexpr int kIdleBlocks = 4;
+  static constexpr int64_t kMinIdleBytes = 1 << 20;
 
  private:
   Account() = default;

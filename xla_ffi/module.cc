@@ -25,6 +25,7 @@ nb::dict StatsDict(const nbx::DeviceStats& s) {
   d["refusals"] = s.refusals;
   d["largest_request"] = s.largest_request;
   d["allocations"] = s.allocations;
+  d["cached"] = s.cached;
   nb::dict tags;
   for (const auto& [tag, bytes] : s.live_by_tag) tags[tag.c_str()] = bytes;
   d["live_by_tag"] = tags;
@@ -61,6 +62,7 @@ NB_MODULE(_ffi, m) {
     return d;
   });
   m.def("reset_peak", []() { nbx::Account::Get().ResetPeak(); });
+  m.def("drop_cached", []() { nbx::Account::Get().DropCached(); });
   m.def("last_refusal", []() -> std::optional<nb::dict> {
     auto r = nbx::Account::Get().LastRefusal();
     if (!r) return std::nullopt;
