@@ -59,12 +59,14 @@ inline size_t AlignUp(size_t n) { return (n + 63) / 64 * 64; }
 class Carver {
  public:
   explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
+  // The next array of `count` T (nullptr when only measuring).
   template <typename T>
   T* Take(int64_t count) {
-    T* p = reinterpret_cast<T*>(base_ + offset_);
+    T* p = base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + offset_);
     offset_ += AlignUp(sizeof(T) * static_cast<size_t>(count));
     return p;
   }
+  size_t used() const { return offset_; }
 
  private:
   char* base_;
@@ -77,21 +79,6 @@ int64_t MaxPaddedRows(int64_t S, int64_t E, int mr) {
 }
 int64_t MaxChunks(int64_t P, int64_t E, int mr) {
   return std::min(P / mr, E) + P / (mr * kPanelsPerChunk) + 1;
-}
-
-size_t BandBytes(int64_t S, int64_t E, int64_t H, int64_t I, int workers,
-                 const KernelTable& kt) {
-  const int64_t P = MaxPaddedRows(S, E, kt.mr);
-  const int64_t C = MaxChunks(P, E, kt.mr);
-  size_t b = 0;
-  b += AlignUp(4 * static_cast<size_t>(S));       // inv
-  b += 2 * AlignUp(4 * static_cast<size_t>(P));   // row_token, row_weight
-  b += 2 * AlignUp(8 * static_cast<size_t>(E + 1));
-  b += AlignUp(4 * static_cast<size_t>(C)) + 2 * AlignUp(8 * static_cast<size_t>(C));
-  b += AlignUp(4 * static_cast<size_t>(P) * H);   // packed x, later O
-  b += AlignUp(4 * static_cast<size_t>(P) * I);   // packed activations
-  b += AlignUp(4 * static_cast<size_t>(workers) * ScratchFloats(H, I));
-  return b;
 }
 
 struct Band {
@@ -107,6 +94,34 @@ struct Band {
   float* A2;             // [P/MR][I][MR] packed activations
   float* scratch;        // [workers][ScratchFloats] packed weight tile
 };
+
+// Lays a band's arrays out from `base`; returns the bytes they take.  With
+// base == nullptr it only measures: the one layout both sizes the
+// allocation (and the Python plan) and carves it.
+size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int workers,
+                 const KernelTable& kt, Band* b) {
+  const int64_t P = MaxPaddedRows(S, E, kt.mr);
+  const int64_t C = MaxChunks(P, E, kt.mr);
+  Carver cv(base);
+  b->inv = cv.Take<int32_t>(S);
+  b->row_token = cv.Take<int32_t>(P);
+  b->row_weight = cv.Take<float>(P);
+  b->expert_off = cv.Take<int64_t>(E + 1);
+  b->cursor = cv.Take<int64_t>(E + 1);
+  b->chunk_expert = cv.Take<int32_t>(C);
+  b->chunk_begin = cv.Take<int64_t>(C);
+  b->chunk_end = cv.Take<int64_t>(C);
+  b->XO = cv.Take<float>(P * H);
+  b->A2 = cv.Take<float>(P * I);
+  b->scratch = cv.Take<float>(static_cast<int64_t>(workers) * ScratchFloats(H, I));
+  return cv.used();
+}
+
+size_t BandBytes(int64_t S, int64_t E, int64_t H, int64_t I, int workers,
+                 const KernelTable& kt) {
+  Band unused;
+  return CarveBand(nullptr, S, E, H, I, workers, kt, &unused);
+}
 
 struct Problem {
   int64_t T, H, I, E, k;
@@ -448,21 +463,8 @@ ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
     if (!Workspace::Allocate(cpu, BandBytes(S, E, H, I, workers, kt), "workspace",
                              shape, &ws, &err))
       return ffi::Error(ffi::ErrorCode::kResourceExhausted, err);
-    const int64_t P = MaxPaddedRows(S, E, kt.mr);
-    const int64_t C = MaxChunks(P, E, kt.mr);
-    Carver cv(ws.data());
     Band b;
-    b.inv = cv.Take<int32_t>(S);
-    b.row_token = cv.Take<int32_t>(P);
-    b.row_weight = cv.Take<float>(P);
-    b.expert_off = cv.Take<int64_t>(E + 1);
-    b.cursor = cv.Take<int64_t>(E + 1);
-    b.chunk_expert = cv.Take<int32_t>(C);
-    b.chunk_begin = cv.Take<int64_t>(C);
-    b.chunk_end = cv.Take<int64_t>(C);
-    b.XO = cv.Take<float>(P * H);
-    b.A2 = cv.Take<float>(P * I);
-    b.scratch = cv.Take<float>(static_cast<int64_t>(workers) * ScratchFloats(H, I));
+    CarveBand(ws.data(), S, E, H, I, workers, kt, &b);
     switch (wt) {
       case ffi::DataType::F32: RunBand<float>(p, kt, pool, workers, t0, t1, b); break;
       case ffi::DataType::BF16: RunBand<bf16>(p, kt, pool, workers, t0, t1, b); break;
