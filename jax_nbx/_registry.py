@@ -8,6 +8,7 @@ import jax
 
 FORWARD_TARGET = "nbx_fused_moe_fwd"
 FORWARD_INTO_TARGET = "nbx_fused_moe_fwd_into"  # tests: output aliased to a poisoned input
+CUDA_FORWARD_TARGET = "nbx_fused_moe_fwd_cuda"
 
 _PLATFORMS: list[str] = []
 
@@ -21,6 +22,9 @@ else:
     for _name, _capsule in _ffi.cpu_handlers().items():
         jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
     _PLATFORMS.append("cpu")
+    if getattr(_ffi, "has_cuda", False):  # built with nvcc: register for CUDA too
+        for _name, _capsule in _ffi.cuda_handlers().items():
+            jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
 
 
 def ffi_module():
@@ -44,9 +48,22 @@ def apply_env(var: str, setter: Callable[[str], object]) -> bool:
 
 
 def platforms() -> list[str]:
-    """Platforms with a registered jax_nbx handler."""
-    return list(_PLATFORMS)
+    """Platforms with a registered jax_nbx handler ("gpu" when the CUDA path can run)."""
+    return list(_PLATFORMS) + (["gpu"] if has_handler("gpu") else [])
 
 
 def has_handler(platform: str) -> bool:
+    """Whether `fused_moe` has a handler for a JAX backend ("cpu", "gpu")."""
+    if platform == "gpu":
+        from . import _cuda
+
+        return platform_is_cuda() and not _cuda.available()
     return platform in _PLATFORMS
+
+
+def platform_is_cuda() -> bool:
+    try:
+        return any(d.platform == "gpu" and "cuda" in d.client.platform_version.lower()
+                   for d in jax.devices("gpu")[:1])
+    except RuntimeError:
+        return False

@@ -112,13 +112,18 @@ def plan_band_tokens(T: int, k: int, E: int, H: int, I: int,
 
 
 def _ffi_forward(x, w, ids, gate, up, down, *, activation: str, band_tokens: int,
-                 poison: bool = False):
+                 poison: bool = False, platform: str = "cpu"):
     """The raw FFI call on 2-D inputs (no batching rule, no derivative).
 
     ``band_tokens`` > 0 cuts the tokens into bands of that many (0: one band).
     ``poison=True`` (tests) hands the handler an output buffer filled with NaN,
-    so any row it fails to write shows.
+    so any row it fails to write shows.  ``platform="gpu"``: the CUDA handler.
     """
+    if platform == "gpu":
+        from . import _cuda
+
+        return _cuda.forward(x, w, ids, gate, up, down, activation=_ACTIVATION_CODES[activation],
+                             band_tokens=band_tokens)
     attrs = dict(activation=np.int64(_ACTIVATION_CODES[activation]),
                  band_tokens=np.int64(band_tokens), max_workers=np.int64(planned_workers()))
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -131,9 +136,10 @@ def _ffi_forward(x, w, ids, gate, up, down, *, activation: str, band_tokens: int
 
 
 @functools.lru_cache(maxsize=None)
-def _ffi_op(activation: str, band_tokens: int):
+def _ffi_op(activation: str, band_tokens: int, platform: str = "cpu"):
     """The FFI op on 2-D inputs with a batching rule and a derivative."""
-    raw = functools.partial(_ffi_forward, activation=activation, band_tokens=band_tokens)
+    raw = functools.partial(_ffi_forward, activation=activation, band_tokens=band_tokens,
+                            platform=platform)
 
     @custom_vmap
     def forward(x, w, ids, gate, up, down):
@@ -246,9 +252,15 @@ def fused_moe(
     if impl == "xla":
         y = moe_reference(x2, w2, ids2, experts, activation)
         return y.reshape(x.shape)
-    band = plan_band_tokens(T, k, E, H, I, max_workspace_bytes)
+    platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    if platform == "gpu":
+        from . import _cuda
+
+        band = _cuda.plan_band_tokens(T, k, E, H, I, experts.dtype, max_workspace_bytes)
+    else:
+        band = plan_band_tokens(T, k, E, H, I, max_workspace_bytes)
     try:
-        y = _ffi_op(activation, band)(x2, w2, ids2, experts)
+        y = _ffi_op(activation, band, platform)(x2, w2, ids2, experts)
         if not isinstance(y, jax.core.Tracer):  # eager: surface a refusal here
             y.block_until_ready()
     except (jax.errors.JaxRuntimeError, ValueError) as e:  # eager errors may arrive as either

@@ -6,6 +6,9 @@
 #include "account.h"
 #include "cpu/kernel_table.h"
 #include "cpu/moe_forward.h"
+#ifdef NBX_WITH_CUDA
+#include "cuda/moe_cuda.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -94,4 +97,31 @@ NB_MODULE(_ffi, m) {
                              " (this CPU supports: " + nbx::SupportedIsas() + ")").c_str());
   }, nb::arg("name"));
   m.def("format_bytes", [](double b) { return nbx::FormatBytes(b); });
+
+  // The CUDA handler, when this build has it (NBX_CUDA in CMakeLists.txt).
+#ifdef NBX_WITH_CUDA
+  m.attr("has_cuda") = true;
+  m.def("cuda_handlers", []() {
+    nb::dict d;
+    d["nbx_fused_moe_fwd_cuda"] = Capsule(nbx::FusedMoeForwardCuda);
+    return d;
+  }, "Handler capsules for platform 'CUDA', keyed by FFI target name.");
+  m.def("cuda_driver_status", []() { return nbx::CudaDriverStatus(); },
+        "Empty when the CUDA driver loaded, else why it did not.");
+  m.def("cuda_table_stats", []() {
+    int64_t entries, hits, misses, evictions, bytes;
+    nbx::CudaTableStats(&entries, &hits, &misses, &evictions, &bytes);
+    nb::dict d;
+    d["entries"] = entries;
+    d["hits"] = hits;
+    d["misses"] = misses;
+    d["evictions"] = evictions;
+    d["bytes"] = bytes;
+    return d;
+  });
+  m.def("cuda_table_set_capacity", [](int64_t n) { nbx::CudaTableSetCapacity(n); });
+  m.def("cuda_table_clear", []() { nbx::CudaTableClear(); });
+#else
+  m.attr("has_cuda") = false;
+#endif
 }

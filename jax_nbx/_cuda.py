@@ -1,0 +1,128 @@
+"""The CUDA path of `fused_moe`: plan, compile and call the CUDA handler.
+
+The handler (``nbx_fused_moe_fwd_cuda``, `xla_ffi/cuda/moe_cuda.cc`) runs a
+launch program of Triton kernels (`jax_nbx.triton`) on XLA's stream.  All of
+the program is decided here at trace time; the kernels are compiled for the
+device's compute capability at first use (cached on disk by Triton).
+
+Budget rule on CUDA: the workspace comes from XLA's own device pool (its
+scratch allocator), so the account's default budget for ``cuda:N`` is half
+of that pool's limit (``device.memory_stats()["bytes_limit"]``, i.e. the
+memory XLA took for the process), set at first use unless
+``JAX_NBX_BUDGET`` or `jax_nbx.memory.set_budget(..., "cuda", N)` set one.
+Pointer tables (``3·E`` int64 per distinct set of expert addresses) are
+allocated outside the pool and counted under the tag ``"tables"``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import jax
+import numpy as np
+
+from . import _registry, memory
+from .triton import plan as P
+
+TARGET = "nbx_fused_moe_fwd_cuda"
+_budget_set: set[int] = set()
+
+
+def available() -> str:
+    """Empty when the CUDA path can run in this process, else why not."""
+    ffi = _registry._ffi
+    if ffi is None or not getattr(ffi, "has_cuda", False):
+        return "this build of jax_nbx has no CUDA handler (built without nvcc; see README)"
+    if importlib.util.find_spec("triton") is None:
+        return "the CUDA path needs Triton (pip install 'jax_nbx[gpu]')"
+    return ""
+
+
+def _device(ordinal: int = 0):
+    return jax.devices("gpu")[ordinal]
+
+
+def compute_capability(dev) -> int:
+    cc = getattr(dev, "compute_capability", None)
+    if cc is None:
+        raise RuntimeError(f"cannot read the compute capability of {dev}")
+    major, minor = str(cc).split(".")[:2]
+    return int(major) * 10 + int(minor)
+
+
+def ensure_budget(ordinal: int = 0) -> None:
+    """Sets cuda:N's default budget (half of XLA's pool) once, unless one was set."""
+    if ordinal in _budget_set:
+        return
+    _budget_set.add(ordinal)
+    if os.environ.get("JAX_NBX_BUDGET"):
+        memory.set_budget(os.environ["JAX_NBX_BUDGET"], "cuda", ordinal)
+        return
+    if memory.budget("cuda", ordinal) != _registry.ffi_module().account_unlimited():
+        return  # set by the user
+    stats = _device(ordinal).memory_stats() or {}
+    limit = int(stats.get("bytes_limit", 0))
+    if limit > 0:
+        memory.set_budget(limit // 2, "cuda", ordinal)
+
+
+def plan_band_tokens(T: int, k: int, E: int, H: int, I: int, wdtype,
+                     max_workspace_bytes=None) -> int:
+    """Tokens per band so that one band's workspace fits cuda:0's headroom."""
+    ensure_budget(0)
+    name = _device(0).device_kind
+
+    def need(t: int) -> int:
+        return P.band_workspace(t, k, E, H, I, wdtype, name)
+
+    if max_workspace_bytes is None:
+        free, total = memory.headroom("cuda", 0), memory.budget("cuda", 0)
+    else:
+        free = total = memory.parse_bytes(max_workspace_bytes)
+    if need(T) <= free:
+        return T
+    if need(1) > free:
+        raise memory.DeviceOOMError.from_numbers(
+            f"fused_moe workspace for T={T} tokens (E={E} k={k} H={H} I={I}) on cuda:0",
+            requested=need(T), free=free, total=total, shape=(T, H), fixed_bytes=need(0))
+    lo, hi = 1, T
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
+    n_bands = -(-T // lo)
+    return -(-T // n_bands)
+
+
+def check_ids_enabled() -> bool:
+    """``JAX_NBX_CUDA_CHECK_IDS=0`` skips the run-time read-back of the
+    expert-id check (bad ids are still never used as indices: their slots
+    are skipped, but the call then does not fail)."""
+    return os.environ.get("JAX_NBX_CUDA_CHECK_IDS", "1") not in ("0", "false", "no")
+
+
+def forward(x, w, ids, gate, up, down, *, activation: int, band_tokens: int):
+    """The raw CUDA FFI call on 2-D inputs (x [T, H], w f32 [T, k], ids i32 [T, k])."""
+    from .triton import compile as C
+
+    T, H = x.shape
+    k = ids.shape[1]
+    E, _, I = gate.shape
+    wdtype = np.dtype(gate.dtype)
+    dev = _device(0)
+    stride_ok = (H * I * wdtype.itemsize) % 16 == 0
+    prog = P.build(T, band_tokens or T, k, E, H, I, np.dtype(x.dtype), wdtype, activation,
+                   dev.device_kind, w_aligned=stride_ok)
+    blob, table = C.pack(prog, compute_capability(dev))
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="sequential")
+    return call(x, w, ids, gate, up, down, blob=blob, kernels=table.reshape(-1),
+                program=prog.encode(), workspace_bytes=np.int64(prog.workspace_bytes),
+                err_offset=np.int64(prog.err_offset), w_aligned=np.int64(stride_ok),
+                num_experts=np.int64(E), check_ids=np.int64(check_ids_enabled()))
+
+
+def table_stats() -> dict:
+    """The CUDA pointer-table cache: entries, hits, misses, evictions, bytes."""
+    ffi = _registry._ffi
+    if ffi is None or not getattr(ffi, "has_cuda", False):
+        return {"entries": 0, "hits": 0, "misses": 0, "evictions": 0, "bytes": 0}
+    return dict(ffi.cuda_table_stats())

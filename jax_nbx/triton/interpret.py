@@ -1,0 +1,170 @@
+"""Runs a `plan.Program` with the Triton interpreter on NumPy arrays.
+
+The test suite's way to check the CUDA path's kernels AND its launch program
+without a GPU: the same launches, grids and arguments the CUDA handler
+executes, with the same pointer tables (absolute addresses of each expert's
+weights), run by ``triton``'s interpreter (``TRITON_INTERPRET=1``) on host
+memory.  Slow: small shapes only.
+
+The interpreter expects torch-like tensors; `_HostTensor` is the least of
+that interface over a raw host address (no copies: the interpreter's "device"
+and "host" are the same memory, so absolute addresses in a table stay valid).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import plan as P
+
+_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "i32": "int32",
+                "i64": "int64"}
+
+
+class _DType:
+    def __init__(self, name: str):
+        self.name = name
+        self.itemsize = np.dtype(name).itemsize if name != "bfloat16" else 2
+
+    def __str__(self):
+        return f"torch.{self.name}"
+
+    __repr__ = __str__
+
+
+_DTYPES = {name: _DType(name) for name in _DTYPE_NAMES.values()}  # one object each: Triton
+# caches argument types by the dtype object, so a fresh one per tensor could alias a dead one
+
+
+class _Storage:
+    def __init__(self, addr: int):
+        self._addr = addr
+
+    def data_ptr(self) -> int:
+        return self._addr
+
+    def cpu(self):
+        return self
+
+    def copy_(self, other):  # same memory
+        return self
+
+
+class _HostTensor:
+    """A raw host address typed for Triton (what the interpreter reads of a torch tensor)."""
+
+    def __init__(self, addr: int, ptype: str):
+        self._addr = int(addr)
+        self.dtype = _DTYPES[_DTYPE_NAMES[ptype.lstrip("*")]]
+
+    def data_ptr(self) -> int:
+        return self._addr
+
+    def untyped_storage(self):
+        return _Storage(self._addr)
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self):
+        return (1,)
+
+    def stride(self):
+        return (1,)
+
+    def new_empty(self, *args, **kwargs):
+        return _HostTensor(self._addr, "*" + {v: k for k, v in _DTYPE_NAMES.items()}[self.dtype.name])
+
+    def set_(self, storage, offset, size, stride):
+        self._addr = storage.data_ptr() + offset * self.dtype.itemsize
+        return self
+
+    def copy_(self, other):  # same memory
+        return self
+
+
+def _patch_bf16_dot() -> None:
+    """Triton's interpreter stores bfloat16 as uint16 and multiplies those
+    integers in `tl.dot` (triton 3.6); convert bf16 operands to float32 first
+    (exact), as the GPU's bf16 dot accumulates in float32 anyway."""
+    from triton.runtime import interpreter as itp
+
+    if getattr(itp.InterpreterBuilder.create_dot, "_nbx", False):
+        return
+    original = itp.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def f32(t):
+            if t.dtype.scalar == itp.tl.bfloat16:
+                data = itp._convert_float(t.data, itp.tl.bfloat16, itp.tl.float32, None).view(np.float32)
+                return itp.TensorHandle(data, itp.tl.float32)
+            return t
+        return original(self, f32(a), f32(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot._nbx = True
+    itp.InterpreterBuilder.create_dot = create_dot
+
+
+def _interpreted(name: str):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    _patch_bf16_dot()
+
+    from . import kernels
+
+    fn = getattr(kernels, name)
+    fn = getattr(fn, "fn", fn)  # the Python function under triton.jit
+    # helpers called from kernels must be interpreted too
+    for helper in ("_act", "_expert_ptr"):
+        h = getattr(kernels, helper)
+        if not isinstance(h, InterpretedFunction):
+            setattr(kernels, helper, InterpretedFunction(getattr(h, "fn", h)))
+    return InterpretedFunction(fn)
+
+
+def pointer_tables(gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> list[np.ndarray]:
+    """One int64 address per expert and projection (stacked [E, …] arrays), as the handler builds them."""
+    out = []
+    for a in (gate, up, down):
+        E = a.shape[0]
+        stride = a.nbytes // E
+        out.append(np.asarray([a.ctypes.data + e * stride for e in range(E)], np.uint64).view(np.int64))
+    return out
+
+
+def run(prog: P.Program, inputs: list[np.ndarray], out: np.ndarray,
+        tables: list[np.ndarray] | None = None, workspace: list | None = None) -> int:
+    """Executes ``prog`` on host arrays (inputs in call order: x, w, ids, gate,
+    up, down; ``out`` written in place).  Returns the err word: the first slot
+    with a bad expert id, or `plan.ERR_NONE`.  ``workspace`` (a list) receives
+    the workspace bytes, for debugging."""
+    inputs = [np.ascontiguousarray(a) for a in inputs]
+    if tables is None:
+        tables = pointer_tables(*inputs[P.IN_GATE:P.IN_DOWN + 1])
+    ws = np.empty(prog.workspace_bytes + P.WS_ALIGN, np.uint8)
+    ws_base = -(-ws.ctypes.data // P.WS_ALIGN) * P.WS_ALIGN
+    ws[:] = 0xCD  # poison: nothing may depend on workspace it did not write
+    fns: dict[str, object] = {}
+    for ln in prog.launches:
+        args = []
+        for a in ln.args:
+            if a.kind == P.ARG_INPUT:
+                args.append(_HostTensor(inputs[a.index].ctypes.data + a.offset, a.ptype))
+            elif a.kind == P.ARG_OUTPUT:
+                args.append(_HostTensor(out.ctypes.data + a.offset, a.ptype))
+            elif a.kind == P.ARG_WORKSPACE:
+                args.append(_HostTensor(ws_base + a.offset, a.ptype))
+            elif a.kind == P.ARG_TABLE:
+                args.append(_HostTensor(tables[a.index].ctypes.data, "*i64"))
+            else:
+                args.append(a.offset)
+        if ln.kernel.name not in fns:
+            fns[ln.kernel.name] = _interpreted(ln.kernel.name)
+        fns[ln.kernel.name][ln.grid](*args, **dict(ln.kernel.constexprs))
+    start = ws_base - ws.ctypes.data
+    if workspace is not None:
+        workspace.append(ws[start:start + prog.workspace_bytes])
+    err = np.frombuffer(ws, np.int32, 1, start + prog.err_offset)
+    return int(err[0])

@@ -1,0 +1,275 @@
+"""Triton kernels of the CUDA path.
+
+They are compiled ahead of the launch (`compile.py`) and launched by our CUDA
+FFI handler (`xla_ffi/cuda/`) in the order a *program* (`plan.py`) lists; the
+tests run the very same program under ``TRITON_INTERPRET=1`` (`interpret.py`).
+
+Layouts (one band of ``n = Tb*k`` token slots; slot ``s`` is token ``s // k``,
+choice ``s % k``):
+
+* ``x [Tb, H]``, ``w [Tb, k]`` float32, ``ids [Tb, k]`` int32, ``y [Tb, H]``.
+* every expert's weights are read IN PLACE through a pointer table: an int64
+  absolute address per expert and projection (``gate/up [H, I]``,
+  ``down [I, H]``, row-major).  ``W_ALIGNED`` says every address is a
+  multiple of 16 bytes (the handler checks the claim before launching).
+* workspace (from XLA's scratch allocator): ``err`` int32 (first bad slot),
+  the expert-ordering arrays, ``h [rows, I]`` (activation times up, in the
+  weights' dtype, float32 for float32 weights) and ``out [n, H]`` float32
+  (each slot's weighted expert output; `combine` sums a token's k slots in
+  a fixed order, so results do not depend on scheduling).
+
+Prefill path: ``count`` → ``offsets`` → ``scatter`` order the slots by expert,
+each expert's group padded to ``BM`` rows (a block never mixes experts), then
+``gemm1`` (gate‖up accumulated side by side, activation in the epilogue),
+``gemm2`` (routed weight in the epilogue), ``combine``.
+Decode path (few slots): ``decode1``/``decode2`` take one program per
+(slot, column tile): no ordering, no padding, each weight tile read once per
+slot.
+
+An expert id outside ``[0, E)`` is never used as an index: the slot is
+skipped and the smallest such slot is recorded in ``err`` (the handler reads
+it back and fails the call naming the slot and the id).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+ERR_NONE = tl.constexpr(2**31 - 1)
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr):
+    if ACT == 1:  # gelu, tanh approximation; tanh(z) = 2*sigmoid(2z) - 1
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return 0.5 * g * (2.0 * tl.sigmoid(2.0 * z))
+    return g * tl.sigmoid(g)  # silu
+
+
+@triton.jit
+def _expert_ptr(tbl, e, wref, W_ALIGNED: tl.constexpr):
+    """The address of expert e's matrix, typed like wref (a pointer argument
+    of the weights' dtype)."""
+    p = tl.load(tbl + e).to(wref.dtype)
+    if W_ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
+
+
+@triton.jit
+def fill_i32(ptr, n, value, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(ptr + offs, tl.full((BLOCK,), value, tl.int32), mask=offs < n)
+
+
+@triton.jit
+def count(ids, n, slot0, hist, rank, err, E: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr):
+    """Per block of slots: how many go to each expert (hist[pid, :E]) and each
+    slot's rank among the block's slots of its expert.  Flags bad ids (the
+    call's slot index: ``slot0`` is the band's first slot)."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    e = tl.load(ids + offs, mask=live, other=0)
+    bad = live & ((e < 0) | (e >= E))
+    tl.atomic_min(err + tl.zeros((BLOCK,), tl.int32), tl.where(bad, slot0 + offs, ERR_NONE), mask=bad)
+    ok = live & ~bad
+    onehot = ((e[:, None] == tl.arange(0, EP)[None, :]) & ok[:, None]).to(tl.int32)
+    cnt = tl.sum(onehot, axis=0)
+    cols = tl.arange(0, EP)
+    tl.store(hist + pid * E + cols, cnt, mask=cols < E)
+    incl = tl.cumsum(onehot, axis=0)
+    r = tl.sum(incl * onehot, axis=1) - 1
+    tl.store(rank + offs, r, mask=live)
+
+
+@triton.jit
+def offsets(hist, base, block_expert, NBLK: tl.constexpr, NMB: tl.constexpr, E: tl.constexpr,
+            EP: tl.constexpr, BM: tl.constexpr, JB: tl.constexpr):
+    """One program: each expert's first padded row, every (block, expert)
+    base row, and the expert of every BM-row block (-1: unused).  NBLK slot
+    blocks, NMB row blocks (constexpr: they are static per band)."""
+    cols = tl.arange(0, EP)
+    cmask = cols < E
+    total = tl.zeros((EP,), tl.int32)
+    for b in range(0, NBLK):
+        total += tl.load(hist + b * E + cols, mask=cmask, other=0)
+    padded = (total + BM - 1) // BM * BM
+    end = tl.cumsum(padded, axis=0)
+    start = end - padded
+    run = start
+    for b in range(0, NBLK):
+        h = tl.load(hist + b * E + cols, mask=cmask, other=0)
+        tl.store(base + b * E + cols, run, mask=cmask)
+        run += h
+    for j0 in range(0, NMB, JB):
+        j = j0 + tl.arange(0, JB)
+        row = j * BM
+        inside = (row[:, None] >= start[None, :]) & (row[:, None] < end[None, :]) & cmask[None, :]
+        found = tl.sum(inside.to(tl.int32), axis=1) > 0
+        ex = tl.sum(tl.where(inside, cols[None, :], 0), axis=1)
+        tl.store(block_expert + j, tl.where(found, ex, -1), mask=j < NMB)
+
+
+@triton.jit
+def scatter(ids, n, rank, base, sorted_slots, E: tl.constexpr, BLOCK: tl.constexpr):
+    """sorted_slots[base[block, e] + rank] = slot, for every slot with a good id."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    e = tl.load(ids + offs, mask=live, other=0)
+    ok = live & (e >= 0) & (e < E)
+    es = tl.where(ok, e, 0)
+    pos = tl.load(base + pid * E + es, mask=ok, other=0) + tl.load(rank + offs, mask=ok, other=0)
+    tl.store(sorted_slots + pos, offs, mask=ok)
+
+
+@triton.jit
+def gemm1(x, sorted_slots, block_expert, gate_tbl, up_tbl, wref, h,
+          H: tl.constexpr, I: tl.constexpr, K_TOP: tl.constexpr, ACT: tl.constexpr,
+          W_ALIGNED: tl.constexpr, IEEE: tl.constexpr,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """h[row, n] = act(x[tok] @ gate[e])[n] * (x[tok] @ up[e])[n] for the BM
+    rows of one block (one expert) and BN columns."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert + pid_m)
+    if e < 0:
+        return
+    rows = pid_m * BM + tl.arange(0, BM)
+    slot = tl.load(sorted_slots + rows)
+    valid = slot >= 0
+    tok = tl.where(valid, slot, 0) // K_TOP
+    gp = _expert_ptr(gate_tbl, e, wref, W_ALIGNED)
+    upp = _expert_ptr(up_tbl, e, wref, W_ALIGNED)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < I
+    offs_k = tl.arange(0, BK)
+    acc_g = tl.zeros((BM, BN), tl.float32)
+    acc_u = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, H, BK):
+        kk = k0 + offs_k
+        kmask = kk < H
+        a = tl.load(x + tok[:, None].to(tl.int64) * H + kk[None, :],
+                    mask=valid[:, None] & kmask[None, :], other=0.0)
+        a = a.to(wref.dtype.element_ty)
+        wmask = kmask[:, None] & nmask[None, :]
+        woff = kk[:, None].to(tl.int64) * I + offs_n[None, :]
+        bg = tl.load(gp + woff, mask=wmask, other=0.0)
+        bu = tl.load(upp + woff, mask=wmask, other=0.0)
+        if IEEE:
+            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, bg, acc_g)
+            acc_u = tl.dot(a, bu, acc_u)
+    out = _act(acc_g, ACT) * acc_u
+    tl.store(h + rows[:, None].to(tl.int64) * I + offs_n[None, :], out.to(h.dtype.element_ty),
+             mask=nmask[None, :])
+
+
+@triton.jit
+def gemm2(h, sorted_slots, block_expert, down_tbl, wref, w, out,
+          H: tl.constexpr, I: tl.constexpr, W_ALIGNED: tl.constexpr, IEEE: tl.constexpr,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """out[slot, n] = w[slot] * (h[row] @ down[e])[n] for the block's real slots."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert + pid_m)
+    if e < 0:
+        return
+    rows = pid_m * BM + tl.arange(0, BM)
+    slot = tl.load(sorted_slots + rows)
+    valid = slot >= 0
+    dp = _expert_ptr(down_tbl, e, wref, W_ALIGNED)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < H
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, I, BK):
+        kk = k0 + offs_k
+        kmask = kk < I
+        a = tl.load(h + rows[:, None].to(tl.int64) * I + kk[None, :], mask=kmask[None, :], other=0.0)
+        a = a.to(wref.dtype.element_ty)
+        b = tl.load(dp + kk[:, None].to(tl.int64) * H + offs_n[None, :],
+                    mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    rw = tl.load(w + slot, mask=valid, other=0.0)
+    acc = acc * rw[:, None]
+    sl = tl.where(valid, slot, 0).to(tl.int64)
+    tl.store(out + sl[:, None] * H + offs_n[None, :], acc, mask=valid[:, None] & nmask[None, :])
+
+
+@triton.jit
+def decode1(x, ids, slot0, err, gate_tbl, up_tbl, wref, h,
+            H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, K_TOP: tl.constexpr,
+            ACT: tl.constexpr, W_ALIGNED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """h[slot, n] (float32) for one slot and BN columns: a vector times the
+    expert's gate and up tiles, each weight element read once."""
+    s = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids + s)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < I
+    if (e < 0) | (e >= E):
+        if pid_n == 0:
+            tl.atomic_min(err, slot0 + s)
+        tl.store(h + s * I + offs_n, tl.zeros((BN,), tl.float32), mask=nmask)
+        return
+    t = s // K_TOP
+    gp = _expert_ptr(gate_tbl, e, wref, W_ALIGNED)
+    upp = _expert_ptr(up_tbl, e, wref, W_ALIGNED)
+    offs_k = tl.arange(0, BK)
+    acc_g = tl.zeros((BN,), tl.float32)
+    acc_u = tl.zeros((BN,), tl.float32)
+    for k0 in range(0, H, BK):
+        kk = k0 + offs_k
+        kmask = kk < H
+        xv = tl.load(x + t * H + kk, mask=kmask, other=0.0).to(tl.float32)
+        wmask = kmask[:, None] & nmask[None, :]
+        woff = kk[:, None] * I + offs_n[None, :]
+        bg = tl.load(gp + woff, mask=wmask, other=0.0).to(tl.float32)
+        bu = tl.load(upp + woff, mask=wmask, other=0.0).to(tl.float32)
+        acc_g += tl.sum(xv[:, None] * bg, axis=0)
+        acc_u += tl.sum(xv[:, None] * bu, axis=0)
+    tl.store(h + s * I + offs_n, _act(acc_g, ACT) * acc_u, mask=nmask)
+
+
+@triton.jit
+def decode2(h, ids, down_tbl, wref, w, out,
+            H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, W_ALIGNED: tl.constexpr,
+            BN: tl.constexpr, BK: tl.constexpr):
+    """out[slot, n] = w[slot] * (h[slot] @ down[e])[n] for one slot and BN columns."""
+    s = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids + s)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < H
+    acc = tl.zeros((BN,), tl.float32)
+    if (e >= 0) & (e < E):
+        dp = _expert_ptr(down_tbl, e, wref, W_ALIGNED)
+        offs_k = tl.arange(0, BK)
+        for k0 in range(0, I, BK):
+            kk = k0 + offs_k
+            kmask = kk < I
+            hv = tl.load(h + s * I + kk, mask=kmask, other=0.0)
+            b = tl.load(dp + kk[:, None] * H + offs_n[None, :],
+                        mask=kmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(hv[:, None] * b, axis=0)
+        acc = acc * tl.load(w + s)
+    tl.store(out + s * H + offs_n, acc, mask=nmask)
+
+
+@triton.jit
+def combine(out, y, H: tl.constexpr, K_TOP: tl.constexpr, BH: tl.constexpr):
+    """y[t] = sum over j of out[t*k + j], in order j = 0..k-1."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BH + tl.arange(0, BH)
+    m = offs < H
+    acc = tl.zeros((BH,), tl.float32)
+    for j in range(0, K_TOP):
+        acc += tl.load(out + (t * K_TOP + j).to(tl.int64) * H + offs, mask=m, other=0.0)
+    tl.store(y + t.to(tl.int64) * H + offs, acc.to(y.dtype.element_ty), mask=m)

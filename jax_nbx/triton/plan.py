@@ -1,0 +1,283 @@
+"""The launch program of the CUDA path: which kernels, in what order, with
+which grids and arguments.
+
+Everything here is decided at trace time (JAX shapes are static): token
+bands, tile configs, workspace layout.  The same `Program` is executed by the
+CUDA handler (`xla_ffi/cuda/moe_cuda.cc`, from the int64 encoding of
+`Program.encode`) and, in the tests, by the Triton interpreter
+(`interpret.py`), so the interpreter checks the grids and arguments the GPU
+gets, not a copy of them.  Nothing in this module imports Triton.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Argument kinds (the handler's ArgKind enum has the same numbers).
+ARG_INPUT, ARG_OUTPUT, ARG_WORKSPACE, ARG_TABLE, ARG_I32 = 0, 1, 2, 3, 4
+# Inputs in call order.
+IN_X, IN_W, IN_IDS, IN_GATE, IN_UP, IN_DOWN = range(6)
+ERR_NONE = 2**31 - 1
+WS_ALIGN = 256
+COUNT_BLOCK = 128
+FILL_BLOCK = 1024
+COMBINE_BLOCK = 1024
+
+_TL = {np.dtype("float32"): "fp32", np.dtype("float16"): "fp16", np.dtype("int32"): "i32",
+       np.dtype("int64"): "i64"}
+
+
+def _tl_name(dtype) -> str:
+    d = np.dtype(dtype)
+    if d.name == "bfloat16":
+        return "bf16"
+    return _TL[d]
+
+
+@dataclasses.dataclass(frozen=True)
+class Arg:
+    kind: int
+    index: int = 0        # input/output number, or projection of a table
+    offset: int = 0       # bytes (buffers, workspace), or the value (ARG_I32)
+    ptype: str = ""       # Triton pointer type, e.g. "*bf16" ("i32" for scalars)
+
+    def aligned16(self) -> bool:
+        return self.kind != ARG_I32 and self.offset % 16 == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One compiled kernel: a function of `kernels.py`, its constexprs and launch options."""
+    name: str
+    constexprs: tuple[tuple[str, Any], ...]
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    kernel: Kernel
+    grid: tuple[int, int, int]
+    args: tuple[Arg, ...]
+
+
+@dataclasses.dataclass
+class Program:
+    launches: list[Launch]
+    workspace_bytes: int
+    err_offset: int
+    w_aligned: bool
+    num_experts: int
+
+    def kernels(self) -> list[tuple[Kernel, tuple[str, ...], tuple[bool, ...]]]:
+        """Distinct (kernel, argument types, 16-byte alignment of pointer
+        arguments) in first-use order: each is compiled once."""
+        seen: dict = {}
+        for ln in self.launches:
+            key = (ln.kernel, tuple(a.ptype for a in ln.args), tuple(a.aligned16() for a in ln.args))
+            seen.setdefault(key, None)
+        return list(seen)
+
+    def kernel_index(self, ln: Launch) -> int:
+        key = (ln.kernel, tuple(a.ptype for a in ln.args), tuple(a.aligned16() for a in ln.args))
+        return self.kernels().index(key)
+
+    def encode(self) -> np.ndarray:
+        """int64 program: per launch [kernel, gx, gy, gz, nargs, (kind, index, offset)*nargs]."""
+        index = {k: i for i, k in enumerate(self.kernels())}
+        out: list[int] = []
+        for ln in self.launches:
+            key = (ln.kernel, tuple(a.ptype for a in ln.args), tuple(a.aligned16() for a in ln.args))
+            out += [index[key], *ln.grid, len(ln.args)]
+            for a in ln.args:
+                out += [a.kind, a.index, a.offset]
+        return np.asarray(out, np.int64)
+
+
+# --------------------------------------------------------------------------- configs
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    BM: int
+    BN: int
+    BK: int
+    num_warps: int
+    num_stages: int
+
+
+_CONFIG_DIR = Path(__file__).with_name("configs")
+
+
+def _default_gemm_configs(rows_per_expert: float, wdtype) -> tuple[GemmConfig, GemmConfig]:
+    if np.dtype(wdtype) == np.float32:  # exact float32 dot: no tensor cores
+        bm = 16 if rows_per_expert <= 16 else 32
+        return GemmConfig(bm, 32, 32, 4, 2), GemmConfig(bm, 64, 32, 4, 2)
+    if rows_per_expert <= 16:
+        bm, w = 16, 4
+    elif rows_per_expert <= 32:
+        bm, w = 32, 4
+    elif rows_per_expert <= 96:
+        bm, w = 64, 4
+    else:
+        bm, w = 128, 8
+    return GemmConfig(bm, 64, 64, w, 3), GemmConfig(bm, 128, 64, w, 3)
+
+
+def config_file(device_name: str) -> Path:
+    safe = "".join(c if c.isalnum() else "_" for c in device_name)
+    return _CONFIG_DIR / f"{safe}.json"
+
+
+def gemm_configs(M: int, E: int, H: int, I: int, wdtype, device_name: str | None
+                 ) -> tuple[GemmConfig, GemmConfig]:
+    """Tile configs of gemm1 and gemm2 for M = T·k slots: from the tuned
+    file of the device (`configs/<device>.json`, key "E,H,I,dtype", the
+    entry of the nearest M), else defaults by rows per expert.
+    ``JAX_NBX_TRITON_CONFIGS`` names another file."""
+    path = os.environ.get("JAX_NBX_TRITON_CONFIGS")
+    file = Path(path) if path else (config_file(device_name) if device_name else None)
+    if file is not None and file.exists():
+        table = json.loads(file.read_text()).get(f"{E},{H},{I},{_tl_name(wdtype)}")
+        if table:
+            best = min(table, key=lambda m: abs(math.log(int(m)) - math.log(max(M, 1))))
+            c1, c2 = table[best]
+            return GemmConfig(**c1), GemmConfig(**c2)
+    return _default_gemm_configs(M / E, wdtype)
+
+
+# --------------------------------------------------------------------------- layout
+
+class _Layout:
+    def __init__(self):
+        self.size = 0
+
+    def take(self, nbytes: int) -> int:
+        off = self.size
+        self.size += -(-max(int(nbytes), 1) // WS_ALIGN) * WS_ALIGN
+        return off
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, int(n) - 1).bit_length())
+
+
+def use_decode(slots: int, E: int) -> bool:
+    """Few slots: one program per (slot, column tile) beats ordering and padding."""
+    return slots <= int(os.environ.get("JAX_NBX_CUDA_DECODE_SLOTS", 16))
+
+
+def max_mblocks(slots: int, E: int, BM: int) -> int:
+    """Upper bound on BM-row blocks after padding every expert's group."""
+    return -(-slots // BM) + min(E, slots)
+
+
+def band_workspace(tokens: int, k: int, E: int, H: int, I: int, wdtype, device_name=None) -> int:
+    """Bytes of workspace of one band of ``tokens`` tokens (0: the fixed part)."""
+    return _build(tokens, tokens, k, E, H, I, np.float32, wdtype, 0, device_name,
+                  layout_only=True).workspace_bytes
+
+
+def build(T: int, band: int, k: int, E: int, H: int, I: int, xdtype, wdtype, activation: int,
+          device_name: str | None = None, w_aligned: bool = True) -> Program:
+    """The program of one fused_moe call: T tokens in bands of ``band``."""
+    return _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name,
+                  w_aligned=w_aligned)
+
+
+def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
+           w_aligned=True, layout_only=False) -> Program:
+    band = max(1, min(int(band) or T, T)) if T else 1
+    xdtype, wdtype = np.dtype(xdtype), np.dtype(wdtype)
+    xs, ws_t = "*" + _tl_name(xdtype), "*" + _tl_name(wdtype)
+    ieee = wdtype == np.float32
+    hdtype = np.dtype("float32") if ieee else wdtype
+    n = band * k
+    lay = _Layout()
+    err = lay.take(4)
+    launches: list[Launch] = []
+
+    def ws(off, t="*i32"):
+        return Arg(ARG_WORKSPACE, 0, off, t)
+
+    def inp(i, off, t):
+        return Arg(ARG_INPUT, i, off, t)
+
+    def i32(v):
+        return Arg(ARG_I32, 0, int(v), "i32")
+
+    def fill(off, count, value):
+        launches.append(Launch(Kernel("fill_i32", (("BLOCK", FILL_BLOCK),)),
+                               (-(-count // FILL_BLOCK), 1, 1), (ws(off), i32(count), i32(value))))
+
+    wref = inp(IN_GATE, 0, ws_t)
+    tbl = [Arg(ARG_TABLE, p, 0, "*i64") for p in range(3)]
+    combine = Kernel("combine", (("H", H), ("K_TOP", k), ("BH", COMBINE_BLOCK)), 4, 1)
+    common = (("H", H), ("I", I))
+    decode = use_decode(n, E)
+    if decode:
+        h_off = lay.take(n * I * 4)
+        out_off = lay.take(n * H * 4)
+        BN, BK = 64, 64
+        d1 = Kernel("decode1", common + (("E", E), ("K_TOP", k), ("ACT", activation),
+                                         ("W_ALIGNED", w_aligned), ("BN", BN), ("BK", BK)), 4, 1)
+        d2 = Kernel("decode2", common + (("E", E), ("W_ALIGNED", w_aligned), ("BN", BN), ("BK", BK)), 4, 1)
+    else:
+        c1, c2 = gemm_configs(n, E, H, I, wdtype, device_name)
+        BM = c1.BM
+        assert c2.BM == BM, "gemm1 and gemm2 share the row blocks"
+        MB = max_mblocks(n, E, BM)
+        nblk = -(-n // COUNT_BLOCK)
+        EP = _pow2(E)
+        hist = lay.take(nblk * E * 4)
+        rank = lay.take(n * 4)
+        base = lay.take(nblk * E * 4)
+        bexp = lay.take(MB * 4)
+        srt = lay.take(MB * BM * 4)
+        h_off = lay.take(MB * BM * I * hdtype.itemsize)
+        out_off = lay.take(n * H * 4)
+        kc = Kernel("count", (("E", E), ("EP", EP), ("BLOCK", COUNT_BLOCK)), 4, 1)
+        ks = Kernel("scatter", (("E", E), ("BLOCK", COUNT_BLOCK)), 4, 1)
+        g1 = Kernel("gemm1", common + (("K_TOP", k), ("ACT", activation), ("W_ALIGNED", w_aligned),
+                                       ("IEEE", ieee), ("BM", BM), ("BN", c1.BN), ("BK", c1.BK)),
+                    c1.num_warps, c1.num_stages)
+        g2 = Kernel("gemm2", common + (("W_ALIGNED", w_aligned), ("IEEE", ieee), ("BM", BM),
+                                       ("BN", c2.BN), ("BK", c2.BK)), c2.num_warps, c2.num_stages)
+    if layout_only:
+        return Program([], lay.size, err, w_aligned, E)
+
+    fill(err, 1, ERR_NONE)
+    xb, wb, ib = xdtype.itemsize, 4, 4
+    for t0 in range(0, T, band):
+        tb = min(band, T - t0)
+        nb = tb * k
+        x_a = inp(IN_X, t0 * H * xb, xs)
+        w_a = inp(IN_W, t0 * k * wb, "*fp32")
+        ids_a = inp(IN_IDS, t0 * k * ib, "*i32")
+        y_a = Arg(ARG_OUTPUT, 0, t0 * H * xb, xs)
+        hf = "*fp32" if decode else "*" + _tl_name(hdtype)
+        if decode:
+            launches.append(Launch(d1, (nb, -(-I // BN), 1),
+                                   (x_a, ids_a, i32(t0 * k), ws(err), tbl[0], tbl[1], wref, ws(h_off, hf))))
+            launches.append(Launch(d2, (nb, -(-H // BN), 1),
+                                   (ws(h_off, hf), ids_a, tbl[2], wref, w_a, ws(out_off, "*fp32"))))
+        else:
+            nblk_b = -(-nb // COUNT_BLOCK)
+            mb = max_mblocks(nb, E, BM)
+            fill(srt, mb * BM, -1)
+            launches.append(Launch(kc, (nblk_b, 1, 1), (ids_a, i32(nb), i32(t0 * k), ws(hist), ws(rank), ws(err))))
+            ko = Kernel("offsets", (("NBLK", nblk_b), ("NMB", mb), ("E", E), ("EP", EP), ("BM", BM),
+                                    ("JB", 64)), 4, 1)
+            launches.append(Launch(ko, (1, 1, 1), (ws(hist), ws(base), ws(bexp))))
+            launches.append(Launch(ks, (nblk_b, 1, 1), (ids_a, i32(nb), ws(rank), ws(base), ws(srt))))
+            launches.append(Launch(g1, (mb, -(-I // c1.BN), 1),
+                                   (x_a, ws(srt), ws(bexp), tbl[0], tbl[1], wref, ws(h_off, hf))))
+            launches.append(Launch(g2, (mb, -(-H // c2.BN), 1),
+                                   (ws(h_off, hf), ws(srt), ws(bexp), tbl[2], wref, w_a, ws(out_off, "*fp32"))))
+        launches.append(Launch(combine, (tb, -(-H // COMBINE_BLOCK), 1), (ws(out_off, "*fp32"), y_a)))
+    return Program(launches, lay.size, err, w_aligned, E)

@@ -1,0 +1,66 @@
+"""The CUDA handler on a real GPU (skipped where JAX has no CUDA device or
+jax_nbx was built without the CUDA handler).  benchmarks/gpu_check.sh runs
+these on a GPU machine; the kernels themselves are also checked on the CPU
+by tests/test_triton_interpret.py."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_nbx as nbx
+from jax_nbx import _cuda, _registry
+from conftest import make_problem, np_moe, rel_err
+
+pytestmark = pytest.mark.skipif(not _registry.has_handler("gpu"),
+                                reason="no CUDA device with jax_nbx's CUDA handler here")
+
+# 16-bit weights run on tensor cores: x and the intermediate are rounded to the weights' dtype
+GPU_TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 4e-3}
+
+
+@pytest.mark.parametrize("T,E,k,H,I", [(1, 8, 2, 129, 99), (33, 5, 3, 130, 66), (222, 16, 4, 257, 130),
+                                       (1024, 64, 8, 512, 256)])
+@pytest.mark.parametrize("wd", ["float32", "bfloat16", "float16"])
+def test_cuda_matches_float64(T, E, k, H, I, wd):
+    x, w, ids, ex = make_problem(T * 7 + E, T, E, k, H, I, jnp.dtype(wd), jnp.dtype(wd))
+    y = jax.jit(lambda *a: nbx.fused_moe(*a, implementation="ffi"))(x, w, ids, ex)
+    assert bool(jnp.all(jnp.isfinite(y)))
+    assert rel_err(y, np_moe(x, w, ids, ex)) < GPU_TOL[wd]
+
+
+def test_cuda_bands_identical():
+    x, w, ids, ex = make_problem(3, 300, 16, 4, 256, 128, jnp.bfloat16, jnp.bfloat16)
+    y0 = nbx.fused_moe(x, w, ids, ex, implementation="ffi")
+    y1 = nbx.fused_moe(x, w, ids, ex, implementation="ffi", max_workspace_bytes="1MB")
+    # every row is computed by the same kernels whatever the band: identical
+    assert bool(jnp.all(y0 == y1))
+
+
+def test_cuda_bad_id_names_the_slot():
+    x, w, ids, ex = make_problem(4, 40, 8, 2, 64, 32, jnp.bfloat16, jnp.bfloat16)
+    ids = ids.at[17, 1].set(11)
+    with pytest.raises(Exception, match=r"topk_ids\[17, 1\] = 11 is outside \[0, 8\)"):
+        nbx.fused_moe(x, w, ids, ex, implementation="ffi").block_until_ready()
+
+
+def test_cuda_tables_cached():
+    x, w, ids, ex = make_problem(5, 16, 8, 2, 64, 32, jnp.bfloat16, jnp.bfloat16)
+    f = jax.jit(lambda *a: nbx.fused_moe(*a, implementation="ffi"))
+    f(x, w, ids, ex).block_until_ready()
+    before = _cuda.table_stats()
+    f(x, w, ids, ex).block_until_ready()
+    after = _cuda.table_stats()
+    assert after["hits"] > before["hits"] and after["entries"] >= 1
+    assert nbx.memory.stats()["cuda:0"]["live_by_tag"].get("tables", 0) == after["bytes"]
+
+
+def test_cuda_grad_and_vmap():
+    x, w, ids, ex = make_problem(6, 16, 4, 2, 64, 32, jnp.float32, jnp.float32)
+    g = jax.grad(lambda x: nbx.fused_moe(x, w, ids, ex, implementation="ffi").sum())(x)
+    gr = jax.grad(lambda x: nbx.fused_moe(x, w, ids, ex, implementation="xla").sum())(x)
+    assert rel_err(g, np.asarray(gr, np.float64)) < 1e-4
+    xb = jnp.stack([x, 2 * x])
+    yb = jax.vmap(lambda x: nbx.fused_moe(x, w, ids, ex, implementation="ffi"))(xb)
+    assert rel_err(yb[1], np_moe(2 * x, w, ids, ex)) < 1e-4

@@ -1,0 +1,455 @@
+// The CUDA handler of fused_moe: executes a launch program of Triton kernels
+// compiled ahead of time (jax_nbx/triton/plan.py builds the program,
+// jax_nbx/triton/compile.py the cubins) on XLA's stream.
+//
+// Per call: reserve the workspace in the account ("cuda:N") and take it from
+// XLA's scratch allocator; look up the pointer tables (one int64 address per
+// expert and projection, cached under a fingerprint of every address); load
+// each cubin once per device (cached by content hash); launch every kernel in
+// order, checking each driver call; read back the bad-expert-id word and fail
+// the call naming the slot and the id when there is one.
+//
+// The driver API is reached through dlopen("libcuda.so.1"), so the extension
+// imports on machines without a GPU driver; the handler reports the missing
+// driver as an error if it is ever called there.
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstring>
+#include <list>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>  // cudaStream_t (XLA's stream type); no runtime calls
+
+#include "account.h"
+#include "cuda/moe_cuda.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace nbx {
+namespace {
+
+#define NBX_STR2(x) #x
+#define NBX_STR(x) NBX_STR2(x)
+
+// Driver entry points, by their versioned symbol names (cuda.h maps e.g.
+// cuMemAlloc to cuMemAlloc_v2; NBX_STR expands the macro first).
+struct Driver {
+  bool ok = false;
+  std::string why;
+#define NBX_DRIVER_FNS(X)                                                             \
+  X(cuInit) X(cuGetErrorString) X(cuDeviceGet) X(cuDevicePrimaryCtxRetain)            \
+  X(cuCtxPushCurrent) X(cuCtxPopCurrent) X(cuModuleLoadData) X(cuModuleGetFunction)   \
+  X(cuFuncSetAttribute) X(cuLaunchKernel) X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoD)  \
+  X(cuMemcpyDtoHAsync) X(cuStreamSynchronize)
+#define NBX_DECLARE(fn) decltype(&::fn) fn = nullptr;
+  NBX_DRIVER_FNS(NBX_DECLARE)
+#undef NBX_DECLARE
+
+  static Driver& Get() {
+    static Driver d = Load();
+    return d;
+  }
+
+ private:
+  static Driver Load() {
+    Driver d;
+    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (h == nullptr) {
+      d.why = std::string("cannot load the CUDA driver (libcuda.so.1): ") + dlerror();
+      return d;
+    }
+#define NBX_LOAD(fn)                                                                 \
+  d.fn = reinterpret_cast<decltype(&::fn)>(dlsym(h, NBX_STR(fn)));                   \
+  if (d.fn == nullptr) {                                                             \
+    d.why = "the CUDA driver lacks " NBX_STR(fn);                                    \
+    return d;                                                                        \
+  }
+    NBX_DRIVER_FNS(NBX_LOAD)
+#undef NBX_LOAD
+    CUresult r = d.cuInit(0);
+    if (r != CUDA_SUCCESS) {
+      d.why = "cuInit failed with CUresult " + std::to_string(static_cast<int>(r));
+      return d;
+    }
+    d.ok = true;
+    return d;
+  }
+};
+
+ffi::Error CudaError(const char* what, CUresult r) {
+  const char* s = nullptr;
+  Driver& d = Driver::Get();
+  if (d.cuGetErrorString) d.cuGetErrorString(r, &s);
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string(what) + " failed: " + (s ? s : "unknown CUDA error") +
+                        " (CUresult " + std::to_string(static_cast<int>(r)) + ")");
+}
+
+#define NBX_CU(what, call)                                       \
+  do {                                                           \
+    CUresult _r = (call);                                        \
+    if (_r != CUDA_SUCCESS) return CudaError(what, _r);          \
+  } while (0)
+
+// Pushes the device's primary context (the one XLA uses) for the scope.
+class ScopedContext {
+ public:
+  ffi::Error Enter(int ordinal) {
+    Driver& d = Driver::Get();
+    static std::mutex mu;
+    static std::unordered_map<int, CUcontext> contexts;
+    CUcontext ctx;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = contexts.find(ordinal);
+      if (it == contexts.end()) {
+        CUdevice dev;
+        NBX_CU("cuDeviceGet", d.cuDeviceGet(&dev, ordinal));
+        NBX_CU("cuDevicePrimaryCtxRetain", d.cuDevicePrimaryCtxRetain(&ctx, dev));
+        contexts[ordinal] = ctx;
+      } else {
+        ctx = it->second;
+      }
+    }
+    NBX_CU("cuCtxPushCurrent", d.cuCtxPushCurrent(ctx));
+    pushed_ = true;
+    return ffi::Error::Success();
+  }
+  ~ScopedContext() {
+    if (pushed_) {
+      CUcontext c;
+      Driver::Get().cuCtxPopCurrent(&c);
+    }
+  }
+
+ private:
+  bool pushed_ = false;
+};
+
+struct LoadedKernel {
+  CUfunction fn = nullptr;
+  int num_warps = 4;
+  int shared = 0;
+};
+
+// Cubins loaded per (device, content hash); modules live for the process.
+ffi::Error GetKernel(int ordinal, const uint8_t* blob, size_t blob_size, const int64_t* row,
+                     LoadedKernel* out) {
+  static std::mutex mu;
+  static std::unordered_map<std::string, LoadedKernel> cache;
+  const int64_t name_off = row[0], name_len = row[1], cubin_off = row[2], cubin_len = row[3];
+  if (name_off < 0 || cubin_off < 0 || name_off + name_len > static_cast<int64_t>(blob_size) ||
+      cubin_off + cubin_len > static_cast<int64_t>(blob_size))
+    return ffi::Error::InvalidArgument("kernel table points outside the cubin blob");
+  const std::string name(reinterpret_cast<const char*>(blob + name_off), name_len);
+  const std::string key = std::to_string(ordinal) + ":" + std::to_string(row[6]) + ":" + name;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) {
+    *out = it->second;
+    return ffi::Error::Success();
+  }
+  Driver& d = Driver::Get();
+  // cuModuleLoadData wants the image in host memory that stays valid for the
+  // call only; copy it so the image is suitably aligned.
+  std::vector<uint64_t> image((cubin_len + 7) / 8 + 1, 0);
+  std::memcpy(image.data(), blob + cubin_off, cubin_len);
+  CUmodule mod;
+  NBX_CU("cuModuleLoadData", d.cuModuleLoadData(&mod, image.data()));
+  LoadedKernel k;
+  NBX_CU("cuModuleGetFunction", d.cuModuleGetFunction(&k.fn, mod, name.c_str()));
+  k.num_warps = static_cast<int>(row[4]);
+  k.shared = static_cast<int>(row[5]);
+  if (k.shared > 48 * 1024)
+    NBX_CU("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
+           d.cuFuncSetAttribute(k.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, k.shared));
+  cache[key] = k;
+  *out = k;
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------- pointer tables
+
+// One device table per distinct set of expert addresses: [3][E] int64 (gate,
+// up, down).  Bounded LRU; each table's bytes are counted in the account
+// (tag "tables") and returned when it is evicted.
+class TableCache {
+ public:
+  static TableCache& Get() {
+    static TableCache c;
+    return c;
+  }
+
+  ffi::Error Lookup(const Device& dev, const std::vector<int64_t>& addrs, CUdeviceptr* out) {
+    uint64_t h = 1469598103934665603ull ^ static_cast<uint64_t>(dev.ordinal);
+    for (int64_t a : addrs) {
+      h ^= static_cast<uint64_t>(a);
+      h *= 1099511628211ull;
+      h ^= h >> 29;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = index_.find(h);
+    if (it != index_.end() && it->second->addrs == addrs && it->second->ordinal == dev.ordinal) {
+      lru_.splice(lru_.begin(), lru_, it->second);
+      ++hits_;
+      *out = it->second->table;
+      return ffi::Error::Success();
+    }
+    ++misses_;
+    Driver& d = Driver::Get();
+    const int64_t bytes = static_cast<int64_t>(addrs.size() * sizeof(int64_t));
+    std::string err;
+    void* unused = nullptr;
+    while (lru_.size() >= capacity_) Evict();
+    if (!Account::Get().Reserve(dev, bytes, "tables", WorkShape{}, &err, &unused))
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted, err);
+    CUdeviceptr p;
+    CUresult r = d.cuMemAlloc(&p, bytes);
+    if (r == CUDA_SUCCESS) r = d.cuMemcpyHtoD(p, addrs.data(), bytes);
+    if (r != CUDA_SUCCESS) {
+      Account::Get().Release(dev, bytes, "tables", nullptr);
+      return CudaError("pointer table upload", r);
+    }
+    lru_.push_front(Entry{h, dev.ordinal, addrs, p, bytes});
+    index_[h] = lru_.begin();  // on a fingerprint collision the newer table takes the slot
+    *out = p;
+    return ffi::Error::Success();
+  }
+
+  void Stats(int64_t* entries, int64_t* hits, int64_t* misses, int64_t* evictions,
+             int64_t* bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    *entries = static_cast<int64_t>(lru_.size());
+    *hits = hits_;
+    *misses = misses_;
+    *evictions = evictions_;
+    int64_t b = 0;
+    for (const auto& e : lru_) b += e.bytes;
+    *bytes = b;
+  }
+
+  void SetCapacity(size_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    capacity_ = n < 1 ? 1 : n;
+    while (lru_.size() > capacity_) Evict();
+  }
+
+  void Clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (!lru_.empty()) Evict();
+  }
+
+ private:
+  struct Entry {
+    uint64_t hash;
+    int ordinal;
+    std::vector<int64_t> addrs;
+    CUdeviceptr table;
+    int64_t bytes;
+  };
+  void Evict() {  // mu_ held
+    Entry& e = lru_.back();
+    auto it = index_.find(e.hash);
+    if (it != index_.end() && it->second == std::prev(lru_.end())) index_.erase(it);
+    ScopedContext ctx;
+    if (!ctx.Enter(e.ordinal).failure()) Driver::Get().cuMemFree(e.table);
+    Account::Get().Release(Device{"cuda", e.ordinal}, e.bytes, "tables", nullptr);
+    ++evictions_;
+    lru_.pop_back();
+  }
+
+  std::mutex mu_;
+  std::list<Entry> lru_;
+  std::unordered_map<uint64_t, std::list<Entry>::iterator> index_;
+  size_t capacity_ = 256;
+  int64_t hits_ = 0, misses_ = 0, evictions_ = 0;
+};
+
+// ---------------------------------------------------------------- the handler
+
+enum ArgKind : int64_t { kInput = 0, kOutput = 1, kWorkspace = 2, kTable = 3, kI32 = 4 };
+constexpr int32_t kErrNone = 0x7fffffff;
+
+ffi::Error FusedMoeCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t ordinal,
+                            ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> ids,
+                            ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
+                            ffi::Result<ffi::AnyBuffer> y, ffi::Span<const uint8_t> blob,
+                            ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
+                            int64_t workspace_bytes, int64_t err_offset, int64_t w_aligned,
+                            int64_t num_experts, int64_t check_ids) {
+  Driver& d = Driver::Get();
+  if (!d.ok) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, d.why);
+  const Device dev{"cuda", ordinal};
+  constexpr int kFields = 7;
+  if (kernels.size() % kFields != 0)
+    return ffi::Error::InvalidArgument("kernel table has " + std::to_string(kernels.size()) +
+                                       " entries; expected a multiple of 7");
+  const int64_t n_kernels = static_cast<int64_t>(kernels.size()) / kFields;
+  const int64_t E = num_experts;
+
+  // Pointer tables: stacked [E, ...] arrays, expert e at base + e * (bytes / E).
+  const ffi::AnyBuffer* proj[3] = {&gate, &up, &down};
+  const char* proj_name[3] = {"gate", "up", "down"};
+  std::vector<int64_t> addrs(3 * E);
+  for (int p = 0; p < 3; ++p) {
+    const int64_t stride = static_cast<int64_t>(proj[p]->size_bytes()) / (E > 0 ? E : 1);
+    const int64_t base = reinterpret_cast<int64_t>(proj[p]->untyped_data());
+    for (int64_t e = 0; e < E; ++e) {
+      addrs[p * E + e] = base + e * stride;
+      if (w_aligned && addrs[p * E + e] % 16 != 0)
+        return ffi::Error::InvalidArgument(
+            std::string("experts.") + proj_name[p] + " expert " + std::to_string(e) +
+            " starts at an address that is not 16-byte aligned, but the kernels were compiled "
+            "assuming it is");
+    }
+  }
+
+  // Workspace: counted first, then taken from XLA's pool.
+  std::string err;
+  void* unused = nullptr;
+  const int64_t T = x.dimensions().size() > 0 ? x.dimensions()[0] : 0;
+  const int64_t H = x.dimensions().size() > 1 ? x.dimensions()[1] : 0;
+  if (!Account::Get().Reserve(dev, workspace_bytes, "workspace", WorkShape{T, H, 0}, &err,
+                              &unused))
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, err);
+  struct Unreserve {
+    Device dev;
+    int64_t bytes;
+    ~Unreserve() { Account::Get().Release(dev, bytes, "workspace", nullptr); }
+  } unreserve{dev, workspace_bytes};
+  auto ws_or = scratch.Allocate(static_cast<size_t>(workspace_bytes), 256);
+  if (!ws_or.has_value())
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "XLA's scratch allocator could not provide " +
+                          FormatBytes(static_cast<double>(workspace_bytes)) +
+                          " of workspace on cuda:" + std::to_string(ordinal));
+  const CUdeviceptr ws = reinterpret_cast<CUdeviceptr>(*ws_or);
+
+  ScopedContext ctx;
+  if (auto e = ctx.Enter(ordinal); e.failure()) return e;
+  CUdeviceptr table = 0;
+  if (auto e = TableCache::Get().Lookup(dev, addrs, &table); e.failure()) return e;
+
+  std::vector<LoadedKernel> loaded(n_kernels);
+  for (int64_t i = 0; i < n_kernels; ++i)
+    if (auto e = GetKernel(ordinal, blob.begin(), blob.size(), &kernels[i * kFields], &loaded[i]);
+        e.failure())
+      return e;
+
+  const CUdeviceptr inputs[6] = {
+      reinterpret_cast<CUdeviceptr>(x.untyped_data()), reinterpret_cast<CUdeviceptr>(w.untyped_data()),
+      reinterpret_cast<CUdeviceptr>(ids.typed_data()), reinterpret_cast<CUdeviceptr>(gate.untyped_data()),
+      reinterpret_cast<CUdeviceptr>(up.untyped_data()), reinterpret_cast<CUdeviceptr>(down.untyped_data())};
+  const CUdeviceptr output = reinterpret_cast<CUdeviceptr>(y->untyped_data());
+
+  // Each launch: [kernel, gx, gy, gz, nargs, (kind, index, offset) * nargs].
+  std::vector<uint64_t> ptr_vals;
+  std::vector<int32_t> i32_vals;
+  std::vector<void*> params;
+  size_t pc = 0;
+  const size_t np = program.size();
+  while (pc < np) {
+    if (pc + 5 > np) return ffi::Error::InvalidArgument("truncated launch program");
+    const int64_t ki = program[pc], gx = program[pc + 1], gy = program[pc + 2],
+                  gz = program[pc + 3], nargs = program[pc + 4];
+    pc += 5;
+    if (ki < 0 || ki >= n_kernels || nargs < 0 || pc + 3 * nargs > np)
+      return ffi::Error::InvalidArgument("malformed launch program");
+    ptr_vals.assign(nargs, 0);
+    i32_vals.assign(nargs, 0);
+    params.clear();
+    for (int64_t a = 0; a < nargs; ++a, pc += 3) {
+      const int64_t kind = program[pc], index = program[pc + 1], off = program[pc + 2];
+      switch (kind) {
+        case kInput:
+          if (index < 0 || index >= 6) return ffi::Error::InvalidArgument("bad input index");
+          ptr_vals[a] = inputs[index] + off;
+          break;
+        case kOutput: ptr_vals[a] = output + off; break;
+        case kWorkspace:
+          if (off < 0 || off >= workspace_bytes)
+            return ffi::Error::InvalidArgument("workspace offset outside the workspace");
+          ptr_vals[a] = ws + off;
+          break;
+        case kTable:
+          if (index < 0 || index >= 3) return ffi::Error::InvalidArgument("bad table index");
+          ptr_vals[a] = table + index * E * sizeof(int64_t);
+          break;
+        case kI32: i32_vals[a] = static_cast<int32_t>(off); break;
+        default: return ffi::Error::InvalidArgument("unknown argument kind");
+      }
+      params.push_back(kind == kI32 ? static_cast<void*>(&i32_vals[a])
+                                    : static_cast<void*>(&ptr_vals[a]));
+    }
+    static uint64_t null_scratch = 0;  // Triton's global and profile scratch: unused
+    params.push_back(&null_scratch);
+    params.push_back(&null_scratch);
+    const LoadedKernel& k = loaded[ki];
+    if (gx * gy * gz == 0) continue;
+    NBX_CU("cuLaunchKernel",
+           d.cuLaunchKernel(k.fn, static_cast<unsigned>(gx), static_cast<unsigned>(gy),
+                            static_cast<unsigned>(gz), 32 * k.num_warps, 1, 1, k.shared,
+                            reinterpret_cast<CUstream>(stream), params.data(), nullptr));
+  }
+
+  if (check_ids) {
+    int32_t bad = kErrNone;
+    NBX_CU("reading the expert-id check",
+           d.cuMemcpyDtoHAsync(&bad, ws + err_offset, sizeof(bad), reinterpret_cast<CUstream>(stream)));
+    NBX_CU("cuStreamSynchronize", d.cuStreamSynchronize(reinterpret_cast<CUstream>(stream)));
+    if (bad != kErrNone) {
+      int32_t id = 0;
+      const int64_t kk = ids.dimensions().size() > 1 ? ids.dimensions()[1] : 1;
+      NBX_CU("reading the bad expert id",
+             d.cuMemcpyDtoHAsync(&id, inputs[2] + static_cast<int64_t>(bad) * 4, 4,
+                                 reinterpret_cast<CUstream>(stream)));
+      NBX_CU("cuStreamSynchronize", d.cuStreamSynchronize(reinterpret_cast<CUstream>(stream)));
+      return ffi::Error::InvalidArgument(
+          "topk_ids[" + std::to_string(bad / kk) + ", " + std::to_string(bad % kk) + "] = " +
+          std::to_string(id) + " is outside [0, " + std::to_string(E) + ")");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+void CudaTableStats(int64_t* entries, int64_t* hits, int64_t* misses, int64_t* evictions,
+                    int64_t* bytes) {
+  TableCache::Get().Stats(entries, hits, misses, evictions, bytes);
+}
+void CudaTableSetCapacity(int64_t n) { TableCache::Get().SetCapacity(static_cast<size_t>(n)); }
+void CudaTableClear() { TableCache::Get().Clear(); }
+std::string CudaDriverStatus() {
+  Driver& d = Driver::Get();
+  return d.ok ? std::string() : d.why;
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCuda, FusedMoeCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()         // x [T, H]
+                                  .Arg<ffi::AnyBuffer>()         // topk_weights [T, k] f32
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk_ids [T, k]
+                                  .Arg<ffi::AnyBuffer>()         // gate [E, H, I]
+                                  .Arg<ffi::AnyBuffer>()         // up [E, H, I]
+                                  .Arg<ffi::AnyBuffer>()         // down [E, I, H]
+                                  .Ret<ffi::AnyBuffer>()         // y [T, H]
+                                  .Attr<ffi::Span<const uint8_t>>("blob")
+                                  .Attr<ffi::Span<const int64_t>>("kernels")
+                                  .Attr<ffi::Span<const int64_t>>("program")
+                                  .Attr<int64_t>("workspace_bytes")
+                                  .Attr<int64_t>("err_offset")
+                                  .Attr<int64_t>("w_aligned")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("check_ids"));
+
+}  // namespace nbx

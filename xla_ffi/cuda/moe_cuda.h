@@ -1,0 +1,18 @@
+// The CUDA handler of fused_moe and its pointer-table cache (built when CMake
+// finds nvcc; see CMakeLists.txt option NBX_CUDA).
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace nbx {
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardCuda);
+
+void CudaTableStats(int64_t* entries, int64_t* hits, int64_t* misses, int64_t* evictions,
+                    int64_t* bytes);
+void CudaTableSetCapacity(int64_t n);
+void CudaTableClear();
+// Empty when the CUDA driver loaded; else why not.
+std::string CudaDriverStatus();
+}  // namespace nbx
