@@ -5,8 +5,8 @@ launch program of Triton kernels (`jax_nbx.triton`) on XLA's stream.  All of
 the program is decided here at trace time; the kernels are compiled for the
 device's compute capability at first use (cached on disk by Triton).
 
-Budget rule on CUDA: the workspace comes from XLA's own device pool (its
-scratch allocator), so the account's default budget for ``cuda:N`` is half
+Budget rule on CUDA: the workspace comes from XLA's own device pool (a second
+output buffer of the call, which XLA allocates and this module drops), so the account's default budget for ``cuda:N`` is half
 of that pool's limit (``device.memory_stats()["bytes_limit"]``, i.e. the
 memory XLA took for the process), set at first use unless
 ``JAX_NBX_BUDGET`` or `jax_nbx.memory.set_budget(..., "cuda", N)` set one.
@@ -113,11 +113,16 @@ def forward(x, w, ids, gate, up, down, *, activation: int, band_tokens: int):
     prog = P.build(T, band_tokens or T, k, E, H, I, np.dtype(x.dtype), wdtype, activation,
                    dev.device_kind, w_aligned=stride_ok)
     blob, table = C.pack(prog, compute_capability(dev))
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="sequential")
-    return call(x, w, ids, gate, up, down, blob=blob, kernels=table.reshape(-1),
+    # The workspace is a second output that XLA allocates in its pool (stream
+    # ordered, planned by XLA) and that is dropped here.
+    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                     jax.ShapeDtypeStruct((max(prog.workspace_bytes, 1),), np.uint8)),
+                            vmap_method="sequential")
+    y, _ = call(x, w, ids, gate, up, down, blob=blob, kernels=table.reshape(-1),
                 program=prog.encode(), workspace_bytes=np.int64(prog.workspace_bytes),
                 err_offset=np.int64(prog.err_offset), w_aligned=np.int64(stride_ok),
                 num_experts=np.int64(E), check_ids=np.int64(check_ids_enabled()))
+    return y
 
 
 def table_stats() -> dict:

@@ -2,8 +2,10 @@
 // compiled ahead of time (jax_nbx/triton/plan.py builds the program,
 // jax_nbx/triton/compile.py the cubins) on XLA's stream.
 //
-// Per call: reserve the workspace in the account ("cuda:N") and take it from
-// XLA's scratch allocator; look up the pointer tables (one int64 address per
+// Per call: reserve the workspace in the account ("cuda:N"); the workspace
+// itself is a second output buffer that XLA allocates in its own pool and the
+// caller discards (XLA's FFI ScratchAllocator refused even 2.6 kB on jax
+// 0.11.2 on an H200, 2026-11-29); look up the pointer tables (one int64 address per
 // expert and projection, cached under a fingerprint of every address); load
 // each cubin once per device (cached by content hash); launch every kernel in
 // order, checking each driver call; read back the bad-expert-id word and fail
@@ -276,10 +278,11 @@ class TableCache {
 enum ArgKind : int64_t { kInput = 0, kOutput = 1, kWorkspace = 2, kTable = 3, kI32 = 4 };
 constexpr int32_t kErrNone = 0x7fffffff;
 
-ffi::Error FusedMoeCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t ordinal,
+ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal,
                             ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> ids,
                             ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
-                            ffi::Result<ffi::AnyBuffer> y, ffi::Span<const uint8_t> blob,
+                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> ws_buf,
+                            ffi::Span<const uint8_t> blob,
                             ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
                             int64_t workspace_bytes, int64_t err_offset, int64_t w_aligned,
                             int64_t num_experts, int64_t check_ids) {
@@ -323,13 +326,11 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
     int64_t bytes;
     ~Unreserve() { Account::Get().Release(dev, bytes, "workspace", nullptr); }
   } unreserve{dev, workspace_bytes};
-  auto ws_or = scratch.Allocate(static_cast<size_t>(workspace_bytes), 256);
-  if (!ws_or.has_value())
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      "XLA's scratch allocator could not provide " +
-                          FormatBytes(static_cast<double>(workspace_bytes)) +
-                          " of workspace on cuda:" + std::to_string(ordinal));
-  const CUdeviceptr ws = reinterpret_cast<CUdeviceptr>(*ws_or);
+  if (static_cast<int64_t>(ws_buf->size_bytes()) < workspace_bytes)
+    return ffi::Error::InvalidArgument("workspace buffer of " + std::to_string(ws_buf->size_bytes()) +
+                                       " bytes; the program needs " + std::to_string(workspace_bytes));
+  const CUdeviceptr ws = reinterpret_cast<CUdeviceptr>(ws_buf->untyped_data());
+  if (ws % 256 != 0) return ffi::Error::InvalidArgument("workspace buffer is not 256-byte aligned");
 
   ScopedContext ctx;
   if (auto e = ctx.Enter(ordinal); e.failure()) return e;
@@ -434,7 +435,6 @@ std::string CudaDriverStatus() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCuda, FusedMoeCudaImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()         // x [T, H]
                                   .Arg<ffi::AnyBuffer>()         // topk_weights [T, k] f32
@@ -443,6 +443,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCuda, FusedMoeCudaImpl,
                                   .Arg<ffi::AnyBuffer>()         // up [E, H, I]
                                   .Arg<ffi::AnyBuffer>()         // down [E, I, H]
                                   .Ret<ffi::AnyBuffer>()         // y [T, H]
+                                  .Ret<ffi::AnyBuffer>()         // workspace (u8, discarded)
                                   .Attr<ffi::Span<const uint8_t>>("blob")
                                   .Attr<ffi::Span<const int64_t>>("kernels")
                                   .Attr<ffi::Span<const int64_t>>("program")
