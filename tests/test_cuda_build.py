@@ -1,0 +1,39 @@
+"""The CUDA handler's build and registration, checked where there is no GPU."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+import jax_nbx as nbx
+from jax_nbx import _cuda, _registry
+
+ffi = _registry.ffi_module()
+
+
+def test_cuda_handler_built_where_nvcc_is():
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc on this machine: the CUDA handler is not built (NBX_CUDA=AUTO)")
+    assert ffi.has_cuda, "nvcc is on PATH but the CUDA handler was not built"
+    assert _registry.CUDA_FORWARD_TARGET in ffi.cuda_handlers()
+
+
+def test_no_gpu_means_no_gpu_platform():
+    if _registry.platform_is_cuda():
+        pytest.skip("this machine has a CUDA device")
+    assert not _registry.has_handler("gpu")
+    assert "gpu" not in _registry.platforms()
+
+
+def test_missing_driver_is_reported_not_fatal():
+    if not ffi.has_cuda:
+        pytest.skip("built without the CUDA handler")
+    status = ffi.cuda_driver_status()
+    if status:  # no libcuda here: the module still imported, and says why
+        assert "libcuda" in status or "cuInit" in status
+    assert _cuda.table_stats()["entries"] >= 0
+
+
+def test_cuda_available_says_why_not():
+    msg = _cuda.available()
+    assert msg == "" or "CUDA handler" in msg or "Triton" in msg

@@ -1,0 +1,192 @@
+"""The CUDA path's Triton kernels and launch program, run by Triton's
+interpreter (TRITON_INTERPRET=1) on the CPU: the same program (kernels,
+grids, arguments, pointer tables of absolute addresses) the CUDA handler
+executes, checked against the float64 reference with the output poisoned."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="the CUDA path's kernels need Triton (pip install jax_nbx[gpu])")
+
+import ml_dtypes  # noqa: E402
+
+from jax_nbx.triton import interpret, plan  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32, F16 = np.dtype("float32"), np.dtype("float16")
+# max |y - ref| / max |ref|.  16-bit weights run on tensor cores on the GPU: x
+# and the intermediate are rounded to the weights' dtype, so the bound is the
+# weights' dtype's, whatever x's.
+TOL = {F32: 1e-5, BF16: 1.5e-2, F16: 3e-3}
+
+
+def _act(g, act):
+    if act == 1:
+        return 0.5 * g * (1.0 + np.tanh(0.7978845608028654 * (g + 0.044715 * g ** 3)))
+    return g / (1.0 + np.exp(-g))
+
+
+def np_moe64(x, w, ids, gate, up, down, act=0):
+    """Float64 reference, written here independently of the kernels."""
+    x64 = x.astype(np.float64)
+    y = np.zeros_like(x64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            g = x64[t] @ gate[e].astype(np.float64)
+            u = x64[t] @ up[e].astype(np.float64)
+            y[t] += w[t, j] * ((_act(g, act) * u) @ down[e].astype(np.float64))
+    return y
+
+
+def problem(seed, T, E, k, H, I, xd, wd, routing="topk"):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, H)).astype(xd)
+    gate = (rng.standard_normal((E, H, I)) / np.sqrt(H)).astype(wd)
+    up = (rng.standard_normal((E, H, I)) / np.sqrt(H)).astype(wd)
+    down = (rng.standard_normal((E, I, H)) / np.sqrt(I)).astype(wd)
+    if routing == "topk":
+        ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    elif routing == "one":  # every slot to the last expert (skewed)
+        ids = np.full((T, k), E - 1, np.int32)
+    else:  # independent draws, repeats allowed
+        ids = rng.integers(0, E, (T, k)).astype(np.int32)
+    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    return x, w, ids, gate, up, down
+
+
+def run(T, E, k, H, I, xd, wd, act=0, band=None, routing="topk", seed=0, ids=None):
+    x, w, ids0, gate, up, down = problem(seed, T, E, k, H, I, xd, wd, routing)
+    ids = ids0 if ids is None else ids
+    aligned = (H * I * np.dtype(wd).itemsize) % 16 == 0
+    prog = plan.build(T, band or T, k, E, H, I, xd, wd, act, w_aligned=aligned)
+    y = np.full((T, H), np.nan, xd)  # poisoned: an unwritten row shows
+    err = interpret.run(prog, [x, w, ids, gate, up, down], y)
+    return y, err, (x, w, ids, gate, up, down), prog
+
+
+def rel_err(y, ref):
+    return float(np.max(np.abs(y.astype(np.float64) - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+CASES = [  # T, E, k, H, I, x dtype, w dtype, activation (0 swiglu, 1 geglu)
+    (1, 4, 2, 33, 20, F32, F32, 0),          # decode path, odd H
+    (1, 8, 8, 64, 48, BF16, BF16, 1),        # decode, k = E
+    (3, 5, 3, 40, 24, F16, F16, 0),
+    (33, 5, 3, 40, 24, F32, F32, 1),         # prefill path
+    (33, 6, 2, 129, 99, F32, F32, 0),        # H, I not multiples of any block; unaligned experts
+    (40, 6, 2, 40, 24, F32, BF16, 0),        # x f32, weights bf16
+    (40, 6, 2, 40, 24, BF16, BF16, 1),
+    (22, 3, 1, 17, 9, F16, F16, 0),
+    (222, 8, 2, 32, 16, BF16, BF16, 0),      # T = 222
+    (70, 1, 1, 32, 16, F32, F32, 0),         # E = 1
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-E{}-k{}-H{}-I{}-x{}-w{}-a{}".format(
+    *c[:5], np.dtype(c[5]).name, np.dtype(c[6]).name, c[7]))
+def test_program_matches_float64(case):
+    T, E, k, H, I, xd, wd, act = case
+    y, err, inputs, prog = run(T, E, k, H, I, xd, wd, act, seed=sum(case[:5]))
+    assert err == plan.ERR_NONE
+    assert np.all(np.isfinite(y.astype(np.float32))), "unwritten (poisoned) rows"
+    assert rel_err(y, np_moe64(*inputs, act=act)) < TOL[np.dtype(wd)]
+
+
+@pytest.mark.parametrize("routing", ["one", "any"])
+def test_skewed_and_repeated_routing(routing):
+    y, err, inputs, _ = run(48, 6, 3, 40, 24, F32, F32, routing=routing, seed=3)
+    assert err == plan.ERR_NONE
+    assert rel_err(y, np_moe64(*inputs)) < TOL[F32]
+
+
+def test_bands_are_bit_identical():
+    y0, _, _, p0 = run(50, 6, 2, 40, 24, BF16, BF16, seed=4)
+    y1, _, _, p1 = run(50, 6, 2, 40, 24, BF16, BF16, band=16, seed=4)
+    assert len(p1.launches) > len(p0.launches)  # several bands really ran
+    assert p1.workspace_bytes < p0.workspace_bytes
+    np.testing.assert_array_equal(y0.view(np.uint16), y1.view(np.uint16))
+
+
+@pytest.mark.parametrize("T", [5, 40], ids=["decode", "prefill"])
+def test_bad_expert_id_is_reported_never_read(T):
+    E, k = 4, 2
+    x, w, ids, gate, up, down = problem(5, T, E, k, 32, 16, F32, F32)
+    ids[T // 2, 1] = E + 7
+    ids[T - 1, 0] = -3
+    prog = plan.build(T, T, k, E, 32, 16, F32, F32, 0)
+    y = np.full((T, 32), np.nan, np.float32)
+    err = interpret.run(prog, [x, w, ids, gate, up, down], y)
+    assert err == (T // 2) * k + 1  # the first bad slot; the handler names topk_ids[t, j] from it
+
+
+def test_decode_and_prefill_paths_agree(monkeypatch):
+    monkeypatch.setenv("JAX_NBX_CUDA_DECODE_SLOTS", "0")
+    y_pre, _, inputs, p = run(6, 5, 2, 40, 24, F32, F32, seed=6)
+    assert any(ln.kernel.name == "gemm1" for ln in p.launches)
+    monkeypatch.setenv("JAX_NBX_CUDA_DECODE_SLOTS", "64")
+    y_dec, _, _, p = run(6, 5, 2, 40, 24, F32, F32, seed=6)
+    assert any(ln.kernel.name == "decode1" for ln in p.launches)
+    ref = np_moe64(*inputs)
+    assert rel_err(y_pre, ref) < TOL[F32] and rel_err(y_dec, ref) < TOL[F32]
+
+
+def test_plan_bounds():
+    # padding every expert's group to BM never needs more blocks than max_mblocks
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        E, BM = int(rng.integers(1, 70)), int(rng.choice([16, 32, 64, 128]))
+        n = int(rng.integers(1, 3000))
+        counts = np.bincount(rng.integers(0, E, n), minlength=E)
+        assert int(np.sum(-(-counts // BM))) <= plan.max_mblocks(n, E, BM)
+    # workspace grows with the band and is what the program's offsets fit in
+    sizes = [plan.band_workspace(t, 8, 64, 2048, 1024, BF16) for t in (1, 16, 256, 1024)]
+    assert sizes == sorted(sizes)
+    prog = plan.build(300, 100, 8, 64, 256, 128, BF16, BF16, 0)
+    for ln in prog.launches:
+        for a in ln.args:
+            if a.kind == plan.ARG_WORKSPACE:
+                assert 0 <= a.offset < prog.workspace_bytes
+    enc = prog.encode()
+    assert enc.dtype == np.int64 and len(enc) == sum(5 + 3 * len(ln.args) for ln in prog.launches)
+
+
+def test_tuned_config_file_lookup(tmp_path, monkeypatch):
+    f = tmp_path / "cfg.json"
+    c = {"BM": 32, "BN": 32, "BK": 64, "num_warps": 4, "num_stages": 3}
+    f.write_text('{"64,2048,1024,bf16": {"16": [%s, %s], "4096": [%s, %s]}}' % ((str(c).replace("'", '"'),) * 4))
+    monkeypatch.setenv("JAX_NBX_TRITON_CONFIGS", str(f))
+    c1, c2 = plan.gemm_configs(100, 64, 2048, 1024, BF16, None)
+    assert (c1.BM, c1.BN, c2.BK) == (32, 32, 64)
+    # a shape the file lacks falls back to the defaults
+    d1, _ = plan.gemm_configs(100, 8, 4096, 14336, BF16, None)
+    assert d1 == plan._default_gemm_configs(100 / 8, BF16)[0]
+
+
+def test_kernels_compile_to_cubins():
+    """Ahead-of-time compilation for sm_90 needs no GPU (Triton ships ptxas).
+    Run in a fresh process: this one interprets the kernels."""
+    import subprocess
+    import sys
+
+    code = """
+import numpy as np, ml_dtypes
+from jax_nbx.triton import plan, compile as C
+bf = np.dtype(ml_dtypes.bfloat16)
+prog = plan.build(40, 40, 2, 6, 64, 32, bf, bf, 0)
+blob, table = C.pack(prog, 90)
+assert table.shape == (len(prog.kernels()), len(C.KERNEL_FIELDS)), table.shape
+for row in table:
+    name = bytes(blob[row[0]:row[0] + row[1]]).decode()
+    assert bytes(blob[row[2]:row[2] + 4]) == b"\\x7fELF" and name, name
+print("compiled", len(table))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "compiled" in r.stdout
