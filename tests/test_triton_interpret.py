@@ -77,6 +77,7 @@ def rel_err(y, ref):
 CASES = [  # T, E, k, H, I, x dtype, w dtype, activation (0 swiglu, 1 geglu)
     (1, 4, 2, 33, 20, F32, F32, 0),          # decode path, odd H
     (1, 8, 8, 64, 48, BF16, BF16, 1),        # decode, k = E
+    (1, 8, 2, 300, 200, F32, F32, 0),        # decode with the K axis split into chunks
     (3, 5, 3, 40, 24, F16, F16, 0),
     (33, 5, 3, 40, 24, F32, F32, 1),         # prefill path
     (33, 6, 2, 129, 99, F32, F32, 0),        # H, I not multiples of any block; unaligned experts

@@ -22,9 +22,11 @@ Prefill path: ``count`` → ``offsets`` → ``scatter`` order the slots by exper
 each expert's group padded to ``BM`` rows (a block never mixes experts), then
 ``gemm1`` (gate‖up accumulated side by side, activation in the epilogue),
 ``gemm2`` (routed weight in the epilogue), ``combine``.
-Decode path (few slots): ``decode1``/``decode2`` take one program per
-(slot, column tile): no ordering, no padding, each weight tile read once per
-slot.
+Decode path (few slots): ``decode1`` → ``decode_act`` → ``decode2`` →
+``combine`` take one program per (slot, column tile, chunk of K): no
+ordering, no padding, each weight tile read once per slot; the K axis is split
+into chunks (partial sums added in order by the next kernel) so that a
+handful of slots still gives the GPU enough programs.
 
 An expert id outside ``[0, E)`` is never used as an index: the slot is
 skipped and the smallest such slot is recorded in ``err`` (the handler reads
@@ -204,20 +206,25 @@ def gemm2(h, sorted_slots, block_expert, down_tbl, wref, w, out,
 
 
 @triton.jit
-def decode1(x, ids, slot0, err, gate_tbl, up_tbl, wref, h,
+def decode1(x, ids, slot0, err, gate_tbl, up_tbl, wref, part,
             H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, K_TOP: tl.constexpr,
-            ACT: tl.constexpr, W_ALIGNED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """h[slot, n] (float32) for one slot and BN columns: a vector times the
-    expert's gate and up tiles, each weight element read once."""
+            W_ALIGNED: tl.constexpr, KCH: tl.constexpr, S: tl.constexpr,
+            BN: tl.constexpr, BK: tl.constexpr):
+    """Partial gate and up sums of one slot over one chunk of KCH rows of H
+    (split-K: few slots still fill the GPU): part[slot, chunk, 0|1, n],
+    float32.  Each weight element is read once per slot."""
     s = tl.program_id(0)
     pid_n = tl.program_id(1)
+    c = tl.program_id(2)
     e = tl.load(ids + s)
     offs_n = pid_n * BN + tl.arange(0, BN)
     nmask = offs_n < I
+    dst = part + ((s * S + c) * 2).to(tl.int64) * I + offs_n
     if (e < 0) | (e >= E):
-        if pid_n == 0:
+        if (pid_n == 0) & (c == 0):
             tl.atomic_min(err, slot0 + s)
-        tl.store(h + s * I + offs_n, tl.zeros((BN,), tl.float32), mask=nmask)
+        tl.store(dst, tl.zeros((BN,), tl.float32), mask=nmask)
+        tl.store(dst + I, tl.zeros((BN,), tl.float32), mask=nmask)
         return
     t = s // K_TOP
     gp = _expert_ptr(gate_tbl, e, wref, W_ALIGNED)
@@ -225,26 +232,44 @@ def decode1(x, ids, slot0, err, gate_tbl, up_tbl, wref, h,
     offs_k = tl.arange(0, BK)
     acc_g = tl.zeros((BN,), tl.float32)
     acc_u = tl.zeros((BN,), tl.float32)
-    for k0 in range(0, H, BK):
-        kk = k0 + offs_k
+    for j in range(0, KCH, BK):  # constant bounds (the interpreter needs them)
+        kk = c * KCH + j + offs_k
         kmask = kk < H
         xv = tl.load(x + t * H + kk, mask=kmask, other=0.0).to(tl.float32)
         wmask = kmask[:, None] & nmask[None, :]
-        woff = kk[:, None] * I + offs_n[None, :]
+        woff = kk[:, None].to(tl.int64) * I + offs_n[None, :]
         bg = tl.load(gp + woff, mask=wmask, other=0.0).to(tl.float32)
         bu = tl.load(upp + woff, mask=wmask, other=0.0).to(tl.float32)
         acc_g += tl.sum(xv[:, None] * bg, axis=0)
         acc_u += tl.sum(xv[:, None] * bu, axis=0)
-    tl.store(h + s * I + offs_n, _act(acc_g, ACT) * acc_u, mask=nmask)
+    tl.store(dst, acc_g, mask=nmask)
+    tl.store(dst + I, acc_u, mask=nmask)
+
+
+@triton.jit
+def decode_act(part, h, I: tl.constexpr, S: tl.constexpr, ACT: tl.constexpr, BN: tl.constexpr):
+    """h[slot, n] = act(sum of gate partials) * (sum of up partials), chunks in order."""
+    s = tl.program_id(0)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = offs_n < I
+    g = tl.zeros((BN,), tl.float32)
+    u = tl.zeros((BN,), tl.float32)
+    for c in range(0, S):
+        src = part + ((s * S + c) * 2).to(tl.int64) * I + offs_n
+        g += tl.load(src, mask=nmask, other=0.0)
+        u += tl.load(src + I, mask=nmask, other=0.0)
+    tl.store(h + s.to(tl.int64) * I + offs_n, _act(g, ACT) * u, mask=nmask)
 
 
 @triton.jit
 def decode2(h, ids, down_tbl, wref, w, out,
             H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, W_ALIGNED: tl.constexpr,
-            BN: tl.constexpr, BK: tl.constexpr):
-    """out[slot, n] = w[slot] * (h[slot] @ down[e])[n] for one slot and BN columns."""
+            KCH: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """out[slot, chunk, n] = w[slot] * (h[slot, chunk] @ down[e][chunk])[n]:
+    one chunk of KCH rows of I per program; `combine` adds the chunks."""
     s = tl.program_id(0)
     pid_n = tl.program_id(1)
+    c = tl.program_id(2)
     e = tl.load(ids + s)
     offs_n = pid_n * BN + tl.arange(0, BN)
     nmask = offs_n < H
@@ -252,24 +277,25 @@ def decode2(h, ids, down_tbl, wref, w, out,
     if (e >= 0) & (e < E):
         dp = _expert_ptr(down_tbl, e, wref, W_ALIGNED)
         offs_k = tl.arange(0, BK)
-        for k0 in range(0, I, BK):
-            kk = k0 + offs_k
+        for j in range(0, KCH, BK):
+            kk = c * KCH + j + offs_k
             kmask = kk < I
             hv = tl.load(h + s * I + kk, mask=kmask, other=0.0)
-            b = tl.load(dp + kk[:, None] * H + offs_n[None, :],
+            b = tl.load(dp + kk[:, None].to(tl.int64) * H + offs_n[None, :],
                         mask=kmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(hv[:, None] * b, axis=0)
         acc = acc * tl.load(w + s)
-    tl.store(out + s * H + offs_n, acc, mask=nmask)
+    tl.store(out + (s * S + c).to(tl.int64) * H + offs_n, acc, mask=nmask)
 
 
 @triton.jit
-def combine(out, y, H: tl.constexpr, K_TOP: tl.constexpr, BH: tl.constexpr):
-    """y[t] = sum over j of out[t*k + j], in order j = 0..k-1."""
+def combine(out, y, H: tl.constexpr, ROWS: tl.constexpr, BH: tl.constexpr):
+    """y[t] = sum of out[t*ROWS + r] over r = 0..ROWS-1, in order (ROWS = k
+    slots, times the split-K chunks on the decode path)."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
     m = offs < H
     acc = tl.zeros((BH,), tl.float32)
-    for j in range(0, K_TOP):
-        acc += tl.load(out + (t * K_TOP + j).to(tl.int64) * H + offs, mask=m, other=0.0)
+    for j in range(0, ROWS):
+        acc += tl.load(out + (t * ROWS + j).to(tl.int64) * H + offs, mask=m, other=0.0)
     tl.store(y + t.to(tl.int64) * H + offs, acc.to(y.dtype.element_ty), mask=m)

@@ -172,6 +172,17 @@ def use_decode(slots: int, E: int) -> bool:
     return slots <= int(os.environ.get("JAX_NBX_CUDA_DECODE_SLOTS", 16))
 
 
+def split_k(K: int, programs: int, BK: int, target: int | None = None) -> tuple[int, int]:
+    """(chunk length, chunks) splitting K so that ``programs`` x chunks reaches
+    about ``target`` programs (default 1024: ~8 per H100/H200 multiprocessor);
+    chunks are whole BK steps."""
+    target = target or int(os.environ.get("JAX_NBX_CUDA_DECODE_PROGRAMS", 1024))
+    steps = -(-K // BK)
+    want = max(1, min(steps, -(-target // max(programs, 1))))
+    kch = -(-steps // want) * BK
+    return kch, -(-K // kch)
+
+
 def max_mblocks(slots: int, E: int, BM: int) -> int:
     """Upper bound on BM-row blocks after padding every expert's group."""
     return -(-slots // BM) + min(E, slots)
@@ -217,16 +228,22 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
 
     wref = inp(IN_GATE, 0, ws_t)
     tbl = [Arg(ARG_TABLE, p, 0, "*i64") for p in range(3)]
-    combine = Kernel("combine", (("H", H), ("K_TOP", k), ("BH", COMBINE_BLOCK)), 4, 1)
     common = (("H", H), ("I", I))
     decode = use_decode(n, E)
+    rows = k
     if decode:
-        h_off = lay.take(n * I * 4)
-        out_off = lay.take(n * H * 4)
         BN, BK = 64, 64
-        d1 = Kernel("decode1", common + (("E", E), ("K_TOP", k), ("ACT", activation),
-                                         ("W_ALIGNED", w_aligned), ("BN", BN), ("BK", BK)), 4, 1)
-        d2 = Kernel("decode2", common + (("E", E), ("W_ALIGNED", w_aligned), ("BN", BN), ("BK", BK)), 4, 1)
+        KCH1, S1 = split_k(H, n * -(-I // BN), BK)
+        KCH2, S2 = split_k(I, n * -(-H // BN), BK)
+        rows = k * S2
+        part_off = lay.take(n * S1 * 2 * I * 4)
+        h_off = lay.take(n * I * 4)
+        out_off = lay.take(n * S2 * H * 4)
+        d1 = Kernel("decode1", common + (("E", E), ("K_TOP", k), ("W_ALIGNED", w_aligned),
+                                         ("KCH", KCH1), ("S", S1), ("BN", BN), ("BK", BK)), 4, 1)
+        da = Kernel("decode_act", (("I", I), ("S", S1), ("ACT", activation), ("BN", 256)), 4, 1)
+        d2 = Kernel("decode2", common + (("E", E), ("W_ALIGNED", w_aligned), ("KCH", KCH2),
+                                         ("S", S2), ("BN", BN), ("BK", BK)), 4, 1)
     else:
         c1, c2 = gemm_configs(n, E, H, I, wdtype, device_name)
         BM = c1.BM
@@ -262,9 +279,11 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         y_a = Arg(ARG_OUTPUT, 0, t0 * H * xb, xs)
         hf = "*fp32" if decode else "*" + _tl_name(hdtype)
         if decode:
-            launches.append(Launch(d1, (nb, -(-I // BN), 1),
-                                   (x_a, ids_a, i32(t0 * k), ws(err), tbl[0], tbl[1], wref, ws(h_off, hf))))
-            launches.append(Launch(d2, (nb, -(-H // BN), 1),
+            launches.append(Launch(d1, (nb, -(-I // BN), S1),
+                                   (x_a, ids_a, i32(t0 * k), ws(err), tbl[0], tbl[1], wref,
+                                    ws(part_off, "*fp32"))))
+            launches.append(Launch(da, (nb, -(-I // 256), 1), (ws(part_off, "*fp32"), ws(h_off, hf))))
+            launches.append(Launch(d2, (nb, -(-H // BN), S2),
                                    (ws(h_off, hf), ids_a, tbl[2], wref, w_a, ws(out_off, "*fp32"))))
         else:
             nblk_b = -(-nb // COUNT_BLOCK)
@@ -279,5 +298,6 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
                                    (x_a, ws(srt), ws(bexp), tbl[0], tbl[1], wref, ws(h_off, hf))))
             launches.append(Launch(g2, (mb, -(-H // c2.BN), 1),
                                    (ws(h_off, hf), ws(srt), ws(bexp), tbl[2], wref, w_a, ws(out_off, "*fp32"))))
+        combine = Kernel("combine", (("H", H), ("ROWS", rows), ("BH", COMBINE_BLOCK)), 4, 1)
         launches.append(Launch(combine, (tb, -(-H // COMBINE_BLOCK), 1), (ws(out_off, "*fp32"), y_a)))
     return Program(launches, lay.size, err, w_aligned, E)
