@@ -203,11 +203,16 @@ def fused_moe(
         path drops such slots.
       experts: `Experts` with ``gate, up [E, H, I]`` and ``down [E, I, H]``.
       activation: ``"swiglu"`` (silu gate) or ``"geglu"`` (tanh-approximated gelu gate).
-      implementation: ``"ffi"`` (jax_nbx's handler for the current platform),
-        ``"xla"`` (the pure-JAX reference, every platform), or ``None``:
-        ``"ffi"`` where a handler exists for ``jax.default_backend()``, else ``"xla"``.
+      implementation: ``"ffi"`` (jax_nbx's handler for the current platform:
+        the CPU handler, or on a CUDA GPU the Triton kernels launched by the
+        CUDA handler), ``"xla"`` (the pure-JAX reference, every platform), or
+        ``None``: ``"ffi"`` where a handler exists for ``jax.default_backend()``,
+        else ``"xla"``.  On CUDA, 16-bit weights run on tensor cores: x and
+        the intermediate are rounded to the weights' dtype before each
+        product (float32 accumulation).
       max_workspace_bytes: cap on the handler's workspace for this call
-        (bytes or ``"512MiB"``) instead of the account's headroom.  The tokens
+        (bytes or ``"512MiB"``) instead of the account's headroom (of
+        ``cpu:0``, or ``cuda:0`` on the CUDA path).  The tokens
         are cut into bands whose workspace fits; results are bit-identical
         whatever the bands.  The plan is made at trace time (shapes are
         static) and kept by ``jax.jit``.

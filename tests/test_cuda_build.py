@@ -37,3 +37,13 @@ def test_missing_driver_is_reported_not_fatal():
 def test_cuda_available_says_why_not():
     msg = _cuda.available()
     assert msg == "" or "CUDA handler" in msg or "Triton" in msg
+
+
+def test_tables_api():
+    s = nbx.tables.stats()
+    assert set(s) == {"entries", "hits", "misses", "evictions", "bytes"}
+    with pytest.raises(ValueError, match="capacity must be >= 1; got 0"):
+        nbx.tables.set_capacity(0)
+    nbx.tables.set_capacity(256)
+    nbx.tables.clear()
+    assert nbx.tables.stats()["entries"] == 0
