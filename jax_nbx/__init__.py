@@ -10,10 +10,11 @@ from .experts import Experts
 from .memory import DeviceOOMError
 from .models import MODELS, ModelShape
 from .ops import IMPLEMENTATIONS, fused_moe
+from .quant import QuantizedWeight, dequantize, quantize
 from .reference import moe_reference
 from .routing import route
 
 __version__ = "0.1.0"
 
 __all__ = ["Experts", "route", "fused_moe", "moe_reference", "IMPLEMENTATIONS", "MODELS",
-           "ModelShape", "DeviceOOMError", "memory", "cpu", "tables", "__version__"]
+           "ModelShape", "DeviceOOMError", "quantize", "dequantize", "QuantizedWeight", "memory", "cpu", "tables", "__version__"]

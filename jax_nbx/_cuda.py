@@ -25,6 +25,7 @@ from . import _registry, memory
 from .triton import plan as P
 
 TARGET = "nbx_fused_moe_fwd_cuda"
+TARGET_LISTS = "nbx_fused_moe_fwd_cuda_lists"
 _budget_set: set[int] = set()
 
 
@@ -100,25 +101,32 @@ def check_ids_enabled() -> bool:
     return os.environ.get("JAX_NBX_CUDA_CHECK_IDS", "1") not in ("0", "false", "no")
 
 
-def forward(x, w, ids, gate, up, down, *, activation: int, band_tokens: int):
-    """The raw CUDA FFI call on 2-D inputs (x [T, H], w f32 [T, k], ids i32 [T, k])."""
+def forward(x, w, ids, *weights, activation: int, band_tokens: int, lists: bool = False):
+    """The raw CUDA FFI call on 2-D inputs (x [T, H], w f32 [T, k], ids i32 [T, k]);
+    ``weights`` = (gate, up, down) stacked, or with ``lists`` the E gate, E up
+    and E down arrays (each buffer's address goes into the pointer table)."""
     from .triton import compile as C
 
     T, H = x.shape
     k = ids.shape[1]
-    E, _, I = gate.shape
-    wdtype = np.dtype(gate.dtype)
+    if lists:
+        E, I = len(weights) // 3, weights[0].shape[1]
+        # every buffer is XLA's own allocation: aligned (the handler checks the claim)
+        stride_ok = True
+    else:
+        E, _, I = weights[0].shape
+        stride_ok = (H * I * np.dtype(weights[0].dtype).itemsize) % 16 == 0
+    wdtype = np.dtype(weights[0].dtype)
     dev = _device(0)
-    stride_ok = (H * I * wdtype.itemsize) % 16 == 0
     prog = P.build(T, band_tokens or T, k, E, H, I, np.dtype(x.dtype), wdtype, activation,
                    dev.device_kind, w_aligned=stride_ok)
     blob, table = C.pack(prog, compute_capability(dev))
     # The workspace is a second output that XLA allocates in its pool (stream
     # ordered, planned by XLA) and that is dropped here.
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(x.shape, x.dtype),
+    call = jax.ffi.ffi_call(TARGET_LISTS if lists else TARGET, (jax.ShapeDtypeStruct(x.shape, x.dtype),
                                      jax.ShapeDtypeStruct((max(prog.workspace_bytes, 1),), np.uint8)),
                             vmap_method="sequential")
-    y, _ = call(x, w, ids, gate, up, down, blob=blob, kernels=table.reshape(-1),
+    y, _ = call(x, w, ids, *weights, blob=blob, kernels=table.reshape(-1),
                 program=prog.encode(), workspace_bytes=np.int64(prog.workspace_bytes),
                 err_offset=np.int64(prog.err_offset), w_aligned=np.int64(stride_ok),
                 num_experts=np.int64(E), check_ids=np.int64(check_ids_enabled()))

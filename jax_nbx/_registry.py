@@ -8,7 +8,10 @@ import jax
 
 FORWARD_TARGET = "nbx_fused_moe_fwd"
 FORWARD_INTO_TARGET = "nbx_fused_moe_fwd_into"  # tests: output aliased to a poisoned input
+FORWARD_LISTS_TARGET = "nbx_fused_moe_fwd_lists"  # experts as per-expert buffers
+FORWARD_LISTS_INTO_TARGET = "nbx_fused_moe_fwd_lists_into"
 CUDA_FORWARD_TARGET = "nbx_fused_moe_fwd_cuda"
+CUDA_FORWARD_LISTS_TARGET = "nbx_fused_moe_fwd_cuda_lists"
 
 _PLATFORMS: list[str] = []
 

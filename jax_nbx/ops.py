@@ -12,6 +12,7 @@ from jax.custom_batching import custom_vmap
 
 from . import _registry, memory
 from .experts import FLOAT_DTYPES, Experts
+from .quant import QuantizedWeight, is_quantized
 from .reference import ACTIVATIONS, moe_reference
 
 __all__ = ["fused_moe", "IMPLEMENTATIONS"]
@@ -24,17 +25,74 @@ def _dtype_names() -> str:
     return ", ".join(str(d) for d in FLOAT_DTYPES)
 
 
-def _validate(x, topk_weights, topk_ids, experts: Experts, activation: str) -> tuple[int, int, int, int]:
-    """Trace-time checks; returns (E, H, I, k)."""
-    if not isinstance(experts, Experts):
-        raise TypeError(f"experts must be a jax_nbx.Experts; got {type(experts).__name__}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
-    if x.ndim < 1:
-        raise ValueError(f"x must have shape [..., H]; got shape {x.shape}")
-    if np.dtype(x.dtype) not in FLOAT_DTYPES:
-        raise TypeError(f"x has dtype {x.dtype}; expected one of {_dtype_names()}")
-    for name in ("gate", "up", "down"):
+def _validate_quantized(experts: Experts, names) -> None:
+    """All projections (and every expert of a list) dense, or all quantized
+    alike; each quantized array fits its format."""
+    def first(a):
+        return a[0] if isinstance(a, (list, tuple)) and len(a) else a
+
+    quant = [isinstance(first(getattr(experts, n)), QuantizedWeight) for n in names]
+    if any(quant) and not all(quant):
+        kinds = ", ".join(f"{n}: {'quantized' if q else 'dense'}" for n, q in zip(names, quant))
+        raise TypeError(f"mixed dense and quantized experts ({kinds}); quantize every projection alike")
+    ref = None
+    for n in names:
+        a = getattr(experts, n)
+        items = list(enumerate(a)) if isinstance(a, (list, tuple)) else [(None, a)]
+        for e, item in items:
+            where = f"experts.{n}" if e is None else f"experts.{n}[{e}]"
+            if isinstance(item, QuantizedWeight) != quant[0]:
+                raise TypeError(f"mixed dense and quantized experts: {n} expert {e} is "
+                                f"{'quantized' if not quant[0] else 'dense'}, expert 0 "
+                                f"{'quantized' if quant[0] else 'dense'}")
+            if quant[0]:
+                item.validate(where)
+                if ref is None:
+                    ref = (item.kind, item.group_size)
+                elif (item.kind, item.group_size) != ref:
+                    raise ValueError(f"{where} is {item.kind} (group_size {item.group_size}); other "
+                                     f"projections are {ref[0]} (group_size {ref[1]}): quantize every "
+                                     "projection alike")
+
+
+def _validate_experts(experts: Experts) -> tuple[int, int, int]:
+    """Shapes and dtypes of stacked or per-expert weights; returns (E, H, I)."""
+    names = ("gate", "up", "down")
+    _validate_quantized(experts, names)
+    is_list = [isinstance(getattr(experts, n), (list, tuple)) for n in names]
+    if any(is_list) and not all(is_list):
+        kinds = ", ".join(f"{n}: {'list' if b else 'array'}" for n, b in zip(names, is_list))
+        raise TypeError("experts.gate, experts.up and experts.down must all be stacked arrays or all "
+                        f"lists of per-expert arrays; got {kinds}")
+    if all(is_list):
+        E = len(experts.gate)
+        if E == 0:
+            raise ValueError("experts.gate is an empty list; expected one array per expert")
+        for n in names[1:]:
+            if len(getattr(experts, n)) != E:
+                raise ValueError(f"experts.{n} has {len(getattr(experts, n))} experts; experts.gate has {E}")
+        for n in names:
+            lst = getattr(experts, n)
+            a0 = lst[0]
+            if getattr(a0, "ndim", None) != 2:
+                raise ValueError(f"experts.{n}[0] must be a 2-D array; got shape {getattr(a0, 'shape', None)}")
+            if np.dtype(a0.dtype) not in FLOAT_DTYPES:
+                raise TypeError(f"experts.{n}[0] has dtype {a0.dtype}; expected one of {_dtype_names()}")
+            for e, a in enumerate(lst):
+                if tuple(a.shape) != tuple(a0.shape):
+                    raise ValueError(f"{n} expert {e} has shape {tuple(a.shape)}, expert 0 {tuple(a0.shape)}")
+                if a.dtype != a0.dtype:
+                    raise TypeError(f"{n} expert {e} has dtype {a.dtype}, expert 0 {a0.dtype}")
+        H, I = experts.gate[0].shape
+        if tuple(experts.up[0].shape) != (H, I):
+            raise ValueError(f"experts.up[0] has shape {tuple(experts.up[0].shape)}; expected gate's {(H, I)} [H, I]")
+        if tuple(experts.down[0].shape) != (I, H):
+            raise ValueError(f"experts.down[0] has shape {tuple(experts.down[0].shape)}; expected {(I, H)} [I, H]")
+        g, u, d = (np.dtype(getattr(experts, n)[0].dtype) for n in names)
+        if not g == u == d:
+            raise TypeError(f"experts.gate, experts.up and experts.down must share one dtype; got {g}, {u}, {d}")
+        return E, H, I
+    for name in names:
         a = getattr(experts, name)
         if getattr(a, "ndim", None) != 3:
             raise ValueError(f"experts.{name} must be a 3-D array; got shape {getattr(a, 'shape', None)}")
@@ -48,6 +106,20 @@ def _validate(x, topk_weights, topk_ids, experts: Experts, activation: str) -> t
     if experts.up.dtype != experts.gate.dtype or experts.down.dtype != experts.gate.dtype:
         raise TypeError("experts.gate, experts.up and experts.down must share one dtype; got "
                         f"{experts.gate.dtype}, {experts.up.dtype}, {experts.down.dtype}")
+    return int(E), int(H), int(I)
+
+
+def _validate(x, topk_weights, topk_ids, experts: Experts, activation: str) -> tuple[int, int, int, int]:
+    """Trace-time checks; returns (E, H, I, k)."""
+    if not isinstance(experts, Experts):
+        raise TypeError(f"experts must be a jax_nbx.Experts; got {type(experts).__name__}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+    if x.ndim < 1:
+        raise ValueError(f"x must have shape [..., H]; got shape {x.shape}")
+    if np.dtype(x.dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; expected one of {_dtype_names()}")
+    E, H, I = _validate_experts(experts)
     if x.shape[-1] != H:
         raise ValueError(f"x has shape {x.shape}; its last axis must be the experts' hidden size H={H}")
     if topk_ids.ndim != x.ndim:
@@ -111,10 +183,13 @@ def plan_band_tokens(T: int, k: int, E: int, H: int, I: int,
     return -(-T // n_bands)
 
 
-def _ffi_forward(x, w, ids, gate, up, down, *, activation: str, band_tokens: int,
-                 poison: bool = False, platform: str = "cpu"):
+def _ffi_forward(x, w, ids, *weights, activation: str, band_tokens: int,
+                 poison: bool = False, platform: str = "cpu", lists: bool = False):
     """The raw FFI call on 2-D inputs (no batching rule, no derivative).
 
+    ``weights``: (gate, up, down) stacked, or with ``lists=True`` the E gate
+    arrays, then the E up, then the E down arrays (`Experts.flat`); lists
+    reach the handler as that many buffers and are read in place.
     ``band_tokens`` > 0 cuts the tokens into bands of that many (0: one band).
     ``poison=True`` (tests) hands the handler an output buffer filled with NaN,
     so any row it fails to write shows.  ``platform="gpu"``: the CUDA handler.
@@ -122,54 +197,59 @@ def _ffi_forward(x, w, ids, gate, up, down, *, activation: str, band_tokens: int
     if platform == "gpu":
         from . import _cuda
 
-        return _cuda.forward(x, w, ids, gate, up, down, activation=_ACTIVATION_CODES[activation],
-                             band_tokens=band_tokens)
+        return _cuda.forward(x, w, ids, *weights, activation=_ACTIVATION_CODES[activation],
+                             band_tokens=band_tokens, lists=lists)
     attrs = dict(activation=np.int64(_ACTIVATION_CODES[activation]),
                  band_tokens=np.int64(band_tokens), max_workers=np.int64(planned_workers()))
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    if lists:
+        attrs["num_experts"] = np.int64(len(weights) // 3)
     if poison:
-        call = jax.ffi.ffi_call(_registry.FORWARD_INTO_TARGET, out, vmap_method="sequential",
-                                input_output_aliases={6: 0})
-        return call(x, w, ids, gate, up, down, jnp.full(x.shape, jnp.nan, x.dtype), **attrs)
-    call = jax.ffi.ffi_call(_registry.FORWARD_TARGET, out, vmap_method="sequential")
-    return call(x, w, ids, gate, up, down, **attrs)
+        target = _registry.FORWARD_LISTS_INTO_TARGET if lists else _registry.FORWARD_INTO_TARGET
+        n_in = 3 + len(weights)
+        call = jax.ffi.ffi_call(target, out, vmap_method="sequential", input_output_aliases={n_in: 0})
+        return call(x, w, ids, *weights, jnp.full(x.shape, jnp.nan, x.dtype), **attrs)
+    target = _registry.FORWARD_LISTS_TARGET if lists else _registry.FORWARD_TARGET
+    call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
+    return call(x, w, ids, *weights, **attrs)
 
 
 @functools.lru_cache(maxsize=None)
-def _ffi_op(activation: str, band_tokens: int, platform: str = "cpu"):
+def _ffi_op(activation: str, band_tokens: int, platform: str = "cpu", lists: bool = False):
     """The FFI op on 2-D inputs with a batching rule and a derivative."""
     raw = functools.partial(_ffi_forward, activation=activation, band_tokens=band_tokens,
-                            platform=platform)
+                            platform=platform, lists=lists)
 
     @custom_vmap
-    def forward(x, w, ids, gate, up, down):
-        return raw(x, w, ids, gate, up, down)
+    def forward(x, w, ids, *weights):
+        return raw(x, w, ids, *weights)
 
     @forward.def_vmap
-    def _batch(axis_size, in_batched, x, w, ids, gate, up, down):
+    def _batch(axis_size, in_batched, x, w, ids, *weights):
         # Experts shared across the batch: the batch is just more tokens.
         args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
                 for a, b in zip((x, w, ids), in_batched[:3])]
         if not any(in_batched[3:]):
             xb, wb, ib = args
             B, T, H = xb.shape
-            y = forward(xb.reshape(B * T, H), wb.reshape(B * T, -1), ib.reshape(B * T, -1), gate, up, down)
+            y = forward(xb.reshape(B * T, H), wb.reshape(B * T, -1), ib.reshape(B * T, -1), *weights)
             return y.reshape(B, T, H), True
         # Experts differ per batch element: one call per element.
         ex = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
-              for a, b in zip((gate, up, down), in_batched[3:])]
+              for a, b in zip(weights, in_batched[3:])]
         return jax.lax.map(lambda a: forward(*a), (*args, *ex)), True
 
     @jax.custom_vjp
     def op(x, w, ids, experts):
-        return forward(x, w, ids, experts.gate, experts.up, experts.down)
+        return forward(x, w, ids, *experts.flat())
 
     def op_fwd(x, w, ids, experts):
         return op(x, w, ids, experts), (x, w, ids, experts)
 
     def op_bwd(res, g):
         x, w, ids, experts = res
-        _, vjp = jax.vjp(lambda x_, w_, e_: moe_reference(x_, w_, ids, e_, activation), x, w, experts)
+        _, vjp = jax.vjp(lambda x_, w_, e_: moe_reference(x_, w_, ids, e_.stacked(), activation),
+                         x, w, experts)
         dx, dw, dexperts = vjp(g)
         return dx, dw, None, dexperts
 
@@ -240,7 +320,12 @@ def fused_moe(
     if isinstance(experts, Experts):
         experts = jax.tree.map(jnp.asarray, experts)
     E, H, I, k = _validate(x, topk_weights, topk_ids, experts, activation)
-    impl = _resolve_implementation(implementation)
+    quantized = is_quantized(experts)
+    impl = "xla" if quantized and implementation is None else _resolve_implementation(implementation)
+    if quantized and impl == "ffi":
+        raise NotImplementedError(
+            "quantized experts run on implementation='xla' (or None) for now: the fused handlers' "
+            "in-kernel dequantization is not built yet")
 
     lead = x.shape[:-1]
     T = int(np.prod(lead, dtype=np.int64))
@@ -255,7 +340,7 @@ def fused_moe(
     ids2 = ids2.astype(jnp.int32)
 
     if impl == "xla":
-        y = moe_reference(x2, w2, ids2, experts, activation)
+        y = moe_reference(x2, w2, ids2, experts.stacked(), activation)
         return y.reshape(x.shape)
     platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
     if platform == "gpu":
@@ -265,7 +350,7 @@ def fused_moe(
     else:
         band = plan_band_tokens(T, k, E, H, I, max_workspace_bytes)
     try:
-        y = _ffi_op(activation, band, platform)(x2, w2, ids2, experts)
+        y = _ffi_op(activation, band, platform, experts.is_list)(x2, w2, ids2, experts)
         if not isinstance(y, jax.core.Tracer):  # eager: surface a refusal here
             y.block_until_ready()
     except (jax.errors.JaxRuntimeError, ValueError) as e:  # eager errors may arrive as either

@@ -44,6 +44,11 @@ def moe_reference(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array,
     the FFI path reports them).
     """
     act = activation_fn(activation)
+    experts = experts.stacked()  # per-expert lists: stacked here (a copy; this is the reference)
+    from .quant import dequantize, is_quantized
+
+    if is_quantized(experts):
+        experts = dequantize(experts, jnp.float32)
     T, H = x.shape
     k = topk_ids.shape[1]
     E, _, I = experts.gate.shape

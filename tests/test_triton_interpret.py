@@ -114,6 +114,23 @@ def test_bands_are_bit_identical():
     np.testing.assert_array_equal(y0.view(np.uint16), y1.view(np.uint16))
 
 
+@pytest.mark.parametrize("T", [3, 40], ids=["decode", "prefill"])
+def test_per_expert_lists_read_through_the_table(T):
+    """Experts as separate arrays (scattered in memory): the table holds each
+    array's own address; results equal the stacked experts' bit for bit."""
+    E, k, H, I = 5, 2, 40, 24
+    x, w, ids, gate, up, down = problem(8, T, E, k, H, I, BF16, BF16)
+    lists = [[np.array(a[e]) for e in range(E)] for a in (gate, up, down)]  # separate buffers
+    prog = plan.build(T, T, k, E, H, I, BF16, BF16, 0)
+    y_stacked = np.full((T, H), np.nan, BF16)
+    interpret.run(prog, [x, w, ids, gate, up, down], y_stacked)
+    y_lists = np.full((T, H), np.nan, BF16)
+    tables = interpret.pointer_tables(*lists)
+    err = interpret.run(prog, [x, w, ids, lists[0][0], lists[1][0], lists[2][0]], y_lists, tables=tables)
+    assert err == plan.ERR_NONE
+    np.testing.assert_array_equal(y_stacked.view(np.uint16), y_lists.view(np.uint16))
+
+
 @pytest.mark.parametrize("T", [5, 40], ids=["decode", "prefill"])
 def test_bad_expert_id_is_reported_never_read(T):
     E, k = 4, 2

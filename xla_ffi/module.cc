@@ -42,6 +42,8 @@ NB_MODULE(_ffi, m) {
     nb::dict d;
     d["nbx_fused_moe_fwd"] = Capsule(nbx::FusedMoeForwardCpu);
     d["nbx_fused_moe_fwd_into"] = Capsule(nbx::FusedMoeForwardIntoCpu);
+    d["nbx_fused_moe_fwd_lists"] = Capsule(nbx::FusedMoeForwardListsCpu);
+    d["nbx_fused_moe_fwd_lists_into"] = Capsule(nbx::FusedMoeForwardListsIntoCpu);
     return d;
   }, "Handler capsules for platform 'cpu', keyed by FFI target name.");
 
@@ -104,6 +106,7 @@ NB_MODULE(_ffi, m) {
   m.def("cuda_handlers", []() {
     nb::dict d;
     d["nbx_fused_moe_fwd_cuda"] = Capsule(nbx::FusedMoeForwardCuda);
+    d["nbx_fused_moe_fwd_cuda_lists"] = Capsule(nbx::FusedMoeForwardCudaLists);
     return d;
   }, "Handler capsules for platform 'CUDA', keyed by FFI target name.");
   m.def("cuda_driver_status", []() { return nbx::CudaDriverStatus(); },

@@ -124,13 +124,18 @@ def _interpreted(name: str):
     return InterpretedFunction(fn)
 
 
-def pointer_tables(gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> list[np.ndarray]:
-    """One int64 address per expert and projection (stacked [E, …] arrays), as the handler builds them."""
+def pointer_tables(gate, up, down) -> list[np.ndarray]:
+    """One int64 address per expert and projection, as the handler builds them:
+    stacked [E, …] arrays (expert e at base + e·bytes/E) or lists of per-expert
+    arrays (each array's own address; keep the arrays alive)."""
     out = []
     for a in (gate, up, down):
-        E = a.shape[0]
-        stride = a.nbytes // E
-        out.append(np.asarray([a.ctypes.data + e * stride for e in range(E)], np.uint64).view(np.int64))
+        if isinstance(a, (list, tuple)):
+            addrs = [np.ascontiguousarray(m).ctypes.data for m in a]
+        else:
+            stride = a.nbytes // a.shape[0]
+            addrs = [a.ctypes.data + e * stride for e in range(a.shape[0])]
+        out.append(np.asarray(addrs, np.uint64).view(np.int64))
     return out
 
 

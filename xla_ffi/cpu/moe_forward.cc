@@ -22,6 +22,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "account.h"
 #include "cpu/kernel_table.h"
@@ -129,9 +130,11 @@ struct Problem {
   ffi::DataType x_type;
   const float* topk_w;
   const int32_t* topk_ids;
-  const void* gate;
-  const void* up;
-  const void* down;
+  // Each expert's matrix, read in place: E addresses per projection (a
+  // stacked array's slices, or the buffers of per-expert lists).
+  const void* const* gate;
+  const void* const* up;
+  const void* const* down;
   ffi::DataType w_type;
   void* y;
   int64_t activation;
@@ -237,9 +240,6 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
              int workers, int64_t t0, int64_t t1, const Band& b) {
   const int64_t H = p.H, I = p.I, E = p.E, k = p.k;
   const int mr = kt.mr, vl = kt.vl;
-  const W* gate = static_cast<const W*>(p.gate);
-  const W* up = static_cast<const W*>(p.up);
-  const W* down = static_cast<const W*>(p.down);
   const int act = static_cast<int>(p.activation);
   const bool can_stream = sizeof(W) == 4 || p.w_type == ffi::DataType::BF16;
   const int w_index = sizeof(W) == 4 ? 0 : 1;
@@ -292,8 +292,8 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
     const int nc = static_cast<int>(std::min(kTileCols, I - n0));
     const int64_t e = b.chunk_expert[c];
     const int64_t m0 = b.chunk_begin[c], m1 = b.chunk_end[c];
-    const W* ge = gate + e * H * I;
-    const W* ue = up + e * H * I;
+    const W* ge = static_cast<const W*>(p.gate[e]);
+    const W* ue = static_cast<const W*>(p.up[e]);
     float* scratch = b.scratch + worker * scratch_stride;
     if (can_stream && b.cursor[e] - b.expert_off[e] <= kStreamRows) {
       // Few rows: stream the weights in place, kStreamCols columns (whole
@@ -328,7 +328,7 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
     const int nc = static_cast<int>(std::min(kTileCols, H - n0));
     const int64_t e = b.chunk_expert[c];
     const int64_t m0 = b.chunk_begin[c], m1 = b.chunk_end[c];
-    const W* de = down + e * I * H;
+    const W* de = static_cast<const W*>(p.down[e]);
     float* scratch = b.scratch + worker * scratch_stride;
     if (can_stream && b.cursor[e] - b.expert_off[e] <= kStreamRows) {
       if (n0 % kStreamCols != 0) return;
@@ -385,44 +385,29 @@ std::string Shape(ffi::AnyBuffer::Dimensions d) {
   return s + ")";
 }
 
-ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
-                               ffi::Buffer<ffi::F32> topk_w,
-                               ffi::Buffer<ffi::S32> topk_ids,
-                               ffi::AnyBuffer gate, ffi::AnyBuffer up,
-                               ffi::AnyBuffer down,
-                               ffi::Result<ffi::AnyBuffer> y,
-                               int64_t activation, int64_t band_tokens,
-                               int64_t max_workers) {
-  // Shapes: Python validated them at trace time; check again, never trust.
+// The body shared by stacked and per-expert weights: the tables hold each
+// expert's address per projection; E, I and the weights' dtype were checked
+// by the caller.
+ffi::Error RunForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> topk_w,
+                      ffi::Buffer<ffi::S32> topk_ids, int64_t E, int64_t I, ffi::DataType wt,
+                      const void* const* gate, const void* const* up, const void* const* down,
+                      ffi::Result<ffi::AnyBuffer> y, int64_t activation, int64_t band_tokens,
+                      int64_t max_workers) {
   auto xd = x.dimensions();
   auto wd = topk_w.dimensions();
   auto id = topk_ids.dimensions();
-  auto gd = gate.dimensions();
-  auto ud = up.dimensions();
-  auto dd = down.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be [T, H], got " + Shape(xd));
   const int64_t T = xd[0], H = xd[1];
-  if (gd.size() != 3) return ffi::Error::InvalidArgument("gate must be [E, H, I], got " + Shape(gd));
-  const int64_t E = gd[0], I = gd[2];
   if (wd.size() != 2 || wd[0] != T)
     return ffi::Error::InvalidArgument("topk_weights must be [T, k] with T=" + std::to_string(T) + ", got " + Shape(wd));
   const int64_t k = wd[1];
   if (id.size() != 2 || id[0] != T || id[1] != k)
     return ffi::Error::InvalidArgument("topk_ids must have the shape of topk_weights " + Shape(wd) + ", got " + Shape(id));
-  if (gd[1] != H)
-    return ffi::Error::InvalidArgument("gate must be [E, H, I] with H=" + std::to_string(H) + ", got " + Shape(gd));
-  if (ud.size() != 3 || ud[0] != E || ud[1] != H || ud[2] != I)
-    return ffi::Error::InvalidArgument("up must have gate's shape " + Shape(gd) + ", got " + Shape(ud));
-  if (dd.size() != 3 || dd[0] != E || dd[1] != I || dd[2] != H)
-    return ffi::Error::InvalidArgument("down must be [E, I, H] = (" + std::to_string(E) + ", " + std::to_string(I) + ", " + std::to_string(H) + "), got " + Shape(dd));
   if (!IsFloatType(x.element_type()))
     return ffi::Error::InvalidArgument("x must be float32, bfloat16 or float16");
   if (y->element_type() != x.element_type() || y->dimensions().size() != 2 ||
       y->dimensions()[0] != T || y->dimensions()[1] != H)
     return ffi::Error::InvalidArgument("y must have x's shape and dtype");
-  const ffi::DataType wt = gate.element_type();
-  if (!IsFloatType(wt) || up.element_type() != wt || down.element_type() != wt)
-    return ffi::Error::InvalidArgument("gate, up and down must share one dtype among float32, bfloat16, float16");
   if (activation != kSwiGLU && activation != kGeGLU)
     return ffi::Error::InvalidArgument("unknown activation code " + std::to_string(activation));
 
@@ -438,9 +423,8 @@ ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   }
   if (T == 0 || H == 0) return ffi::Error::Success();
 
-  Problem p{T, H, I, E, k, x.untyped_data(), x.element_type(),
-            topk_w.typed_data(), ids, gate.untyped_data(), up.untyped_data(),
-            down.untyped_data(), wt, y->untyped_data(), activation};
+  Problem p{T, H, I, E, k, x.untyped_data(), x.element_type(), topk_w.typed_data(), ids,
+            gate, up, down, wt, y->untyped_data(), activation};
 
   if (I == 0 || k == 0) {
     std::memset(y->untyped_data(), 0, y->size_bytes());
@@ -474,6 +458,106 @@ ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
+// Stacked [E, H, I], [E, H, I], [E, I, H] arrays.
+ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> topk_w,
+                               ffi::Buffer<ffi::S32> topk_ids, ffi::AnyBuffer gate,
+                               ffi::AnyBuffer up, ffi::AnyBuffer down,
+                               ffi::Result<ffi::AnyBuffer> y, int64_t activation,
+                               int64_t band_tokens, int64_t max_workers) {
+  // Shapes: Python validated them at trace time; check again, never trust.
+  auto xd = x.dimensions();
+  auto gd = gate.dimensions();
+  auto ud = up.dimensions();
+  auto dd = down.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be [T, H], got " + Shape(xd));
+  const int64_t H = xd[1];
+  if (gd.size() != 3) return ffi::Error::InvalidArgument("gate must be [E, H, I], got " + Shape(gd));
+  const int64_t E = gd[0], I = gd[2];
+  if (gd[1] != H)
+    return ffi::Error::InvalidArgument("gate must be [E, H, I] with H=" + std::to_string(H) + ", got " + Shape(gd));
+  if (ud.size() != 3 || ud[0] != E || ud[1] != H || ud[2] != I)
+    return ffi::Error::InvalidArgument("up must have gate's shape " + Shape(gd) + ", got " + Shape(ud));
+  if (dd.size() != 3 || dd[0] != E || dd[1] != I || dd[2] != H)
+    return ffi::Error::InvalidArgument("down must be [E, I, H] = (" + std::to_string(E) + ", " + std::to_string(I) + ", " + std::to_string(H) + "), got " + Shape(dd));
+  const ffi::DataType wt = gate.element_type();
+  if (!IsFloatType(wt) || up.element_type() != wt || down.element_type() != wt)
+    return ffi::Error::InvalidArgument("gate, up and down must share one dtype among float32, bfloat16, float16");
+  const size_t es = ffi::ByteWidth(wt);
+  std::vector<const void*> tables(3 * E);
+  for (int64_t e = 0; e < E; ++e) {
+    tables[e] = static_cast<const char*>(gate.untyped_data()) + e * H * I * es;
+    tables[E + e] = static_cast<const char*>(up.untyped_data()) + e * H * I * es;
+    tables[2 * E + e] = static_cast<const char*>(down.untyped_data()) + e * I * H * es;
+  }
+  return RunForward(pool, x, topk_w, topk_ids, E, I, wt, tables.data(), tables.data() + E,
+                    tables.data() + 2 * E, y, activation, band_tokens, max_workers);
+}
+
+// Per-expert buffers gate[0..E) [H, I], up[0..E) [H, I], down[0..E) [I, H],
+// read in place through the table of their addresses (never stacked).
+// `trailing` buffers after the 3E weights are ignored (the tests' aliased output).
+ffi::Error ForwardLists(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> topk_w,
+                        ffi::Buffer<ffi::S32> topk_ids, ffi::RemainingArgs weights,
+                        int64_t trailing, ffi::Result<ffi::AnyBuffer> y, int64_t activation,
+                        int64_t band_tokens, int64_t max_workers, int64_t num_experts) {
+  const int64_t E = num_experts;
+  if (E < 1 || static_cast<int64_t>(weights.size()) != 3 * E + trailing)
+    return ffi::Error::InvalidArgument("expected 3 * E = " + std::to_string(3 * E) +
+                                       " expert buffers; got " + std::to_string(weights.size()));
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be [T, H], got " + Shape(xd));
+  const int64_t H = xd[1];
+  const char* names[3] = {"gate", "up", "down"};
+  std::vector<const void*> tables(3 * E);
+  int64_t I = -1;
+  ffi::DataType wt = ffi::DataType::INVALID;
+  for (int p = 0; p < 3; ++p) {
+    for (int64_t e = 0; e < E; ++e) {
+      auto b = weights.get<ffi::AnyBuffer>(p * E + e);
+      if (b.has_error()) return b.error();
+      auto d = b->dimensions();
+      if (d.size() != 2)
+        return ffi::Error::InvalidArgument(std::string(names[p]) + " expert " + std::to_string(e) +
+                                           " must be 2-D, got " + Shape(d));
+      if (I < 0) {
+        I = d[1];
+        wt = b->element_type();
+        if (!IsFloatType(wt))
+          return ffi::Error::InvalidArgument("expert weights must be float32, bfloat16 or float16");
+      }
+      const int64_t rows = p < 2 ? H : I, cols = p < 2 ? I : H;
+      if (d[0] != rows || d[1] != cols || b->element_type() != wt)
+        return ffi::Error::InvalidArgument(
+            std::string(names[p]) + " expert " + std::to_string(e) + " has shape " + Shape(d) +
+            "; expected (" + std::to_string(rows) + ", " + std::to_string(cols) +
+            ") and gate expert 0's dtype");
+      tables[p * E + e] = b->untyped_data();
+    }
+  }
+  return RunForward(pool, x, topk_w, topk_ids, E, I, wt, tables.data(), tables.data() + E,
+                    tables.data() + 2 * E, y, activation, band_tokens, max_workers);
+}
+
+ffi::Error FusedMoeForwardListsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                                    ffi::Buffer<ffi::F32> topk_w, ffi::Buffer<ffi::S32> topk_ids,
+                                    ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y,
+                                    int64_t activation, int64_t band_tokens, int64_t max_workers,
+                                    int64_t num_experts) {
+  return ForwardLists(pool, x, topk_w, topk_ids, weights, 0, y, activation, band_tokens,
+                      max_workers, num_experts);
+}
+
+// Tests: one more input after the weights, aliased to y (NaN-filled).
+ffi::Error FusedMoeForwardListsIntoImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                                        ffi::Buffer<ffi::F32> topk_w,
+                                        ffi::Buffer<ffi::S32> topk_ids,
+                                        ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y,
+                                        int64_t activation, int64_t band_tokens,
+                                        int64_t max_workers, int64_t num_experts) {
+  return ForwardLists(pool, x, topk_w, topk_ids, weights, 1, y, activation, band_tokens,
+                      max_workers, num_experts);
+}
+
 }  // namespace
 
 size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H,
@@ -497,6 +581,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCpu, FusedMoeForwardImpl,
                                   .Attr<int64_t>("activation")
                                   .Attr<int64_t>("band_tokens")
                                   .Attr<int64_t>("max_workers"));
+
+#define NBX_FORWARD_LISTS_BINDING                                                  \
+  ffi::Ffi::Bind()                                                                 \
+      .Ctx<ffi::ThreadPool>()                                                      \
+      .Arg<ffi::AnyBuffer>()        /* x [T, H] */                                 \
+      .Arg<ffi::Buffer<ffi::F32>>() /* topk_weights [T, k] */                      \
+      .Arg<ffi::Buffer<ffi::S32>>() /* topk_ids [T, k] */                          \
+      .RemainingArgs()              /* gate[E], up[E], down[E] (then y_in) */      \
+      .Ret<ffi::AnyBuffer>()        /* y [T, H] */                                 \
+      .Attr<int64_t>("activation")                                                 \
+      .Attr<int64_t>("band_tokens")                                                \
+      .Attr<int64_t>("max_workers")                                                \
+      .Attr<int64_t>("num_experts")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardListsCpu, FusedMoeForwardListsImpl,
+                              NBX_FORWARD_LISTS_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardListsIntoCpu, FusedMoeForwardListsIntoImpl,
+                              NBX_FORWARD_LISTS_BINDING);
 
 // Same op with one more input aliased to y: tests pass a NaN-filled buffer
 // so that a row the handler fails to write shows.

@@ -7,6 +7,8 @@
 namespace nbx {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardIntoCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardListsCpu);      // per-expert buffers
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardListsIntoCpu);  // tests: aliased output
 
 // Bytes of workspace the CPU forward allocates for one band of `tokens`
 // tokens (0 gives the part that does not shrink with the band).

@@ -278,14 +278,16 @@ class TableCache {
 enum ArgKind : int64_t { kInput = 0, kOutput = 1, kWorkspace = 2, kTable = 3, kI32 = 4 };
 constexpr int32_t kErrNone = 0x7fffffff;
 
-ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal,
-                            ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> ids,
-                            ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
-                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> ws_buf,
-                            ffi::Span<const uint8_t> blob,
-                            ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
-                            int64_t workspace_bytes, int64_t err_offset, int64_t w_aligned,
-                            int64_t num_experts, int64_t check_ids) {
+// Runs the program with the pointer table `addrs` ([3][E] absolute addresses:
+// gate, up, down).  `first` holds each projection's first buffer (the
+// program's typed weight argument).
+ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                      ffi::Buffer<ffi::S32> ids, const CUdeviceptr first[3],
+                      const std::vector<int64_t>& addrs, ffi::Result<ffi::AnyBuffer> y,
+                      ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
+                      ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
+                      int64_t workspace_bytes, int64_t err_offset, int64_t w_aligned,
+                      int64_t num_experts, int64_t check_ids) {
   Driver& d = Driver::Get();
   if (!d.ok) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, d.why);
   const Device dev{"cuda", ordinal};
@@ -295,23 +297,18 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal,
                                        " entries; expected a multiple of 7");
   const int64_t n_kernels = static_cast<int64_t>(kernels.size()) / kFields;
   const int64_t E = num_experts;
-
-  // Pointer tables: stacked [E, ...] arrays, expert e at base + e * (bytes / E).
-  const ffi::AnyBuffer* proj[3] = {&gate, &up, &down};
   const char* proj_name[3] = {"gate", "up", "down"};
-  std::vector<int64_t> addrs(3 * E);
-  for (int p = 0; p < 3; ++p) {
-    const int64_t stride = static_cast<int64_t>(proj[p]->size_bytes()) / (E > 0 ? E : 1);
-    const int64_t base = reinterpret_cast<int64_t>(proj[p]->untyped_data());
-    for (int64_t e = 0; e < E; ++e) {
-      addrs[p * E + e] = base + e * stride;
-      if (w_aligned && addrs[p * E + e] % 16 != 0)
-        return ffi::Error::InvalidArgument(
-            std::string("experts.") + proj_name[p] + " expert " + std::to_string(e) +
-            " starts at an address that is not 16-byte aligned, but the kernels were compiled "
-            "assuming it is");
-    }
-  }
+  if (static_cast<int64_t>(addrs.size()) != 3 * E)
+    return ffi::Error::InvalidArgument("pointer table has " + std::to_string(addrs.size()) +
+                                       " entries; expected 3 * E = " + std::to_string(3 * E));
+  if (w_aligned)
+    for (int p = 0; p < 3; ++p)
+      for (int64_t e = 0; e < E; ++e)
+        if (addrs[p * E + e] % 16 != 0)
+          return ffi::Error::InvalidArgument(
+              std::string("experts.") + proj_name[p] + " expert " + std::to_string(e) +
+              " starts at an address that is not 16-byte aligned, but the kernels were compiled "
+              "assuming it is");
 
   // Workspace: counted first, then taken from XLA's pool.
   std::string err;
@@ -345,8 +342,7 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal,
 
   const CUdeviceptr inputs[6] = {
       reinterpret_cast<CUdeviceptr>(x.untyped_data()), reinterpret_cast<CUdeviceptr>(w.untyped_data()),
-      reinterpret_cast<CUdeviceptr>(ids.typed_data()), reinterpret_cast<CUdeviceptr>(gate.untyped_data()),
-      reinterpret_cast<CUdeviceptr>(up.untyped_data()), reinterpret_cast<CUdeviceptr>(down.untyped_data())};
+      reinterpret_cast<CUdeviceptr>(ids.typed_data()), first[0], first[1], first[2]};
   const CUdeviceptr output = reinterpret_cast<CUdeviceptr>(y->untyped_data());
 
   // Each launch: [kernel, gx, gy, gz, nargs, (kind, index, offset) * nargs].
@@ -419,6 +415,64 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal,
   return ffi::Error::Success();
 }
 
+// Stacked [E, ...] arrays: expert e of a projection at base + e * (bytes / E).
+ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                            ffi::AnyBuffer w, ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer gate,
+                            ffi::AnyBuffer up, ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y,
+                            ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
+                            ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
+                            int64_t workspace_bytes, int64_t err_offset, int64_t w_aligned,
+                            int64_t num_experts, int64_t check_ids) {
+  const int64_t E = num_experts;
+  const ffi::AnyBuffer* proj[3] = {&gate, &up, &down};
+  std::vector<int64_t> addrs(3 * E);
+  CUdeviceptr first[3];
+  for (int p = 0; p < 3; ++p) {
+    const int64_t stride = static_cast<int64_t>(proj[p]->size_bytes()) / (E > 0 ? E : 1);
+    const int64_t base = reinterpret_cast<int64_t>(proj[p]->untyped_data());
+    first[p] = static_cast<CUdeviceptr>(base);
+    for (int64_t e = 0; e < E; ++e) addrs[p * E + e] = base + e * stride;
+  }
+  return RunProgram(stream, ordinal, x, w, ids, first, addrs, y, ws_buf, blob, kernels, program,
+                    workspace_bytes, err_offset, w_aligned, num_experts, check_ids);
+}
+
+// Per-expert buffers (gate[0..E), up[0..E), down[0..E)), read in place.
+ffi::Error FusedMoeCudaListsImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                                 ffi::AnyBuffer w, ffi::Buffer<ffi::S32> ids,
+                                 ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y,
+                                 ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
+                                 ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
+                                 int64_t workspace_bytes, int64_t err_offset, int64_t w_aligned,
+                                 int64_t num_experts, int64_t check_ids) {
+  const int64_t E = num_experts;
+  if (E < 1 || static_cast<int64_t>(weights.size()) != 3 * E)
+    return ffi::Error::InvalidArgument("expected 3 * E = " + std::to_string(3 * E) +
+                                       " expert buffers; got " + std::to_string(weights.size()));
+  const char* proj_name[3] = {"gate", "up", "down"};
+  std::vector<int64_t> addrs(3 * E);
+  CUdeviceptr first[3];
+  for (int p = 0; p < 3; ++p) {
+    size_t bytes0 = 0;
+    ffi::DataType type0 = ffi::DataType::INVALID;
+    for (int64_t e = 0; e < E; ++e) {
+      auto b = weights.get<ffi::AnyBuffer>(p * E + e);
+      if (b.has_error()) return b.error();
+      if (e == 0) {
+        bytes0 = b->size_bytes();
+        type0 = b->element_type();
+        first[p] = reinterpret_cast<CUdeviceptr>(b->untyped_data());
+      } else if (b->size_bytes() != bytes0 || b->element_type() != type0) {
+        return ffi::Error::InvalidArgument(std::string(proj_name[p]) + " expert " +
+                                           std::to_string(e) + " differs from expert 0 in size or dtype");
+      }
+      addrs[p * E + e] = reinterpret_cast<int64_t>(b->untyped_data());
+    }
+  }
+  return RunProgram(stream, ordinal, x, w, ids, first, addrs, y, ws_buf, blob, kernels, program,
+                    workspace_bytes, err_offset, w_aligned, num_experts, check_ids);
+}
+
 }  // namespace
 
 void CudaTableStats(int64_t* entries, int64_t* hits, int64_t* misses, int64_t* evictions,
@@ -442,6 +496,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCuda, FusedMoeCudaImpl,
                                   .Arg<ffi::AnyBuffer>()         // gate [E, H, I]
                                   .Arg<ffi::AnyBuffer>()         // up [E, H, I]
                                   .Arg<ffi::AnyBuffer>()         // down [E, I, H]
+                                  .Ret<ffi::AnyBuffer>()         // y [T, H]
+                                  .Ret<ffi::AnyBuffer>()         // workspace (u8, discarded)
+                                  .Attr<ffi::Span<const uint8_t>>("blob")
+                                  .Attr<ffi::Span<const int64_t>>("kernels")
+                                  .Attr<ffi::Span<const int64_t>>("program")
+                                  .Attr<int64_t>("workspace_bytes")
+                                  .Attr<int64_t>("err_offset")
+                                  .Attr<int64_t>("w_aligned")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("check_ids"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCudaLists, FusedMoeCudaListsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()         // x [T, H]
+                                  .Arg<ffi::AnyBuffer>()         // topk_weights [T, k] f32
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk_ids [T, k]
+                                  .RemainingArgs()               // gate[E], up[E], down[E]
                                   .Ret<ffi::AnyBuffer>()         // y [T, H]
                                   .Ret<ffi::AnyBuffer>()         // workspace (u8, discarded)
                                   .Attr<ffi::Span<const uint8_t>>("blob")

@@ -1,0 +1,84 @@
+"""Quantized experts: the int8 and int4 formats, quantize/dequantize, the op on
+quantized experts (the "xla" path for now), and the errors."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_nbx as nbx
+from conftest import TOL, make_problem, np_moe, rel_err
+
+# max |y - ref| / max |ref| against the ORIGINAL float weights (random Gaussian
+# weights, the hard case for 4 bits); against the dequantized weights the op is exact to f32.
+QUANT_ERR = {("int8", None): 0.03, ("int4", 32): 0.2, ("int4", 64): 0.25, ("int4", 128): 0.3}
+
+
+@pytest.mark.parametrize("kind,G", list(QUANT_ERR), ids=lambda v: str(v))
+@pytest.mark.parametrize("lists", [False, True], ids=["stacked", "lists"])
+def test_quantized_op_matches_dequantized_reference(kind, G, lists):
+    x, w, ids, ex = make_problem(7, 33, 5, 3, 256, 128)
+    if lists:
+        ex = nbx.Experts(*([a[e] for e in range(5)] for a in (ex.gate, ex.up, ex.down)))
+    q = nbx.quantize(ex, kind, group_size=G or 128)
+    d = nbx.dequantize(q)
+    y = jax.jit(nbx.fused_moe)(x, w, ids, q)
+    dense = d.stacked() if lists else d
+    orig = ex.stacked() if lists else ex
+    assert rel_err(y, np_moe(x, w, ids, dense)) < TOL["f32"]
+    assert rel_err(y, np_moe(x, w, ids, orig)) < QUANT_ERR[(kind, G)]
+
+
+def test_int8_format():
+    w = jnp.asarray([[1.0, -2.0], [0.5, 4.0], [-1.0, 0.0]])  # K=3, N=2
+    q = nbx.quantize(nbx.Experts(w[None], w[None], w.T[None]), "int8").gate
+    np.testing.assert_allclose(np.asarray(q.scale[0]), [1 / 127, 4 / 127], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(q.q[0]), [[127, -64], [64, 127], [-127, 0]])
+
+
+def test_int4_packing_low_nibble_first():
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+    q = nbx.quantize(nbx.Experts(w[None], w[None], jnp.tile(w.T, (1, 2))[None]), "int4", group_size=32).gate
+    assert q.q.shape == (1, 32, 32) and q.q.dtype == jnp.uint8 and q.scale.shape == (1, 2, 32)
+    packed = np.asarray(q.q[0])
+    lo, hi = packed & 0xF, packed >> 4
+    s, z = np.asarray(q.scale[0]), np.asarray(q.zero[0])
+    rebuilt = np.empty((64, 32))
+    rebuilt[0::2], rebuilt[1::2] = lo, hi
+    rebuilt = rebuilt * np.repeat(s, 32, 0) + np.repeat(z, 32, 0)
+    np.testing.assert_allclose(np.asarray(q.dequantize())[0], rebuilt, rtol=1e-6, atol=1e-6)
+    assert np.max(np.abs(rebuilt - np.asarray(w))) <= np.max(s) / 2 + 1e-6
+
+
+def test_bf16_scales():
+    x, w, ids, ex = make_problem(1, 8, 4, 2, 128, 64)
+    q = nbx.quantize(ex, "int4", group_size=64, scale_dtype=jnp.bfloat16)
+    assert q.gate.scale.dtype == jnp.bfloat16 and q.dtype == jnp.bfloat16
+    assert rel_err(nbx.fused_moe(x, w, ids, q), np_moe(x, w, ids, nbx.dequantize(q, jnp.float32))) < 1e-5
+
+
+def test_quantize_errors():
+    x, w, ids, ex = make_problem(2, 4, 4, 2, 96, 64)
+    with pytest.raises(ValueError, match=r"K=96 .* not divisible by group_size=64"):
+        nbx.quantize(ex, "int4", group_size=64)
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        nbx.quantize(ex, "int4", group_size=48)
+    with pytest.raises(ValueError, match="kind must be 'int8' or 'int4'"):
+        nbx.quantize(ex, "int2")
+    q = nbx.quantize(ex, "int8")
+    with pytest.raises(ValueError, match="already quantized"):
+        nbx.quantize(q, "int8")
+    with pytest.raises(TypeError, match="mixed dense and quantized experts"):
+        nbx.fused_moe(x, w, ids, nbx.Experts(q.gate, ex.up, ex.down))
+    bad = nbx.QuantizedWeight(q.up.q, q.up.scale[:, :10], kind="int8")
+    with pytest.raises(ValueError, match=r"experts.up.scale has shape \(4, 10\); expected \(4, 64\)"):
+        nbx.fused_moe(x, w, ids, nbx.Experts(q.gate, bad, q.down))
+    with pytest.raises(NotImplementedError, match="implementation='xla'"):
+        nbx.fused_moe(x, w, ids, q, implementation="ffi")
+    lists = nbx.Experts(*([a[e] for e in range(4)] for a in (ex.gate, ex.up, ex.down)))
+    ql = nbx.quantize(lists, "int8")
+    mixed = nbx.Experts(ql.gate[:3] + [lists.gate[3]], ql.up, ql.down)
+    with pytest.raises(TypeError, match="gate expert 3 is dense, expert 0 quantized"):
+        nbx.fused_moe(x, w, ids, mixed)
