@@ -25,7 +25,7 @@ from . import _registry, memory
 from .triton import plan as P
 
 TARGET = "nbx_fused_moe_fwd_cuda"
-TARGET_LISTS = "nbx_fused_moe_fwd_cuda_lists"
+TARGET_TABLES = "nbx_fused_moe_fwd_cuda_tables"  # lists and/or quantized experts
 _budget_set: set[int] = set()
 
 
@@ -68,13 +68,13 @@ def ensure_budget(ordinal: int = 0) -> None:
 
 
 def plan_band_tokens(T: int, k: int, E: int, H: int, I: int, wdtype,
-                     max_workspace_bytes=None) -> int:
+                     max_workspace_bytes=None, quant=None) -> int:
     """Tokens per band so that one band's workspace fits cuda:0's headroom."""
     ensure_budget(0)
     name = _device(0).device_kind
 
     def need(t: int) -> int:
-        return P.band_workspace(t, k, E, H, I, wdtype, name)
+        return P.band_workspace(t, k, E, H, I, wdtype, name, quant)
 
     if max_workspace_bytes is None:
         free, total = memory.headroom("cuda", 0), memory.budget("cuda", 0)
@@ -101,35 +101,59 @@ def check_ids_enabled() -> bool:
     return os.environ.get("JAX_NBX_CUDA_CHECK_IDS", "1") not in ("0", "false", "no")
 
 
+def _weight_groups(weights, lists: bool):
+    """(groups of buffers, E, I, quant, scale-or-weight dtype, all 16-byte strides)."""
+    from .quant import QuantizedWeight
+
+    per = len(weights) // 3 if lists else 1
+    projs = [list(weights[i * per:(i + 1) * per]) for i in range(3)]  # gate, up, down
+    w0 = projs[0][0]
+    if isinstance(w0, QuantizedWeight):
+        parts = ["q", "scale"] + (["zero"] if w0.kind == "int4" else [])
+        groups = [[getattr(m, part) for m in proj] for part in parts for proj in projs]
+        quant = (w0.kind, w0.group_size or 0)
+        dtype = np.dtype(w0.scale.dtype)
+    else:
+        groups, quant, dtype = projs, None, np.dtype(w0.dtype)
+    E = per if lists else int(w0.shape[0])
+    I = int(w0.shape[-1])
+    strides_ok = lists or all(
+        (int(np.prod(g[0].shape[1:])) * np.dtype(g[0].dtype).itemsize) % 16 == 0 for g in groups)
+    return groups, E, I, quant, dtype, strides_ok
+
+
 def forward(x, w, ids, *weights, activation: int, band_tokens: int, lists: bool = False):
-    """The raw CUDA FFI call on 2-D inputs (x [T, H], w f32 [T, k], ids i32 [T, k]);
+    """The raw CUDA FFI call on 2-D inputs (x [T, H], w f32 [T, k], ids i32 [T, k]).
+
     ``weights`` = (gate, up, down) stacked, or with ``lists`` the E gate, E up
-    and E down arrays (each buffer's address goes into the pointer table)."""
+    and E down arrays; each may be a `QuantizedWeight`.  Dense stacked experts
+    go to ``nbx_fused_moe_fwd_cuda``; lists and quantized experts to
+    ``nbx_fused_moe_fwd_cuda_tables`` as groups of buffers (gate, up, down,
+    then scales, then mins), every buffer's address in the pointer table.
+    """
     from .triton import compile as C
 
     T, H = x.shape
     k = ids.shape[1]
-    if lists:
-        E, I = len(weights) // 3, weights[0].shape[1]
-        # every buffer is XLA's own allocation: aligned (the handler checks the claim)
-        stride_ok = True
-    else:
-        E, _, I = weights[0].shape
-        stride_ok = (H * I * np.dtype(weights[0].dtype).itemsize) % 16 == 0
-    wdtype = np.dtype(weights[0].dtype)
+    groups, E, I, quant, wdtype, strides_ok = _weight_groups(weights, lists)
     dev = _device(0)
     prog = P.build(T, band_tokens or T, k, E, H, I, np.dtype(x.dtype), wdtype, activation,
-                   dev.device_kind, w_aligned=stride_ok)
+                   dev.device_kind, w_aligned=strides_ok, quant=quant)
     blob, table = C.pack(prog, compute_capability(dev))
+    attrs = dict(blob=blob, kernels=table.reshape(-1), program=prog.encode(),
+                 workspace_bytes=np.int64(prog.workspace_bytes), err_offset=np.int64(prog.err_offset),
+                 w_aligned=np.int64(strides_ok), num_experts=np.int64(E),
+                 check_ids=np.int64(check_ids_enabled()))
     # The workspace is a second output that XLA allocates in its pool (stream
     # ordered, planned by XLA) and that is dropped here.
-    call = jax.ffi.ffi_call(TARGET_LISTS if lists else TARGET, (jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                     jax.ShapeDtypeStruct((max(prog.workspace_bytes, 1),), np.uint8)),
-                            vmap_method="sequential")
-    y, _ = call(x, w, ids, *weights, blob=blob, kernels=table.reshape(-1),
-                program=prog.encode(), workspace_bytes=np.int64(prog.workspace_bytes),
-                err_offset=np.int64(prog.err_offset), w_aligned=np.int64(stride_ok),
-                num_experts=np.int64(E), check_ids=np.int64(check_ids_enabled()))
+    outs = (jax.ShapeDtypeStruct(x.shape, x.dtype),
+            jax.ShapeDtypeStruct((max(prog.workspace_bytes, 1),), np.uint8))
+    if quant is None and not lists:
+        y, _ = jax.ffi.ffi_call(TARGET, outs, vmap_method="sequential")(x, w, ids, *weights, **attrs)
+        return y
+    bufs = [b for g in groups for b in (g if lists else g[:1])]
+    call = jax.ffi.ffi_call(TARGET_TABLES, outs, vmap_method="sequential")
+    y, _ = call(x, w, ids, *bufs, groups=np.int64(len(groups)), stacked=np.int64(not lists), **attrs)
     return y
 
 

@@ -11,7 +11,7 @@ FORWARD_INTO_TARGET = "nbx_fused_moe_fwd_into"  # tests: output aliased to a poi
 FORWARD_LISTS_TARGET = "nbx_fused_moe_fwd_lists"  # experts as per-expert buffers
 FORWARD_LISTS_INTO_TARGET = "nbx_fused_moe_fwd_lists_into"
 CUDA_FORWARD_TARGET = "nbx_fused_moe_fwd_cuda"
-CUDA_FORWARD_LISTS_TARGET = "nbx_fused_moe_fwd_cuda_lists"
+CUDA_FORWARD_TABLES_TARGET = "nbx_fused_moe_fwd_cuda_tables"
 
 _PLATFORMS: list[str] = []
 

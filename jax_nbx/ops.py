@@ -229,14 +229,14 @@ def _ffi_op(activation: str, band_tokens: int, platform: str = "cpu", lists: boo
         # Experts shared across the batch: the batch is just more tokens.
         args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
                 for a, b in zip((x, w, ids), in_batched[:3])]
-        if not any(in_batched[3:]):
+        if not any(jax.tree.leaves(in_batched[3:])):  # weights may be QuantizedWeight pytrees
             xb, wb, ib = args
             B, T, H = xb.shape
             y = forward(xb.reshape(B * T, H), wb.reshape(B * T, -1), ib.reshape(B * T, -1), *weights)
             return y.reshape(B, T, H), True
         # Experts differ per batch element: one call per element.
-        ex = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
-              for a, b in zip(weights, in_batched[3:])]
+        ex = [jax.tree.map(lambda a, b: a if b else jnp.broadcast_to(a, (axis_size,) + a.shape), wt, bt)
+              for wt, bt in zip(weights, in_batched[3:])]
         return jax.lax.map(lambda a: forward(*a), (*args, *ex)), True
 
     @jax.custom_vjp
@@ -248,6 +248,10 @@ def _ffi_op(activation: str, band_tokens: int, platform: str = "cpu", lists: boo
 
     def op_bwd(res, g):
         x, w, ids, experts = res
+        if is_quantized(experts):  # quantized weights are frozen: dx and dw only
+            _, vjp = jax.vjp(lambda x_, w_: moe_reference(x_, w_, ids, experts, activation), x, w)
+            dx, dw = vjp(g)
+            return dx, dw, None, None
         _, vjp = jax.vjp(lambda x_, w_, e_: moe_reference(x_, w_, ids, e_.stacked(), activation),
                          x, w, experts)
         dx, dw, dexperts = vjp(g)
@@ -321,11 +325,15 @@ def fused_moe(
         experts = jax.tree.map(jnp.asarray, experts)
     E, H, I, k = _validate(x, topk_weights, topk_ids, experts, activation)
     quantized = is_quantized(experts)
-    impl = "xla" if quantized and implementation is None else _resolve_implementation(implementation)
-    if quantized and impl == "ffi":
+    on_gpu = jax.default_backend() == "gpu"
+    if quantized and not on_gpu and implementation is None:
+        impl = "xla"  # the CPU handler does not dequantize yet
+    else:
+        impl = _resolve_implementation(implementation)
+    if quantized and impl == "ffi" and not on_gpu:
         raise NotImplementedError(
-            "quantized experts run on implementation='xla' (or None) for now: the fused handlers' "
-            "in-kernel dequantization is not built yet")
+            "quantized experts run on implementation='xla' (or None) on the CPU for now: the CPU "
+            "handler's dequantization in its packing step is not built yet")
 
     lead = x.shape[:-1]
     T = int(np.prod(lead, dtype=np.int64))
@@ -346,7 +354,9 @@ def fused_moe(
     if platform == "gpu":
         from . import _cuda
 
-        band = _cuda.plan_band_tokens(T, k, E, H, I, experts.dtype, max_workspace_bytes)
+        w0 = experts.gate[0] if experts.is_list else experts.gate
+        quant = (w0.kind, w0.group_size or 0) if quantized else None
+        band = _cuda.plan_band_tokens(T, k, E, H, I, experts.dtype, max_workspace_bytes, quant)
     else:
         band = plan_band_tokens(T, k, E, H, I, max_workspace_bytes)
     try:

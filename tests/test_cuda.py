@@ -64,3 +64,20 @@ def test_cuda_grad_and_vmap():
     xb = jnp.stack([x, 2 * x])
     yb = jax.vmap(lambda x: nbx.fused_moe(x, w, ids, ex, implementation="ffi"))(xb)
     assert rel_err(yb[1], np_moe(2 * x, w, ids, ex)) < 1e-4
+
+
+def test_cuda_lists_equal_stacked():
+    x, w, ids, ex = make_problem(8, 100, 6, 2, 128, 64, jnp.bfloat16, jnp.bfloat16)
+    lists = nbx.Experts(*([a[e] for e in range(6)] for a in (ex.gate, ex.up, ex.down)))
+    y0 = nbx.fused_moe(x, w, ids, ex, implementation="ffi")
+    y1 = nbx.fused_moe(x, w, ids, lists, implementation="ffi")
+    assert bool(jnp.all(y0 == y1))
+
+
+@pytest.mark.parametrize("kind,G", [("int8", None), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("T", [2, 300])
+def test_cuda_quantized_matches_dequantized(kind, G, T):
+    x, w, ids, ex = make_problem(9, T, 8, 2, 256, 128, jnp.bfloat16, jnp.float32)
+    q = nbx.quantize(ex, kind, group_size=G or 128, scale_dtype=jnp.bfloat16)
+    y = nbx.fused_moe(x, w, ids, q, implementation="ffi")
+    assert rel_err(y, np_moe(x, w, ids, nbx.dequantize(q, jnp.float32))) < 3e-2

@@ -208,3 +208,44 @@ print("compiled", len(table))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "compiled" in r.stdout
+
+
+QCASES = [  # T, kind, group, scale dtype, lists
+    (2, "int8", 0, F32, False), (40, "int8", 0, BF16, False), (40, "int8", 0, F32, True),
+    (2, "int4", 32, F32, True), (40, "int4", 32, F32, False), (40, "int4", 64, BF16, True),
+    (2, "int4", 128, BF16, False), (40, "int4", 128, F32, False)]
+
+
+@pytest.mark.parametrize("T,kind,G,sd,lists", QCASES, ids=lambda v: str(v))
+def test_quantized_experts_dequantized_in_kernel(T, kind, G, sd, lists):
+    """int8 / int4 experts, dequantized tile by tile in the kernels (the same
+    formats as `jax_nbx.quantize`), against float64 on the dequantized weights."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_nbx as nbx
+
+    E, k, H, I = 5, 2, 128, 256 if G != 128 else 128
+    x, w, ids, gate, up, down = problem(11, T, E, k, H, I, F32, F32)
+    ex = nbx.Experts(jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down))
+    q = nbx.quantize(ex, kind, group_size=G or 128, scale_dtype=jnp.dtype(sd))
+    d = nbx.dequantize(q, jnp.float32)
+    from jax_nbx import _cuda
+
+    if lists:
+        q = nbx.Experts(*([jax.tree.map(lambda a: a[e], getattr(q, n)) for e in range(E)]
+                          for n in ("gate", "up", "down")))
+    # the CUDA path's own grouping of the buffers (gate, up, down, scales, mins)
+    groups, E2, I2, quant, dt, _ = _cuda._weight_groups(q.flat(), lists)
+    assert (E2, I2, quant, dt) == (E, I, (kind, G), sd)
+    groups = [[np.asarray(a) for a in g] if lists else np.asarray(g[0]) for g in groups]
+    prog = plan.build(T, T, k, E, H, I, F32, sd, 0, quant=(kind, G))
+    y = np.full((T, H), np.nan, np.float32)
+    firsts = [g[0] if lists else g for g in groups]
+    err = interpret.run(prog, [x, w, ids, *firsts], y, tables=interpret.pointer_tables(*groups))
+    assert err == plan.ERR_NONE
+    assert np.all(np.isfinite(y))
+    ref = np_moe64(x, w, ids, np.asarray(d.gate), np.asarray(d.up), np.asarray(d.down))
+    # bf16 scales: the dequantized tile is rounded to bf16 for the product too
+    # (and the interpreter truncates where the GPU rounds), hence 2x the dense bound
+    assert rel_err(y, ref) < (TOL[F32] if np.dtype(sd) == F32 else 2 * TOL[BF16])

@@ -106,7 +106,7 @@ NB_MODULE(_ffi, m) {
   m.def("cuda_handlers", []() {
     nb::dict d;
     d["nbx_fused_moe_fwd_cuda"] = Capsule(nbx::FusedMoeForwardCuda);
-    d["nbx_fused_moe_fwd_cuda_lists"] = Capsule(nbx::FusedMoeForwardCudaLists);
+    d["nbx_fused_moe_fwd_cuda_tables"] = Capsule(nbx::FusedMoeForwardCudaTables);
     return d;
   }, "Handler capsules for platform 'CUDA', keyed by FFI target name.");
   m.def("cuda_driver_status", []() { return nbx::CudaDriverStatus(); },

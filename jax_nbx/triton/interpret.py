@@ -19,7 +19,7 @@ import numpy as np
 from . import plan as P
 
 _DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "i32": "int32",
-                "i64": "int64"}
+                "i64": "int64", "i8": "int8", "u8": "uint8"}
 
 
 class _DType:
@@ -117,19 +117,20 @@ def _interpreted(name: str):
     fn = getattr(kernels, name)
     fn = getattr(fn, "fn", fn)  # the Python function under triton.jit
     # helpers called from kernels must be interpreted too
-    for helper in ("_act", "_expert_ptr"):
+    for helper in ("_act", "_expert_ptr", "_wtile"):
         h = getattr(kernels, helper)
         if not isinstance(h, InterpretedFunction):
             setattr(kernels, helper, InterpretedFunction(getattr(h, "fn", h)))
     return InterpretedFunction(fn)
 
 
-def pointer_tables(gate, up, down) -> list[np.ndarray]:
-    """One int64 address per expert and projection, as the handler builds them:
-    stacked [E, …] arrays (expert e at base + e·bytes/E) or lists of per-expert
-    arrays (each array's own address; keep the arrays alive)."""
+def pointer_tables(*groups) -> list[np.ndarray]:
+    """One int64 address per expert and group (gate, up, down[, their scales,
+    their mins]), as the handler builds them: stacked [E, …] arrays (expert e
+    at base + e·bytes/E) or lists of per-expert arrays (each array's own
+    address; keep the arrays alive)."""
     out = []
-    for a in (gate, up, down):
+    for a in groups:
         if isinstance(a, (list, tuple)):
             addrs = [np.ascontiguousarray(m).ctypes.data for m in a]
         else:
@@ -141,13 +142,14 @@ def pointer_tables(gate, up, down) -> list[np.ndarray]:
 
 def run(prog: P.Program, inputs: list[np.ndarray], out: np.ndarray,
         tables: list[np.ndarray] | None = None, workspace: list | None = None) -> int:
-    """Executes ``prog`` on host arrays (inputs in call order: x, w, ids, gate,
-    up, down; ``out`` written in place).  Returns the err word: the first slot
+    """Executes ``prog`` on host arrays (inputs in call order: x, w, ids, then
+    each weight group's first array; ``out`` written in place; ``tables``
+    default to the stacked arrays' own, for dense experts).  Returns the err word: the first slot
     with a bad expert id, or `plan.ERR_NONE`.  ``workspace`` (a list) receives
     the workspace bytes, for debugging."""
     inputs = [np.ascontiguousarray(a) for a in inputs]
     if tables is None:
-        tables = pointer_tables(*inputs[P.IN_GATE:P.IN_DOWN + 1])
+        tables = pointer_tables(*inputs[P.IN_GATE:])
     ws = np.empty(prog.workspace_bytes + P.WS_ALIGN, np.uint8)
     ws_base = -(-ws.ctypes.data // P.WS_ALIGN) * P.WS_ALIGN
     ws[:] = 0xCD  # poison: nothing may depend on workspace it did not write

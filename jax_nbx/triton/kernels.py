@@ -59,6 +59,33 @@ def _expert_ptr(tbl, e, wref, W_ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def _wtile(qtbl, stbl, ztbl, e, wref, sref, kk, offs_n, N: tl.constexpr, mask,
+           QUANT: tl.constexpr, GS: tl.constexpr, W_ALIGNED: tl.constexpr):
+    """Expert e's weights at rows kk [BK] and columns offs_n [BN], as float32.
+    QUANT 0: dense (wref's dtype); 1: int8, times scale[n]; 2: int4 packed two
+    per byte along K (low nibble = even row), times scale[k // GS, n] plus
+    min[k // GS, n].  qtbl/stbl/ztbl: tables of the expert's q, scale and min
+    arrays (scales typed like sref)."""
+    p = _expert_ptr(qtbl, e, wref, W_ALIGNED)
+    if QUANT == 0:
+        return tl.load(p + kk[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+    sp = _expert_ptr(stbl, e, sref, W_ALIGNED)
+    if QUANT == 1:
+        q = tl.load(p + kk[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0)
+        sc = tl.load(sp + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        return q.to(tl.float32) * sc[None, :]
+    zp = _expert_ptr(ztbl, e, sref, W_ALIGNED)
+    byte = tl.load(p + (kk // 2)[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask,
+                   other=0).to(tl.int32)
+    nib = tl.where((kk % 2 == 0)[:, None], byte & 15, byte >> 4).to(tl.float32)
+    goff = (kk // GS)[:, None].to(tl.int64) * N + offs_n[None, :]
+    sc = tl.load(sp + goff, mask=mask, other=0.0).to(tl.float32)
+    mn = tl.load(zp + goff, mask=mask, other=0.0).to(tl.float32)
+    return nib * sc + mn
+
+
+@triton.jit
 def fill_i32(ptr, n, value, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(ptr + offs, tl.full((BLOCK,), value, tl.int32), mask=offs < n)
@@ -127,12 +154,15 @@ def scatter(ids, n, rank, base, sorted_slots, E: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
-def gemm1(x, sorted_slots, block_expert, gate_tbl, up_tbl, wref, h,
+def gemm1(x, sorted_slots, block_expert, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl,
+          wref, sref, h,
           H: tl.constexpr, I: tl.constexpr, K_TOP: tl.constexpr, ACT: tl.constexpr,
-          W_ALIGNED: tl.constexpr, IEEE: tl.constexpr,
+          W_ALIGNED: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr, GS: tl.constexpr,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """h[row, n] = act(x[tok] @ gate[e])[n] * (x[tok] @ up[e])[n] for the BM
-    rows of one block (one expert) and BN columns."""
+    rows of one block (one expert) and BN columns.  The products run in
+    sref's dtype (the weights' for dense experts, the scales' for quantized
+    ones, whose tiles are dequantized in registers: `_wtile`)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert + pid_m)
@@ -154,11 +184,17 @@ def gemm1(x, sorted_slots, block_expert, gate_tbl, up_tbl, wref, h,
         kmask = kk < H
         a = tl.load(x + tok[:, None].to(tl.int64) * H + kk[None, :],
                     mask=valid[:, None] & kmask[None, :], other=0.0)
-        a = a.to(wref.dtype.element_ty)
+        a = a.to(sref.dtype.element_ty)
         wmask = kmask[:, None] & nmask[None, :]
-        woff = kk[:, None].to(tl.int64) * I + offs_n[None, :]
-        bg = tl.load(gp + woff, mask=wmask, other=0.0)
-        bu = tl.load(upp + woff, mask=wmask, other=0.0)
+        if QUANT == 0:
+            woff = kk[:, None].to(tl.int64) * I + offs_n[None, :]
+            bg = tl.load(gp + woff, mask=wmask, other=0.0)
+            bu = tl.load(upp + woff, mask=wmask, other=0.0)
+        else:
+            bg = _wtile(gate_tbl, gs_tbl, gz_tbl, e, wref, sref, kk, offs_n, I, wmask, QUANT, GS,
+                        W_ALIGNED).to(sref.dtype.element_ty)
+            bu = _wtile(up_tbl, us_tbl, uz_tbl, e, wref, sref, kk, offs_n, I, wmask, QUANT, GS,
+                        W_ALIGNED).to(sref.dtype.element_ty)
         if IEEE:
             acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
             acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
@@ -171,8 +207,9 @@ def gemm1(x, sorted_slots, block_expert, gate_tbl, up_tbl, wref, h,
 
 
 @triton.jit
-def gemm2(h, sorted_slots, block_expert, down_tbl, wref, w, out,
+def gemm2(h, sorted_slots, block_expert, down_tbl, ds_tbl, dz_tbl, wref, sref, w, out,
           H: tl.constexpr, I: tl.constexpr, W_ALIGNED: tl.constexpr, IEEE: tl.constexpr,
+          QUANT: tl.constexpr, GS: tl.constexpr,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out[slot, n] = w[slot] * (h[row] @ down[e])[n] for the block's real slots."""
     pid_m = tl.program_id(0)
@@ -192,9 +229,13 @@ def gemm2(h, sorted_slots, block_expert, down_tbl, wref, w, out,
         kk = k0 + offs_k
         kmask = kk < I
         a = tl.load(h + rows[:, None].to(tl.int64) * I + kk[None, :], mask=kmask[None, :], other=0.0)
-        a = a.to(wref.dtype.element_ty)
-        b = tl.load(dp + kk[:, None].to(tl.int64) * H + offs_n[None, :],
-                    mask=kmask[:, None] & nmask[None, :], other=0.0)
+        a = a.to(sref.dtype.element_ty)
+        if QUANT == 0:
+            b = tl.load(dp + kk[:, None].to(tl.int64) * H + offs_n[None, :],
+                        mask=kmask[:, None] & nmask[None, :], other=0.0)
+        else:
+            b = _wtile(down_tbl, ds_tbl, dz_tbl, e, wref, sref, kk, offs_n, H,
+                       kmask[:, None] & nmask[None, :], QUANT, GS, W_ALIGNED).to(sref.dtype.element_ty)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -206,10 +247,10 @@ def gemm2(h, sorted_slots, block_expert, down_tbl, wref, w, out,
 
 
 @triton.jit
-def decode1(x, ids, slot0, err, gate_tbl, up_tbl, wref, part,
+def decode1(x, ids, slot0, err, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl, wref, sref, part,
             H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, K_TOP: tl.constexpr,
-            W_ALIGNED: tl.constexpr, KCH: tl.constexpr, S: tl.constexpr,
-            BN: tl.constexpr, BK: tl.constexpr):
+            W_ALIGNED: tl.constexpr, QUANT: tl.constexpr, GS: tl.constexpr,
+            KCH: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Partial gate and up sums of one slot over one chunk of KCH rows of H
     (split-K: few slots still fill the GPU): part[slot, chunk, 0|1, n],
     float32.  Each weight element is read once per slot."""
@@ -227,8 +268,6 @@ def decode1(x, ids, slot0, err, gate_tbl, up_tbl, wref, part,
         tl.store(dst + I, tl.zeros((BN,), tl.float32), mask=nmask)
         return
     t = s // K_TOP
-    gp = _expert_ptr(gate_tbl, e, wref, W_ALIGNED)
-    upp = _expert_ptr(up_tbl, e, wref, W_ALIGNED)
     offs_k = tl.arange(0, BK)
     acc_g = tl.zeros((BN,), tl.float32)
     acc_u = tl.zeros((BN,), tl.float32)
@@ -237,9 +276,8 @@ def decode1(x, ids, slot0, err, gate_tbl, up_tbl, wref, part,
         kmask = kk < H
         xv = tl.load(x + t * H + kk, mask=kmask, other=0.0).to(tl.float32)
         wmask = kmask[:, None] & nmask[None, :]
-        woff = kk[:, None].to(tl.int64) * I + offs_n[None, :]
-        bg = tl.load(gp + woff, mask=wmask, other=0.0).to(tl.float32)
-        bu = tl.load(upp + woff, mask=wmask, other=0.0).to(tl.float32)
+        bg = _wtile(gate_tbl, gs_tbl, gz_tbl, e, wref, sref, kk, offs_n, I, wmask, QUANT, GS, W_ALIGNED)
+        bu = _wtile(up_tbl, us_tbl, uz_tbl, e, wref, sref, kk, offs_n, I, wmask, QUANT, GS, W_ALIGNED)
         acc_g += tl.sum(xv[:, None] * bg, axis=0)
         acc_u += tl.sum(xv[:, None] * bu, axis=0)
     tl.store(dst, acc_g, mask=nmask)
@@ -262,8 +300,9 @@ def decode_act(part, h, I: tl.constexpr, S: tl.constexpr, ACT: tl.constexpr, BN:
 
 
 @triton.jit
-def decode2(h, ids, down_tbl, wref, w, out,
+def decode2(h, ids, down_tbl, ds_tbl, dz_tbl, wref, sref, w, out,
             H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, W_ALIGNED: tl.constexpr,
+            QUANT: tl.constexpr, GS: tl.constexpr,
             KCH: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out[slot, chunk, n] = w[slot] * (h[slot, chunk] @ down[e][chunk])[n]:
     one chunk of KCH rows of I per program; `combine` adds the chunks."""
@@ -275,14 +314,13 @@ def decode2(h, ids, down_tbl, wref, w, out,
     nmask = offs_n < H
     acc = tl.zeros((BN,), tl.float32)
     if (e >= 0) & (e < E):
-        dp = _expert_ptr(down_tbl, e, wref, W_ALIGNED)
         offs_k = tl.arange(0, BK)
         for j in range(0, KCH, BK):
             kk = c * KCH + j + offs_k
             kmask = kk < I
             hv = tl.load(h + s * I + kk, mask=kmask, other=0.0)
-            b = tl.load(dp + kk[:, None].to(tl.int64) * H + offs_n[None, :],
-                        mask=kmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+            b = _wtile(down_tbl, ds_tbl, dz_tbl, e, wref, sref, kk, offs_n, H,
+                       kmask[:, None] & nmask[None, :], QUANT, GS, W_ALIGNED)
             acc += tl.sum(hv[:, None] * b, axis=0)
         acc = acc * tl.load(w + s)
     tl.store(out + (s * S + c).to(tl.int64) * H + offs_n, acc, mask=nmask)

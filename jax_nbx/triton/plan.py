@@ -21,8 +21,12 @@ import numpy as np
 
 # Argument kinds (the handler's ArgKind enum has the same numbers).
 ARG_INPUT, ARG_OUTPUT, ARG_WORKSPACE, ARG_TABLE, ARG_I32 = 0, 1, 2, 3, 4
-# Inputs in call order.
+# Inputs in call order: x, w, ids, then the first buffer of each weight group
+# (groups: gate, up, down; for quantized experts then their scales, then
+# (int4) their mins).  Tables are numbered by group the same way.
 IN_X, IN_W, IN_IDS, IN_GATE, IN_UP, IN_DOWN = range(6)
+IN_GROUP0 = 3
+QUANT_CODES = {None: 0, "int8": 1, "int4": 2}
 ERR_NONE = 2**31 - 1
 WS_ALIGN = 256
 COUNT_BLOCK = 128
@@ -30,7 +34,7 @@ FILL_BLOCK = 1024
 COMBINE_BLOCK = 1024
 
 _TL = {np.dtype("float32"): "fp32", np.dtype("float16"): "fp16", np.dtype("int32"): "i32",
-       np.dtype("int64"): "i64"}
+       np.dtype("int64"): "i64", np.dtype("int8"): "i8", np.dtype("uint8"): "u8"}
 
 
 def _tl_name(dtype) -> str:
@@ -134,16 +138,18 @@ def config_file(device_name: str) -> Path:
     return _CONFIG_DIR / f"{safe}.json"
 
 
-def gemm_configs(M: int, E: int, H: int, I: int, wdtype, device_name: str | None
-                 ) -> tuple[GemmConfig, GemmConfig]:
+def gemm_configs(M: int, E: int, H: int, I: int, wdtype, device_name: str | None,
+                 quant: str = "") -> tuple[GemmConfig, GemmConfig]:
     """Tile configs of gemm1 and gemm2 for M = T·k slots: from the tuned
     file of the device (`configs/<device>.json`, key "E,H,I,dtype", the
-    entry of the nearest M), else defaults by rows per expert.
+    entry of the nearest M; quantized experts: dtype "int4g128-bf16" etc.,
+    the format then the scales' dtype), else defaults by rows per expert.
     ``JAX_NBX_TRITON_CONFIGS`` names another file."""
     path = os.environ.get("JAX_NBX_TRITON_CONFIGS")
     file = Path(path) if path else (config_file(device_name) if device_name else None)
     if file is not None and file.exists():
-        table = json.loads(file.read_text()).get(f"{E},{H},{I},{_tl_name(wdtype)}")
+        dt = f"{quant}-{_tl_name(wdtype)}" if quant else _tl_name(wdtype)
+        table = json.loads(file.read_text()).get(f"{E},{H},{I},{dt}")
         if table:
             best = min(table, key=lambda m: abs(math.log(int(m)) - math.log(max(M, 1))))
             c1, c2 = table[best]
@@ -188,24 +194,33 @@ def max_mblocks(slots: int, E: int, BM: int) -> int:
     return -(-slots // BM) + min(E, slots)
 
 
-def band_workspace(tokens: int, k: int, E: int, H: int, I: int, wdtype, device_name=None) -> int:
+def band_workspace(tokens: int, k: int, E: int, H: int, I: int, wdtype, device_name=None,
+                   quant=None) -> int:
     """Bytes of workspace of one band of ``tokens`` tokens (0: the fixed part)."""
     return _build(tokens, tokens, k, E, H, I, np.float32, wdtype, 0, device_name,
-                  layout_only=True).workspace_bytes
+                  layout_only=True, quant=quant).workspace_bytes
 
 
 def build(T: int, band: int, k: int, E: int, H: int, I: int, xdtype, wdtype, activation: int,
-          device_name: str | None = None, w_aligned: bool = True) -> Program:
-    """The program of one fused_moe call: T tokens in bands of ``band``."""
+          device_name: str | None = None, w_aligned: bool = True,
+          quant: tuple | None = None) -> Program:
+    """The program of one fused_moe call: T tokens in bands of ``band``.
+
+    ``quant``: None for dense weights of dtype ``wdtype``, else
+    ``(kind, group_size)`` with kind "int8"/"int4" and ``wdtype`` the scales'
+    dtype (the products then run in that dtype)."""
     return _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name,
-                  w_aligned=w_aligned)
+                  w_aligned=w_aligned, quant=quant)
 
 
 def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
-           w_aligned=True, layout_only=False) -> Program:
+           w_aligned=True, layout_only=False, quant=None) -> Program:
     band = max(1, min(int(band) or T, T)) if T else 1
     xdtype, wdtype = np.dtype(xdtype), np.dtype(wdtype)
-    xs, ws_t = "*" + _tl_name(xdtype), "*" + _tl_name(wdtype)
+    kind, gsize = quant if quant else (None, 0)
+    QUANT = QUANT_CODES[kind]
+    xs = "*" + _tl_name(xdtype)
+    ws_t = {0: "*" + _tl_name(wdtype), 1: "*i8", 2: "*u8"}[QUANT]
     ieee = wdtype == np.float32
     hdtype = np.dtype("float32") if ieee else wdtype
     n = band * k
@@ -227,7 +242,12 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
                                (-(-count // FILL_BLOCK), 1, 1), (ws(off), i32(count), i32(value))))
 
     wref = inp(IN_GATE, 0, ws_t)
+    # typed like the products: the weights (dense) or the scales (quantized)
+    sref = wref if QUANT == 0 else inp(IN_GROUP0 + 3, 0, "*" + _tl_name(wdtype))
     tbl = [Arg(ARG_TABLE, p, 0, "*i64") for p in range(3)]
+    stbl = [Arg(ARG_TABLE, 3 + p, 0, "*i64") for p in range(3)] if QUANT else tbl
+    ztbl = [Arg(ARG_TABLE, 6 + p, 0, "*i64") for p in range(3)] if QUANT == 2 else stbl
+    qc = (("QUANT", QUANT), ("GS", gsize))
     common = (("H", H), ("I", I))
     decode = use_decode(n, E)
     rows = k
@@ -239,13 +259,14 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         part_off = lay.take(n * S1 * 2 * I * 4)
         h_off = lay.take(n * I * 4)
         out_off = lay.take(n * S2 * H * 4)
-        d1 = Kernel("decode1", common + (("E", E), ("K_TOP", k), ("W_ALIGNED", w_aligned),
-                                         ("KCH", KCH1), ("S", S1), ("BN", BN), ("BK", BK)), 4, 1)
+        d1 = Kernel("decode1", common + (("E", E), ("K_TOP", k), ("W_ALIGNED", w_aligned)) + qc
+                    + (("KCH", KCH1), ("S", S1), ("BN", BN), ("BK", BK)), 4, 1)
         da = Kernel("decode_act", (("I", I), ("S", S1), ("ACT", activation), ("BN", 256)), 4, 1)
-        d2 = Kernel("decode2", common + (("E", E), ("W_ALIGNED", w_aligned), ("KCH", KCH2),
-                                         ("S", S2), ("BN", BN), ("BK", BK)), 4, 1)
+        d2 = Kernel("decode2", common + (("E", E), ("W_ALIGNED", w_aligned)) + qc
+                    + (("KCH", KCH2), ("S", S2), ("BN", BN), ("BK", BK)), 4, 1)
     else:
-        c1, c2 = gemm_configs(n, E, H, I, wdtype, device_name)
+        c1, c2 = gemm_configs(n, E, H, I, wdtype, device_name,
+                              f"{kind}g{gsize}" if kind == "int4" else (kind or ""))
         BM = c1.BM
         assert c2.BM == BM, "gemm1 and gemm2 share the row blocks"
         MB = max_mblocks(n, E, BM)
@@ -261,10 +282,10 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         kc = Kernel("count", (("E", E), ("EP", EP), ("BLOCK", COUNT_BLOCK)), 4, 1)
         ks = Kernel("scatter", (("E", E), ("BLOCK", COUNT_BLOCK)), 4, 1)
         g1 = Kernel("gemm1", common + (("K_TOP", k), ("ACT", activation), ("W_ALIGNED", w_aligned),
-                                       ("IEEE", ieee), ("BM", BM), ("BN", c1.BN), ("BK", c1.BK)),
+                                       ("IEEE", ieee)) + qc + (("BM", BM), ("BN", c1.BN), ("BK", c1.BK)),
                     c1.num_warps, c1.num_stages)
-        g2 = Kernel("gemm2", common + (("W_ALIGNED", w_aligned), ("IEEE", ieee), ("BM", BM),
-                                       ("BN", c2.BN), ("BK", c2.BK)), c2.num_warps, c2.num_stages)
+        g2 = Kernel("gemm2", common + (("W_ALIGNED", w_aligned), ("IEEE", ieee)) + qc
+                    + (("BM", BM), ("BN", c2.BN), ("BK", c2.BK)), c2.num_warps, c2.num_stages)
     if layout_only:
         return Program([], lay.size, err, w_aligned, E)
 
@@ -280,11 +301,12 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         hf = "*fp32" if decode else "*" + _tl_name(hdtype)
         if decode:
             launches.append(Launch(d1, (nb, -(-I // BN), S1),
-                                   (x_a, ids_a, i32(t0 * k), ws(err), tbl[0], tbl[1], wref,
-                                    ws(part_off, "*fp32"))))
+                                   (x_a, ids_a, i32(t0 * k), ws(err), tbl[0], tbl[1], stbl[0], stbl[1],
+                                    ztbl[0], ztbl[1], wref, sref, ws(part_off, "*fp32"))))
             launches.append(Launch(da, (nb, -(-I // 256), 1), (ws(part_off, "*fp32"), ws(h_off, hf))))
             launches.append(Launch(d2, (nb, -(-H // BN), S2),
-                                   (ws(h_off, hf), ids_a, tbl[2], wref, w_a, ws(out_off, "*fp32"))))
+                                   (ws(h_off, hf), ids_a, tbl[2], stbl[2], ztbl[2], wref, sref, w_a,
+                                    ws(out_off, "*fp32"))))
         else:
             nblk_b = -(-nb // COUNT_BLOCK)
             mb = max_mblocks(nb, E, BM)
@@ -295,9 +317,11 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
             launches.append(Launch(ko, (1, 1, 1), (ws(hist), ws(base), ws(bexp))))
             launches.append(Launch(ks, (nblk_b, 1, 1), (ids_a, i32(nb), ws(rank), ws(base), ws(srt))))
             launches.append(Launch(g1, (mb, -(-I // c1.BN), 1),
-                                   (x_a, ws(srt), ws(bexp), tbl[0], tbl[1], wref, ws(h_off, hf))))
+                                   (x_a, ws(srt), ws(bexp), tbl[0], tbl[1], stbl[0], stbl[1], ztbl[0],
+                                    ztbl[1], wref, sref, ws(h_off, hf))))
             launches.append(Launch(g2, (mb, -(-H // c2.BN), 1),
-                                   (ws(h_off, hf), ws(srt), ws(bexp), tbl[2], wref, w_a, ws(out_off, "*fp32"))))
+                                   (ws(h_off, hf), ws(srt), ws(bexp), tbl[2], stbl[2], ztbl[2], wref, sref,
+                                    w_a, ws(out_off, "*fp32"))))
         combine = Kernel("combine", (("H", H), ("ROWS", rows), ("BH", COMBINE_BLOCK)), 4, 1)
         launches.append(Launch(combine, (tb, -(-H // COMBINE_BLOCK), 1), (ws(out_off, "*fp32"), y_a)))
     return Program(launches, lay.size, err, w_aligned, E)

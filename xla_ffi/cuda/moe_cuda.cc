@@ -278,11 +278,12 @@ class TableCache {
 enum ArgKind : int64_t { kInput = 0, kOutput = 1, kWorkspace = 2, kTable = 3, kI32 = 4 };
 constexpr int32_t kErrNone = 0x7fffffff;
 
-// Runs the program with the pointer table `addrs` ([3][E] absolute addresses:
-// gate, up, down).  `first` holds each projection's first buffer (the
-// program's typed weight argument).
+// Runs the program with the pointer table `addrs` ([G][E] absolute addresses,
+// G = first.size() groups: gate, up, down, then for quantized experts their
+// scales, then their mins).  `first` holds each group's first buffer (the
+// program's typed weight arguments are inputs 3 + group).
 ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                      ffi::Buffer<ffi::S32> ids, const CUdeviceptr first[3],
+                      ffi::Buffer<ffi::S32> ids, const std::vector<CUdeviceptr>& first,
                       const std::vector<int64_t>& addrs, ffi::Result<ffi::AnyBuffer> y,
                       ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
                       ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
@@ -298,15 +299,19 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
   const int64_t n_kernels = static_cast<int64_t>(kernels.size()) / kFields;
   const int64_t E = num_experts;
   const char* proj_name[3] = {"gate", "up", "down"};
-  if (static_cast<int64_t>(addrs.size()) != 3 * E)
+  const char* part_name[3] = {"", " scales", " mins"};
+  const int64_t G = static_cast<int64_t>(first.size());
+  if (static_cast<int64_t>(addrs.size()) != G * E)
     return ffi::Error::InvalidArgument("pointer table has " + std::to_string(addrs.size()) +
-                                       " entries; expected 3 * E = " + std::to_string(3 * E));
+                                       " entries; expected " + std::to_string(G) + " * E = " +
+                                       std::to_string(G * E));
   if (w_aligned)
-    for (int p = 0; p < 3; ++p)
+    for (int64_t p = 0; p < G; ++p)
       for (int64_t e = 0; e < E; ++e)
         if (addrs[p * E + e] % 16 != 0)
           return ffi::Error::InvalidArgument(
-              std::string("experts.") + proj_name[p] + " expert " + std::to_string(e) +
+              std::string("experts.") + proj_name[p % 3] + part_name[(p / 3) % 3] + " expert " +
+              std::to_string(e) +
               " starts at an address that is not 16-byte aligned, but the kernels were compiled "
               "assuming it is");
 
@@ -340,9 +345,10 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
         e.failure())
       return e;
 
-  const CUdeviceptr inputs[6] = {
-      reinterpret_cast<CUdeviceptr>(x.untyped_data()), reinterpret_cast<CUdeviceptr>(w.untyped_data()),
-      reinterpret_cast<CUdeviceptr>(ids.typed_data()), first[0], first[1], first[2]};
+  std::vector<CUdeviceptr> inputs = {reinterpret_cast<CUdeviceptr>(x.untyped_data()),
+                                     reinterpret_cast<CUdeviceptr>(w.untyped_data()),
+                                     reinterpret_cast<CUdeviceptr>(ids.typed_data())};
+  inputs.insert(inputs.end(), first.begin(), first.end());
   const CUdeviceptr output = reinterpret_cast<CUdeviceptr>(y->untyped_data());
 
   // Each launch: [kernel, gx, gy, gz, nargs, (kind, index, offset) * nargs].
@@ -365,7 +371,8 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
       const int64_t kind = program[pc], index = program[pc + 1], off = program[pc + 2];
       switch (kind) {
         case kInput:
-          if (index < 0 || index >= 6) return ffi::Error::InvalidArgument("bad input index");
+          if (index < 0 || index >= static_cast<int64_t>(inputs.size()))
+            return ffi::Error::InvalidArgument("bad input index");
           ptr_vals[a] = inputs[index] + off;
           break;
         case kOutput: ptr_vals[a] = output + off; break;
@@ -375,7 +382,7 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
           ptr_vals[a] = ws + off;
           break;
         case kTable:
-          if (index < 0 || index >= 3) return ffi::Error::InvalidArgument("bad table index");
+          if (index < 0 || index >= G) return ffi::Error::InvalidArgument("bad table index");
           ptr_vals[a] = table + index * E * sizeof(int64_t);
           break;
         case kI32: i32_vals[a] = static_cast<int32_t>(off); break;
@@ -426,7 +433,7 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   const int64_t E = num_experts;
   const ffi::AnyBuffer* proj[3] = {&gate, &up, &down};
   std::vector<int64_t> addrs(3 * E);
-  CUdeviceptr first[3];
+  std::vector<CUdeviceptr> first(3);
   for (int p = 0; p < 3; ++p) {
     const int64_t stride = static_cast<int64_t>(proj[p]->size_bytes()) / (E > 0 ? E : 1);
     const int64_t base = reinterpret_cast<int64_t>(proj[p]->untyped_data());
@@ -437,36 +444,48 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                     workspace_bytes, err_offset, w_aligned, num_experts, check_ids);
 }
 
-// Per-expert buffers (gate[0..E), up[0..E), down[0..E)), read in place.
-ffi::Error FusedMoeCudaListsImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                                 ffi::AnyBuffer w, ffi::Buffer<ffi::S32> ids,
-                                 ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y,
-                                 ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
-                                 ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
-                                 int64_t workspace_bytes, int64_t err_offset, int64_t w_aligned,
-                                 int64_t num_experts, int64_t check_ids) {
-  const int64_t E = num_experts;
-  if (E < 1 || static_cast<int64_t>(weights.size()) != 3 * E)
-    return ffi::Error::InvalidArgument("expected 3 * E = " + std::to_string(3 * E) +
-                                       " expert buffers; got " + std::to_string(weights.size()));
-  const char* proj_name[3] = {"gate", "up", "down"};
-  std::vector<int64_t> addrs(3 * E);
-  CUdeviceptr first[3];
-  for (int p = 0; p < 3; ++p) {
+// Weights as `groups` groups (gate, up, down; for quantized experts then
+// their scales, then (int4) their mins), each one stacked [E, ...] buffer
+// (`stacked`) or E per-expert buffers, read in place through the table.
+ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                                  ffi::AnyBuffer w, ffi::Buffer<ffi::S32> ids,
+                                  ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y,
+                                  ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
+                                  ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
+                                  int64_t workspace_bytes, int64_t err_offset, int64_t w_aligned,
+                                  int64_t num_experts, int64_t check_ids, int64_t groups,
+                                  int64_t stacked) {
+  const int64_t E = num_experts, G = groups;
+  const int64_t per_group = stacked ? 1 : E;
+  if (E < 1 || G < 3 || G > 9 || static_cast<int64_t>(weights.size()) != G * per_group)
+    return ffi::Error::InvalidArgument("expected " + std::to_string(G * per_group) +
+                                       " weight buffers (" + std::to_string(G) + " groups of " +
+                                       std::to_string(per_group) + "); got " +
+                                       std::to_string(weights.size()));
+  std::vector<int64_t> addrs(G * E);
+  std::vector<CUdeviceptr> first(G);
+  for (int64_t p = 0; p < G; ++p) {
     size_t bytes0 = 0;
     ffi::DataType type0 = ffi::DataType::INVALID;
-    for (int64_t e = 0; e < E; ++e) {
-      auto b = weights.get<ffi::AnyBuffer>(p * E + e);
+    for (int64_t i = 0; i < per_group; ++i) {
+      auto b = weights.get<ffi::AnyBuffer>(p * per_group + i);
       if (b.has_error()) return b.error();
-      if (e == 0) {
+      const int64_t base = reinterpret_cast<int64_t>(b->untyped_data());
+      if (i == 0) {
         bytes0 = b->size_bytes();
         type0 = b->element_type();
-        first[p] = reinterpret_cast<CUdeviceptr>(b->untyped_data());
+        first[p] = static_cast<CUdeviceptr>(base);
       } else if (b->size_bytes() != bytes0 || b->element_type() != type0) {
-        return ffi::Error::InvalidArgument(std::string(proj_name[p]) + " expert " +
-                                           std::to_string(e) + " differs from expert 0 in size or dtype");
+        return ffi::Error::InvalidArgument("weight group " + std::to_string(p) + " expert " +
+                                           std::to_string(i) +
+                                           " differs from expert 0 in size or dtype");
       }
-      addrs[p * E + e] = reinterpret_cast<int64_t>(b->untyped_data());
+      if (stacked) {
+        const int64_t stride = static_cast<int64_t>(bytes0) / E;
+        for (int64_t e = 0; e < E; ++e) addrs[p * E + e] = base + e * stride;
+      } else {
+        addrs[p * E + i] = base;
+      }
     }
   }
   return RunProgram(stream, ordinal, x, w, ids, first, addrs, y, ws_buf, blob, kernels, program,
@@ -507,14 +526,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCuda, FusedMoeCudaImpl,
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("check_ids"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCudaLists, FusedMoeCudaListsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCudaTables, FusedMoeCudaTablesImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()         // x [T, H]
                                   .Arg<ffi::AnyBuffer>()         // topk_weights [T, k] f32
                                   .Arg<ffi::Buffer<ffi::S32>>()  // topk_ids [T, k]
-                                  .RemainingArgs()               // gate[E], up[E], down[E]
+                                  .RemainingArgs()               // weight groups
                                   .Ret<ffi::AnyBuffer>()         // y [T, H]
                                   .Ret<ffi::AnyBuffer>()         // workspace (u8, discarded)
                                   .Attr<ffi::Span<const uint8_t>>("blob")
@@ -524,6 +543,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCudaLists, FusedMoeCudaListsImpl,
                                   .Attr<int64_t>("err_offset")
                                   .Attr<int64_t>("w_aligned")
                                   .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("check_ids"));
+                                  .Attr<int64_t>("check_ids")
+                                  .Attr<int64_t>("groups")
+                                  .Attr<int64_t>("stacked"));
 
 }  // namespace nbx

@@ -8,7 +8,7 @@
 
 namespace nbx {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardCudaLists);  // per-expert buffers
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardCudaTables);  // lists and/or quantized experts
 
 void CudaTableStats(int64_t* entries, int64_t* hits, int64_t* misses, int64_t* evictions,
                     int64_t* bytes);
