@@ -76,22 +76,8 @@ def plan_band_tokens(T: int, k: int, E: int, H: int, I: int, wdtype,
     def need(t: int) -> int:
         return P.band_workspace(t, k, E, H, I, wdtype, name, quant)
 
-    if max_workspace_bytes is None:
-        free, total = memory.headroom("cuda", 0), memory.budget("cuda", 0)
-    else:
-        free = total = memory.parse_bytes(max_workspace_bytes)
-    if need(T) <= free:
-        return T
-    if need(1) > free:
-        raise memory.DeviceOOMError.from_numbers(
-            f"fused_moe workspace for T={T} tokens (E={E} k={k} H={H} I={I}) on cuda:0",
-            requested=need(T), free=free, total=total, shape=(T, H), fixed_bytes=need(0))
-    lo, hi = 1, T
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
-    n_bands = -(-T // lo)
-    return -(-T // n_bands)
+    return memory.plan_bands(need, T, H, "cuda", max_workspace_bytes,
+                             f"(E={E} k={k} H={H} I={I}) on cuda:0")
 
 
 def check_ids_enabled() -> bool:

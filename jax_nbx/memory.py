@@ -110,6 +110,29 @@ def fused_moe_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int) -> in
                                               planned_workers()))
 
 
+def plan_bands(need, T: int, H: int, platform: str, max_workspace_bytes=None,
+               detail: str = "") -> int:
+    """Tokens per band so that one band's workspace ``need(tokens)`` fits the
+    headroom of ``platform``:0 (or ``max_workspace_bytes``); equal-sized
+    bands.  Raises DeviceOOMError with the advice when one token does not fit."""
+    if max_workspace_bytes is None:
+        free, total = headroom(platform), budget(platform)
+    else:
+        free = total = parse_bytes(max_workspace_bytes)
+    if need(T) <= free:
+        return T
+    if need(1) > free:
+        raise DeviceOOMError.from_numbers(f"fused_moe workspace for T={T} tokens {detail}".rstrip(),
+                                          requested=need(T), free=free,
+                                          total=total, shape=(T, H), fixed_bytes=need(0))
+    lo, hi = 1, T  # need(lo) fits, need(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
+    n_bands = -(-T // lo)
+    return -(-T // n_bands)
+
+
 def set_wait(seconds: float) -> None:
     """How long a request that fits the budget, but not the headroom left by
     concurrent calls, waits for them to return bytes before it is refused

@@ -165,22 +165,8 @@ def plan_band_tokens(T: int, k: int, E: int, H: int, I: int,
     def need(t: int) -> int:
         return memory.fused_moe_workspace_bytes(t, k, E, H, I)
 
-    if max_workspace_bytes is None:
-        free, total = memory.headroom("cpu"), memory.budget("cpu")
-    else:
-        free = total = memory.parse_bytes(max_workspace_bytes)
-    if need(T) <= free:
-        return T
-    if need(1) > free:
-        raise memory.DeviceOOMError.from_numbers(
-            f"fused_moe workspace for T={T} tokens (E={E} k={k} H={H} I={I})",
-            requested=need(T), free=free, total=total, shape=(T, H), fixed_bytes=need(0))
-    lo, hi = 1, T  # need(lo) fits, need(hi) does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
-    n_bands = -(-T // lo)
-    return -(-T // n_bands)
+    return memory.plan_bands(need, T, H, "cpu", max_workspace_bytes,
+                             f"(E={E} k={k} H={H} I={I})")
 
 
 def _ffi_forward(x, w, ids, *weights, activation: str, band_tokens: int,

@@ -154,6 +154,17 @@ def scatter(ids, n, rank, base, sorted_slots, E: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
+def _block(block_expert, sorted_slots, BM: tl.constexpr):
+    """This program's BM-row block: its expert (-1: unused), rows, slots
+    (-1: padding) and which rows are real."""
+    pid_m = tl.program_id(0)
+    e = tl.load(block_expert + pid_m)
+    rows = pid_m * BM + tl.arange(0, BM)
+    slot = tl.load(sorted_slots + rows)
+    return e, rows, slot, slot >= 0
+
+
+@triton.jit
 def gemm1(x, sorted_slots, block_expert, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl,
           wref, sref, h,
           H: tl.constexpr, I: tl.constexpr, K_TOP: tl.constexpr, ACT: tl.constexpr,
@@ -163,14 +174,10 @@ def gemm1(x, sorted_slots, block_expert, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tb
     rows of one block (one expert) and BN columns.  The products run in
     sref's dtype (the weights' for dense experts, the scales' for quantized
     ones, whose tiles are dequantized in registers: `_wtile`)."""
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(block_expert + pid_m)
+    e, rows, slot, valid = _block(block_expert, sorted_slots, BM)
     if e < 0:
         return
-    rows = pid_m * BM + tl.arange(0, BM)
-    slot = tl.load(sorted_slots + rows)
-    valid = slot >= 0
     tok = tl.where(valid, slot, 0) // K_TOP
     gp = _expert_ptr(gate_tbl, e, wref, W_ALIGNED)
     upp = _expert_ptr(up_tbl, e, wref, W_ALIGNED)
@@ -212,14 +219,10 @@ def gemm2(h, sorted_slots, block_expert, down_tbl, ds_tbl, dz_tbl, wref, sref, w
           QUANT: tl.constexpr, GS: tl.constexpr,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out[slot, n] = w[slot] * (h[row] @ down[e])[n] for the block's real slots."""
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(block_expert + pid_m)
+    e, rows, slot, valid = _block(block_expert, sorted_slots, BM)
     if e < 0:
         return
-    rows = pid_m * BM + tl.arange(0, BM)
-    slot = tl.load(sorted_slots + rows)
-    valid = slot >= 0
     dp = _expert_ptr(down_tbl, e, wref, W_ALIGNED)
     offs_n = pid_n * BN + tl.arange(0, BN)
     nmask = offs_n < H

@@ -505,45 +505,40 @@ std::string CudaDriverStatus() {
   return d.ok ? std::string() : d.why;
 }
 
+// What both CUDA handlers take besides their weights (the stream, the
+// device, x, topk_weights, topk_ids) and return (y, the workspace), and the
+// program with its kernels.
+#define NBX_PROGRAM_BIND                                    \
+  ffi::Ffi::Bind()                                          \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()             \
+      .Ctx<ffi::DeviceOrdinal>()                            \
+      .Arg<ffi::AnyBuffer>()        /* x [T, H] */          \
+      .Arg<ffi::AnyBuffer>()        /* topk_weights [T, k] */ \
+      .Arg<ffi::Buffer<ffi::S32>>() /* topk_ids [T, k] */
+
+#define NBX_PROGRAM_RETS_AND_ATTRS                                         \
+  .Ret<ffi::AnyBuffer>()                   /* y [T, H] */                  \
+      .Ret<ffi::AnyBuffer>()               /* workspace (u8, discarded) */ \
+      .Attr<ffi::Span<const uint8_t>>("blob")                              \
+      .Attr<ffi::Span<const int64_t>>("kernels")                           \
+      .Attr<ffi::Span<const int64_t>>("program")                           \
+      .Attr<int64_t>("workspace_bytes")                                    \
+      .Attr<int64_t>("err_offset")                                         \
+      .Attr<int64_t>("w_aligned")                                          \
+      .Attr<int64_t>("num_experts")                                        \
+      .Attr<int64_t>("check_ids")
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCuda, FusedMoeCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()         // x [T, H]
-                                  .Arg<ffi::AnyBuffer>()         // topk_weights [T, k] f32
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk_ids [T, k]
+                              NBX_PROGRAM_BIND
                                   .Arg<ffi::AnyBuffer>()         // gate [E, H, I]
                                   .Arg<ffi::AnyBuffer>()         // up [E, H, I]
                                   .Arg<ffi::AnyBuffer>()         // down [E, I, H]
-                                  .Ret<ffi::AnyBuffer>()         // y [T, H]
-                                  .Ret<ffi::AnyBuffer>()         // workspace (u8, discarded)
-                                  .Attr<ffi::Span<const uint8_t>>("blob")
-                                  .Attr<ffi::Span<const int64_t>>("kernels")
-                                  .Attr<ffi::Span<const int64_t>>("program")
-                                  .Attr<int64_t>("workspace_bytes")
-                                  .Attr<int64_t>("err_offset")
-                                  .Attr<int64_t>("w_aligned")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("check_ids"));
+                                  NBX_PROGRAM_RETS_AND_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCudaTables, FusedMoeCudaTablesImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()         // x [T, H]
-                                  .Arg<ffi::AnyBuffer>()         // topk_weights [T, k] f32
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk_ids [T, k]
+                              NBX_PROGRAM_BIND
                                   .RemainingArgs()               // weight groups
-                                  .Ret<ffi::AnyBuffer>()         // y [T, H]
-                                  .Ret<ffi::AnyBuffer>()         // workspace (u8, discarded)
-                                  .Attr<ffi::Span<const uint8_t>>("blob")
-                                  .Attr<ffi::Span<const int64_t>>("kernels")
-                                  .Attr<ffi::Span<const int64_t>>("program")
-                                  .Attr<int64_t>("workspace_bytes")
-                                  .Attr<int64_t>("err_offset")
-                                  .Attr<int64_t>("w_aligned")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("check_ids")
+                                  NBX_PROGRAM_RETS_AND_ATTRS
                                   .Attr<int64_t>("groups")
                                   .Attr<int64_t>("stacked"));
 
