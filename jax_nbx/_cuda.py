@@ -108,7 +108,8 @@ def _weight_groups(weights, lists: bool):
     return groups, E, I, quant, dtype, strides_ok
 
 
-def forward(x, w, ids, *weights, activation: int, band_tokens: int, lists: bool = False):
+def forward(x, w, ids, *weights, activation: int, band_tokens: int, lists: bool = False,
+            skip_outside: bool = False):
     """The raw CUDA FFI call on 2-D inputs (x [T, H], w f32 [T, k], ids i32 [T, k]).
 
     ``weights`` = (gate, up, down) stacked, or with ``lists`` the E gate, E up
@@ -116,6 +117,8 @@ def forward(x, w, ids, *weights, activation: int, band_tokens: int, lists: bool 
     go to ``nbx_fused_moe_fwd_cuda``; lists and quantized experts to
     ``nbx_fused_moe_fwd_cuda_tables`` as groups of buffers (gate, up, down,
     then scales, then mins), every buffer's address in the pointer table.
+    ``skip_outside``: ids outside [0, E) are skipped without an error (the
+    kernels never use them as indices either way).
     """
     from .triton import compile as C
 
@@ -129,7 +132,7 @@ def forward(x, w, ids, *weights, activation: int, band_tokens: int, lists: bool 
     attrs = dict(blob=blob, kernels=table.reshape(-1), program=prog.encode(),
                  workspace_bytes=np.int64(prog.workspace_bytes), err_offset=np.int64(prog.err_offset),
                  w_aligned=np.int64(strides_ok), num_experts=np.int64(E),
-                 check_ids=np.int64(check_ids_enabled()))
+                 check_ids=np.int64(check_ids_enabled() and not skip_outside))
     # The workspace is a second output that XLA allocates in its pool (stream
     # ordered, planned by XLA) and that is dropped here.
     outs = (jax.ShapeDtypeStruct(x.shape, x.dtype),

@@ -109,8 +109,10 @@ def _validate_experts(experts: Experts) -> tuple[int, int, int]:
     return int(E), int(H), int(I)
 
 
-def _validate(x, topk_weights, topk_ids, experts: Experts, activation: str) -> tuple[int, int, int, int]:
-    """Trace-time checks; returns (E, H, I, k)."""
+def _validate(x, topk_weights, topk_ids, experts: Experts, activation: str,
+              local_experts: bool = False) -> tuple[int, int, int, int]:
+    """Trace-time checks; returns (E, H, I, k).  ``local_experts``: the
+    experts are one shard of more (ids outside are skipped), so k may exceed E."""
     if not isinstance(experts, Experts):
         raise TypeError(f"experts must be a jax_nbx.Experts; got {type(experts).__name__}")
     if activation not in ACTIVATIONS:
@@ -133,7 +135,7 @@ def _validate(x, topk_weights, topk_ids, experts: Experts, activation: str) -> t
         raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected an integer dtype")
     if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
         raise TypeError(f"topk_weights has dtype {topk_weights.dtype}; expected a float dtype")
-    if k < 1 or k > E:
+    if k < 1 or (k > E and not local_experts):
         raise ValueError(f"k={k} (last axis of topk_ids {topk_ids.shape}) must be in [1, E={E}]")
     return E, H, I, k
 
@@ -170,7 +172,8 @@ def plan_band_tokens(T: int, k: int, E: int, H: int, I: int,
 
 
 def _ffi_forward(x, w, ids, *weights, activation: str, band_tokens: int,
-                 poison: bool = False, platform: str = "cpu", lists: bool = False):
+                 poison: bool = False, platform: str = "cpu", lists: bool = False,
+                 skip_outside: bool = False):
     """The raw FFI call on 2-D inputs (no batching rule, no derivative).
 
     ``weights``: (gate, up, down) stacked, or with ``lists=True`` the E gate
@@ -179,14 +182,16 @@ def _ffi_forward(x, w, ids, *weights, activation: str, band_tokens: int,
     ``band_tokens`` > 0 cuts the tokens into bands of that many (0: one band).
     ``poison=True`` (tests) hands the handler an output buffer filled with NaN,
     so any row it fails to write shows.  ``platform="gpu"``: the CUDA handler.
+    ``skip_outside``: slots whose id is outside ``[0, E)`` are skipped, not an error.
     """
     if platform == "gpu":
         from . import _cuda
 
         return _cuda.forward(x, w, ids, *weights, activation=_ACTIVATION_CODES[activation],
-                             band_tokens=band_tokens, lists=lists)
+                             band_tokens=band_tokens, lists=lists, skip_outside=skip_outside)
     attrs = dict(activation=np.int64(_ACTIVATION_CODES[activation]),
-                 band_tokens=np.int64(band_tokens), max_workers=np.int64(planned_workers()))
+                 band_tokens=np.int64(band_tokens), max_workers=np.int64(planned_workers()),
+                 skip_outside=np.int64(skip_outside))
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
     if lists:
         attrs["num_experts"] = np.int64(len(weights) // 3)
@@ -201,10 +206,11 @@ def _ffi_forward(x, w, ids, *weights, activation: str, band_tokens: int,
 
 
 @functools.lru_cache(maxsize=None)
-def _ffi_op(activation: str, band_tokens: int, platform: str = "cpu", lists: bool = False):
+def _ffi_op(activation: str, band_tokens: int, platform: str = "cpu", lists: bool = False,
+            skip_outside: bool = False):
     """The FFI op on 2-D inputs with a batching rule and a derivative."""
     raw = functools.partial(_ffi_forward, activation=activation, band_tokens=band_tokens,
-                            platform=platform, lists=lists)
+                            platform=platform, lists=lists, skip_outside=skip_outside)
 
     @custom_vmap
     def forward(x, w, ids, *weights):
@@ -256,6 +262,7 @@ def fused_moe(
     activation: Literal["swiglu", "geglu"] = "swiglu",
     implementation: Literal["ffi", "xla"] | None = None,
     max_workspace_bytes: int | str | None = None,
+    ids_outside: Literal["error", "skip"] = "error",
 ) -> jax.Array:
     """The MoE feed-forward block: route each token to its k experts, run each
     expert's gated MLP on the tokens it received, add the results back
@@ -286,6 +293,11 @@ def fused_moe(
         are cut into bands whose workspace fits; results are bit-identical
         whatever the bands.  The plan is made at trace time (shapes are
         static) and kept by ``jax.jit``.
+      ids_outside: what an id outside ``[0, E)`` means on the FFI path:
+        ``"error"`` (default: the call fails naming it) or ``"skip"`` (the
+        slot contributes nothing: expert parallelism, where ids of experts
+        held elsewhere are out of the local range; `jax_nbx.sharded_moe`).
+        The "xla" path always skips them.
 
     Returns:
       ``y`` with x's shape and dtype; accumulation is float32.
@@ -309,7 +321,9 @@ def fused_moe(
     topk_ids = jnp.asarray(topk_ids)
     if isinstance(experts, Experts):
         experts = jax.tree.map(jnp.asarray, experts)
-    E, H, I, k = _validate(x, topk_weights, topk_ids, experts, activation)
+    if ids_outside not in ("error", "skip"):
+        raise ValueError(f"ids_outside must be 'error' or 'skip'; got {ids_outside!r}")
+    E, H, I, k = _validate(x, topk_weights, topk_ids, experts, activation, ids_outside == "skip")
     quantized = is_quantized(experts)
     on_gpu = jax.default_backend() == "gpu"
     if quantized and not on_gpu and implementation is None:
@@ -346,7 +360,8 @@ def fused_moe(
     else:
         band = plan_band_tokens(T, k, E, H, I, max_workspace_bytes)
     try:
-        y = _ffi_op(activation, band, platform, experts.is_list)(x2, w2, ids2, experts)
+        y = _ffi_op(activation, band, platform, experts.is_list, ids_outside == "skip")(
+            x2, w2, ids2, experts)
         if not isinstance(y, jax.core.Tracer):  # eager: surface a refusal here
             y.block_until_ready()
     except (jax.errors.JaxRuntimeError, ValueError) as e:  # eager errors may arrive as either

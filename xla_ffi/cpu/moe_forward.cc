@@ -138,6 +138,7 @@ struct Problem {
   ffi::DataType w_type;
   void* y;
   int64_t activation;
+  bool skip_outside;  // ids outside [0, E) are skipped (expert parallelism), not an error
 };
 
 
@@ -247,7 +248,9 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
   // Plan: count per expert, pad each group to whole panels, place the slots
   // (stable in (t, j)).
   std::fill(b.expert_off, b.expert_off + E + 1, int64_t{0});
-  for (int64_t i = t0 * k; i < t1 * k; ++i) ++b.expert_off[p.topk_ids[i] + 1];
+  auto local = [&](int64_t i) { return p.topk_ids[i] >= 0 && p.topk_ids[i] < E; };
+  for (int64_t i = t0 * k; i < t1 * k; ++i)
+    if (local(i)) ++b.expert_off[p.topk_ids[i] + 1];
   for (int64_t e = 0; e < E; ++e)
     b.expert_off[e + 1] = b.expert_off[e] + (b.expert_off[e + 1] + mr - 1) / mr * mr;
   const int64_t P = b.expert_off[E];
@@ -255,6 +258,10 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
   std::fill(b.row_weight, b.row_weight + P, 0.0f);
   std::copy(b.expert_off, b.expert_off + E + 1, b.cursor);
   for (int64_t i = t0 * k; i < t1 * k; ++i) {
+    if (!local(i)) {  // only with skip_outside: the handler refused such ids otherwise
+      b.inv[i - t0 * k] = -1;
+      continue;
+    }
     const int64_t row = b.cursor[p.topk_ids[i]]++;
     b.row_token[row] = static_cast<int32_t>(i / k);
     b.row_weight[row] = p.topk_w[i];
@@ -351,15 +358,24 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
     }
   });
 
-  // Combine: y[t] = sum over j in order of O[row(t, j)].
+  // Combine: y[t] = sum over j in order of O[row(t, j)] (skipped slots: none).
   const int64_t Tb = t1 - t0;
-  ParallelFor(pool, workers, (Tb + 15) / 16, [&](int64_t it, int) {
+  ParallelFor(pool, workers, (Tb + 15) / 16, [&](int64_t it, int worker) {
     for (int64_t t = t0 + it * 16; t < std::min(t1, t0 + it * 16 + 16); ++t) {
       const int32_t* inv = b.inv + (t - t0) * k;
-      float* first = O + static_cast<int64_t>(inv[0]) * H;
-      for (int64_t j = 1; j < k; ++j) {
+      float* first = nullptr;
+      for (int64_t j = 0; j < k; ++j) {
+        if (inv[j] < 0) continue;
         const float* o = O + static_cast<int64_t>(inv[j]) * H;
+        if (first == nullptr) {
+          first = const_cast<float*>(o);
+          continue;
+        }
         for (int64_t h = 0; h < H; ++h) first[h] += o[h];
+      }
+      if (first == nullptr) {  // every slot skipped: a zero row
+        first = b.scratch + worker * scratch_stride;
+        std::fill(first, first + H, 0.0f);
       }
       switch (p.x_type) {
         case ffi::DataType::F32: StoreRow(first, H, static_cast<float*>(p.y) + t * H); break;
@@ -392,7 +408,7 @@ ffi::Error RunForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F
                       ffi::Buffer<ffi::S32> topk_ids, int64_t E, int64_t I, ffi::DataType wt,
                       const void* const* gate, const void* const* up, const void* const* down,
                       ffi::Result<ffi::AnyBuffer> y, int64_t activation, int64_t band_tokens,
-                      int64_t max_workers) {
+                      int64_t max_workers, int64_t skip_outside) {
   auto xd = x.dimensions();
   auto wd = topk_w.dimensions();
   auto id = topk_ids.dimensions();
@@ -413,7 +429,7 @@ ffi::Error RunForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F
 
   // Expert ids are checked before anything is read through them.
   const int32_t* ids = topk_ids.typed_data();
-  for (int64_t i = 0; i < T * k; ++i) {
+  for (int64_t i = 0; i < T * k && !skip_outside; ++i) {
     if (ids[i] < 0 || ids[i] >= E) {
       return ffi::Error::InvalidArgument(
           "topk_ids[" + std::to_string(i / k) + ", " + std::to_string(i % k) +
@@ -424,7 +440,7 @@ ffi::Error RunForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F
   if (T == 0 || H == 0) return ffi::Error::Success();
 
   Problem p{T, H, I, E, k, x.untyped_data(), x.element_type(), topk_w.typed_data(), ids,
-            gate, up, down, wt, y->untyped_data(), activation};
+            gate, up, down, wt, y->untyped_data(), activation, skip_outside != 0};
 
   if (I == 0 || k == 0) {
     std::memset(y->untyped_data(), 0, y->size_bytes());
@@ -463,7 +479,7 @@ ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buff
                                ffi::Buffer<ffi::S32> topk_ids, ffi::AnyBuffer gate,
                                ffi::AnyBuffer up, ffi::AnyBuffer down,
                                ffi::Result<ffi::AnyBuffer> y, int64_t activation,
-                               int64_t band_tokens, int64_t max_workers) {
+                               int64_t band_tokens, int64_t max_workers, int64_t skip_outside) {
   // Shapes: Python validated them at trace time; check again, never trust.
   auto xd = x.dimensions();
   auto gd = gate.dimensions();
@@ -490,7 +506,7 @@ ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buff
     tables[2 * E + e] = static_cast<const char*>(down.untyped_data()) + e * I * H * es;
   }
   return RunForward(pool, x, topk_w, topk_ids, E, I, wt, tables.data(), tables.data() + E,
-                    tables.data() + 2 * E, y, activation, band_tokens, max_workers);
+                    tables.data() + 2 * E, y, activation, band_tokens, max_workers, skip_outside);
 }
 
 // Per-expert buffers gate[0..E) [H, I], up[0..E) [H, I], down[0..E) [I, H],
@@ -499,7 +515,8 @@ ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buff
 ffi::Error ForwardLists(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> topk_w,
                         ffi::Buffer<ffi::S32> topk_ids, ffi::RemainingArgs weights,
                         int64_t trailing, ffi::Result<ffi::AnyBuffer> y, int64_t activation,
-                        int64_t band_tokens, int64_t max_workers, int64_t num_experts) {
+                        int64_t band_tokens, int64_t max_workers, int64_t skip_outside,
+                        int64_t num_experts) {
   const int64_t E = num_experts;
   if (E < 1 || static_cast<int64_t>(weights.size()) != 3 * E + trailing)
     return ffi::Error::InvalidArgument("expected 3 * E = " + std::to_string(3 * E) +
@@ -535,16 +552,16 @@ ffi::Error ForwardLists(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
     }
   }
   return RunForward(pool, x, topk_w, topk_ids, E, I, wt, tables.data(), tables.data() + E,
-                    tables.data() + 2 * E, y, activation, band_tokens, max_workers);
+                    tables.data() + 2 * E, y, activation, band_tokens, max_workers, skip_outside);
 }
 
 ffi::Error FusedMoeForwardListsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                     ffi::Buffer<ffi::F32> topk_w, ffi::Buffer<ffi::S32> topk_ids,
                                     ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y,
                                     int64_t activation, int64_t band_tokens, int64_t max_workers,
-                                    int64_t num_experts) {
+                                    int64_t skip_outside, int64_t num_experts) {
   return ForwardLists(pool, x, topk_w, topk_ids, weights, 0, y, activation, band_tokens,
-                      max_workers, num_experts);
+                      max_workers, skip_outside, num_experts);
 }
 
 // Tests: one more input after the weights, aliased to y (NaN-filled).
@@ -553,9 +570,10 @@ ffi::Error FusedMoeForwardListsIntoImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                         ffi::Buffer<ffi::S32> topk_ids,
                                         ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y,
                                         int64_t activation, int64_t band_tokens,
-                                        int64_t max_workers, int64_t num_experts) {
+                                        int64_t max_workers, int64_t skip_outside,
+                                        int64_t num_experts) {
   return ForwardLists(pool, x, topk_w, topk_ids, weights, 1, y, activation, band_tokens,
-                      max_workers, num_experts);
+                      max_workers, skip_outside, num_experts);
 }
 
 }  // namespace
@@ -580,7 +598,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCpu, FusedMoeForwardImpl,
                                   .Ret<ffi::AnyBuffer>()  // y [T, H]
                                   .Attr<int64_t>("activation")
                                   .Attr<int64_t>("band_tokens")
-                                  .Attr<int64_t>("max_workers"));
+                                  .Attr<int64_t>("max_workers")
+                                  .Attr<int64_t>("skip_outside"));
 
 #define NBX_FORWARD_LISTS_BINDING                                                  \
   ffi::Ffi::Bind()                                                                 \
@@ -593,6 +612,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCpu, FusedMoeForwardImpl,
       .Attr<int64_t>("activation")                                                 \
       .Attr<int64_t>("band_tokens")                                                \
       .Attr<int64_t>("max_workers")                                                \
+      .Attr<int64_t>("skip_outside")                                               \
       .Attr<int64_t>("num_experts")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardListsCpu, FusedMoeForwardListsImpl,
@@ -609,9 +629,9 @@ static ffi::Error FusedMoeForwardIntoImpl(ffi::ThreadPool pool, ffi::AnyBuffer x
                                    ffi::AnyBuffer down, ffi::AnyBuffer /*y_in*/,
                                    ffi::Result<ffi::AnyBuffer> y,
                                    int64_t activation, int64_t band_tokens,
-                                   int64_t max_workers) {
+                                   int64_t max_workers, int64_t skip_outside) {
   return FusedMoeForwardImpl(pool, x, topk_w, topk_ids, gate, up, down, y,
-                             activation, band_tokens, max_workers);
+                             activation, band_tokens, max_workers, skip_outside);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardIntoCpu, FusedMoeForwardIntoImpl,
@@ -620,6 +640,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardIntoCpu, FusedMoeForwardIntoImpl,
                                   .Ret<ffi::AnyBuffer>()  // y [T, H]
                                   .Attr<int64_t>("activation")
                                   .Attr<int64_t>("band_tokens")
-                                  .Attr<int64_t>("max_workers"));
+                                  .Attr<int64_t>("max_workers")
+                                  .Attr<int64_t>("skip_outside"));
 
 }  // namespace nbx
