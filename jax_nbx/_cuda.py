@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from . import _registry, memory
+from .quant import weight_groups
 from .triton import plan as P
 
 TARGET = "nbx_fused_moe_fwd_cuda"
@@ -87,27 +88,6 @@ def check_ids_enabled() -> bool:
     return os.environ.get("JAX_NBX_CUDA_CHECK_IDS", "1") not in ("0", "false", "no")
 
 
-def _weight_groups(weights, lists: bool):
-    """(groups of buffers, E, I, quant, scale-or-weight dtype, all 16-byte strides)."""
-    from .quant import QuantizedWeight
-
-    per = len(weights) // 3 if lists else 1
-    projs = [list(weights[i * per:(i + 1) * per]) for i in range(3)]  # gate, up, down
-    w0 = projs[0][0]
-    if isinstance(w0, QuantizedWeight):
-        parts = ["q", "scale"] + (["zero"] if w0.kind == "int4" else [])
-        groups = [[getattr(m, part) for m in proj] for part in parts for proj in projs]
-        quant = (w0.kind, w0.group_size or 0)
-        dtype = np.dtype(w0.scale.dtype)
-    else:
-        groups, quant, dtype = projs, None, np.dtype(w0.dtype)
-    E = per if lists else int(w0.shape[0])
-    I = int(w0.shape[-1])
-    strides_ok = lists or all(
-        (int(np.prod(g[0].shape[1:])) * np.dtype(g[0].dtype).itemsize) % 16 == 0 for g in groups)
-    return groups, E, I, quant, dtype, strides_ok
-
-
 def forward(x, w, ids, *weights, activation: int, band_tokens: int, lists: bool = False,
             skip_outside: bool = False):
     """The raw CUDA FFI call on 2-D inputs (x [T, H], w f32 [T, k], ids i32 [T, k]).
@@ -124,7 +104,7 @@ def forward(x, w, ids, *weights, activation: int, band_tokens: int, lists: bool 
 
     T, H = x.shape
     k = ids.shape[1]
-    groups, E, I, quant, wdtype, strides_ok = _weight_groups(weights, lists)
+    groups, E, I, quant, wdtype, strides_ok = weight_groups(weights, lists)
     dev = _device(0)
     prog = P.build(T, band_tokens or T, k, E, H, I, np.dtype(x.dtype), wdtype, activation,
                    dev.device_kind, w_aligned=strides_ok, quant=quant)

@@ -10,6 +10,7 @@ FORWARD_TARGET = "nbx_fused_moe_fwd"
 FORWARD_INTO_TARGET = "nbx_fused_moe_fwd_into"  # tests: output aliased to a poisoned input
 FORWARD_LISTS_TARGET = "nbx_fused_moe_fwd_lists"  # experts as per-expert buffers
 FORWARD_LISTS_INTO_TARGET = "nbx_fused_moe_fwd_lists_into"
+FORWARD_QUANT_TARGET = "nbx_fused_moe_fwd_quant"  # int8 / int4 experts
 CUDA_FORWARD_TARGET = "nbx_fused_moe_fwd_cuda"
 CUDA_FORWARD_TABLES_TARGET = "nbx_fused_moe_fwd_cuda_tables"
 

@@ -12,7 +12,7 @@ from jax.custom_batching import custom_vmap
 
 from . import _registry, memory
 from .experts import FLOAT_DTYPES, Experts
-from .quant import QuantizedWeight, is_quantized
+from .quant import QuantizedWeight, is_quantized, weight_groups
 from .reference import ACTIVATIONS, moe_reference
 
 __all__ = ["fused_moe", "IMPLEMENTATIONS"]
@@ -193,6 +193,13 @@ def _ffi_forward(x, w, ids, *weights, activation: str, band_tokens: int,
                  band_tokens=np.int64(band_tokens), max_workers=np.int64(planned_workers()),
                  skip_outside=np.int64(skip_outside))
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    if isinstance(weights[0], QuantizedWeight):
+        groups, E, I, quant, _, _ = weight_groups(weights, lists)
+        bufs = [b for g in groups for b in (g if lists else g[:1])]
+        call = jax.ffi.ffi_call(_registry.FORWARD_QUANT_TARGET, out, vmap_method="sequential")
+        return call(x, w, ids, *bufs, num_experts=np.int64(E), groups=np.int64(len(groups)),
+                    stacked=np.int64(not lists), intermediate=np.int64(I),
+                    int4=np.int64(quant[0] == "int4"), group_size=np.int64(quant[1]), **attrs)
     if lists:
         attrs["num_experts"] = np.int64(len(weights) // 3)
     if poison:
@@ -325,15 +332,7 @@ def fused_moe(
         raise ValueError(f"ids_outside must be 'error' or 'skip'; got {ids_outside!r}")
     E, H, I, k = _validate(x, topk_weights, topk_ids, experts, activation, ids_outside == "skip")
     quantized = is_quantized(experts)
-    on_gpu = jax.default_backend() == "gpu"
-    if quantized and not on_gpu and implementation is None:
-        impl = "xla"  # the CPU handler does not dequantize yet
-    else:
-        impl = _resolve_implementation(implementation)
-    if quantized and impl == "ffi" and not on_gpu:
-        raise NotImplementedError(
-            "quantized experts run on implementation='xla' (or None) on the CPU for now: the CPU "
-            "handler's dequantization in its packing step is not built yet")
+    impl = _resolve_implementation(implementation)
 
     lead = x.shape[:-1]
     T = int(np.prod(lead, dtype=np.int64))

@@ -183,3 +183,26 @@ def dequantize(experts: Experts, dtype=None) -> Experts:
 def is_quantized(experts: Experts) -> bool:
     g = experts.gate[0] if experts.is_list and len(experts.gate) else experts.gate
     return isinstance(g, QuantizedWeight)
+
+
+def weight_groups(weights, lists: bool):
+    """The handlers' view of `Experts.flat()`: (groups of buffers — gate, up,
+    down; for quantized experts then their scales, then (int4) their mins —
+    each a list of one stacked array or E per-expert arrays, E, I,
+    (kind, group_size) or None, the weights' or scales' dtype, whether every
+    per-expert stride is a multiple of 16 bytes)."""
+    per = len(weights) // 3 if lists else 1
+    projs = [list(weights[i * per:(i + 1) * per]) for i in range(3)]  # gate, up, down
+    w0 = projs[0][0]
+    if isinstance(w0, QuantizedWeight):
+        parts = ["q", "scale"] + (["zero"] if w0.kind == "int4" else [])
+        groups = [[getattr(m, part) for m in proj] for part in parts for proj in projs]
+        quant = (w0.kind, w0.group_size or 0)
+        dtype = np.dtype(w0.scale.dtype)
+    else:
+        groups, quant, dtype = projs, None, np.dtype(w0.dtype)
+    E = per if lists else int(w0.shape[0])
+    I = int(w0.shape[-1])
+    strides_ok = lists or all(
+        (int(np.prod(g[0].shape[1:])) * np.dtype(g[0].dtype).itemsize) % 16 == 0 for g in groups)
+    return groups, E, I, quant, dtype, strides_ok

@@ -17,17 +17,43 @@ QUANT_ERR = {("int8", None): 0.03, ("int4", 32): 0.2, ("int4", 64): 0.25, ("int4
 
 @pytest.mark.parametrize("kind,G", list(QUANT_ERR), ids=lambda v: str(v))
 @pytest.mark.parametrize("lists", [False, True], ids=["stacked", "lists"])
-def test_quantized_op_matches_dequantized_reference(kind, G, lists):
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_quantized_op_matches_dequantized_reference(kind, G, lists, impl):
+    """The CPU handler dequantizes row runs in its packing step; the reference
+    dequantizes whole arrays: both equal float64 on the dequantized weights."""
     x, w, ids, ex = make_problem(7, 33, 5, 3, 256, 128)
     if lists:
         ex = nbx.Experts(*([a[e] for e in range(5)] for a in (ex.gate, ex.up, ex.down)))
     q = nbx.quantize(ex, kind, group_size=G or 128)
     d = nbx.dequantize(q)
-    y = jax.jit(nbx.fused_moe)(x, w, ids, q)
+    y = jax.jit(lambda *a: nbx.fused_moe(*a, implementation=impl))(x, w, ids, q)
     dense = d.stacked() if lists else d
     orig = ex.stacked() if lists else ex
     assert rel_err(y, np_moe(x, w, ids, dense)) < TOL["f32"]
     assert rel_err(y, np_moe(x, w, ids, orig)) < QUANT_ERR[(kind, G)]
+
+
+@pytest.mark.parametrize("T", [1, 3, 222])
+def test_quantized_ffi_odd_sizes_bands_and_bad_ids(T):
+    x, w, ids, ex = make_problem(T, T, 7, 3, 128, 64, jnp.bfloat16, jnp.bfloat16)
+    q = nbx.quantize(ex, "int4", group_size=64, scale_dtype=jnp.bfloat16)
+    ref = np_moe(x, w, ids, nbx.dequantize(q, jnp.float32))
+    y = nbx.fused_moe(x, w, ids, q)
+    assert bool(jnp.all(jnp.isfinite(y))) and rel_err(y, ref) < TOL["bf16"]
+    y_bands = nbx.fused_moe(x, w, ids, q, max_workspace_bytes="2MB")
+    np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(y_bands.astype(jnp.float32)))
+    with pytest.raises(Exception, match=r"topk_ids\[0, 1\] = 7 is outside \[0, 7\)"):
+        nbx.fused_moe(x, w, ids.at[0, 1].set(7), q, implementation="ffi")
+
+
+def test_quantized_grads_flow_to_x_and_weights_only():
+    x, w, ids, ex = make_problem(4, 10, 4, 2, 64, 32)
+    q = nbx.quantize(ex, "int8")
+    gx, gw = jax.grad(lambda x, w: jnp.sum(nbx.fused_moe(x, w, ids, q) ** 2), argnums=(0, 1))(x, w)
+    d = nbx.dequantize(q)
+    rx, rw = jax.grad(lambda x, w: jnp.sum(nbx.fused_moe(x, w, ids, d, implementation="xla") ** 2),
+                      argnums=(0, 1))(x, w)
+    assert rel_err(gx, np.asarray(rx, np.float64)) < 1e-4 and rel_err(gw, np.asarray(rw, np.float64)) < 1e-4
 
 
 def test_int8_format():
@@ -75,8 +101,6 @@ def test_quantize_errors():
     bad = nbx.QuantizedWeight(q.up.q, q.up.scale[:, :10], kind="int8")
     with pytest.raises(ValueError, match=r"experts.up.scale has shape \(4, 10\); expected \(4, 64\)"):
         nbx.fused_moe(x, w, ids, nbx.Experts(q.gate, bad, q.down))
-    with pytest.raises(NotImplementedError, match="implementation='xla'"):
-        nbx.fused_moe(x, w, ids, q, implementation="ffi")
     lists = nbx.Experts(*([a[e] for e in range(4)] for a in (ex.gate, ex.up, ex.down)))
     ql = nbx.quantize(lists, "int8")
     mixed = nbx.Experts(ql.gate[:3] + [lists.gate[3]], ql.up, ql.down)

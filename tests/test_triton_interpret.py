@@ -230,13 +230,13 @@ def test_quantized_experts_dequantized_in_kernel(T, kind, G, sd, lists):
     ex = nbx.Experts(jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down))
     q = nbx.quantize(ex, kind, group_size=G or 128, scale_dtype=jnp.dtype(sd))
     d = nbx.dequantize(q, jnp.float32)
-    from jax_nbx import _cuda
+    from jax_nbx.quant import weight_groups
 
     if lists:
         q = nbx.Experts(*([jax.tree.map(lambda a: a[e], getattr(q, n)) for e in range(E)]
                           for n in ("gate", "up", "down")))
     # the CUDA path's own grouping of the buffers (gate, up, down, scales, mins)
-    groups, E2, I2, quant, dt, _ = _cuda._weight_groups(q.flat(), lists)
+    groups, E2, I2, quant, dt, _ = weight_groups(q.flat(), lists)
     assert (E2, I2, quant, dt) == (E, I, (kind, G), sd)
     groups = [[np.asarray(a) for a in g] if lists else np.asarray(g[0]) for g in groups]
     prog = plan.build(T, T, k, E, H, I, F32, sd, 0, quant=(kind, G))

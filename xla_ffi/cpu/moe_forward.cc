@@ -153,6 +153,70 @@ inline void CopyPadRow(const W* src, int n, int width, float* dst) {
   for (int c = n; c < width; ++c) dst[c] = 0.0f;
 }
 
+// One expert's quantized matrix [K, N] (formats of jax_nbx/quant.py): int8
+// q[k, n] * scale[n]; int4 packed two rows per byte (low nibble = even row)
+// q[k, n] * scale[k / group, n] + min[k / group, n].  Scales f32 or bf16.
+struct QuantExpert {
+  const void* q;
+  const void* scale;
+  const void* zero;
+  int64_t N;
+  int64_t group;
+  bool int4;
+  bool bf16_scales;
+};
+
+// A position (row k, column n: offset k * N + n) in a quantized matrix: what
+// the packers' pointer arithmetic does on dense weights, done on an index, so
+// that the same packers dequantize row runs into their float32 stage.
+struct QuantCursor {
+  const QuantExpert* m;
+  int64_t off;
+  QuantCursor operator+(int64_t d) const { return {m, off + d}; }
+};
+
+inline float ScaleAt(const QuantExpert& m, int64_t i) {
+  return m.bf16_scales ? ToFloat(static_cast<const bf16*>(m.scale)[i])
+                       : static_cast<const float*>(m.scale)[i];
+}
+
+inline void CopyPadRow(QuantCursor src, int n, int width, float* dst) {
+  const QuantExpert& m = *src.m;
+  const int64_t k = src.off / m.N, n0 = src.off % m.N;
+  if (!m.int4) {
+    const int8_t* q = static_cast<const int8_t*>(m.q) + k * m.N + n0;
+    for (int c = 0; c < n; ++c) dst[c] = static_cast<float>(q[c]) * ScaleAt(m, n0 + c);
+  } else {
+    const uint8_t* q = static_cast<const uint8_t*>(m.q) + (k / 2) * m.N + n0;
+    const int shift = (k & 1) * 4;
+    const int64_t g = (k / m.group) * m.N + n0;
+    for (int c = 0; c < n; ++c) {
+      const float mn = m.bf16_scales ? ToFloat(static_cast<const bf16*>(m.zero)[g + c])
+                                     : static_cast<const float*>(m.zero)[g + c];
+      dst[c] = static_cast<float>((q[c] >> shift) & 0xF) * ScaleAt(m, g + c) + mn;
+    }
+  }
+  for (int c = n; c < width; ++c) dst[c] = 0.0f;
+}
+
+// RunBand's weight type for quantized experts: tables hold QuantExpert*.
+struct Quantized {};
+
+template <typename W>
+struct WeightSource {
+  using Src = const W*;
+  static constexpr bool kStreams = true;
+  static Src At(const void* const* table, int64_t e) { return static_cast<const W*>(table[e]); }
+};
+template <>
+struct WeightSource<Quantized> {
+  using Src = QuantCursor;
+  static constexpr bool kStreams = false;  // decode goes through the packers too
+  static Src At(const void* const* table, int64_t e) {
+    return {static_cast<const QuantExpert*>(table[e]), 0};
+  }
+};
+
 // Packs columns [n0, n0+nc) of gate and up (K rows, leading dimension ld) into
 // micro-panels of VL columns: panel q at dst + q*K*2VL, row kk holds VL gate
 // then VL up values, zero-padded.  In blocks of kPackRows rows: first each
@@ -160,8 +224,8 @@ inline void CopyPadRow(const W* src, int n, int width, float* dst) {
 // float32: hardware prefetch follows it), then each panel's part of the
 // block is written contiguously.  Reading or writing a few columns per row
 // straight from/to memory stalls on a cache miss and a TLB walk per row.
-template <int VL, typename W>
-void PackGateUpTileT(const W* g, const W* u, int64_t ld, int64_t K, int64_t n0, int nc,
+template <int VL, typename Src>
+void PackGateUpTileT(Src g, Src u, int64_t ld, int64_t K, int64_t n0, int nc,
                      float* stage, float* dst) {
   const int nsub = (nc + VL - 1) / VL;
   const int width = nsub * VL;
@@ -182,8 +246,8 @@ void PackGateUpTileT(const W* g, const W* u, int64_t ld, int64_t K, int64_t n0, 
 }
 
 // Packs columns [n0, n0+nc) of down into micro-panels of 2VL columns (same scheme).
-template <int VL, typename W>
-void PackDownTileT(const W* dn, int64_t ld, int64_t K, int64_t n0, int nc, float* stage,
+template <int VL, typename Src>
+void PackDownTileT(Src dn, int64_t ld, int64_t K, int64_t n0, int nc, float* stage,
                    float* dst) {
   const int nsub = (nc + 2 * VL - 1) / (2 * VL);
   const int width = nsub * 2 * VL;
@@ -199,8 +263,8 @@ void PackDownTileT(const W* dn, int64_t ld, int64_t K, int64_t n0, int nc, float
   }
 }
 
-template <typename W>
-void PackGateUpTile(const W* g, const W* u, int64_t ld, int64_t K, int64_t n0, int nc,
+template <typename Src>
+void PackGateUpTile(Src g, Src u, int64_t ld, int64_t K, int64_t n0, int nc,
                     int vl, float* stage, float* dst) {
   switch (vl) {
     case 16: PackGateUpTileT<16>(g, u, ld, K, n0, nc, stage, dst); break;
@@ -209,8 +273,8 @@ void PackGateUpTile(const W* g, const W* u, int64_t ld, int64_t K, int64_t n0, i
   }
 }
 
-template <typename W>
-void PackDownTile(const W* dn, int64_t ld, int64_t K, int64_t n0, int nc, int vl,
+template <typename Src>
+void PackDownTile(Src dn, int64_t ld, int64_t K, int64_t n0, int nc, int vl,
                   float* stage, float* dst) {
   switch (vl) {
     case 16: PackDownTileT<16>(dn, ld, K, n0, nc, stage, dst); break;
@@ -242,7 +306,9 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
   const int64_t H = p.H, I = p.I, E = p.E, k = p.k;
   const int mr = kt.mr, vl = kt.vl;
   const int act = static_cast<int>(p.activation);
-  const bool can_stream = sizeof(W) == 4 || p.w_type == ffi::DataType::BF16;
+  using WS = WeightSource<W>;
+  const bool can_stream =
+      WS::kStreams && (sizeof(W) == 4 || p.w_type == ffi::DataType::BF16);
   const int w_index = sizeof(W) == 4 ? 0 : 1;
 
   // Plan: count per expert, pad each group to whole panels, place the slots
@@ -299,19 +365,21 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
     const int nc = static_cast<int>(std::min(kTileCols, I - n0));
     const int64_t e = b.chunk_expert[c];
     const int64_t m0 = b.chunk_begin[c], m1 = b.chunk_end[c];
-    const W* ge = static_cast<const W*>(p.gate[e]);
-    const W* ue = static_cast<const W*>(p.up[e]);
+    const auto ge = WS::At(p.gate, e);
+    const auto ue = WS::At(p.up, e);
     float* scratch = b.scratch + worker * scratch_stride;
-    if (can_stream && b.cursor[e] - b.expert_off[e] <= kStreamRows) {
-      // Few rows: stream the weights in place, kStreamCols columns (whole
-      // contiguous rows of W) per item; the other items of the span are empty.
-      if (n0 % kStreamCols != 0) return;
-      const int ns = static_cast<int>(std::min(kStreamCols, I - n0));
-      const int64_t panel = m0 / mr;  // all rows in one panel: kStreamRows <= MR
-      kt.stream1[w_index](b.XO + panel * H * mr, mr, static_cast<int>(m1 - m0), ge + n0,
-                          ue + n0, I, H, ns, act, scratch, b.A2 + panel * I * mr + n0 * mr,
-                          1, mr);
-      return;
+    if constexpr (WS::kStreams) {
+      if (can_stream && b.cursor[e] - b.expert_off[e] <= kStreamRows) {
+        // Few rows: stream the weights in place, kStreamCols columns (whole
+        // contiguous rows of W) per item; the other items of the span are empty.
+        if (n0 % kStreamCols != 0) return;
+        const int ns = static_cast<int>(std::min(kStreamCols, I - n0));
+        const int64_t panel = m0 / mr;  // all rows in one panel: kStreamRows <= MR
+        kt.stream1[w_index](b.XO + panel * H * mr, mr, static_cast<int>(m1 - m0), ge + n0,
+                            ue + n0, I, H, ns, act, scratch, b.A2 + panel * I * mr + n0 * mr,
+                            1, mr);
+        return;
+      }
     }
     float* packed = scratch + kStageFloats;
     PackGateUpTile(ge, ue, I, H, n0, nc, vl, scratch, packed);
@@ -335,15 +403,17 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
     const int nc = static_cast<int>(std::min(kTileCols, H - n0));
     const int64_t e = b.chunk_expert[c];
     const int64_t m0 = b.chunk_begin[c], m1 = b.chunk_end[c];
-    const W* de = static_cast<const W*>(p.down[e]);
+    const auto de = WS::At(p.down, e);
     float* scratch = b.scratch + worker * scratch_stride;
-    if (can_stream && b.cursor[e] - b.expert_off[e] <= kStreamRows) {
-      if (n0 % kStreamCols != 0) return;
-      const int ns = static_cast<int>(std::min(kStreamCols, H - n0));
-      const int64_t panel = m0 / mr;
-      kt.stream2[w_index](b.A2 + panel * I * mr, mr, static_cast<int>(m1 - m0), de + n0, H,
-                          I, ns, b.row_weight + m0, scratch, O + m0 * H + n0, H);
-      return;
+    if constexpr (WS::kStreams) {
+      if (can_stream && b.cursor[e] - b.expert_off[e] <= kStreamRows) {
+        if (n0 % kStreamCols != 0) return;
+        const int ns = static_cast<int>(std::min(kStreamCols, H - n0));
+        const int64_t panel = m0 / mr;
+        kt.stream2[w_index](b.A2 + panel * I * mr, mr, static_cast<int>(m1 - m0), de + n0, H,
+                            I, ns, b.row_weight + m0, scratch, O + m0 * H + n0, H);
+        return;
+      }
     }
     float* packed = scratch + kStageFloats;
     PackDownTile(de, H, I, n0, nc, vl, scratch, packed);
@@ -468,6 +538,7 @@ ffi::Error RunForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F
     switch (wt) {
       case ffi::DataType::F32: RunBand<float>(p, kt, pool, workers, t0, t1, b); break;
       case ffi::DataType::BF16: RunBand<bf16>(p, kt, pool, workers, t0, t1, b); break;
+      case ffi::DataType::U8: RunBand<Quantized>(p, kt, pool, workers, t0, t1, b); break;
       default: RunBand<f16>(p, kt, pool, workers, t0, t1, b); break;
     }
   }
@@ -564,6 +635,77 @@ ffi::Error FusedMoeForwardListsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                       max_workers, skip_outside, num_experts);
 }
 
+// Quantized experts (jax_nbx/quant.py formats): `groups` groups of buffers —
+// q of gate, up, down; their scales; (int4) their mins — each one stacked
+// [E, ...] buffer (`stacked`) or E per-expert buffers.  Every size is checked
+// against the format before anything is read; the packers dequantize row
+// runs into their float32 stage (no dequantized copy of a weight).
+ffi::Error FusedMoeForwardQuantImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                                    ffi::Buffer<ffi::F32> topk_w, ffi::Buffer<ffi::S32> topk_ids,
+                                    ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y,
+                                    int64_t activation, int64_t band_tokens, int64_t max_workers,
+                                    int64_t skip_outside, int64_t num_experts, int64_t groups,
+                                    int64_t stacked, int64_t intermediate, int64_t int4,
+                                    int64_t group_size) {
+  const int64_t E = num_experts, I = intermediate, G = groups;
+  const int64_t per = stacked ? 1 : E;
+  if (E < 1 || G != (int4 ? 9 : 6) || static_cast<int64_t>(weights.size()) != G * per)
+    return ffi::Error::InvalidArgument("expected " + std::to_string((int4 ? 9 : 6) * per) +
+                                       " quantized weight buffers; got " +
+                                       std::to_string(weights.size()));
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be [T, H], got " + Shape(xd));
+  const int64_t H = xd[1];
+  if (int4 && (group_size <= 0 || H % group_size || I % group_size))
+    return ffi::Error::InvalidArgument("int4 group size " + std::to_string(group_size) +
+                                       " must divide H=" + std::to_string(H) + " and I=" +
+                                       std::to_string(I));
+  const char* names[3] = {"gate", "up", "down"};
+  const char* parts[3] = {"q", "scale", "min"};
+  std::vector<QuantExpert> qe(3 * E);
+  for (int64_t g = 0; g < G; ++g) {
+    const int proj = static_cast<int>(g % 3), part = static_cast<int>(g / 3);
+    const int64_t K = proj < 2 ? H : I, N = proj < 2 ? I : H;
+    // bytes of one expert's array of this part
+    const int64_t want_elems = part == 0 ? (int4 ? K / 2 : K) * N : (int4 ? K / group_size : 1) * N;
+    for (int64_t i = 0; i < per; ++i) {
+      auto b = weights.get<ffi::AnyBuffer>(g * per + i);
+      if (b.has_error()) return b.error();
+      const ffi::DataType t = b->element_type();
+      const bool type_ok = part == 0 ? t == (int4 ? ffi::DataType::U8 : ffi::DataType::S8)
+                                     : (t == ffi::DataType::F32 || t == ffi::DataType::BF16);
+      const int64_t elems = static_cast<int64_t>(b->element_count()) / (stacked ? E : 1);
+      if (!type_ok || elems != want_elems || (stacked && b->element_count() % E))
+        return ffi::Error::InvalidArgument(
+            std::string(names[proj]) + " " + parts[part] + (stacked ? "" : " expert " + std::to_string(i)) +
+            " has " + std::to_string(b->element_count()) + " elements of the wrong type or count; expected " +
+            std::to_string(want_elems) + (stacked ? " per expert" : ""));
+      const size_t es = ffi::ByteWidth(t);
+      for (int64_t e = stacked ? 0 : i; e < (stacked ? E : i + 1); ++e) {
+        const void* addr = static_cast<const char*>(b->untyped_data()) +
+                           (stacked ? e * want_elems * static_cast<int64_t>(es) : 0);
+        QuantExpert& m = qe[proj * E + e];
+        m.N = N;
+        m.group = int4 ? group_size : K;
+        m.int4 = int4 != 0;
+        if (part == 0) m.q = addr;
+        if (part == 1) {
+          m.scale = addr;
+          m.bf16_scales = t == ffi::DataType::BF16;
+        }
+        if (part == 2) m.zero = addr;
+      }
+    }
+  }
+  for (const QuantExpert& m : qe)
+    if (int4 && m.zero == nullptr) return ffi::Error::InvalidArgument("int4 experts need mins");
+  std::vector<const void*> tables(3 * E);
+  for (int64_t i = 0; i < 3 * E; ++i) tables[i] = &qe[i];
+  return RunForward(pool, x, topk_w, topk_ids, E, I, ffi::DataType::U8, tables.data(),
+                    tables.data() + E, tables.data() + 2 * E, y, activation, band_tokens,
+                    max_workers, skip_outside);
+}
+
 // Tests: one more input after the weights, aliased to y (NaN-filled).
 ffi::Error FusedMoeForwardListsIntoImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                         ffi::Buffer<ffi::F32> topk_w,
@@ -619,6 +761,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardListsCpu, FusedMoeForwardListsImpl,
                               NBX_FORWARD_LISTS_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardListsIntoCpu, FusedMoeForwardListsIntoImpl,
                               NBX_FORWARD_LISTS_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardQuantCpu, FusedMoeForwardQuantImpl,
+                              NBX_FORWARD_LISTS_BINDING
+                                  .Attr<int64_t>("groups")
+                                  .Attr<int64_t>("stacked")
+                                  .Attr<int64_t>("intermediate")
+                                  .Attr<int64_t>("int4")
+                                  .Attr<int64_t>("group_size"));
 
 // Same op with one more input aliased to y: tests pass a NaN-filled buffer
 // so that a row the handler fails to write shows.
