@@ -41,14 +41,18 @@ constexpr int64_t kStreamRows = 4;       // experts with at most this many rows 
 constexpr int64_t kStreamCols = 1024;    // columns per streamed work item: whole pages
 static_assert(kStreamCols % kTileCols == 0, "a streamed item covers whole tiles");
 
-constexpr int64_t kPackRows = 64;  // weight rows per packing block
+// Weight rows per K-block: a packed block (kKBlock rows of a tile, <= 128 kB
+// in float32) and the partial sums of the chunk's rows stay in L2, one
+// micro-panel of B (kKBlock x 2VL floats) in L1.
+constexpr int64_t kKBlock = 64;
 
-// Per-worker scratch: the packing stage, then a packed weight tile (full K)
-// or streaming accumulators.
-constexpr int64_t kStageFloats = kPackRows * 2 * kTileCols;
-int64_t ScratchFloats(int64_t H, int64_t I) {
-  return kStageFloats +
-         std::max({H * 2 * kTileCols, I * kTileCols, 2 * kStreamRows * kStreamCols});
+// Per-worker scratch: one packed K-block of a weight tile (gate||up: 2 *
+// kTileCols columns), then the partial sums of one chunk over the tile's
+// columns (kPanelsPerChunk panels x MR rows x 2 * kTileCols), which also hold
+// the streaming accumulators.
+int64_t ScratchFloats(int mr) {
+  return kKBlock * 2 * kTileCols +
+         std::max(kPanelsPerChunk * mr * 2 * kTileCols, 2 * kStreamRows * kStreamCols);
 }
 
 enum Activation : int64_t { kSwiGLU = 0, kGeGLU = 1 };
@@ -92,7 +96,7 @@ struct Band {
   int64_t* chunk_end;    // [C] end of the expert's real rows within the chunk
   float* XO;             // [P/MR][H][MR] packed x; later O [P][H]
   float* A2;             // [P/MR][I][MR] packed activations
-  float* scratch;        // [workers][ScratchFloats] packed weight tile
+  float* scratch;        // [workers][ScratchFloats] packed K-block, partial sums
 };
 
 // Lays a band's arrays out from `base`; returns the bytes they take.  With
@@ -113,7 +117,7 @@ size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int wor
   b->chunk_end = cv.Take<int64_t>(C);
   b->XO = cv.Take<float>(P * H);
   b->A2 = cv.Take<float>(P * I);
-  b->scratch = cv.Take<float>(static_cast<int64_t>(workers) * ScratchFloats(H, I));
+  b->scratch = cv.Take<float>(static_cast<int64_t>(workers) * ScratchFloats(kt.mr));
   return cv.used();
 }
 
@@ -138,82 +142,114 @@ struct Problem {
 };
 
 
-// dst[0, n) = float(src[0, n)), dst[n, width) = 0.
-template <typename W>
-inline void CopyPadRow(const W* src, int n, int width, float* dst) {
-  if constexpr (std::is_same_v<W, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else {
-    for (int c = 0; c < n; ++c) dst[c] = ToFloat(src[c]);
+// dst[0, VL) = float(src[0, n)), zero-padded (n <= VL).
+template <int VL, typename W>
+inline void CopyPadVec(const W* src, int n, float* dst) {
+  if (n == VL) {
+    if constexpr (std::is_same_v<W, float>) {
+      std::memcpy(dst, src, VL * sizeof(float));
+    } else {
+      for (int c = 0; c < VL; ++c) dst[c] = ToFloat(src[c]);
+    }
+    return;
   }
-  for (int c = n; c < width; ++c) dst[c] = 0.0f;
+  for (int c = 0; c < n; ++c) dst[c] = ToFloat(src[c]);
+  for (int c = n; c < VL; ++c) dst[c] = 0.0f;
 }
 
-// Packs columns [n0, n0+nc) of gate and up (K rows, leading dimension ld) into
-// micro-panels of VL columns: panel q at dst + q*K*2VL, row kk holds VL gate
-// then VL up values, zero-padded.  In blocks of kPackRows rows: first each
-// row's run of nc values is read whole, in order, into `stage` (converted to
-// float32: hardware prefetch follows it), then each panel's part of the
-// block is written contiguously.  Reading or writing a few columns per row
-// straight from/to memory stalls on a cache miss and a TLB walk per row.
+// Packs rows [k0, k0+kc) of columns [n0, n0+nc) of gate and up (leading
+// dimension ld) into micro-panels of VL columns: panel q at dst + q*kc*2VL,
+// row i holds VL gate then VL up values, zero-padded.  Each row's run is read
+// in order; the caller prefetched the block (Prefetcher), so the short runs
+// (one per page) do not stall on a miss each.
 template <int VL, typename W>
-void PackGateUpTileT(const W* g, const W* u, int64_t ld, int64_t K, int64_t n0, int nc,
-                     float* stage, float* dst) {
+void PackGateUpBlockT(const W* g, const W* u, int64_t ld, int64_t k0, int kc, int64_t n0,
+                      int nc, float* dst) {
   const int nsub = (nc + VL - 1) / VL;
-  const int width = nsub * VL;
-  for (int64_t k0 = 0; k0 < K; k0 += kPackRows) {
-    const int64_t rows = std::min(K - k0, kPackRows);
-    for (int64_t i = 0; i < rows; ++i) {
-      CopyPadRow(g + (k0 + i) * ld + n0, nc, width, stage + (2 * i) * width);
-      CopyPadRow(u + (k0 + i) * ld + n0, nc, width, stage + (2 * i + 1) * width);
-    }
-    for (int q = 0; q < nsub; ++q) {
-      float* d = dst + (q * K + k0) * 2 * VL;
-      for (int64_t i = 0; i < rows; ++i, d += 2 * VL) {
-        std::memcpy(d, stage + (2 * i) * width + q * VL, VL * sizeof(float));
-        std::memcpy(d + VL, stage + (2 * i + 1) * width + q * VL, VL * sizeof(float));
-      }
+  for (int i = 0; i < kc; ++i) {
+    const W* gr = g + (k0 + i) * ld + n0;
+    const W* ur = u + (k0 + i) * ld + n0;
+    float* d = dst + i * 2 * VL;
+    for (int q = 0; q < nsub; ++q, d += kc * 2 * VL) {
+      const int n = std::min(VL, nc - q * VL);
+      CopyPadVec<VL>(gr + q * VL, n, d);
+      CopyPadVec<VL>(ur + q * VL, n, d + VL);
     }
   }
 }
 
-// Packs columns [n0, n0+nc) of down into micro-panels of 2VL columns (same scheme).
+// Packs rows [k0, k0+kc) of columns [n0, n0+nc) of down into micro-panels of
+// 2VL columns (same scheme).
 template <int VL, typename W>
-void PackDownTileT(const W* dn, int64_t ld, int64_t K, int64_t n0, int nc, float* stage,
-                   float* dst) {
+void PackDownBlockT(const W* dn, int64_t ld, int64_t k0, int kc, int64_t n0, int nc,
+                    float* dst) {
   const int nsub = (nc + 2 * VL - 1) / (2 * VL);
-  const int width = nsub * 2 * VL;
-  for (int64_t k0 = 0; k0 < K; k0 += kPackRows) {
-    const int64_t rows = std::min(K - k0, kPackRows);
-    for (int64_t i = 0; i < rows; ++i)
-      CopyPadRow(dn + (k0 + i) * ld + n0, nc, width, stage + i * width);
-    for (int q = 0; q < nsub; ++q) {
-      float* d = dst + (q * K + k0) * 2 * VL;
-      for (int64_t i = 0; i < rows; ++i, d += 2 * VL)
-        std::memcpy(d, stage + i * width + q * 2 * VL, 2 * VL * sizeof(float));
+  for (int i = 0; i < kc; ++i) {
+    const W* r = dn + (k0 + i) * ld + n0;
+    float* d = dst + i * 2 * VL;
+    for (int q = 0; q < nsub; ++q, d += kc * 2 * VL) {
+      const int n = std::min(2 * VL, nc - q * 2 * VL);
+      CopyPadVec<VL>(r + q * 2 * VL, std::min(n, VL), d);
+      CopyPadVec<VL>(r + q * 2 * VL + VL, std::max(n - VL, 0), d + VL);
     }
   }
 }
 
 template <typename W>
-void PackGateUpTile(const W* g, const W* u, int64_t ld, int64_t K, int64_t n0, int nc,
-                    int vl, float* stage, float* dst) {
+void PackGateUpBlock(const W* g, const W* u, int64_t ld, int64_t k0, int kc, int64_t n0,
+                     int nc, int vl, float* dst) {
   switch (vl) {
-    case 16: PackGateUpTileT<16>(g, u, ld, K, n0, nc, stage, dst); break;
-    case 8: PackGateUpTileT<8>(g, u, ld, K, n0, nc, stage, dst); break;
-    default: PackGateUpTileT<4>(g, u, ld, K, n0, nc, stage, dst); break;
+    case 16: PackGateUpBlockT<16>(g, u, ld, k0, kc, n0, nc, dst); break;
+    case 8: PackGateUpBlockT<8>(g, u, ld, k0, kc, n0, nc, dst); break;
+    default: PackGateUpBlockT<4>(g, u, ld, k0, kc, n0, nc, dst); break;
   }
 }
 
 template <typename W>
-void PackDownTile(const W* dn, int64_t ld, int64_t K, int64_t n0, int nc, int vl,
-                  float* stage, float* dst) {
+void PackDownBlock(const W* dn, int64_t ld, int64_t k0, int kc, int64_t n0, int nc, int vl,
+                   float* dst) {
   switch (vl) {
-    case 16: PackDownTileT<16>(dn, ld, K, n0, nc, stage, dst); break;
-    case 8: PackDownTileT<8>(dn, ld, K, n0, nc, stage, dst); break;
-    default: PackDownTileT<4>(dn, ld, K, n0, nc, stage, dst); break;
+    case 16: PackDownBlockT<16>(dn, ld, k0, kc, n0, nc, dst); break;
+    case 8: PackDownBlockT<8>(dn, ld, k0, kc, n0, nc, dst); break;
+    default: PackDownBlockT<4>(dn, ld, k0, kc, n0, nc, dst); break;
   }
 }
+
+// Software prefetch of the next K-block of a tile (runs of `bytes` bytes at
+// up to two matrices, rows [k0, k0+kc), stride ld_bytes), issued a few cache
+// lines at a time between micro-kernel calls: the reads overlap the
+// arithmetic, and the runs, one per page, cross pages that the hardware
+// prefetcher does not.
+class Prefetcher {
+ public:
+  void Start(const char* m0, const char* m1, int64_t ld_bytes, int64_t k0, int64_t kc,
+             int64_t bytes) {
+    m_[0] = m0;
+    m_[1] = m1;
+    nm_ = m1 ? 2 : 1;
+    ld_ = ld_bytes;
+    k0_ = k0;
+    lines_ = (bytes + 63) / 64;
+    total_ = kc * nm_ * lines_;
+    next_ = 0;
+  }
+  void Stop() { total_ = next_ = 0; }
+  // Issues the next n prefetches.
+  void Step(int64_t n) {
+    for (; n > 0 && next_ < total_; --n, ++next_) {
+      const int64_t line = next_ % lines_, rest = next_ / lines_;
+      const int64_t mat = rest % nm_, row = rest / nm_;
+      __builtin_prefetch(m_[mat] + (k0_ + row) * ld_ + line * 64, 0, 3);
+    }
+  }
+  void Finish() { Step(total_ - next_); }
+  int64_t left() const { return total_ - next_; }
+
+ private:
+  const char* m_[2] = {nullptr, nullptr};
+  int nm_ = 1;
+  int64_t ld_ = 0, k0_ = 0, lines_ = 1, total_ = 0, next_ = 0;
+};
 
 template <typename XT>
 void GatherPanel(const XT* x, int64_t H, const int32_t* row_token, int mr, float* dst) {
@@ -283,7 +319,7 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
     }
   });
 
-  const int64_t scratch_stride = ScratchFloats(H, I);
+  const int64_t scratch_stride = ScratchFloats(mr);
 
   // GEMM1 + activation: items (chunk, tile of kTileCols columns of I).
   const int64_t tiles1 = (I + kTileCols - 1) / kTileCols;
@@ -306,15 +342,35 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
                           1, mr);
       return;
     }
-    float* packed = scratch + kStageFloats;
-    PackGateUpTile(ge, ue, I, H, n0, nc, vl, scratch, packed);
-    for (int q = 0; q * vl < nc; ++q) {
-      const int cols = std::min(vl, nc - q * vl);
-      for (int64_t m = m0; m < m1; m += mr) {
-        const int64_t panel = m / mr;
-        kt.gemm1(b.XO + panel * H * mr, packed + q * H * 2 * vl, H, act,
-                 static_cast<int>(std::min<int64_t>(mr, m1 - m)), cols,
-                 b.A2 + panel * I * mr + (n0 + q * vl) * mr, 1, mr);
+    // K-blocks: pack kKBlock rows of the tile (prefetched during the previous
+    // block), then run every m-panel of the chunk through each micro-panel,
+    // partial sums kept in `part` between blocks.
+    float* packed = scratch;
+    float* part = scratch + kKBlock * 2 * kTileCols;
+    const int nsub = (nc + vl - 1) / vl;
+    const int64_t panels = (m1 - m0 + mr - 1) / mr;
+    Prefetcher pf;  // the first block: all at once, before packing it
+    pf.Start(reinterpret_cast<const char*>(ge + n0), reinterpret_cast<const char*>(ue + n0),
+             I * sizeof(W), 0, std::min(kKBlock, H), nc * sizeof(W));
+    for (int64_t k0 = 0; k0 < H; k0 += kKBlock) {
+      const int kc = static_cast<int>(std::min(kKBlock, H - k0));
+      pf.Finish();
+      PackGateUpBlock(ge, ue, I, k0, kc, n0, nc, vl, packed);
+      if (k0 + kc < H)
+        pf.Start(reinterpret_cast<const char*>(ge + n0), reinterpret_cast<const char*>(ue + n0),
+                 I * sizeof(W), k0 + kc, std::min(kKBlock, H - k0 - kc), nc * sizeof(W));
+      const int64_t per_call = pf.left() / (nsub * panels) + 1;
+      const int flags = (k0 > 0 ? kLoadPartial : 0) | (k0 + kc < H ? kStorePartial : 0);
+      for (int q = 0; q < nsub; ++q) {
+        const int cols = std::min(vl, nc - q * vl);
+        for (int64_t pi = 0; pi < panels; ++pi) {
+          const int64_t m = m0 + pi * mr, panel = m / mr;
+          kt.gemm1(b.XO + panel * H * mr + k0 * mr, packed + q * kc * 2 * vl, kc, act,
+                   static_cast<int>(std::min<int64_t>(mr, m1 - m)), cols,
+                   b.A2 + panel * I * mr + (n0 + q * vl) * mr, 1, mr,
+                   part + (pi * nsub + q) * mr * 2 * vl, flags);
+          pf.Step(per_call);
+        }
       }
     }
   });
@@ -338,15 +394,32 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
                           I, ns, b.row_weight + m0, scratch, O + m0 * H + n0, H);
       return;
     }
-    float* packed = scratch + kStageFloats;
-    PackDownTile(de, H, I, n0, nc, vl, scratch, packed);
-    for (int q = 0; q * 2 * vl < nc; ++q) {
-      const int cols = std::min(2 * vl, nc - q * 2 * vl);
-      for (int64_t m = m0; m < m1; m += mr) {
-        const int64_t panel = m / mr;
-        kt.gemm2(b.A2 + panel * I * mr, packed + q * I * 2 * vl, I, b.row_weight + m,
-                 static_cast<int>(std::min<int64_t>(mr, m1 - m)), cols,
-                 O + m * H + n0 + q * 2 * vl, H);
+    float* packed = scratch;
+    float* part = scratch + kKBlock * 2 * kTileCols;
+    const int nsub = (nc + 2 * vl - 1) / (2 * vl);
+    const int64_t panels = (m1 - m0 + mr - 1) / mr;
+    Prefetcher pf;
+    pf.Start(reinterpret_cast<const char*>(de + n0), nullptr, H * sizeof(W), 0,
+             std::min(kKBlock, I), nc * sizeof(W));
+    for (int64_t k0 = 0; k0 < I; k0 += kKBlock) {
+      const int kc = static_cast<int>(std::min(kKBlock, I - k0));
+      pf.Finish();
+      PackDownBlock(de, H, k0, kc, n0, nc, vl, packed);
+      if (k0 + kc < I)
+        pf.Start(reinterpret_cast<const char*>(de + n0), nullptr, H * sizeof(W), k0 + kc,
+                 std::min(kKBlock, I - k0 - kc), nc * sizeof(W));
+      const int64_t per_call = pf.left() / (nsub * panels) + 1;
+      const int flags = (k0 > 0 ? kLoadPartial : 0) | (k0 + kc < I ? kStorePartial : 0);
+      for (int q = 0; q < nsub; ++q) {
+        const int cols = std::min(2 * vl, nc - q * 2 * vl);
+        for (int64_t pi = 0; pi < panels; ++pi) {
+          const int64_t m = m0 + pi * mr, panel = m / mr;
+          kt.gemm2(b.A2 + panel * I * mr + k0 * mr, packed + q * kc * 2 * vl, kc,
+                   b.row_weight + m, static_cast<int>(std::min<int64_t>(mr, m1 - m)), cols,
+                   O + m * H + n0 + q * 2 * vl, H, part + (pi * nsub + q) * mr * 2 * vl,
+                   flags);
+          pf.Step(per_call);
+        }
       }
     }
   });
