@@ -228,27 +228,30 @@ class Prefetcher {
     m_[1] = m1;
     nm_ = m1 ? 2 : 1;
     ld_ = ld_bytes;
-    k0_ = k0;
     lines_ = (bytes + 63) / 64;
-    total_ = kc * nm_ * lines_;
-    next_ = 0;
+    left_ = kc * nm_ * lines_;
+    row_ = k0;
+    mat_ = 0;
+    line_ = 0;
   }
-  void Stop() { total_ = next_ = 0; }
-  // Issues the next n prefetches.
+  // Issues the next n prefetches (row by row, each matrix's run in turn;
+  // counters, no division per line).
   void Step(int64_t n) {
-    for (; n > 0 && next_ < total_; --n, ++next_) {
-      const int64_t line = next_ % lines_, rest = next_ / lines_;
-      const int64_t mat = rest % nm_, row = rest / nm_;
-      __builtin_prefetch(m_[mat] + (k0_ + row) * ld_ + line * 64, 0, 3);
+    for (n = std::min(n, left_), left_ -= n; n > 0; --n) {
+      __builtin_prefetch(m_[mat_] + row_ * ld_ + line_ * 64, 0, 3);
+      if (++line_ == lines_) {
+        line_ = 0;
+        if (++mat_ == nm_) mat_ = 0, ++row_;
+      }
     }
   }
-  void Finish() { Step(total_ - next_); }
-  int64_t left() const { return total_ - next_; }
+  void Finish() { Step(left_); }
+  int64_t left() const { return left_; }
 
  private:
   const char* m_[2] = {nullptr, nullptr};
   int nm_ = 1;
-  int64_t ld_ = 0, k0_ = 0, lines_ = 1, total_ = 0, next_ = 0;
+  int64_t ld_ = 0, lines_ = 1, left_ = 0, row_ = 0, mat_ = 0, line_ = 0;
 };
 
 template <typename XT>
