@@ -90,7 +90,9 @@ struct Band {
   int32_t* row_token;    // [P] token of each padded row, -1 for padding
   float* row_weight;     // [P] routed weight of each padded row, 0 for padding
   int64_t* expert_off;   // [E+1] padded row range of each expert
-  int64_t* cursor;       // [E+1]
+  int64_t* cursor;       // [E+1] placement; then the end of each expert's real rows
+  int64_t* total;        // [E+1] expert-major groups: slots per expert in the call
+  int64_t* seen;         // [E+1] expert-major groups: slots of each expert scanned
   int32_t* chunk_expert; // [C]
   int64_t* chunk_begin;  // [C] padded rows, multiples of MR
   int64_t* chunk_end;    // [C] end of the expert's real rows within the chunk
@@ -112,6 +114,8 @@ size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int wor
   b->row_weight = cv.Take<float>(P);
   b->expert_off = cv.Take<int64_t>(E + 1);
   b->cursor = cv.Take<int64_t>(E + 1);
+  b->total = cv.Take<int64_t>(E + 1);
+  b->seen = cv.Take<int64_t>(E + 1);
   b->chunk_expert = cv.Take<int32_t>(C);
   b->chunk_begin = cv.Take<int64_t>(C);
   b->chunk_end = cv.Take<int64_t>(C);
@@ -271,20 +275,26 @@ void StoreRow(const float* src, int64_t H, YT* dst) {
   for (int64_t h = 0; h < H; ++h) dst[h] = FromFloat<YT>(src[h]);
 }
 
-template <typename W>
-void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
-             int workers, int64_t t0, int64_t t1, const Band& b) {
-  const int64_t H = p.H, I = p.I, E = p.E, k = p.k;
-  const int mr = kt.mr, vl = kt.vl;
-  const W* gate = static_cast<const W*>(p.gate);
-  const W* up = static_cast<const W*>(p.up);
-  const W* down = static_cast<const W*>(p.down);
-  const int act = static_cast<int>(p.activation);
-  const bool can_stream = sizeof(W) == 4 || p.w_type == ffi::DataType::BF16;
-  const int w_index = sizeof(W) == 4 ? 0 : 1;
+// The rows a band runs, ordered by expert (each expert's rows padded to whole
+// m-panels, stable in (t, j)); returns the number of chunks.
+int64_t Chunks(const Problem& p, int mr, const Band& b) {
+  int64_t chunks = 0;
+  const int64_t chunk_rows = mr * kPanelsPerChunk;
+  for (int64_t e = 0; e < p.E; ++e) {
+    const int64_t real_end = b.cursor[e];  // after placement: end of real rows
+    for (int64_t m = b.expert_off[e]; m < real_end; m += chunk_rows) {
+      b.chunk_expert[chunks] = static_cast<int32_t>(e);
+      b.chunk_begin[chunks] = m;
+      b.chunk_end[chunks] = std::min(m + chunk_rows, real_end);
+      ++chunks;
+    }
+  }
+  return chunks;
+}
 
-  // Plan: count per expert, pad each group to whole panels, place the slots
-  // (stable in (t, j)).
+// Token band [t0, t1): its slots, and inv for the combine.
+int64_t PlanTokenBand(const Problem& p, int mr, int64_t t0, int64_t t1, const Band& b) {
+  const int64_t E = p.E, k = p.k;
   std::fill(b.expert_off, b.expert_off + E + 1, int64_t{0});
   for (int64_t i = t0 * k; i < t1 * k; ++i) ++b.expert_off[p.topk_ids[i] + 1];
   for (int64_t e = 0; e < E; ++e)
@@ -299,17 +309,75 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
     b.row_weight[row] = p.topk_w[i];
     b.inv[i - t0 * k] = static_cast<int32_t>(row);
   }
-  int64_t chunks = 0;
-  const int64_t chunk_rows = mr * kPanelsPerChunk;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t real_end = b.cursor[e];  // after placement: end of real rows
-    for (int64_t m = b.expert_off[e]; m < real_end; m += chunk_rows) {
-      b.chunk_expert[chunks] = static_cast<int32_t>(e);
-      b.chunk_begin[chunks] = m;
-      b.chunk_end[chunks] = std::min(m + chunk_rows, real_end);
-      ++chunks;
+  return P;
+}
+
+// A position in the call's slots ordered by (expert, t, j): expert e, rank r
+// among that expert's slots.
+struct SlotPos {
+  int64_t e, r;
+};
+
+// Expert-major group: from `from`, as many slots (in (expert, t, j) order) as
+// fit in P_max padded rows; b.total holds the call's slots per expert.
+// Returns where the group ends.
+SlotPos NextGroup(const Problem& p, int mr, int64_t P_max, SlotPos from, const Band& b) {
+  int64_t left = P_max, e = from.e, r = from.r;
+  while (e < p.E && left >= mr) {
+    const int64_t avail = b.total[e] - r;
+    const int64_t pad = (avail + mr - 1) / mr * mr;
+    if (pad <= left) {
+      left -= pad;
+      ++e;
+      r = 0;
+    } else {  // the expert continues in the next group
+      r += left / mr * mr;
+      break;
     }
   }
+  return {e, r};
+}
+
+// The group [from, to): its slots in order, no inv (rows are accumulated).
+int64_t PlanGroup(const Problem& p, int mr, SlotPos from, SlotPos to, const Band& b) {
+  const int64_t E = p.E, S = p.T * p.k;
+  auto lo = [&](int64_t e) { return e == from.e ? from.r : 0; };
+  auto hi = [&](int64_t e) { return e < to.e ? b.total[e] : (e == to.e ? to.r : 0); };
+  b.expert_off[0] = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = (e < from.e) ? 0 : std::max<int64_t>(hi(e) - lo(e), 0);
+    b.expert_off[e + 1] = b.expert_off[e] + (n + mr - 1) / mr * mr;
+  }
+  const int64_t P = b.expert_off[E];
+  std::fill(b.row_token, b.row_token + P, int32_t{-1});
+  std::fill(b.row_weight, b.row_weight + P, 0.0f);
+  std::copy(b.expert_off, b.expert_off + E + 1, b.cursor);
+  std::fill(b.seen, b.seen + E + 1, int64_t{0});
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t e = p.topk_ids[i];
+    if (e < from.e || e > to.e) continue;
+    const int64_t rank = b.seen[e]++;
+    if (rank < lo(e) || rank >= hi(e)) continue;
+    const int64_t row = b.cursor[e]++;
+    b.row_token[row] = static_cast<int32_t>(i / p.k);
+    b.row_weight[row] = p.topk_w[i];
+  }
+  return P;
+}
+
+// Gather, GEMM1, GEMM2 of the planned rows: O [P][H] (in b.XO) holds each
+// row's weighted expert output.
+template <typename W>
+void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int workers,
+             int64_t P, int64_t chunks, const Band& b) {
+  const int64_t H = p.H, I = p.I;
+  const int mr = kt.mr, vl = kt.vl;
+  const W* gate = static_cast<const W*>(p.gate);
+  const W* up = static_cast<const W*>(p.up);
+  const W* down = static_cast<const W*>(p.down);
+  const int act = static_cast<int>(p.activation);
+  const bool can_stream = sizeof(W) == 4 || p.w_type == ffi::DataType::BF16;
+  const int w_index = sizeof(W) == 4 ? 0 : 1;
 
   // Gather into packed panels.
   ParallelFor(pool, workers, P / mr, [&](int64_t panel, int) {
@@ -427,7 +495,13 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
     }
   });
 
-  // Combine: y[t] = sum over j in order of O[row(t, j)].
+}
+
+// Token band: y[t] = sum over j in order of O[row(t, j)].
+void CombineTokens(const Problem& p, ffi::ThreadPool& pool, int workers, int64_t t0,
+                   int64_t t1, const Band& b) {
+  const int64_t H = p.H, k = p.k;
+  float* O = b.XO;
   const int64_t Tb = t1 - t0;
   ParallelFor(pool, workers, (Tb + 15) / 16, [&](int64_t it, int) {
     for (int64_t t = t0 + it * 16; t < std::min(t1, t0 + it * 16 + 16); ++t) {
@@ -444,6 +518,55 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
       }
     }
   });
+}
+
+// Expert-major group (float32 y, zeroed before the first group): y[t] += O[row]
+// for the group's rows in order, so that over all groups each y[t] is the sum
+// of its slots' outputs in (expert, j) order whatever the grouping.  Items are
+// column ranges: every item walks all rows.
+void AccumulateRows(const Problem& p, ffi::ThreadPool& pool, int workers, int64_t P,
+                    const Band& b) {
+  const int64_t H = p.H;
+  const float* O = b.XO;
+  float* y = static_cast<float*>(p.y);
+  constexpr int64_t kCols = 256;
+  ParallelFor(pool, workers, (H + kCols - 1) / kCols, [&](int64_t it, int) {
+    const int64_t h0 = it * kCols, h1 = std::min(H, h0 + kCols);
+    for (int64_t r = 0; r < P; ++r) {
+      const int32_t t = b.row_token[r];
+      if (t < 0) continue;
+      const float* o = O + r * H;
+      float* yt = y + static_cast<int64_t>(t) * H;
+      for (int64_t h = h0; h < h1; ++h) yt[h] += o[h];
+    }
+  });
+}
+
+template <typename W>
+void RunTokenBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
+                  int workers, int64_t t0, int64_t t1, const Band& b) {
+  const int64_t P = PlanTokenBand(p, kt.mr, t0, t1, b);
+  RunRows<W>(p, kt, pool, workers, P, Chunks(p, kt.mr, b), b);
+  CombineTokens(p, pool, workers, t0, t1, b);
+}
+
+// Float32 x: the call runs in expert-major groups of at most P_max padded
+// rows (what a band of band_tokens tokens would take), so that each expert's
+// weights are packed once per call, not once per band, unless one expert
+// alone has more rows than a group holds.
+template <typename W>
+void RunExpertGroups(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
+                     int workers, int64_t P_max, const Band& b) {
+  std::fill(b.total, b.total + p.E + 1, int64_t{0});
+  for (int64_t i = 0; i < p.T * p.k; ++i) ++b.total[p.topk_ids[i]];
+  std::memset(p.y, 0, static_cast<size_t>(p.T * p.H) * sizeof(float));
+  for (SlotPos from{0, 0}; from.e < p.E;) {
+    const SlotPos to = NextGroup(p, kt.mr, P_max, from, b);
+    const int64_t P = PlanGroup(p, kt.mr, from, to, b);
+    RunRows<W>(p, kt, pool, workers, P, Chunks(p, kt.mr, b), b);
+    AccumulateRows(p, pool, workers, P, b);
+    from = to;
+  }
 }
 
 bool IsFloatType(ffi::DataType t) {
@@ -529,6 +652,26 @@ ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
       std::clamp<int64_t>(max_workers, 1, MaxWorkers(pool)));
   const Device cpu{"cpu", 0};
   const KernelTable& kt = *ActiveKernels();
+  if (x.element_type() == ffi::DataType::F32) {
+    // One workspace of a band of `band` tokens, run in expert-major groups.
+    const int64_t S = band * k;
+    Workspace ws;
+    std::string err;
+    const WorkShape shape{band, H, static_cast<int64_t>(BandBytes(0, E, H, I, workers, kt))};
+    if (!Workspace::Allocate(cpu, BandBytes(S, E, H, I, workers, kt), "workspace", shape,
+                             &ws, &err))
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted, err);
+    Band b;
+    CarveBand(ws.data(), S, E, H, I, workers, kt, &b);
+    const int64_t P_max = MaxPaddedRows(S, E, kt.mr);
+    switch (wt) {
+      case ffi::DataType::F32: RunExpertGroups<float>(p, kt, pool, workers, P_max, b); break;
+      case ffi::DataType::BF16: RunExpertGroups<bf16>(p, kt, pool, workers, P_max, b); break;
+      default: RunExpertGroups<f16>(p, kt, pool, workers, P_max, b); break;
+    }
+    return ffi::Error::Success();
+  }
+  // bfloat16 / float16 x: token bands, each summed in j order and stored.
   for (int64_t t0 = 0; t0 < T; t0 += band) {
     const int64_t t1 = std::min(T, t0 + band);
     const int64_t S = (t1 - t0) * k;
@@ -542,9 +685,9 @@ ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
     Band b;
     CarveBand(ws.data(), S, E, H, I, workers, kt, &b);
     switch (wt) {
-      case ffi::DataType::F32: RunBand<float>(p, kt, pool, workers, t0, t1, b); break;
-      case ffi::DataType::BF16: RunBand<bf16>(p, kt, pool, workers, t0, t1, b); break;
-      default: RunBand<f16>(p, kt, pool, workers, t0, t1, b); break;
+      case ffi::DataType::F32: RunTokenBand<float>(p, kt, pool, workers, t0, t1, b); break;
+      case ffi::DataType::BF16: RunTokenBand<bf16>(p, kt, pool, workers, t0, t1, b); break;
+      default: RunTokenBand<f16>(p, kt, pool, workers, t0, t1, b); break;
     }
   }
   return ffi::Error::Success();
