@@ -6,16 +6,24 @@
 
 namespace nbx {
 
+// Flags of the packed kernels: one call covers one K-block of the sum.
+enum PartialFlags : int {
+  kLoadPartial = 1,   // start from the partial sums in c, not from 0
+  kStorePartial = 2,  // more K-blocks follow: store the sums to c, no epilogue
+};
+
 struct KernelTable {
   const char* isa;  // "avx512", "avx2", "generic"
   int vl;           // floats per vector
   int mr;           // rows per packed m-panel
-  // GEMM1, packed: out[r*rs + c*cs] = act(a@gate)*(a@up), r < rows, c < cols <= vl
+  // GEMM1, packed, one K-block of K rows: out[r*rs + c*cs] = act(a@gate)*(a@up),
+  // r < rows, c < cols <= vl; `c` holds mr * 2vl partial sums (PartialFlags).
   void (*gemm1)(const float* a, const float* b, int64_t K, int act, int rows, int cols,
-                float* out, int64_t rs, int64_t cs);
-  // GEMM2, packed: out[r*rs + c] = w[r] * (a@down), r < rows, c < cols <= 2*vl
+                float* out, int64_t rs, int64_t cs, float* c, int flags);
+  // GEMM2, packed, one K-block: out[r*rs + c] = w[r] * (a@down), r < rows,
+  // c < cols <= 2*vl; partial sums as gemm1.
   void (*gemm2)(const float* a, const float* b, int64_t K, const float* w, int rows,
-                int cols, float* out, int64_t rs);
+                int cols, float* out, int64_t rs, float* c, int flags);
   // Streaming (decode), rows <= 4 rows a[kk*as + r], weights read in place
   // ([0] float32, [1] bfloat16 bits), `acc` scratch of 2 * rows * ncols floats.
   void (*stream1[2])(const float* a, int64_t as, int rows, const void* wg, const void* wu,

@@ -74,15 +74,26 @@ NBX_AI float Act(int act, float g) {
   return g / (1.0f + expf(-g));  // silu
 }
 
-// lo[r] = sum_kk a[kk*MR + r] * b[kk*2VL + (0..VL)], hi[r] the same over
+// lo[r] = c0 + sum_kk a[kk*MR + r] * b[kk*2VL + (0..VL)], hi[r] the same over
 // b[kk*2VL + (VL..2VL)]: the register-blocked loop both packed GEMMs share.
+// c0 is 0, or with `c` the partial sums of the earlier K-blocks (row r: VL lo
+// then VL hi values at c + r*2VL); continuing the chain from stored partial
+// sums gives the same bits as one pass over the whole K.
 template <int VL, int MR>
-NBX_AI void AccumulatePanel(const float* a, const float* b, int64_t K,
+NBX_AI void AccumulatePanel(const float* a, const float* b, int64_t K, const float* c,
                             typename VecT<VL>::type (&lo)[MR],
                             typename VecT<VL>::type (&hi)[MR]) {
   using V = typename VecT<VL>::type;
+  if (c != nullptr) {
 #pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = V{};
+    for (int r = 0; r < MR; ++r) {
+      lo[r] = Load<VL>(c + r * 2 * VL);
+      hi[r] = Load<VL>(c + r * 2 * VL + VL);
+    }
+  } else {
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = V{};
+  }
   for (int64_t kk = 0; kk < K; ++kk) {
     const V b0 = Load<VL>(b + kk * 2 * VL);
     const V b1 = Load<VL>(b + kk * 2 * VL + VL);
@@ -95,27 +106,48 @@ NBX_AI void AccumulatePanel(const float* a, const float* b, int64_t K,
   }
 }
 
-// GEMM1 on one packed m-panel (b: VL gate then VL up columns per row):
-// out[r*rs + c*cs] = act(g) * u for r < rows, c < cols.
 template <int VL, int MR>
-NBX_AI void Gemm1Packed(const float* a, const float* b, int64_t K, int act,
-                        int rows, int cols, float* out, int64_t rs, int64_t cs) {
-  typename VecT<VL>::type g[MR], u[MR];
-  AccumulatePanel<VL, MR>(a, b, K, g, u);
-  for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < cols; ++c) out[r * rs + c * cs] = Act(act, g[r][c]) * u[r][c];
+NBX_AI void StorePartial(const typename VecT<VL>::type (&lo)[MR],
+                         const typename VecT<VL>::type (&hi)[MR], float* c) {
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    memcpy(c + r * 2 * VL, &lo[r], sizeof lo[r]);
+    memcpy(c + r * 2 * VL + VL, &hi[r], sizeof hi[r]);
+  }
 }
 
-// GEMM2 on one packed m-panel (b: 2VL columns of down per row):
-// out[r*rs + c] = w[r] * acc for r < rows, c < cols.
+// GEMM1 on one packed m-panel (b: VL gate then VL up columns per row), one
+// K-block: starts from the partial sums in c (flags & kLoadPartial) or 0;
+// stores the sums back to c (flags & kStorePartial, more K-blocks follow) or
+// writes out[r*rs + c*cs] = act(g) * u for r < rows, c < cols.
+template <int VL, int MR>
+NBX_AI void Gemm1Packed(const float* a, const float* b, int64_t K, int act,
+                        int rows, int cols, float* out, int64_t rs, int64_t cs,
+                        float* c, int flags) {
+  typename VecT<VL>::type g[MR], u[MR];
+  AccumulatePanel<VL, MR>(a, b, K, (flags & kLoadPartial) ? c : nullptr, g, u);
+  if (flags & kStorePartial) {
+    StorePartial<VL, MR>(g, u, c);
+    return;
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < cols; ++j) out[r * rs + j * cs] = Act(act, g[r][j]) * u[r][j];
+}
+
+// GEMM2 on one packed m-panel (b: 2VL columns of down per row), one K-block
+// (flags as Gemm1Packed): out[r*rs + c] = w[r] * acc for r < rows, c < cols.
 template <int VL, int MR>
 NBX_AI void Gemm2Packed(const float* a, const float* b, int64_t K, const float* w,
-                        int rows, int cols, float* out, int64_t rs) {
+                        int rows, int cols, float* out, int64_t rs, float* c, int flags) {
   typename VecT<VL>::type lo[MR], hi[MR];
-  AccumulatePanel<VL, MR>(a, b, K, lo, hi);
+  AccumulatePanel<VL, MR>(a, b, K, (flags & kLoadPartial) ? c : nullptr, lo, hi);
+  if (flags & kStorePartial) {
+    StorePartial<VL, MR>(lo, hi, c);
+    return;
+  }
   for (int r = 0; r < rows; ++r) {
-    for (int c = 0; c < cols && c < VL; ++c) out[r * rs + c] = w[r] * lo[r][c];
-    for (int c = VL; c < cols; ++c) out[r * rs + c] = w[r] * hi[r][c - VL];
+    for (int j = 0; j < cols && j < VL; ++j) out[r * rs + j] = w[r] * lo[r][j];
+    for (int j = VL; j < cols; ++j) out[r * rs + j] = w[r] * hi[r][j - VL];
   }
 }
 
@@ -196,12 +228,12 @@ NBX_AI void Gemm2Stream(const float* a, int64_t as, int rows, const W* wd, int64
   namespace nbx {                                                                         \
   namespace {                                                                             \
   void G1(const float* a, const float* b, int64_t K, int act, int rows, int cols,         \
-          float* out, int64_t rs, int64_t cs) {                                           \
-    Gemm1Packed<VL, MR>(a, b, K, act, rows, cols, out, rs, cs);                           \
+          float* out, int64_t rs, int64_t cs, float* c, int flags) {                      \
+    Gemm1Packed<VL, MR>(a, b, K, act, rows, cols, out, rs, cs, c, flags);                 \
   }                                                                                       \
   void G2(const float* a, const float* b, int64_t K, const float* w, int rows, int cols,  \
-          float* out, int64_t rs) {                                                       \
-    Gemm2Packed<VL, MR>(a, b, K, w, rows, cols, out, rs);                                 \
+          float* out, int64_t rs, float* c, int flags) {                                  \
+    Gemm2Packed<VL, MR>(a, b, K, w, rows, cols, out, rs, c, flags);                       \
   }                                                                                       \
   NBX_STREAM(SF, VL, float)                                                               \
   NBX_STREAM(SB, VL, uint16_t)                                                            \

@@ -42,14 +42,18 @@ constexpr int64_t kStreamRows = 4;       // experts with at most this many rows 
 constexpr int64_t kStreamCols = 1024;    // columns per streamed work item: whole pages
 static_assert(kStreamCols % kTileCols == 0, "a streamed item covers whole tiles");
 
-constexpr int64_t kPackRows = 64;  // weight rows per packing block
+// Weight rows per K-block: a packed block (kKBlock rows of a tile, <= 128 kB
+// in float32) and the partial sums of the chunk's rows stay in L2, one
+// micro-panel of B (kKBlock x 2VL floats) in L1.
+constexpr int64_t kKBlock = 64;
 
-// Per-worker scratch: the packing stage, then a packed weight tile (full K)
-// or streaming accumulators.
-constexpr int64_t kStageFloats = kPackRows * 2 * kTileCols;
-int64_t ScratchFloats(int64_t H, int64_t I) {
-  return kStageFloats +
-         std::max({H * 2 * kTileCols, I * kTileCols, 2 * kStreamRows * kStreamCols});
+// Per-worker scratch: one packed K-block of a weight tile (gate||up: 2 *
+// kTileCols columns), then the partial sums of one chunk over the tile's
+// columns (kPanelsPerChunk panels x MR rows x 2 * kTileCols), which also hold
+// the streaming accumulators.
+int64_t ScratchFloats(int mr) {
+  return kKBlock * 2 * kTileCols +
+         std::max(kPanelsPerChunk * mr * 2 * kTileCols, 2 * kStreamRows * kStreamCols);
 }
 
 enum Activation : int64_t { kSwiGLU = 0, kGeGLU = 1 };
@@ -87,13 +91,15 @@ struct Band {
   int32_t* row_token;    // [P] token of each padded row, -1 for padding
   float* row_weight;     // [P] routed weight of each padded row, 0 for padding
   int64_t* expert_off;   // [E+1] padded row range of each expert
-  int64_t* cursor;       // [E+1]
+  int64_t* cursor;       // [E+1] placement; then the end of each expert's real rows
+  int64_t* total;        // [E+1] expert-major groups: slots per expert in the call
+  int64_t* seen;         // [E+1] expert-major groups: slots of each expert scanned
   int32_t* chunk_expert; // [C]
   int64_t* chunk_begin;  // [C] padded rows, multiples of MR
   int64_t* chunk_end;    // [C] end of the expert's real rows within the chunk
   float* XO;             // [P/MR][H][MR] packed x; later O [P][H]
   float* A2;             // [P/MR][I][MR] packed activations
-  float* scratch;        // [workers][ScratchFloats] packed weight tile
+  float* scratch;        // [workers][ScratchFloats] packed K-block, partial sums
 };
 
 // Lays a band's arrays out from `base`; returns the bytes they take.  With
@@ -109,12 +115,14 @@ size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int wor
   b->row_weight = cv.Take<float>(P);
   b->expert_off = cv.Take<int64_t>(E + 1);
   b->cursor = cv.Take<int64_t>(E + 1);
+  b->total = cv.Take<int64_t>(E + 1);
+  b->seen = cv.Take<int64_t>(E + 1);
   b->chunk_expert = cv.Take<int32_t>(C);
   b->chunk_begin = cv.Take<int64_t>(C);
   b->chunk_end = cv.Take<int64_t>(C);
   b->XO = cv.Take<float>(P * H);
   b->A2 = cv.Take<float>(P * I);
-  b->scratch = cv.Take<float>(static_cast<int64_t>(workers) * ScratchFloats(H, I));
+  b->scratch = cv.Take<float>(static_cast<int64_t>(workers) * ScratchFloats(kt.mr));
   return cv.used();
 }
 
@@ -131,26 +139,31 @@ struct Problem {
   const float* topk_w;
   const int32_t* topk_ids;
   // Each expert's matrix, read in place: E addresses per projection (a
-  // stacked array's slices, or the buffers of per-expert lists).
+  // stacked array's slices, the buffers of per-expert lists, or QuantExpert
+  // records for quantized experts).
   const void* const* gate;
   const void* const* up;
   const void* const* down;
-  ffi::DataType w_type;
+  ffi::DataType w_type;  // U8: quantized (QuantExpert tables)
   void* y;
   int64_t activation;
   bool skip_outside;  // ids outside [0, E) are skipped (expert parallelism), not an error
 };
 
 
-// dst[0, n) = float(src[0, n)), dst[n, width) = 0.
-template <typename W>
-inline void CopyPadRow(const W* src, int n, int width, float* dst) {
-  if constexpr (std::is_same_v<W, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else {
-    for (int c = 0; c < n; ++c) dst[c] = ToFloat(src[c]);
+// dst[0, VL) = float(src[0, n)), zero-padded (n <= VL).
+template <int VL, typename W>
+inline void CopyPadVec(const W* src, int n, float* dst) {
+  if (n == VL) {
+    if constexpr (std::is_same_v<W, float>) {
+      std::memcpy(dst, src, VL * sizeof(float));
+    } else {
+      for (int c = 0; c < VL; ++c) dst[c] = ToFloat(src[c]);
+    }
+    return;
   }
-  for (int c = n; c < width; ++c) dst[c] = 0.0f;
+  for (int c = 0; c < n; ++c) dst[c] = ToFloat(src[c]);
+  for (int c = n; c < VL; ++c) dst[c] = 0.0f;
 }
 
 // One expert's quantized matrix [K, N] (formats of jax_nbx/quant.py): int8
@@ -180,7 +193,9 @@ inline float ScaleAt(const QuantExpert& m, int64_t i) {
                        : static_cast<const float*>(m.scale)[i];
 }
 
-inline void CopyPadRow(QuantCursor src, int n, int width, float* dst) {
+// dst[0, VL) = the dequantized values at src[0, n), zero-padded (n <= VL).
+template <int VL>
+inline void CopyPadVec(QuantCursor src, int n, float* dst) {
   const QuantExpert& m = *src.m;
   const int64_t k = src.off / m.N, n0 = src.off % m.N;
   if (!m.int4) {
@@ -196,92 +211,123 @@ inline void CopyPadRow(QuantCursor src, int n, int width, float* dst) {
       dst[c] = static_cast<float>((q[c] >> shift) & 0xF) * ScaleAt(m, g + c) + mn;
     }
   }
-  for (int c = n; c < width; ++c) dst[c] = 0.0f;
+  for (int c = n; c < VL; ++c) dst[c] = 0.0f;
 }
 
-// RunBand's weight type for quantized experts: tables hold QuantExpert*.
+// RunRows' weight type for quantized experts: tables hold QuantExpert*.
 struct Quantized {};
 
 template <typename W>
 struct WeightSource {
   using Src = const W*;
-  static constexpr bool kStreams = true;
+  static constexpr bool kDense = true;  // streamable, prefetchable
   static Src At(const void* const* table, int64_t e) { return static_cast<const W*>(table[e]); }
 };
 template <>
 struct WeightSource<Quantized> {
   using Src = QuantCursor;
-  static constexpr bool kStreams = false;  // decode goes through the packers too
+  static constexpr bool kDense = false;  // no streaming or prefetch: through the packers
   static Src At(const void* const* table, int64_t e) {
     return {static_cast<const QuantExpert*>(table[e]), 0};
   }
 };
 
-// Packs columns [n0, n0+nc) of gate and up (K rows, leading dimension ld) into
-// micro-panels of VL columns: panel q at dst + q*K*2VL, row kk holds VL gate
-// then VL up values, zero-padded.  In blocks of kPackRows rows: first each
-// row's run of nc values is read whole, in order, into `stage` (converted to
-// float32: hardware prefetch follows it), then each panel's part of the
-// block is written contiguously.  Reading or writing a few columns per row
-// straight from/to memory stalls on a cache miss and a TLB walk per row.
+// Packs rows [k0, k0+kc) of columns [n0, n0+nc) of gate and up (leading
+// dimension ld) into micro-panels of VL columns: panel q at dst + q*kc*2VL,
+// row i holds VL gate then VL up values, zero-padded.  Each row's run is read
+// in order; the caller prefetched the block (Prefetcher), so the short runs
+// (one per page) do not stall on a miss each.
 template <int VL, typename Src>
-void PackGateUpTileT(Src g, Src u, int64_t ld, int64_t K, int64_t n0, int nc,
-                     float* stage, float* dst) {
+void PackGateUpBlockT(Src g, Src u, int64_t ld, int64_t k0, int kc, int64_t n0,
+                      int nc, float* dst) {
   const int nsub = (nc + VL - 1) / VL;
-  const int width = nsub * VL;
-  for (int64_t k0 = 0; k0 < K; k0 += kPackRows) {
-    const int64_t rows = std::min(K - k0, kPackRows);
-    for (int64_t i = 0; i < rows; ++i) {
-      CopyPadRow(g + (k0 + i) * ld + n0, nc, width, stage + (2 * i) * width);
-      CopyPadRow(u + (k0 + i) * ld + n0, nc, width, stage + (2 * i + 1) * width);
+  for (int i = 0; i < kc; ++i) {
+    const Src gr = g + (k0 + i) * ld + n0;
+    const Src ur = u + (k0 + i) * ld + n0;
+    float* d = dst + i * 2 * VL;
+    for (int q = 0; q < nsub; ++q, d += kc * 2 * VL) {
+      const int n = std::min(VL, nc - q * VL);
+      CopyPadVec<VL>(gr + q * VL, n, d);
+      CopyPadVec<VL>(ur + q * VL, n, d + VL);
     }
-    for (int q = 0; q < nsub; ++q) {
-      float* d = dst + (q * K + k0) * 2 * VL;
-      for (int64_t i = 0; i < rows; ++i, d += 2 * VL) {
-        std::memcpy(d, stage + (2 * i) * width + q * VL, VL * sizeof(float));
-        std::memcpy(d + VL, stage + (2 * i + 1) * width + q * VL, VL * sizeof(float));
+  }
+}
+
+// Packs rows [k0, k0+kc) of columns [n0, n0+nc) of down into micro-panels of
+// 2VL columns (same scheme).
+template <int VL, typename Src>
+void PackDownBlockT(Src dn, int64_t ld, int64_t k0, int kc, int64_t n0, int nc,
+                    float* dst) {
+  const int nsub = (nc + 2 * VL - 1) / (2 * VL);
+  for (int i = 0; i < kc; ++i) {
+    const Src r = dn + (k0 + i) * ld + n0;
+    float* d = dst + i * 2 * VL;
+    for (int q = 0; q < nsub; ++q, d += kc * 2 * VL) {
+      const int n = std::min(2 * VL, nc - q * 2 * VL);
+      CopyPadVec<VL>(r + q * 2 * VL, std::min(n, VL), d);
+      CopyPadVec<VL>(r + q * 2 * VL + VL, std::max(n - VL, 0), d + VL);
+    }
+  }
+}
+
+template <typename Src>
+void PackGateUpBlock(Src g, Src u, int64_t ld, int64_t k0, int kc, int64_t n0,
+                     int nc, int vl, float* dst) {
+  switch (vl) {
+    case 16: PackGateUpBlockT<16>(g, u, ld, k0, kc, n0, nc, dst); break;
+    case 8: PackGateUpBlockT<8>(g, u, ld, k0, kc, n0, nc, dst); break;
+    default: PackGateUpBlockT<4>(g, u, ld, k0, kc, n0, nc, dst); break;
+  }
+}
+
+template <typename Src>
+void PackDownBlock(Src dn, int64_t ld, int64_t k0, int kc, int64_t n0, int nc, int vl,
+                   float* dst) {
+  switch (vl) {
+    case 16: PackDownBlockT<16>(dn, ld, k0, kc, n0, nc, dst); break;
+    case 8: PackDownBlockT<8>(dn, ld, k0, kc, n0, nc, dst); break;
+    default: PackDownBlockT<4>(dn, ld, k0, kc, n0, nc, dst); break;
+  }
+}
+
+// Software prefetch of the next K-block of a tile (runs of `bytes` bytes at
+// up to two matrices, rows [k0, k0+kc), stride ld_bytes), issued a few cache
+// lines at a time between micro-kernel calls: the reads overlap the
+// arithmetic, and the runs, one per page, cross pages that the hardware
+// prefetcher does not.
+class Prefetcher {
+ public:
+  void Start(const char* m0, const char* m1, int64_t ld_bytes, int64_t k0, int64_t kc,
+             int64_t bytes) {
+    m_[0] = m0;
+    m_[1] = m1;
+    nm_ = m1 ? 2 : 1;
+    ld_ = ld_bytes;
+    lines_ = (bytes + 63) / 64;
+    left_ = kc * nm_ * lines_;
+    row_ = k0;
+    mat_ = 0;
+    line_ = 0;
+  }
+  // Issues the next n prefetches (row by row, each matrix's run in turn;
+  // counters, no division per line).
+  void Step(int64_t n) {
+    for (n = std::min(n, left_), left_ -= n; n > 0; --n) {
+      __builtin_prefetch(m_[mat_] + row_ * ld_ + line_ * 64, 0, 3);
+      if (++line_ == lines_) {
+        line_ = 0;
+        if (++mat_ == nm_) mat_ = 0, ++row_;
       }
     }
   }
-}
+  void Finish() { Step(left_); }
+  int64_t left() const { return left_; }
 
-// Packs columns [n0, n0+nc) of down into micro-panels of 2VL columns (same scheme).
-template <int VL, typename Src>
-void PackDownTileT(Src dn, int64_t ld, int64_t K, int64_t n0, int nc, float* stage,
-                   float* dst) {
-  const int nsub = (nc + 2 * VL - 1) / (2 * VL);
-  const int width = nsub * 2 * VL;
-  for (int64_t k0 = 0; k0 < K; k0 += kPackRows) {
-    const int64_t rows = std::min(K - k0, kPackRows);
-    for (int64_t i = 0; i < rows; ++i)
-      CopyPadRow(dn + (k0 + i) * ld + n0, nc, width, stage + i * width);
-    for (int q = 0; q < nsub; ++q) {
-      float* d = dst + (q * K + k0) * 2 * VL;
-      for (int64_t i = 0; i < rows; ++i, d += 2 * VL)
-        std::memcpy(d, stage + i * width + q * 2 * VL, 2 * VL * sizeof(float));
-    }
-  }
-}
-
-template <typename Src>
-void PackGateUpTile(Src g, Src u, int64_t ld, int64_t K, int64_t n0, int nc,
-                    int vl, float* stage, float* dst) {
-  switch (vl) {
-    case 16: PackGateUpTileT<16>(g, u, ld, K, n0, nc, stage, dst); break;
-    case 8: PackGateUpTileT<8>(g, u, ld, K, n0, nc, stage, dst); break;
-    default: PackGateUpTileT<4>(g, u, ld, K, n0, nc, stage, dst); break;
-  }
-}
-
-template <typename Src>
-void PackDownTile(Src dn, int64_t ld, int64_t K, int64_t n0, int nc, int vl,
-                  float* stage, float* dst) {
-  switch (vl) {
-    case 16: PackDownTileT<16>(dn, ld, K, n0, nc, stage, dst); break;
-    case 8: PackDownTileT<8>(dn, ld, K, n0, nc, stage, dst); break;
-    default: PackDownTileT<4>(dn, ld, K, n0, nc, stage, dst); break;
-  }
-}
+ private:
+  const char* m_[2] = {nullptr, nullptr};
+  int nm_ = 1;
+  int64_t ld_ = 0, lines_ = 1, left_ = 0, row_ = 0, mat_ = 0, line_ = 0;
+};
 
 template <typename XT>
 void GatherPanel(const XT* x, int64_t H, const int32_t* row_token, int mr, float* dst) {
@@ -300,19 +346,26 @@ void StoreRow(const float* src, int64_t H, YT* dst) {
   for (int64_t h = 0; h < H; ++h) dst[h] = FromFloat<YT>(src[h]);
 }
 
-template <typename W>
-void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
-             int workers, int64_t t0, int64_t t1, const Band& b) {
-  const int64_t H = p.H, I = p.I, E = p.E, k = p.k;
-  const int mr = kt.mr, vl = kt.vl;
-  const int act = static_cast<int>(p.activation);
-  using WS = WeightSource<W>;
-  const bool can_stream =
-      WS::kStreams && (sizeof(W) == 4 || p.w_type == ffi::DataType::BF16);
-  const int w_index = sizeof(W) == 4 ? 0 : 1;
+// The rows a band runs, ordered by expert (each expert's rows padded to whole
+// m-panels, stable in (t, j)); returns the number of chunks.
+int64_t Chunks(const Problem& p, int mr, const Band& b) {
+  int64_t chunks = 0;
+  const int64_t chunk_rows = mr * kPanelsPerChunk;
+  for (int64_t e = 0; e < p.E; ++e) {
+    const int64_t real_end = b.cursor[e];  // after placement: end of real rows
+    for (int64_t m = b.expert_off[e]; m < real_end; m += chunk_rows) {
+      b.chunk_expert[chunks] = static_cast<int32_t>(e);
+      b.chunk_begin[chunks] = m;
+      b.chunk_end[chunks] = std::min(m + chunk_rows, real_end);
+      ++chunks;
+    }
+  }
+  return chunks;
+}
 
-  // Plan: count per expert, pad each group to whole panels, place the slots
-  // (stable in (t, j)).
+// Token band [t0, t1): its slots, and inv for the combine.
+int64_t PlanTokenBand(const Problem& p, int mr, int64_t t0, int64_t t1, const Band& b) {
+  const int64_t E = p.E, k = p.k;
   std::fill(b.expert_off, b.expert_off + E + 1, int64_t{0});
   auto local = [&](int64_t i) { return p.topk_ids[i] >= 0 && p.topk_ids[i] < E; };
   for (int64_t i = t0 * k; i < t1 * k; ++i)
@@ -333,17 +386,73 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
     b.row_weight[row] = p.topk_w[i];
     b.inv[i - t0 * k] = static_cast<int32_t>(row);
   }
-  int64_t chunks = 0;
-  const int64_t chunk_rows = mr * kPanelsPerChunk;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t real_end = b.cursor[e];  // after placement: end of real rows
-    for (int64_t m = b.expert_off[e]; m < real_end; m += chunk_rows) {
-      b.chunk_expert[chunks] = static_cast<int32_t>(e);
-      b.chunk_begin[chunks] = m;
-      b.chunk_end[chunks] = std::min(m + chunk_rows, real_end);
-      ++chunks;
+  return P;
+}
+
+// A position in the call's slots ordered by (expert, t, j): expert e, rank r
+// among that expert's slots.
+struct SlotPos {
+  int64_t e, r;
+};
+
+// Expert-major group: from `from`, as many slots (in (expert, t, j) order) as
+// fit in P_max padded rows; b.total holds the call's slots per expert.
+// Returns where the group ends.
+SlotPos NextGroup(const Problem& p, int mr, int64_t P_max, SlotPos from, const Band& b) {
+  int64_t left = P_max, e = from.e, r = from.r;
+  while (e < p.E && left >= mr) {
+    const int64_t avail = b.total[e] - r;
+    const int64_t pad = (avail + mr - 1) / mr * mr;
+    if (pad <= left) {
+      left -= pad;
+      ++e;
+      r = 0;
+    } else {  // the expert continues in the next group
+      r += left / mr * mr;
+      break;
     }
   }
+  return {e, r};
+}
+
+// The group [from, to): its slots in order, no inv (rows are accumulated).
+int64_t PlanGroup(const Problem& p, int mr, SlotPos from, SlotPos to, const Band& b) {
+  const int64_t E = p.E, S = p.T * p.k;
+  auto lo = [&](int64_t e) { return e == from.e ? from.r : 0; };
+  auto hi = [&](int64_t e) { return e < to.e ? b.total[e] : (e == to.e ? to.r : 0); };
+  b.expert_off[0] = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = (e < from.e) ? 0 : std::max<int64_t>(hi(e) - lo(e), 0);
+    b.expert_off[e + 1] = b.expert_off[e] + (n + mr - 1) / mr * mr;
+  }
+  const int64_t P = b.expert_off[E];
+  std::fill(b.row_token, b.row_token + P, int32_t{-1});
+  std::fill(b.row_weight, b.row_weight + P, 0.0f);
+  std::copy(b.expert_off, b.expert_off + E + 1, b.cursor);
+  std::fill(b.seen, b.seen + E + 1, int64_t{0});
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t e = p.topk_ids[i];
+    if (e < from.e || e > to.e || e >= E) continue;  // (ids outside [0, E): skipped)
+    const int64_t rank = b.seen[e]++;
+    if (rank < lo(e) || rank >= hi(e)) continue;
+    const int64_t row = b.cursor[e]++;
+    b.row_token[row] = static_cast<int32_t>(i / p.k);
+    b.row_weight[row] = p.topk_w[i];
+  }
+  return P;
+}
+
+// Gather, GEMM1, GEMM2 of the planned rows: O [P][H] (in b.XO) holds each
+// row's weighted expert output.
+template <typename W>
+void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int workers,
+             int64_t P, int64_t chunks, const Band& b) {
+  const int64_t H = p.H, I = p.I;
+  const int mr = kt.mr, vl = kt.vl;
+  using WS = WeightSource<W>;
+  const int act = static_cast<int>(p.activation);
+  const bool can_stream = WS::kDense && (sizeof(W) == 4 || p.w_type == ffi::DataType::BF16);
+  const int w_index = sizeof(W) == 4 ? 0 : 1;
 
   // Gather into packed panels.
   ParallelFor(pool, workers, P / mr, [&](int64_t panel, int) {
@@ -356,7 +465,7 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
     }
   });
 
-  const int64_t scratch_stride = ScratchFloats(H, I);
+  const int64_t scratch_stride = ScratchFloats(mr);
 
   // GEMM1 + activation: items (chunk, tile of kTileCols columns of I).
   const int64_t tiles1 = (I + kTileCols - 1) / kTileCols;
@@ -368,7 +477,7 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
     const auto ge = WS::At(p.gate, e);
     const auto ue = WS::At(p.up, e);
     float* scratch = b.scratch + worker * scratch_stride;
-    if constexpr (WS::kStreams) {
+    if constexpr (WS::kDense) {
       if (can_stream && b.cursor[e] - b.expert_off[e] <= kStreamRows) {
         // Few rows: stream the weights in place, kStreamCols columns (whole
         // contiguous rows of W) per item; the other items of the span are empty.
@@ -381,15 +490,37 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
         return;
       }
     }
-    float* packed = scratch + kStageFloats;
-    PackGateUpTile(ge, ue, I, H, n0, nc, vl, scratch, packed);
-    for (int q = 0; q * vl < nc; ++q) {
-      const int cols = std::min(vl, nc - q * vl);
-      for (int64_t m = m0; m < m1; m += mr) {
-        const int64_t panel = m / mr;
-        kt.gemm1(b.XO + panel * H * mr, packed + q * H * 2 * vl, H, act,
-                 static_cast<int>(std::min<int64_t>(mr, m1 - m)), cols,
-                 b.A2 + panel * I * mr + (n0 + q * vl) * mr, 1, mr);
+    // K-blocks: pack kKBlock rows of the tile (prefetched during the previous
+    // block), then run every m-panel of the chunk through each micro-panel,
+    // partial sums kept in `part` between blocks.
+    float* packed = scratch;
+    float* part = scratch + kKBlock * 2 * kTileCols;
+    const int nsub = (nc + vl - 1) / vl;
+    const int64_t panels = (m1 - m0 + mr - 1) / mr;
+    Prefetcher pf;  // the first block: all at once, before packing it (dense weights)
+    if constexpr (WS::kDense)
+      pf.Start(reinterpret_cast<const char*>(ge + n0), reinterpret_cast<const char*>(ue + n0),
+               I * sizeof(W), 0, std::min(kKBlock, H), nc * sizeof(W));
+    for (int64_t k0 = 0; k0 < H; k0 += kKBlock) {
+      const int kc = static_cast<int>(std::min(kKBlock, H - k0));
+      pf.Finish();
+      PackGateUpBlock(ge, ue, I, k0, kc, n0, nc, vl, packed);
+      if constexpr (WS::kDense)
+        if (k0 + kc < H)
+          pf.Start(reinterpret_cast<const char*>(ge + n0), reinterpret_cast<const char*>(ue + n0),
+                   I * sizeof(W), k0 + kc, std::min(kKBlock, H - k0 - kc), nc * sizeof(W));
+      const int64_t per_call = pf.left() / (nsub * panels) + 1;
+      const int flags = (k0 > 0 ? kLoadPartial : 0) | (k0 + kc < H ? kStorePartial : 0);
+      for (int q = 0; q < nsub; ++q) {
+        const int cols = std::min(vl, nc - q * vl);
+        for (int64_t pi = 0; pi < panels; ++pi) {
+          const int64_t m = m0 + pi * mr, panel = m / mr;
+          kt.gemm1(b.XO + panel * H * mr + k0 * mr, packed + q * kc * 2 * vl, kc, act,
+                   static_cast<int>(std::min<int64_t>(mr, m1 - m)), cols,
+                   b.A2 + panel * I * mr + (n0 + q * vl) * mr, 1, mr,
+                   part + (pi * nsub + q) * mr * 2 * vl, flags);
+          pf.Step(per_call);
+        }
       }
     }
   });
@@ -405,7 +536,7 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
     const int64_t m0 = b.chunk_begin[c], m1 = b.chunk_end[c];
     const auto de = WS::At(p.down, e);
     float* scratch = b.scratch + worker * scratch_stride;
-    if constexpr (WS::kStreams) {
+    if constexpr (WS::kDense) {
       if (can_stream && b.cursor[e] - b.expert_off[e] <= kStreamRows) {
         if (n0 % kStreamCols != 0) return;
         const int ns = static_cast<int>(std::min(kStreamCols, H - n0));
@@ -415,30 +546,56 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
         return;
       }
     }
-    float* packed = scratch + kStageFloats;
-    PackDownTile(de, H, I, n0, nc, vl, scratch, packed);
-    for (int q = 0; q * 2 * vl < nc; ++q) {
-      const int cols = std::min(2 * vl, nc - q * 2 * vl);
-      for (int64_t m = m0; m < m1; m += mr) {
-        const int64_t panel = m / mr;
-        kt.gemm2(b.A2 + panel * I * mr, packed + q * I * 2 * vl, I, b.row_weight + m,
-                 static_cast<int>(std::min<int64_t>(mr, m1 - m)), cols,
-                 O + m * H + n0 + q * 2 * vl, H);
+    float* packed = scratch;
+    float* part = scratch + kKBlock * 2 * kTileCols;
+    const int nsub = (nc + 2 * vl - 1) / (2 * vl);
+    const int64_t panels = (m1 - m0 + mr - 1) / mr;
+    Prefetcher pf;
+    if constexpr (WS::kDense)
+      pf.Start(reinterpret_cast<const char*>(de + n0), nullptr, H * sizeof(W), 0,
+               std::min(kKBlock, I), nc * sizeof(W));
+    for (int64_t k0 = 0; k0 < I; k0 += kKBlock) {
+      const int kc = static_cast<int>(std::min(kKBlock, I - k0));
+      pf.Finish();
+      PackDownBlock(de, H, k0, kc, n0, nc, vl, packed);
+      if constexpr (WS::kDense)
+        if (k0 + kc < I)
+          pf.Start(reinterpret_cast<const char*>(de + n0), nullptr, H * sizeof(W), k0 + kc,
+                   std::min(kKBlock, I - k0 - kc), nc * sizeof(W));
+      const int64_t per_call = pf.left() / (nsub * panels) + 1;
+      const int flags = (k0 > 0 ? kLoadPartial : 0) | (k0 + kc < I ? kStorePartial : 0);
+      for (int q = 0; q < nsub; ++q) {
+        const int cols = std::min(2 * vl, nc - q * 2 * vl);
+        for (int64_t pi = 0; pi < panels; ++pi) {
+          const int64_t m = m0 + pi * mr, panel = m / mr;
+          kt.gemm2(b.A2 + panel * I * mr + k0 * mr, packed + q * kc * 2 * vl, kc,
+                   b.row_weight + m, static_cast<int>(std::min<int64_t>(mr, m1 - m)), cols,
+                   O + m * H + n0 + q * 2 * vl, H, part + (pi * nsub + q) * mr * 2 * vl,
+                   flags);
+          pf.Step(per_call);
+        }
       }
     }
   });
 
-  // Combine: y[t] = sum over j in order of O[row(t, j)] (skipped slots: none).
+}
+
+// Token band: y[t] = sum over j in order of O[row(t, j)] (skipped slots: none).
+void CombineTokens(const Problem& p, ffi::ThreadPool& pool, int workers, int64_t t0,
+                   int64_t t1, const Band& b) {
+  const int64_t H = p.H, k = p.k;
+  float* O = b.XO;
   const int64_t Tb = t1 - t0;
+  const int64_t scratch_stride = ScratchFloats(ActiveKernels()->mr);
   ParallelFor(pool, workers, (Tb + 15) / 16, [&](int64_t it, int worker) {
     for (int64_t t = t0 + it * 16; t < std::min(t1, t0 + it * 16 + 16); ++t) {
       const int32_t* inv = b.inv + (t - t0) * k;
       float* first = nullptr;
       for (int64_t j = 0; j < k; ++j) {
         if (inv[j] < 0) continue;
-        const float* o = O + static_cast<int64_t>(inv[j]) * H;
+        float* o = O + static_cast<int64_t>(inv[j]) * H;
         if (first == nullptr) {
-          first = const_cast<float*>(o);
+          first = o;
           continue;
         }
         for (int64_t h = 0; h < H; ++h) first[h] += o[h];
@@ -454,6 +611,56 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
       }
     }
   });
+}
+
+// Expert-major group (float32 y, zeroed before the first group): y[t] += O[row]
+// for the group's rows in order, so that over all groups each y[t] is the sum
+// of its slots' outputs in (expert, j) order whatever the grouping.  Items are
+// column ranges: every item walks all rows.
+void AccumulateRows(const Problem& p, ffi::ThreadPool& pool, int workers, int64_t P,
+                    const Band& b) {
+  const int64_t H = p.H;
+  const float* O = b.XO;
+  float* y = static_cast<float*>(p.y);
+  constexpr int64_t kCols = 256;
+  ParallelFor(pool, workers, (H + kCols - 1) / kCols, [&](int64_t it, int) {
+    const int64_t h0 = it * kCols, h1 = std::min(H, h0 + kCols);
+    for (int64_t r = 0; r < P; ++r) {
+      const int32_t t = b.row_token[r];
+      if (t < 0) continue;
+      const float* o = O + r * H;
+      float* yt = y + static_cast<int64_t>(t) * H;
+      for (int64_t h = h0; h < h1; ++h) yt[h] += o[h];
+    }
+  });
+}
+
+template <typename W>
+void RunTokenBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
+                  int workers, int64_t t0, int64_t t1, const Band& b) {
+  const int64_t P = PlanTokenBand(p, kt.mr, t0, t1, b);
+  RunRows<W>(p, kt, pool, workers, P, Chunks(p, kt.mr, b), b);
+  CombineTokens(p, pool, workers, t0, t1, b);
+}
+
+// Float32 x: the call runs in expert-major groups of at most P_max padded
+// rows (what a band of band_tokens tokens would take), so that each expert's
+// weights are packed once per call, not once per band, unless one expert
+// alone has more rows than a group holds.
+template <typename W>
+void RunExpertGroups(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
+                     int workers, int64_t P_max, const Band& b) {
+  std::fill(b.total, b.total + p.E + 1, int64_t{0});
+  for (int64_t i = 0; i < p.T * p.k; ++i)
+    if (p.topk_ids[i] >= 0 && p.topk_ids[i] < p.E) ++b.total[p.topk_ids[i]];
+  std::memset(p.y, 0, static_cast<size_t>(p.T * p.H) * sizeof(float));
+  for (SlotPos from{0, 0}; from.e < p.E;) {
+    const SlotPos to = NextGroup(p, kt.mr, P_max, from, b);
+    const int64_t P = PlanGroup(p, kt.mr, from, to, b);
+    RunRows<W>(p, kt, pool, workers, P, Chunks(p, kt.mr, b), b);
+    AccumulateRows(p, pool, workers, P, b);
+    from = to;
+  }
 }
 
 bool IsFloatType(ffi::DataType t) {
@@ -523,6 +730,27 @@ ffi::Error RunForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F
       std::clamp<int64_t>(max_workers, 1, MaxWorkers(pool)));
   const Device cpu{"cpu", 0};
   const KernelTable& kt = *ActiveKernels();
+  if (x.element_type() == ffi::DataType::F32) {
+    // One workspace of a band of `band` tokens, run in expert-major groups.
+    const int64_t S = band * k;
+    Workspace ws;
+    std::string err;
+    const WorkShape shape{band, H, static_cast<int64_t>(BandBytes(0, E, H, I, workers, kt))};
+    if (!Workspace::Allocate(cpu, BandBytes(S, E, H, I, workers, kt), "workspace", shape,
+                             &ws, &err))
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted, err);
+    Band b;
+    CarveBand(ws.data(), S, E, H, I, workers, kt, &b);
+    const int64_t P_max = MaxPaddedRows(S, E, kt.mr);
+    switch (wt) {
+      case ffi::DataType::F32: RunExpertGroups<float>(p, kt, pool, workers, P_max, b); break;
+      case ffi::DataType::BF16: RunExpertGroups<bf16>(p, kt, pool, workers, P_max, b); break;
+      case ffi::DataType::U8: RunExpertGroups<Quantized>(p, kt, pool, workers, P_max, b); break;
+      default: RunExpertGroups<f16>(p, kt, pool, workers, P_max, b); break;
+    }
+    return ffi::Error::Success();
+  }
+  // bfloat16 / float16 x: token bands, each summed in j order and stored.
   for (int64_t t0 = 0; t0 < T; t0 += band) {
     const int64_t t1 = std::min(T, t0 + band);
     const int64_t S = (t1 - t0) * k;
@@ -536,10 +764,10 @@ ffi::Error RunForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F
     Band b;
     CarveBand(ws.data(), S, E, H, I, workers, kt, &b);
     switch (wt) {
-      case ffi::DataType::F32: RunBand<float>(p, kt, pool, workers, t0, t1, b); break;
-      case ffi::DataType::BF16: RunBand<bf16>(p, kt, pool, workers, t0, t1, b); break;
-      case ffi::DataType::U8: RunBand<Quantized>(p, kt, pool, workers, t0, t1, b); break;
-      default: RunBand<f16>(p, kt, pool, workers, t0, t1, b); break;
+      case ffi::DataType::F32: RunTokenBand<float>(p, kt, pool, workers, t0, t1, b); break;
+      case ffi::DataType::BF16: RunTokenBand<bf16>(p, kt, pool, workers, t0, t1, b); break;
+      case ffi::DataType::U8: RunTokenBand<Quantized>(p, kt, pool, workers, t0, t1, b); break;
+      default: RunTokenBand<f16>(p, kt, pool, workers, t0, t1, b); break;
     }
   }
   return ffi::Error::Success();
