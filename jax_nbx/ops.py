@@ -285,7 +285,10 @@ def fused_moe(
         On the FFI path an id outside the range raises at run time
         (``INVALID_ARGUMENT`` naming the position and the id); the "xla"
         path drops such slots.
-      experts: `Experts` with ``gate, up [E, H, I]`` and ``down [E, I, H]``.
+      experts: `Experts` with ``gate, up [E, H, I]`` and ``down [E, I, H]``,
+        or lists of E per-expert arrays (read in place, never stacked), dense
+        or quantized (`jax_nbx.quantize`: int8, int4 in groups; quantized
+        weights are frozen: no gradient flows to them).
       activation: ``"swiglu"`` (silu gate) or ``"geglu"`` (tanh-approximated gelu gate).
       implementation: ``"ffi"`` (jax_nbx's handler for the current platform:
         the CPU handler, or on a CUDA GPU the Triton kernels launched by the
