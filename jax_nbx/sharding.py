@@ -39,7 +39,9 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
       activation, implementation: as in `fused_moe`.
 
     Returns ``y [T, H]`` sharded over ``data_axis``: equal to the unsharded op
-    up to the order of the float32 sum over expert shards.
+    up to the order of the float32 sum over expert shards.  With a mesh of
+    explicit axes (`jax.make_mesh`'s default), reduce or differentiate the
+    result under ``jax.jit`` inside ``with jax.set_mesh(mesh):``.
     """
     if experts.is_list:
         raise TypeError("sharded_moe takes stacked experts ([E, ...] arrays, sharded on E); "
