@@ -25,8 +25,6 @@ from . import _registry, memory
 from .quant import weight_groups
 from .triton import plan as P
 
-TARGET = "nbx_fused_moe_fwd_cuda"
-TARGET_TABLES = "nbx_fused_moe_fwd_cuda_tables"  # lists and/or quantized experts
 _budget_set: set[int] = set()
 
 
@@ -118,10 +116,11 @@ def forward(x, w, ids, *weights, activation: int, band_tokens: int, lists: bool 
     outs = (jax.ShapeDtypeStruct(x.shape, x.dtype),
             jax.ShapeDtypeStruct((max(prog.workspace_bytes, 1),), np.uint8))
     if quant is None and not lists:
-        y, _ = jax.ffi.ffi_call(TARGET, outs, vmap_method="sequential")(x, w, ids, *weights, **attrs)
+        call = jax.ffi.ffi_call(_registry.CUDA_FORWARD_TARGET, outs, vmap_method="sequential")
+        y, _ = call(x, w, ids, *weights, **attrs)
         return y
     bufs = [b for g in groups for b in (g if lists else g[:1])]
-    call = jax.ffi.ffi_call(TARGET_TABLES, outs, vmap_method="sequential")
+    call = jax.ffi.ffi_call(_registry.CUDA_FORWARD_TABLES_TARGET, outs, vmap_method="sequential")
     y, _ = call(x, w, ids, *bufs, groups=np.int64(len(groups)), stacked=np.int64(not lists), **attrs)
     return y
 

@@ -12,7 +12,7 @@ FORWARD_LISTS_TARGET = "nbx_fused_moe_fwd_lists"  # experts as per-expert buffer
 FORWARD_LISTS_INTO_TARGET = "nbx_fused_moe_fwd_lists_into"
 FORWARD_QUANT_TARGET = "nbx_fused_moe_fwd_quant"  # int8 / int4 experts
 CUDA_FORWARD_TARGET = "nbx_fused_moe_fwd_cuda"
-CUDA_FORWARD_TABLES_TARGET = "nbx_fused_moe_fwd_cuda_tables"
+CUDA_FORWARD_TABLES_TARGET = "nbx_fused_moe_fwd_cuda_tables"  # lists and/or quantized experts
 
 _PLATFORMS: list[str] = []
 

@@ -12,7 +12,7 @@ from jax.custom_batching import custom_vmap
 
 from . import _registry, memory
 from .experts import FLOAT_DTYPES, Experts
-from .quant import QuantizedWeight, is_quantized, weight_groups
+from .quant import QuantizedWeight, is_quantized, quant_format, weight_groups
 from .reference import ACTIVATIONS, moe_reference
 
 __all__ = ["fused_moe", "IMPLEMENTATIONS"]
@@ -334,7 +334,6 @@ def fused_moe(
     if ids_outside not in ("error", "skip"):
         raise ValueError(f"ids_outside must be 'error' or 'skip'; got {ids_outside!r}")
     E, H, I, k = _validate(x, topk_weights, topk_ids, experts, activation, ids_outside == "skip")
-    quantized = is_quantized(experts)
     impl = _resolve_implementation(implementation)
 
     lead = x.shape[:-1]
@@ -356,9 +355,8 @@ def fused_moe(
     if platform == "gpu":
         from . import _cuda
 
-        w0 = experts.gate[0] if experts.is_list else experts.gate
-        quant = (w0.kind, w0.group_size or 0) if quantized else None
-        band = _cuda.plan_band_tokens(T, k, E, H, I, experts.dtype, max_workspace_bytes, quant)
+        band = _cuda.plan_band_tokens(T, k, E, H, I, experts.dtype, max_workspace_bytes,
+                                      quant_format(experts))
     else:
         band = plan_band_tokens(T, k, E, H, I, max_workspace_bytes)
     try:

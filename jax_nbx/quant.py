@@ -180,9 +180,14 @@ def dequantize(experts: Experts, dtype=None) -> Experts:
     return Experts(one(experts.gate), one(experts.up), one(experts.down))
 
 
-def is_quantized(experts: Experts) -> bool:
+def quant_format(experts: Experts) -> tuple[str, int] | None:
+    """(kind, group_size or 0) of quantized experts, None for dense ones."""
     g = experts.gate[0] if experts.is_list and len(experts.gate) else experts.gate
-    return isinstance(g, QuantizedWeight)
+    return (g.kind, g.group_size or 0) if isinstance(g, QuantizedWeight) else None
+
+
+def is_quantized(experts: Experts) -> bool:
+    return quant_format(experts) is not None
 
 
 def weight_groups(weights, lists: bool):
@@ -194,13 +199,13 @@ def weight_groups(weights, lists: bool):
     per = len(weights) // 3 if lists else 1
     projs = [list(weights[i * per:(i + 1) * per]) for i in range(3)]  # gate, up, down
     w0 = projs[0][0]
-    if isinstance(w0, QuantizedWeight):
-        parts = ["q", "scale"] + (["zero"] if w0.kind == "int4" else [])
+    quant = quant_format(Experts(*projs))
+    if quant:
+        parts = ["q", "scale"] + (["zero"] if quant[0] == "int4" else [])
         groups = [[getattr(m, part) for m in proj] for part in parts for proj in projs]
-        quant = (w0.kind, w0.group_size or 0)
-        dtype = np.dtype(w0.scale.dtype)
     else:
-        groups, quant, dtype = projs, None, np.dtype(w0.dtype)
+        groups = projs
+    dtype = np.dtype(w0.dtype)  # for a QuantizedWeight: the dtype of its scales
     E = per if lists else int(w0.shape[0])
     I = int(w0.shape[-1])
     strides_ok = lists or all(

@@ -70,6 +70,11 @@ class Launch:
     grid: tuple[int, int, int]
     args: tuple[Arg, ...]
 
+    def compile_key(self) -> tuple:
+        """What one compilation covers: (kernel, argument types, 16-byte
+        alignment of pointer arguments)."""
+        return (self.kernel, tuple(a.ptype for a in self.args), tuple(a.aligned16() for a in self.args))
+
 
 @dataclasses.dataclass
 class Program:
@@ -82,23 +87,14 @@ class Program:
     def kernels(self) -> list[tuple[Kernel, tuple[str, ...], tuple[bool, ...]]]:
         """Distinct (kernel, argument types, 16-byte alignment of pointer
         arguments) in first-use order: each is compiled once."""
-        seen: dict = {}
-        for ln in self.launches:
-            key = (ln.kernel, tuple(a.ptype for a in ln.args), tuple(a.aligned16() for a in ln.args))
-            seen.setdefault(key, None)
-        return list(seen)
-
-    def kernel_index(self, ln: Launch) -> int:
-        key = (ln.kernel, tuple(a.ptype for a in ln.args), tuple(a.aligned16() for a in ln.args))
-        return self.kernels().index(key)
+        return list(dict.fromkeys(ln.compile_key() for ln in self.launches))
 
     def encode(self) -> np.ndarray:
         """int64 program: per launch [kernel, gx, gy, gz, nargs, (kind, index, offset)*nargs]."""
         index = {k: i for i, k in enumerate(self.kernels())}
         out: list[int] = []
         for ln in self.launches:
-            key = (ln.kernel, tuple(a.ptype for a in ln.args), tuple(a.aligned16() for a in ln.args))
-            out += [index[key], *ln.grid, len(ln.args)]
+            out += [index[ln.compile_key()], *ln.grid, len(ln.args)]
             for a in ln.args:
                 out += [a.kind, a.index, a.offset]
         return np.asarray(out, np.int64)
@@ -173,7 +169,7 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, int(n) - 1).bit_length())
 
 
-def use_decode(slots: int, E: int) -> bool:
+def use_decode(slots: int) -> bool:
     """Few slots: one program per (slot, column tile) beats ordering and padding."""
     return slots <= int(os.environ.get("JAX_NBX_CUDA_DECODE_SLOTS", 16))
 
@@ -249,7 +245,7 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
     ztbl = [Arg(ARG_TABLE, 6 + p, 0, "*i64") for p in range(3)] if QUANT == 2 else stbl
     qc = (("QUANT", QUANT), ("GS", gsize))
     common = (("H", H), ("I", I))
-    decode = use_decode(n, E)
+    decode = use_decode(n)
     rows = k
     if decode:
         BN, BK = 64, 64

@@ -586,8 +586,7 @@ void CombineTokens(const Problem& p, ffi::ThreadPool& pool, int workers, int64_t
   const int64_t H = p.H, k = p.k;
   float* O = b.XO;
   const int64_t Tb = t1 - t0;
-  const int64_t scratch_stride = ScratchFloats(ActiveKernels()->mr);
-  ParallelFor(pool, workers, (Tb + 15) / 16, [&](int64_t it, int worker) {
+  ParallelFor(pool, workers, (Tb + 15) / 16, [&](int64_t it, int) {
     for (int64_t t = t0 + it * 16; t < std::min(t1, t0 + it * 16 + 16); ++t) {
       const int32_t* inv = b.inv + (t - t0) * k;
       float* first = nullptr;
@@ -600,9 +599,10 @@ void CombineTokens(const Problem& p, ffi::ThreadPool& pool, int workers, int64_t
         }
         for (int64_t h = 0; h < H; ++h) first[h] += o[h];
       }
-      if (first == nullptr) {  // every slot skipped: a zero row
-        first = b.scratch + worker * scratch_stride;
-        std::fill(first, first + H, 0.0f);
+      if (first == nullptr) {  // every slot skipped: a zero row (0 is all-zero bits in every dtype)
+        const size_t row_bytes = static_cast<size_t>(H) * ffi::ByteWidth(p.x_type);
+        std::memset(static_cast<char*>(p.y) + t * row_bytes, 0, row_bytes);
+        continue;
       }
       switch (p.x_type) {
         case ffi::DataType::F32: StoreRow(first, H, static_cast<float*>(p.y) + t * H); break;
