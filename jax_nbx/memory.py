@@ -110,6 +110,17 @@ def fused_moe_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int) -> in
                                               planned_workers()))
 
 
+def fused_moe_backward_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int) -> int:
+    """Bytes of workspace the CPU backward takes for one band of ``tokens``
+    tokens: per slot the gathered x and dy rows and the recomputed
+    activations (float32, ``2H + 3I`` values), plus one packed tile per
+    worker.  The formula the handler allocates by and the plan uses."""
+    from .ops import planned_workers
+
+    return int(_ffi().backward_workspace_bytes(int(tokens), int(k), int(E), int(H), int(I),
+                                               planned_workers()))
+
+
 def plan_bands(need, T: int, H: int, platform: str, max_workspace_bytes=None,
                detail: str = "") -> int:
     """Tokens per band so that one band's workspace ``need(tokens)`` fits the

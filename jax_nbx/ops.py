@@ -212,10 +212,43 @@ def _ffi_forward(x, w, ids, *weights, activation: str, band_tokens: int,
     return call(x, w, ids, *weights, **attrs)
 
 
+def plan_backward_band_tokens(T: int, k: int, E: int, H: int, I: int,
+                              max_workspace_bytes: int | None = None) -> int:
+    """Tokens per band of the CPU backward (its workspace holds ``2H + 3I``
+    float32 values per slot), planned like the forward's bands."""
+    def need(t: int) -> int:
+        return memory.fused_moe_backward_workspace_bytes(t, k, E, H, I)
+
+    return memory.plan_bands(need, T, H, "cpu", max_workspace_bytes,
+                             f"(backward, E={E} k={k} H={H} I={I})")
+
+
+def _ffi_backward(dy, x, w, ids, *weights, activation: str, band_tokens: int,
+                  lists: bool = False, skip_outside: bool = False, poison: bool = False):
+    """The CPU backward handler on 2-D inputs: returns ``(dx, dw, dweights)``
+    with ``dweights`` in ``weights``' order (`Experts.flat`) and dtypes.  The
+    handler accumulates the weight gradients in float32 (cast here once).
+    ``poison=True`` (tests): every result buffer starts NaN-filled."""
+    E = len(weights) // 3 if lists else int(weights[0].shape[0])
+    outs = ([jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32)]
+            + [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in weights])
+    n_in = 4 + len(weights)
+    twins = [jnp.full(o.shape, jnp.nan, o.dtype) for o in outs] if poison else []
+    call = jax.ffi.ffi_call(_registry.BACKWARD_TARGET, outs, vmap_method="sequential",
+                            input_output_aliases={n_in + i: i for i in range(len(twins))})
+    dx, dw, *dws = call(dy.astype(x.dtype), x, w, ids, *weights, *twins,
+                        activation=np.int64(_ACTIVATION_CODES[activation]),
+                        band_tokens=np.int64(band_tokens), max_workers=np.int64(planned_workers()),
+                        skip_outside=np.int64(skip_outside), num_experts=np.int64(E),
+                        stacked=np.int64(not lists), aliased=np.int64(poison))
+    return dx, dw, [d.astype(a.dtype) for d, a in zip(dws, weights)]
+
+
 @functools.lru_cache(maxsize=None)
 def _ffi_op(activation: str, band_tokens: int, platform: str = "cpu", lists: bool = False,
-            skip_outside: bool = False):
-    """The FFI op on 2-D inputs with a batching rule and a derivative."""
+            skip_outside: bool = False, max_workspace_bytes: int | str | None = None):
+    """The FFI op on 2-D inputs with a batching rule and a derivative (on the
+    CPU the backward is its own handler; elsewhere the reference's VJP)."""
     raw = functools.partial(_ffi_forward, activation=activation, band_tokens=band_tokens,
                             platform=platform, lists=lists, skip_outside=skip_outside)
 
@@ -247,6 +280,13 @@ def _ffi_op(activation: str, band_tokens: int, platform: str = "cpu", lists: boo
 
     def op_bwd(res, g):
         x, w, ids, experts = res
+        if platform == "cpu" and not is_quantized(experts):
+            T, H = x.shape
+            band = plan_backward_band_tokens(T, ids.shape[1], experts.num_experts, H,
+                                             experts.intermediate, max_workspace_bytes)
+            dx, dw, dws = _ffi_backward(g, x, w, ids, *experts.flat(), activation=activation,
+                                        band_tokens=band, lists=lists, skip_outside=skip_outside)
+            return dx, dw, None, jax.tree.unflatten(jax.tree.structure(experts), dws)
         if is_quantized(experts):  # quantized weights are frozen: dx and dw only
             _, vjp = jax.vjp(lambda x_, w_: moe_reference(x_, w_, ids, experts, activation), x, w)
             dx, dw = vjp(g)
@@ -360,8 +400,8 @@ def fused_moe(
     else:
         band = plan_band_tokens(T, k, E, H, I, max_workspace_bytes)
     try:
-        y = _ffi_op(activation, band, platform, experts.is_list, ids_outside == "skip")(
-            x2, w2, ids2, experts)
+        y = _ffi_op(activation, band, platform, experts.is_list, ids_outside == "skip",
+                    max_workspace_bytes)(x2, w2, ids2, experts)
         if not isinstance(y, jax.core.Tracer):  # eager: surface a refusal here
             y.block_until_ready()
     except (jax.errors.JaxRuntimeError, ValueError) as e:  # eager errors may arrive as either

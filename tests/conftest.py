@@ -45,8 +45,19 @@ def np_moe(x, w, ids, experts: nbx.Experts, activation="swiglu") -> np.ndarray:
     return y
 
 
-def np_moe_grads(x, w, ids, experts: nbx.Experts, ct):
-    """float64 gradients of sum(y * ct) for swiglu: (dx, dw, dgate, dup, ddown)."""
+def np_act_grad(g, activation="swiglu"):
+    """(act(g), act'(g)) in float64."""
+    if activation == "geglu":
+        c = np.sqrt(2.0 / np.pi)
+        th = np.tanh(c * (g + 0.044715 * g ** 3))
+        return 0.5 * g * (1.0 + th), 0.5 * (1.0 + th) + 0.5 * g * (1.0 - th ** 2) * c * (1.0 + 3 * 0.044715 * g ** 2)
+    s = 1.0 / (1.0 + np.exp(-g))
+    return g * s, s + g * s * (1.0 - s)
+
+
+def np_moe_grads(x, w, ids, experts: nbx.Experts, ct, activation="swiglu"):
+    """float64 gradients of sum(y * ct): (dx, dw, dgate, dup, ddown).  Slots
+    whose id is outside [0, E) contribute nothing (their dw is 0)."""
     x, w, ids, ct = f64(x), f64(w), np.asarray(ids), f64(ct)
     G, U, D = f64(experts.gate), f64(experts.up), f64(experts.down)
     dx, dw = np.zeros_like(x), np.zeros_like(w)
@@ -57,15 +68,15 @@ def np_moe_grads(x, w, ids, experts: nbx.Experts, ct):
             continue
         a, c, wt = x[t_idx], ct[t_idx], w[t_idx, j_idx][:, None]
         g, u = a @ G[e], a @ U[e]
-        s = 1.0 / (1.0 + np.exp(-g))
-        h = g * s * u
+        f, df = np_act_grad(g, activation)
+        h = f * u
         o = h @ D[e]
         np.add.at(dw, (t_idx, j_idx), np.sum(o * c, axis=1))
         do = wt * c
         dD[e] += h.T @ do
         dh = do @ D[e].T
-        dg = dh * u * (s + g * s * (1.0 - s))
-        du = dh * g * s
+        dg = dh * u * df
+        du = dh * f
         dG[e] += a.T @ dg
         dU[e] += a.T @ du
         np.add.at(dx, t_idx, dg @ G[e].T + du @ U[e].T)

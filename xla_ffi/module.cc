@@ -5,6 +5,7 @@
 
 #include "account.h"
 #include "cpu/kernel_table.h"
+#include "cpu/moe_backward.h"
 #include "cpu/moe_forward.h"
 #ifdef NBX_WITH_CUDA
 #include "cuda/moe_cuda.h"
@@ -45,6 +46,7 @@ NB_MODULE(_ffi, m) {
     d["nbx_fused_moe_fwd_lists"] = Capsule(nbx::FusedMoeForwardListsCpu);
     d["nbx_fused_moe_fwd_lists_into"] = Capsule(nbx::FusedMoeForwardListsIntoCpu);
     d["nbx_fused_moe_fwd_quant"] = Capsule(nbx::FusedMoeForwardQuantCpu);
+    d["nbx_fused_moe_bwd"] = Capsule(nbx::FusedMoeBackwardCpu);
     return d;
   }, "Handler capsules for platform 'cpu', keyed by FFI target name.");
 
@@ -53,6 +55,11 @@ NB_MODULE(_ffi, m) {
     return static_cast<int64_t>(nbx::ForwardWorkspaceBytes(tokens, k, E, H, I, workers));
   }, nb::arg("tokens"), nb::arg("k"), nb::arg("E"), nb::arg("H"), nb::arg("I"),
      nb::arg("workers"), "Workspace bytes of one CPU forward band of `tokens` tokens.");
+  m.def("backward_workspace_bytes", [](int64_t tokens, int64_t k, int64_t E, int64_t H,
+                                       int64_t I, int workers) {
+    return static_cast<int64_t>(nbx::BackwardWorkspaceBytes(tokens, k, E, H, I, workers));
+  }, nb::arg("tokens"), nb::arg("k"), nb::arg("E"), nb::arg("H"), nb::arg("I"),
+     nb::arg("workers"), "Workspace bytes of one CPU backward band of `tokens` tokens.");
 
   m.def("account_unlimited", []() { return nbx::Account::kUnlimited; });
   m.def("set_budget", [](const std::string& platform, int ordinal, int64_t bytes) {
