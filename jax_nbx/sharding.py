@@ -1,16 +1,29 @@
 """Expert parallelism: `sharded_moe` runs `fused_moe` with the experts split
 over one mesh axis and the tokens over another.
 
-Each device holds E/n experts (a slice of the stacked arrays) and its share of
-the tokens.  It runs the op on its tokens with the ids shifted by its first
-expert's global index; slots whose expert lives on another device fall
-outside ``[0, E/n)`` and are skipped (``fused_moe(..., ids_outside="skip")``:
-no work, no error).  The partial outputs are summed over the expert axis
-(``psum``).  Forward and backward (the op's own custom VJP) run under
-``jax.jit`` with ``NamedSharding`` inputs.
+Each device holds E/n experts (a slice of the stacked arrays).  Two ways to
+bring tokens and experts together (``dispatch``):
+
+* ``"psum"`` (default): tokens are split over the data axis only (replicated
+  over the expert axis).  Each device runs the op on its tokens with the ids
+  shifted by its first expert's global index; slots whose expert lives on
+  another device fall outside ``[0, E/n)`` and are skipped
+  (``fused_moe(..., ids_outside="skip")``: no work, no error).  The partial
+  outputs are summed over the expert axis (``psum``).
+* ``"all_to_all"``: tokens are split over both axes.  Each device packs its
+  slots into one send buffer per expert-axis destination (the device holding
+  the slot's expert), ``all_to_all`` sends x rows, local ids and routed
+  weights there, each device runs the op on what it received (one slot per
+  row, k=1), a second ``all_to_all`` brings the weighted outputs back, and
+  each token sums its k slots in slot order.
+
+Forward and backward (the op's own custom VJP; ``all_to_all`` and the
+gathers are differentiable) run under ``jax.jit`` with ``NamedSharding``
+inputs.
 """
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import jax
@@ -26,23 +39,61 @@ __all__ = ["sharded_moe"]
 def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, experts: Experts,
                 mesh: Mesh, *, expert_axis: str = "expert", data_axis: str | None = "data",
                 activation: Literal["swiglu", "geglu"] = "swiglu",
-                implementation: Literal["ffi", "xla"] | None = None) -> jax.Array:
+                implementation: Literal["ffi", "xla"] | None = None,
+                dispatch: Literal["psum", "all_to_all"] = "psum",
+                capacity_factor: float | None = None) -> jax.Array:
     """`fused_moe` with experts sharded over ``expert_axis`` and tokens over ``data_axis``.
 
     Args:
-      x: ``[T, H]``; T divisible by the size of ``data_axis``.
+      x: ``[T, H]``; T divisible by the size of ``data_axis`` (``"psum"``) or
+        by the sizes of ``data_axis`` and ``expert_axis`` together
+        (``"all_to_all"``).
       topk_weights, topk_ids: ``[T, k]`` (global expert ids in ``[0, E)``).
       experts: stacked `Experts` (``gate/up [E, H, I]``, ``down [E, I, H]``); E
         divisible by the size of ``expert_axis``.
       mesh: a `jax.sharding.Mesh` with those axes (``data_axis=None``: tokens
-        replicated).
+        not split over data).
       activation, implementation: as in `fused_moe`.
+      dispatch: how tokens meet their experts (n = size of ``expert_axis``,
+        d = size of ``data_axis``, S = T·k/(d·n) slots per device):
 
-    Returns ``y [T, H]`` sharded over ``data_axis``: equal to the unsharded op
-    up to the order of the float32 sum over expert shards.  With a mesh of
-    explicit axes (`jax.make_mesh`'s default), reduce or differentiate the
+        * ``"psum"``: tokens split over ``data_axis`` and replicated over
+          ``expert_axis`` (each device holds T/d rows of x); every device
+          runs its T/d tokens against its experts, skipping the other
+          experts' slots, and the partial outputs ``[T/d, H]`` (float32) are
+          all-reduced over ``expert_axis``.  Moves ~2·(n-1)/n · T/d · H · 4
+          bytes per device.  Result ``[T, H]`` sharded over ``data_axis``.
+        * ``"all_to_all"``: tokens split over ``(data_axis, expert_axis)``
+          (each device holds T/(d·n) rows of x).  Each device sends, to each
+          of the n devices of its expert axis, a buffer of C slots (x row,
+          local expert id, routed weight): ``n·C`` rows of ``x.dtype`` out and
+          the same back (the weighted outputs).  With the default C = S every
+          slot fits whatever the routing (all slots to one device's experts
+          included): nothing is dropped and the result is exact, but the
+          buffers hold n·S = T·k/d rows, k times the rows the ``psum``
+          reduces (most of them padding, which costs no expert work: padding
+          carries an id outside the local range and weight 0 and is skipped).
+          Result ``[T, H]`` sharded over ``(data_axis, expert_axis)``.
+      capacity_factor: ``"all_to_all"`` only.  ``None`` (default): C = S,
+        exact.  A number c > 0: C = min(S, ceil(c·S/n)) slots per
+        (source, destination) pair, n·C ≈ c·S rows moved each way; the slots
+        a device sends to one destination beyond the first C (in slot order:
+        token, then its k slots) are dropped, i.e. contribute zero, as if
+        their routed weight were 0 (their weight's gradient is 0 too).
+
+    Returns ``y [T, H]``: equal to the unsharded op up to the order of the
+    float32 sum (over expert shards for ``"psum"``; over a token's k slots,
+    each rounded to ``x.dtype`` first, for ``"all_to_all"``).  With a mesh
+    of explicit axes (`jax.make_mesh`'s default), reduce or differentiate the
     result under ``jax.jit`` inside ``with jax.set_mesh(mesh):``.
     """
+    if dispatch not in ("psum", "all_to_all"):
+        raise ValueError(f"dispatch must be 'psum' or 'all_to_all'; got {dispatch!r}")
+    if capacity_factor is not None:
+        if dispatch != "all_to_all":
+            raise ValueError("capacity_factor applies to dispatch='all_to_all' only")
+        if not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0 (or None: exact); got {capacity_factor!r}")
     if experts.is_list:
         raise TypeError("sharded_moe takes stacked experts ([E, ...] arrays, sharded on E); "
                         "got per-expert lists")
@@ -56,18 +107,56 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
     if x.ndim != 2:
         raise ValueError(f"x must be [T, H]; got shape {x.shape}")
     d = mesh.shape[data_axis] if data_axis is not None else 1
-    if x.shape[0] % d:
-        raise ValueError(f"T={x.shape[0]} tokens do not split over {d} devices of mesh axis {data_axis!r}")
+    T = x.shape[0]
     e_local = E // n
-    tok = P(data_axis, None)
+    if dispatch == "psum":
+        if T % d:
+            raise ValueError(f"T={T} tokens do not split over {d} devices of mesh axis {data_axis!r}")
+        tok = P(data_axis, None)
+    else:
+        if T % (d * n):
+            raise ValueError(f"T={T} tokens do not split over the {d}x{n} devices of mesh axes "
+                             f"({data_axis!r}, {expert_axis!r}) (dispatch='all_to_all')")
+        tok = P((data_axis, expert_axis) if data_axis is not None else expert_axis, None)
     ex_spec = Experts(P(expert_axis, None, None), P(expert_axis, None, None), P(expert_axis, None, None))
 
-    def local(x, w, ids, ex):
+    def local_psum(x, w, ids, ex):
         e0 = jax.lax.axis_index(expert_axis) * e_local
         y = fused_moe(x, w, ids - e0.astype(ids.dtype), ex, activation=activation,
                       implementation=implementation, ids_outside="skip")
         return jax.lax.psum(y.astype(jnp.float32), expert_axis).astype(x.dtype)
 
+    def local_all_to_all(x, w, ids, ex):
+        t, k = ids.shape
+        S = t * k
+        C = S if capacity_factor is None else max(1, min(S, math.ceil(capacity_factor * S / n)))
+        ids = ids.reshape(S).astype(jnp.int32)
+        w = w.reshape(S)
+        valid = (ids >= 0) & (ids < E)     # ids outside [0, E): no device holds them, skipped
+        dest = jnp.where(valid, ids // e_local, 0)             # expert-axis index holding the expert
+        onehot = ((dest[:, None] == jnp.arange(n, dtype=jnp.int32)[None, :]) & valid[:, None])
+        pos = jnp.take_along_axis(jnp.cumsum(onehot.astype(jnp.int32), axis=0), dest[:, None],
+                                  axis=1)[:, 0] - 1
+        keep = valid & (pos < C)                               # pos < C always when C = S
+        # slot filling (dest, pos) of the send buffers; empty places hold S (a padding slot)
+        src = jnp.full((n, C), S, jnp.int32).at[dest, jnp.where(keep, pos, C)].set(
+            jnp.arange(S, dtype=jnp.int32), mode="drop")
+        pad = src == S
+        send_x = jnp.take(x, jnp.minimum(src // k, t - 1), axis=0)              # [n, C, H]
+        send_x = jnp.where(pad[..., None], jnp.zeros((), x.dtype), send_x)
+        send_w = jnp.where(pad, jnp.zeros((), w.dtype), jnp.take(w, jnp.minimum(src, S - 1)))
+        send_id = jnp.where(pad, e_local, jnp.take(ids - dest * e_local, jnp.minimum(src, S - 1)))
+        a2a = lambda a: jax.lax.all_to_all(a, expert_axis, 0, 0, tiled=True)
+        recv_x, recv_w, recv_id = a2a(send_x), a2a(send_w), a2a(send_id)      # [n, C, ...] by source
+        out = fused_moe(recv_x.reshape(n * C, -1), recv_w.reshape(n * C, 1),
+                        recv_id.reshape(n * C, 1), ex, activation=activation,
+                        implementation=implementation, ids_outside="skip")
+        back = a2a(out.reshape(n, C, -1))                                     # [n, C, H] by destination
+        per_slot = back[dest, jnp.clip(pos, 0, C - 1)]                        # [S, H]
+        per_slot = jnp.where(keep[:, None], per_slot.astype(jnp.float32), 0.0)
+        return per_slot.reshape(t, k, -1).sum(axis=1).astype(x.dtype)
+
+    local = local_psum if dispatch == "psum" else local_all_to_all
     f = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, ex_spec), out_specs=tok,
                       check_vma=False)
     # inputs laid out otherwise (or not at all) are resharded to the specs first
