@@ -34,6 +34,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -125,6 +126,40 @@ void PackA(MatA a, int64_t m, int rows, int64_t k0, int kc, int mr, float* dst) 
     for (int i = 0; i < kc; ++i) dst[i * mr + r] = 0.0f;
 }
 
+// Software prefetch of the runs of B's next K-block (rows of B, or columns of
+// a transposed B: runs of contiguous bytes, a page apart, that the hardware
+// prefetcher does not follow), issued a few lines between micro-kernel calls.
+class RunPrefetch {
+ public:
+  void Start(const void* base, int64_t stride_bytes, int64_t runs, int64_t run_bytes) {
+    base_ = static_cast<const char*>(base);
+    stride_ = stride_bytes;
+    lines_ = (run_bytes + 63) / 64;
+    left_ = runs * lines_;
+    run_ = line_ = 0;
+  }
+  void Step(int64_t n) {
+    for (n = std::min(n, left_), left_ -= n; n > 0; --n) {
+      __builtin_prefetch(base_ + run_ * stride_ + line_ * 64, 0, 3);
+      if (++line_ == lines_) line_ = 0, ++run_;
+    }
+  }
+  int64_t left() const { return left_; }
+
+ private:
+  const char* base_ = nullptr;
+  int64_t stride_ = 0, lines_ = 1, left_ = 0, run_ = 0, line_ = 0;
+};
+
+// Prefetches B's block [k0, k0+kc) x [n0, n0+nc).
+template <typename W>
+void StartBlock(RunPrefetch& pf, MatB<W> b, int64_t k0, int64_t kc, int64_t n0, int64_t nc) {
+  if (b.sn == 1)
+    pf.Start(b.p + k0 * b.sk + n0, b.sk * sizeof(W), kc, nc * sizeof(W));
+  else if (b.sk == 1)
+    pf.Start(b.p + n0 * b.sn + k0, b.sn * sizeof(W), nc, kc * sizeof(W));
+}
+
 // C[m0:m1, n0:n0+nc] = (accumulate ? C : 0) + A[m0:m1, 0:K] B[0:K, n0:n0+nc],
 // each element one kk-ordered chain of multiply-adds (the micro-kernel's).
 template <typename W>
@@ -143,9 +178,16 @@ void GemmTile(const KernelTable& kt, MatA a, MatB<W> b, MatC c, int64_t m0, int6
     return;
   }
   const int nsub = (nc + w - 1) / w;
+  const int64_t panels = (m1 - m0 + mr - 1) / mr;
+  RunPrefetch pf;
+  StartBlock(pf, b, 0, std::min(kKBlock, K), n0, nc);
+  pf.Step(pf.left());  // the first block: all at once
   for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
     const int kc = static_cast<int>(std::min(kKBlock, K - k0));
+    pf.Step(pf.left());
     PackB(b, k0, kc, n0, nc, vl, packed_b);
+    if (k0 + kc < K) StartBlock(pf, b, k0 + kc, std::min(kKBlock, K - k0 - kc), n0, nc);
+    const int64_t per_call = pf.left() / (nsub * panels) + 1;
     const bool load = accumulate || k0 > 0;
     for (int64_t m = m0; m < m1; m += mr) {
       const int rows = static_cast<int>(std::min<int64_t>(mr, m1 - m));
@@ -158,6 +200,7 @@ void GemmTile(const KernelTable& kt, MatA a, MatB<W> b, MatC c, int64_t m0, int6
             std::memcpy(tile + r * w, cp + r * c.ld, sizeof(float) * cols);
         kt.gemm2(packed_a, packed_b + q * kc * w, kc, ones, rows, cols, cp, c.ld, tile,
                  load ? kLoadPartial : 0);
+        pf.Step(per_call);
       }
     }
   }
@@ -255,26 +298,34 @@ struct Problem {
   int64_t activation;
 };
 
-// Stage timings (JAX_NBX_PROFILE=1: one line per band on stderr).
+// Stage timings (JAX_NBX_PROFILE=1: one line per band on stderr): wall time
+// and the process's CPU time (all threads), which a shared machine disturbs less.
 class Stages {
  public:
   Stages() : on_(std::getenv("JAX_NBX_PROFILE") != nullptr) { Mark(nullptr); }
   void Mark(const char* name) {
     if (!on_) return;
     const auto now = std::chrono::steady_clock::now();
-    if (name != nullptr)
-      line_ += std::string(" ") + name + "=" +
-               std::to_string(std::chrono::duration<double, std::milli>(now - last_).count()).substr(0, 6) + "ms";
+    const double cpu = static_cast<double>(std::clock()) / CLOCKS_PER_SEC;
+    if (name != nullptr) {
+      char buf[96];
+      std::snprintf(buf, sizeof buf, " %s=%.1f/%.1fms", name,
+                    std::chrono::duration<double, std::milli>(now - last_).count(),
+                    (cpu - last_cpu_) * 1e3);
+      line_ += buf;
+    }
     last_ = now;
+    last_cpu_ = cpu;
   }
   ~Stages() {
-    if (on_) std::fprintf(stderr, "jax_nbx backward band:%s\n", line_.c_str());
+    if (on_) std::fprintf(stderr, "jax_nbx backward band (wall/cpu):%s\n", line_.c_str());
   }
 
  private:
   bool on_;
   std::string line_;
   std::chrono::steady_clock::time_point last_;
+  double last_cpu_ = 0;
 };
 
 template <typename T>
@@ -343,25 +394,30 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
   });
   stages.Mark("gather");
 
-  // GU = Xg [G_e | U_e] and DA = dY D_e^T: items (chunk, matrix, tile of I).
+  // The recomputed forward GU = Xg [G_e | U_e]: items (chunk, matrix, tile of I).
   const int64_t tilesI = (I + kTileCols - 1) / kTileCols;
   const int64_t tilesH = (H + kTileCols - 1) / kTileCols;
-  ParallelFor(pool, workers, chunks * 3 * tilesI, [&](int64_t it, int worker) {
-    const int64_t c = it / (3 * tilesI), which = (it / tilesI) % 3;
+  ParallelFor(pool, workers, chunks * 2 * tilesI, [&](int64_t it, int worker) {
+    const int64_t c = it / (2 * tilesI), which = (it / tilesI) % 2;
     const int64_t n0 = (it % tilesI) * kTileCols;
-    const int nc = static_cast<int>(std::min(kTileCols, I - n0));
     const int64_t e = b.chunk_expert[c];
-    float* scratch = b.scratch + worker * scratch_stride;
-    if (which < 2) {
-      const W* wt = static_cast<const W*>(which == 0 ? p.gate[e] : p.up[e]);
-      GemmTile<W>(kt, MatA{b.Xg, H, 1}, MatB<W>{wt, I, 1}, MatC{b.GU + which * I, 2 * I},
-                  b.chunk_begin[c], b.chunk_end[c], n0, nc, H, false, scratch);
-    } else {  // D_e^T: B[h, i] = D_e[i, h]
-      GemmTile<W>(kt, MatA{b.dY, H, 1}, MatB<W>{static_cast<const W*>(p.down[e]), 1, H},
-                  MatC{b.DA, I}, b.chunk_begin[c], b.chunk_end[c], n0, nc, H, false, scratch);
-    }
+    const W* wt = static_cast<const W*>(which == 0 ? p.gate[e] : p.up[e]);
+    GemmTile<W>(kt, MatA{b.Xg, H, 1}, MatB<W>{wt, I, 1}, MatC{b.GU + which * I, 2 * I},
+                b.chunk_begin[c], b.chunk_end[c], n0, static_cast<int>(std::min(kTileCols, I - n0)),
+                H, false, b.scratch + worker * scratch_stride);
   });
-  stages.Mark("gemm_gu_da");
+  stages.Mark("recompute_gu");
+
+  // DA = dY D_e^T (B[h, i] = D_e[i, h]): items (chunk, tile of I).
+  ParallelFor(pool, workers, chunks * tilesI, [&](int64_t it, int worker) {
+    const int64_t c = it / tilesI, n0 = (it % tilesI) * kTileCols;
+    const int64_t e = b.chunk_expert[c];
+    GemmTile<W>(kt, MatA{b.dY, H, 1}, MatB<W>{static_cast<const W*>(p.down[e]), 1, H},
+                MatC{b.DA, I}, b.chunk_begin[c], b.chunk_end[c], n0,
+                static_cast<int>(std::min(kTileCols, I - n0)), H, false,
+                b.scratch + worker * scratch_stride);
+  });
+  stages.Mark("gemm_da");
 
   // Per row: a = act(g) u; dw = da_raw . a; dg, du; A; dY *= w.
   const int64_t act = p.activation;
