@@ -296,6 +296,7 @@ struct Problem {
   float* const* dup;
   float* const* ddown;  // E float32 [I, H]
   int64_t activation;
+  uint8_t* written;  // [E]: the expert's gradients hold a partial sum (else unwritten)
 };
 
 // Stage timings (JAX_NBX_PROFILE=1: one line per band on stderr): wall time
@@ -461,6 +462,7 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     const int64_t e = active[it / per_expert];
     int64_t j = it % per_expert;
     const int64_t r0 = b.expert_off[e], rows = b.expert_off[e + 1] - r0;
+    const bool acc = p.written[e] != 0;  // an earlier band's rows: continue their sums
     float* scratch = b.scratch + worker * scratch_stride;
     if (j < 2 * per_gu) {
       const int64_t which = j / per_gu;
@@ -470,15 +472,16 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
       GemmTile<float>(kt, MatA{b.Xg + r0 * H, 1, H},
                       MatB<float>{b.GU + r0 * 2 * I + which * I, 2 * I, 1}, MatC{out, I}, m0,
                       std::min(H, m0 + kChunkRows), n0,
-                      static_cast<int>(std::min(kTileCols, I - n0)), rows, true, scratch);
+                      static_cast<int>(std::min(kTileCols, I - n0)), rows, acc, scratch);
     } else {
       j -= 2 * per_gu;
       const int64_t m0 = (j / tilesH) * kChunkRows, n0 = (j % tilesH) * kTileCols;
       GemmTile<float>(kt, MatA{b.DA + r0 * I, 1, I}, MatB<float>{b.dY + r0 * H, H, 1},
                       MatC{p.ddown[e], H}, m0, std::min(I, m0 + kChunkRows), n0,
-                      static_cast<int>(std::min(kTileCols, H - n0)), rows, true, scratch);
+                      static_cast<int>(std::min(kTileCols, H - n0)), rows, acc, scratch);
     }
   });
+  for (int64_t e : active) p.written[e] = 1;
   stages.Mark("gemm_dw");
 
   // dX rows = dg G_e^T + du U_e^T (into dY, free now): items (chunk, tile of H).
@@ -626,7 +629,6 @@ ffi::Error FusedMoeBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::An
         tables[pj * E + e] = static_cast<const char*>(b->untyped_data()) + off * es;
         gtables[pj * E + e] = static_cast<float*>((*g)->untyped_data()) + off;
       }
-      std::memset((*g)->untyped_data(), 0, (*g)->size_bytes());
     }
   }
 
@@ -638,17 +640,25 @@ ffi::Error FusedMoeBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::An
                                          std::to_string(i % k) + "] = " + std::to_string(ids[i]) +
                                          " is outside [0, " + std::to_string(E) + ")");
   }
-  if (T == 0 || H == 0) return ffi::Error::Success();
-  if (I == 0 || k == 0) {
+  // Gradients of experts that receive no rows are zero: written at the end
+  // (the others are written by their first band's GEMMs, never zeroed first).
+  std::vector<uint8_t> written(E, 0);
+  auto zero_unwritten = [&]() {
+    for (int pj = 0; pj < 3; ++pj)
+      for (int64_t e = 0; e < E; ++e)
+        if (!written[e]) std::fill(gtables[pj * E + e], gtables[pj * E + e] + H * I, 0.0f);
+  };
+  if (T == 0 || H == 0 || I == 0 || k == 0) {
     std::memset(dx->untyped_data(), 0, dx->size_bytes());
     std::memset(dw->untyped_data(), 0, dw->size_bytes());
+    zero_unwritten();
     return ffi::Error::Success();
   }
 
   Problem p{T, H, I, E, k, dy.untyped_data(), x.untyped_data(), x.element_type(),
             topk_w.typed_data(), ids, tables.data(), tables.data() + E, tables.data() + 2 * E,
             dx->untyped_data(), dw->typed_data(), gtables.data(), gtables.data() + E,
-            gtables.data() + 2 * E, activation};
+            gtables.data() + 2 * E, activation, written.data()};
   const int64_t band = (band_tokens <= 0) ? T : std::min(band_tokens, T);
   const int workers = static_cast<int>(std::clamp<int64_t>(max_workers, 1, MaxWorkers(pool)));
   const KernelTable& kt = *ActiveKernels();
@@ -669,6 +679,7 @@ ffi::Error FusedMoeBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::An
       default: RunBand<f16>(p, kt, pool, workers, t0, t1, b); break;
     }
   }
+  zero_unwritten();
   return ffi::Error::Success();
 }
 
