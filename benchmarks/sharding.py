@@ -6,7 +6,8 @@
 Checks that `nbx.sharded_moe` equals the unsharded op on meshes 8x1, 4x2 and
 2x4 (expert x data) with each dispatch (psum combine; all_to_all, exact, and
 with each --capacity-factor given: then the error counts the dropped slots),
-and times each (median of --repeats, 5) against the unsharded op in the same process.  The 8 host devices share this machine's cores, so the
+and times each (median of --repeats, default 5) against the unsharded op in
+the same process.  The 8 host devices share this machine's cores, so the
 time says what the partitioning costs, not what 8 real devices would gain.
 """
 from __future__ import annotations
