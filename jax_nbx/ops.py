@@ -354,9 +354,13 @@ def fused_moe(
 
     Works eagerly, under ``jax.jit``, ``jax.vmap`` (experts shared across the
     batch fold into the token axis; per-element experts run one call per
-    element) and ``jax.grad``.  The FFI path's backward currently
-    differentiates the "xla" reference (a fused backward is planned):
-    gradients flow to x, topk_weights and the experts, never to topk_ids.
+    element) and ``jax.grad``: gradients flow to x, topk_weights and the
+    experts (lists get lists of gradients), never to topk_ids.  On the CPU
+    the backward is a fused handler that saves nothing but the op's inputs
+    (it recomputes the gate and up projections) and plans its own bands
+    against the same budget; quantized experts are frozen (dx and
+    d(topk_weights) only, from the reference's VJP), and the CUDA path
+    differentiates the "xla" reference.
 
     Raises:
       ValueError / TypeError at trace time for mismatched shapes, ranks,
