@@ -11,6 +11,7 @@ FORWARD_INTO_TARGET = "nbx_fused_moe_fwd_into"  # tests: output aliased to a poi
 FORWARD_LISTS_TARGET = "nbx_fused_moe_fwd_lists"  # experts as per-expert buffers
 FORWARD_LISTS_INTO_TARGET = "nbx_fused_moe_fwd_lists_into"
 FORWARD_QUANT_TARGET = "nbx_fused_moe_fwd_quant"  # int8 / int4 experts
+FORWARD_QUANT_INTO_TARGET = "nbx_fused_moe_fwd_quant_into"  # tests: output aliased to a poisoned input
 CUDA_FORWARD_TARGET = "nbx_fused_moe_fwd_cuda"
 CUDA_FORWARD_TABLES_TARGET = "nbx_fused_moe_fwd_cuda_tables"  # lists and/or quantized experts
 
