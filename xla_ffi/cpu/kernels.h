@@ -220,47 +220,58 @@ template <> struct I32T<16> { typedef int32_t type __attribute__((vector_size(64
 typedef uint8_t U8x16 __attribute__((vector_size(16)));
 typedef uint16_t U16x8 __attribute__((vector_size(16)));
 typedef uint32_t U32x4 __attribute__((vector_size(16)));
-typedef uint64_t U64x2 __attribute__((vector_size(16)));
+typedef uint8_t U8x32 __attribute__((vector_size(32)));
+typedef uint8_t U8x64 __attribute__((vector_size(64)));
+typedef uint64_t U64x4 __attribute__((vector_size(32)));
 typedef uint64_t U64x8 __attribute__((vector_size(64)));
 
-// VL bytes p[0, VL), lane j = p[j] << 24.  Shuffles and shifts: GCC 12 widens
-// a byte vector (__builtin_convertvector) one lane at a time.
+// VL bytes p[0, VL) spread over 32-bit lanes: the top byte of lane j is p[j]
+// (the lower bytes are unspecified: callers shift right by 24 or more).
+// Shuffles, because GCC 12 widens a byte vector (__builtin_convertvector) one
+// lane at a time: AVX2/AVX-512 broadcast the bytes to every 128-bit lane and
+// shuffle within lanes (vpshufb); SSE2 interleaves twice (punpcklbw, punpcklwd).
 template <int VL>
 NBX_AI typename U32T<VL>::type TopBytes(const uint8_t* p) {
   typedef typename U32T<VL>::type U;
-  if constexpr (VL == 4) {  // two interleaves with zero (SSE2 punpcklbw, punpcklwd)
+  if constexpr (VL == 4) {
     uint32_t x;
     memcpy(&x, p, 4);
     const U32x4 d = {x, 0, 0, 0};
     U8x16 b;
     memcpy(&b, &d, 16);
-    const U8x16 zb = {};
-    const U8x16 s1 = __builtin_shufflevector(zb, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
-                                             6, 22, 7, 23);
+    const U8x16 s1 = __builtin_shufflevector(b, b, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     U16x8 w1;
     memcpy(&w1, &s1, 16);
-    const U16x8 zw = {};
-    const U16x8 s2 = __builtin_shufflevector(zw, w1, 0, 8, 1, 9, 2, 10, 3, 11);
+    const U16x8 s2 = __builtin_shufflevector(w1, w1, 0, 0, 1, 1, 2, 2, 3, 3);
     U r;
     memcpy(&r, &s2, 16);
     return r;
-  } else if constexpr (VL == 8) {  // dword i/4 to lane i (vpermd), then shift per lane
+  } else if constexpr (VL == 8) {
     uint64_t x;
     memcpy(&x, p, 8);
-    const U64x2 l = {x, 0};
-    U32x4 d;
-    memcpy(&d, &l, 16);
-    const U w = __builtin_shufflevector(d, d, 0, 0, 0, 0, 1, 1, 1, 1);
-    return w << (U){24, 16, 8, 0, 24, 16, 8, 0};
-  } else {
+    const U64x4 l = {x, x, x, x};
+    U8x32 b;
+    memcpy(&b, &l, 32);
+    const U8x32 s = __builtin_shufflevector(b, b, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3,
+                                            20, 20, 20, 20, 21, 21, 21, 21, 22, 22, 22, 22, 23,
+                                            23, 23, 23);
+    U r;
+    memcpy(&r, &s, 32);
+    return r;
+  } else {  // byte j of the copy in 128-bit lane j/4: 16 * (j/4) + j
     uint64_t x0, x1;
     memcpy(&x0, p, 8);
     memcpy(&x1, p + 8, 8);
-    const U64x8 l = {x0, x1, 0, 0, 0, 0, 0, 0};
-    U d;
-    memcpy(&d, &l, 64);
-    const U w = __builtin_shufflevector(d, d, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    return w << (U){24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0};
+    const U64x8 l = {x0, x1, x0, x1, x0, x1, x0, x1};
+    U8x64 b;
+    memcpy(&b, &l, 64);
+    const U8x64 s = __builtin_shufflevector(
+        b, b, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 20, 20, 20, 20, 21, 21, 21, 21, 22,
+        22, 22, 22, 23, 23, 23, 23, 40, 40, 40, 40, 41, 41, 41, 41, 42, 42, 42, 42, 43, 43, 43,
+        43, 60, 60, 60, 60, 61, 61, 61, 61, 62, 62, 62, 62, 63, 63, 63, 63);
+    U r;
+    memcpy(&r, &s, 64);
+    return r;
   }
 }
 
@@ -335,26 +346,57 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
   if constexpr (!kInt4) {
     const int8_t* q = static_cast<const int8_t*>(m.q) + n0;
     ScalesToFloat<VL, kB>(m.scale, n0, ncols, sc);
-    for (int64_t kk = 0; kk < K; ++kk) {
-      const int8_t* qr = q + kk * N;
-      if (kk + kPrefetchRows < K)
-        for (int l = 0; l < ncols; l += 64) __builtin_prefetch(qr + kPrefetchRows * N + l, 0, 3);
-      float av[R];
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) av[r] = a[kk * as + r];
-      for (int c = 0; c < nv; c += VL) {
-        const V w = Int8ToFloat<VL>(qr + c) * Load<VL>(sc + c);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          V v;
-          memcpy(&v, acc + r * ncols + c, sizeof v);
-          v += av[r] * w;
-          memcpy(acc + r * ncols + c, &v, sizeof v);
+    // two rows of W per pass over the accumulators (the same per-element
+    // chain: row kk's FMA, then row kk+1's); a lone last row when K is odd
+    for (int64_t kk = 0; kk < K; kk += 2) {
+      const bool two = kk + 1 < K;
+      const int8_t* qr0 = q + kk * N;
+      const int8_t* qr1 = two ? qr0 + N : qr0;
+      if (kk + kPrefetchRows + 1 < K)
+        for (int l = 0; l < ncols; l += 64) {
+          __builtin_prefetch(qr0 + kPrefetchRows * N + l, 0, 3);
+          __builtin_prefetch(qr1 + kPrefetchRows * N + l, 0, 3);
         }
-      }
-      for (int c = nv; c < ncols; ++c) {
-        const float w = static_cast<float>(qr[c]) * sc[c];
-        for (int r = 0; r < R; ++r) acc[r * ncols + c] += av[r] * w;
+      float a0[R], a1[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) a0[r] = a[kk * as + r], a1[r] = two ? a[(kk + 1) * as + r] : 0.0f;
+      if (two) {
+        for (int c = 0; c < nv; c += VL) {
+          const V s = Load<VL>(sc + c);
+          const V w0 = Int8ToFloat<VL>(qr0 + c) * s;
+          const V w1 = Int8ToFloat<VL>(qr1 + c) * s;
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            V v;
+            memcpy(&v, acc + r * ncols + c, sizeof v);
+            v += a0[r] * w0;
+            v += a1[r] * w1;
+            memcpy(acc + r * ncols + c, &v, sizeof v);
+          }
+        }
+        for (int c = nv; c < ncols; ++c) {
+          const float w0 = static_cast<float>(qr0[c]) * sc[c];
+          const float w1 = static_cast<float>(qr1[c]) * sc[c];
+          for (int r = 0; r < R; ++r) {
+            acc[r * ncols + c] += a0[r] * w0;
+            acc[r * ncols + c] += a1[r] * w1;
+          }
+        }
+      } else {
+        for (int c = 0; c < nv; c += VL) {
+          const V w0 = Int8ToFloat<VL>(qr0 + c) * Load<VL>(sc + c);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            V v;
+            memcpy(&v, acc + r * ncols + c, sizeof v);
+            v += a0[r] * w0;
+            memcpy(acc + r * ncols + c, &v, sizeof v);
+          }
+        }
+        for (int c = nv; c < ncols; ++c) {
+          const float w0 = static_cast<float>(qr0[c]) * sc[c];
+          for (int r = 0; r < R; ++r) acc[r * ncols + c] += a0[r] * w0;
+        }
       }
     }
   } else {  // K is a multiple of the (even) group: rows come in pairs, one byte
