@@ -119,15 +119,23 @@ NBX_AI void StorePartial(const typename VecT<VL>::type (&lo)[MR],
 // GEMM1 on one packed m-panel (b: VL gate then VL up columns per row), one
 // K-block: starts from the partial sums in c (flags & kLoadPartial) or 0;
 // stores the sums back to c (flags & kStorePartial, more K-blocks follow) or
-// writes out[r*rs + c*cs] = act(g) * u for r < rows, c < cols.
+// writes out[r*rs + c*cs] = act(g) * u for r < rows, c < cols.  With
+// `scale` (int8 weights, packed unscaled): g and u are first multiplied by
+// their column's scale, scale[c] (gate) and scale[VL + c] (up).
 template <int VL, int MR>
 NBX_AI void Gemm1Packed(const float* a, const float* b, int64_t K, int act,
                         int rows, int cols, float* out, int64_t rs, int64_t cs,
-                        float* c, int flags) {
+                        float* c, int flags, const float* scale) {
   typename VecT<VL>::type g[MR], u[MR];
   AccumulatePanel<VL, MR>(a, b, K, (flags & kLoadPartial) ? c : nullptr, g, u);
   if (flags & kStorePartial) {
     StorePartial<VL, MR>(g, u, c);
+    return;
+  }
+  if (scale != nullptr) {
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < cols; ++j)
+        out[r * rs + j * cs] = Act(act, g[r][j] * scale[j]) * (u[r][j] * scale[VL + j]);
     return;
   }
   for (int r = 0; r < rows; ++r)
@@ -135,14 +143,23 @@ NBX_AI void Gemm1Packed(const float* a, const float* b, int64_t K, int act,
 }
 
 // GEMM2 on one packed m-panel (b: 2VL columns of down per row), one K-block
-// (flags as Gemm1Packed): out[r*rs + c] = w[r] * acc for r < rows, c < cols.
+// (flags as Gemm1Packed): out[r*rs + c] = w[r] * acc for r < rows, c < cols;
+// with `scale`, w[r] * (acc * scale[c]).
 template <int VL, int MR>
 NBX_AI void Gemm2Packed(const float* a, const float* b, int64_t K, const float* w,
-                        int rows, int cols, float* out, int64_t rs, float* c, int flags) {
+                        int rows, int cols, float* out, int64_t rs, float* c, int flags,
+                        const float* scale) {
   typename VecT<VL>::type lo[MR], hi[MR];
   AccumulatePanel<VL, MR>(a, b, K, (flags & kLoadPartial) ? c : nullptr, lo, hi);
   if (flags & kStorePartial) {
     StorePartial<VL, MR>(lo, hi, c);
+    return;
+  }
+  if (scale != nullptr) {
+    for (int r = 0; r < rows; ++r) {
+      for (int j = 0; j < cols && j < VL; ++j) out[r * rs + j] = w[r] * (lo[r][j] * scale[j]);
+      for (int j = VL; j < cols; ++j) out[r * rs + j] = w[r] * (hi[r][j - VL] * scale[j]);
+    }
     return;
   }
   for (int r = 0; r < rows; ++r) {
@@ -207,11 +224,13 @@ NBX_AI void Gemm2Stream(const float* a, int64_t as, int rows, const W* wd, int64
 }
 
 // ---- Quantized weights (QuantMatrix, kernel_table.h) ----------------------
-// Every path dequantizes a weight with the same expression (int8: q * scale;
-// int4: q * scale + min, one FMA where the ISA has one; vector lanes and the
-// scalar tail alike), then accumulates a * w in kk order as the dense kernels
-// do: the streamed and the packed paths of one ISA give the same bits, so
-// banded and unbanded results stay identical.
+// The streamed and the packed paths of one ISA do the same arithmetic, so
+// banded and unbanded results stay identical: int8 accumulates a * q in kk
+// order (q exact in float32) and multiplies each column's sum by its scale
+// once (the streaming kernels at the end, the packed ones in the epilogue);
+// int4 dequantizes each weight with one expression, q * scale + min (one FMA
+// where the ISA has one; vector lanes and scalar tail alike), then
+// accumulates a * w in kk order as the dense kernels do.
 
 template <int VL> struct I32T;
 template <> struct I32T<4> { typedef int32_t type __attribute__((vector_size(16))); };
@@ -362,9 +381,8 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
       for (int r = 0; r < R; ++r) a0[r] = a[kk * as + r], a1[r] = two ? a[(kk + 1) * as + r] : 0.0f;
       if (two) {
         for (int c = 0; c < nv; c += VL) {
-          const V s = Load<VL>(sc + c);
-          const V w0 = Int8ToFloat<VL>(qr0 + c) * s;
-          const V w1 = Int8ToFloat<VL>(qr1 + c) * s;
+          const V w0 = Int8ToFloat<VL>(qr0 + c);
+          const V w1 = Int8ToFloat<VL>(qr1 + c);
 #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
             V v;
@@ -375,8 +393,8 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
           }
         }
         for (int c = nv; c < ncols; ++c) {
-          const float w0 = static_cast<float>(qr0[c]) * sc[c];
-          const float w1 = static_cast<float>(qr1[c]) * sc[c];
+          const float w0 = static_cast<float>(qr0[c]);
+          const float w1 = static_cast<float>(qr1[c]);
           for (int r = 0; r < R; ++r) {
             acc[r * ncols + c] += a0[r] * w0;
             acc[r * ncols + c] += a1[r] * w1;
@@ -384,7 +402,7 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
         }
       } else {
         for (int c = 0; c < nv; c += VL) {
-          const V w0 = Int8ToFloat<VL>(qr0 + c) * Load<VL>(sc + c);
+          const V w0 = Int8ToFloat<VL>(qr0 + c);
 #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
             V v;
@@ -394,11 +412,13 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
           }
         }
         for (int c = nv; c < ncols; ++c) {
-          const float w0 = static_cast<float>(qr0[c]) * sc[c];
+          const float w0 = static_cast<float>(qr0[c]);
           for (int r = 0; r < R; ++r) acc[r * ncols + c] += a0[r] * w0;
         }
       }
     }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < ncols; ++c) acc[r * ncols + c] *= sc[c];
   } else {  // K is a multiple of the (even) group: rows come in pairs, one byte
     const uint8_t* q = static_cast<const uint8_t*>(m.q) + n0;
     for (int64_t kk = 0; kk < K; kk += 2) {
@@ -501,12 +521,10 @@ void PackQuantT(const QuantMatrix& m, int64_t k0, int kc, int64_t n0, int nc, in
         for (int j = 0; j < width; j += VL) {
           const int c = p * width + j, n = nc - c;
           if (n >= VL) {
-            const V w = Int8ToFloat<VL>(qr + c) * LoadScales<VL, kB>(m.scale, n0 + c);
+            const V w = Int8ToFloat<VL>(qr + c);
             memcpy(d + j, &w, sizeof w);
           } else {
-            for (int t = 0; t < VL; ++t)
-              d[j + t] = t < n ? static_cast<float>(qr[c + t]) * ScaleAt<kB>(m.scale, n0 + c + t)
-                               : 0.0f;
+            for (int t = 0; t < VL; ++t) d[j + t] = t < n ? static_cast<float>(qr[c + t]) : 0.0f;
           }
         }
       }
@@ -594,12 +612,12 @@ void PackQuant(const QuantMatrix* m, int64_t k0, int kc, int64_t n0, int nc, int
   namespace nbx {                                                                         \
   namespace {                                                                             \
   void G1(const float* a, const float* b, int64_t K, int act, int rows, int cols,         \
-          float* out, int64_t rs, int64_t cs, float* c, int flags) {                      \
-    Gemm1Packed<VL, MR>(a, b, K, act, rows, cols, out, rs, cs, c, flags);                 \
+          float* out, int64_t rs, int64_t cs, float* c, int flags, const float* s) {      \
+    Gemm1Packed<VL, MR>(a, b, K, act, rows, cols, out, rs, cs, c, flags, s);              \
   }                                                                                       \
   void G2(const float* a, const float* b, int64_t K, const float* w, int rows, int cols,  \
-          float* out, int64_t rs, float* c, int flags) {                                  \
-    Gemm2Packed<VL, MR>(a, b, K, w, rows, cols, out, rs, c, flags);                       \
+          float* out, int64_t rs, float* c, int flags, const float* s) {                  \
+    Gemm2Packed<VL, MR>(a, b, K, w, rows, cols, out, rs, c, flags, s);                    \
   }                                                                                       \
   NBX_STREAM(SF, VL, float)                                                               \
   NBX_STREAM(SB, VL, uint16_t)                                                            \

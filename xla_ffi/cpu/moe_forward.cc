@@ -282,6 +282,12 @@ class Prefetcher {
   int64_t ld_ = 0, lines_ = 1, left_ = 0, row_ = 0, mat_ = 0, line_ = 0;
 };
 
+// Column n's scale of an int8 matrix.
+inline float ColumnScale(const QuantMatrix& m, int64_t n) {
+  return m.bf16_scales ? ToFloat(static_cast<const bf16*>(m.scale)[n])
+                       : static_cast<const float*>(m.scale)[n];
+}
+
 // Starts the prefetch of rows [k0, k0+kc) of columns [n0, n0+nc) of a and b
 // (b may be null; ld columns per row).
 template <typename W>
@@ -472,6 +478,20 @@ void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     float* part = scratch + kKBlock * 2 * kTileCols;
     const int nsub = (nc + vl - 1) / vl;
     const int64_t panels = (m1 - m0 + mr - 1) / mr;
+    // int8: the tile's column scales, per micro-panel VL gate then VL up
+    float colscale[2 * kTileCols];
+    const float* scale = nullptr;
+    if constexpr (WS::kQuant) {
+      if (!ge->int4) {
+        for (int q = 0; q < nsub; ++q)
+          for (int j = 0; j < vl; ++j) {
+            const int64_t col = n0 + q * vl + j;
+            colscale[q * 2 * vl + j] = col < n0 + nc ? ColumnScale(*ge, col) : 0.0f;
+            colscale[q * 2 * vl + vl + j] = col < n0 + nc ? ColumnScale(*ue, col) : 0.0f;
+          }
+        scale = colscale;
+      }
+    }
     Prefetcher pf;  // the first block: all at once, before packing it
     StartPrefetch(pf, ge, ue, I, 0, std::min(kKBlock, H), n0, nc);
     for (int64_t k0 = 0; k0 < H; k0 += kKBlock) {
@@ -493,7 +513,8 @@ void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
           kt.gemm1(b.XO + panel * H * mr + k0 * mr, packed + q * kc * 2 * vl, kc, act,
                    static_cast<int>(std::min<int64_t>(mr, m1 - m)), cols,
                    b.A2 + panel * I * mr + (n0 + q * vl) * mr, 1, mr,
-                   part + (pi * nsub + q) * mr * 2 * vl, flags);
+                   part + (pi * nsub + q) * mr * 2 * vl, flags,
+                   scale ? scale + q * 2 * vl : nullptr);
           pf.Step(per_call);
         }
       }
@@ -528,6 +549,15 @@ void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     float* part = scratch + kKBlock * 2 * kTileCols;
     const int nsub = (nc + 2 * vl - 1) / (2 * vl);
     const int64_t panels = (m1 - m0 + mr - 1) / mr;
+    float colscale[kTileCols + 32];  // int8: the tile's column scales
+    const float* scale = nullptr;
+    if constexpr (WS::kQuant) {
+      if (!de->int4) {
+        for (int j = 0; j < nsub * 2 * vl; ++j)
+          colscale[j] = j < nc ? ColumnScale(*de, n0 + j) : 0.0f;
+        scale = colscale;
+      }
+    }
     Prefetcher pf;
     StartPrefetch(pf, de, decltype(de){nullptr}, H, 0, std::min(kKBlock, I), n0, nc);
     for (int64_t k0 = 0; k0 < I; k0 += kKBlock) {
@@ -549,7 +579,7 @@ void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
           kt.gemm2(b.A2 + panel * I * mr + k0 * mr, packed + q * kc * 2 * vl, kc,
                    b.row_weight + m, static_cast<int>(std::min<int64_t>(mr, m1 - m)), cols,
                    O + m * H + n0 + q * 2 * vl, H, part + (pi * nsub + q) * mr * 2 * vl,
-                   flags);
+                   flags, scale ? scale + q * 2 * vl : nullptr);
           pf.Step(per_call);
         }
       }
