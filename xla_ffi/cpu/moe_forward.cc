@@ -11,7 +11,8 @@
 //
 // The arithmetic is in the micro-kernels of the instruction set chosen at run
 // time (kernel_table.h, kernels.h).  Experts with few rows in the band
-// (decode) skip packing: their weights are streamed once, in place.  Every
+// (decode) skip packing: their weights (float32, bfloat16, int8 or int4) are
+// streamed once, in place.  Every
 // output element is the same kk-ordered sum whatever the kernel, band, tile
 // or thread, so banded and unbanded results are identical bit for bit.  The
 // workspace of a band is one block counted in the account (account.h);
@@ -874,8 +875,9 @@ ffi::Error FusedMoeForwardListsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
 // Quantized experts (jax_nbx/quant.py formats): `groups` groups of buffers —
 // q of gate, up, down; their scales; (int4) their mins — each one stacked
 // [E, ...] buffer (`stacked`) or E per-expert buffers.  Every size is checked
-// against the format before anything is read; the packers dequantize row
-// runs into their float32 stage (no dequantized copy of a weight).
+// against the format before anything is read; the ISA's quantized kernels
+// read the bytes in place (streaming) or dequantize K-blocks into the packed
+// float32 stage (no dequantized copy of a whole weight).
 // `trailing` buffers after the weights are ignored (the tests' aliased output).
 ffi::Error ForwardQuant(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> topk_w,
                         ffi::Buffer<ffi::S32> topk_ids, ffi::RemainingArgs weights,
