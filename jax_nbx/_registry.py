@@ -12,6 +12,7 @@ FORWARD_LISTS_TARGET = "nbx_fused_moe_fwd_lists"  # experts as per-expert buffer
 FORWARD_LISTS_INTO_TARGET = "nbx_fused_moe_fwd_lists_into"
 FORWARD_QUANT_TARGET = "nbx_fused_moe_fwd_quant"  # int8 / int4 experts
 BACKWARD_TARGET = "nbx_fused_moe_bwd"  # dx, d(topk_weights), d(experts); stacked or lists
+FORWARD_QUANT_INTO_TARGET = "nbx_fused_moe_fwd_quant_into"  # tests: output aliased to a poisoned input
 CUDA_FORWARD_TARGET = "nbx_fused_moe_fwd_cuda"
 CUDA_FORWARD_TABLES_TARGET = "nbx_fused_moe_fwd_cuda_tables"  # lists and/or quantized experts
 

@@ -1,5 +1,6 @@
 """Quantized experts: the int8 and int4 formats, quantize/dequantize, the op on
-quantized experts (the "xla" path for now), and the errors."""
+quantized experts (the CPU handler's streaming decode kernels and its
+dequantizing packers, the "xla" path), and the errors."""
 from __future__ import annotations
 
 import jax
@@ -8,6 +9,9 @@ import numpy as np
 import pytest
 
 import jax_nbx as nbx
+from jax_nbx import _registry
+from jax_nbx.ops import planned_workers
+from jax_nbx.quant import weight_groups
 from conftest import TOL, make_problem, np_moe, rel_err
 
 # max |y - ref| / max |ref| against the ORIGINAL float weights (random Gaussian
@@ -44,6 +48,83 @@ def test_quantized_ffi_odd_sizes_bands_and_bad_ids(T):
     np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(y_bands.astype(jnp.float32)))
     with pytest.raises(Exception, match=r"topk_ids\[0, 1\] = 7 is outside \[0, 7\)"):
         nbx.fused_moe(x, w, ids.at[0, 1].set(7), q, implementation="ffi")
+
+
+FORMATS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)]
+SCALES = {"sf32": jnp.float32, "sbf16": jnp.bfloat16}
+
+
+def run_quant_poisoned(x, w, ids, q, band_tokens=0):
+    """The CPU handler on quantized experts writing into a NaN-filled output
+    buffer (nbx_fused_moe_fwd_quant_into), so any row it fails to write shows."""
+    groups, E, I, quant, _, _ = weight_groups(q.flat(), q.is_list)
+    bufs = [b for g in groups for b in (g if q.is_list else g[:1])]
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    call = jax.ffi.ffi_call(_registry.FORWARD_QUANT_INTO_TARGET, out, vmap_method="sequential",
+                            input_output_aliases={3 + len(bufs): 0})
+    return call(x, w, ids, *bufs, jnp.full(x.shape, jnp.nan, x.dtype), activation=np.int64(0),
+                band_tokens=np.int64(band_tokens), max_workers=np.int64(planned_workers()),
+                skip_outside=np.int64(0), num_experts=np.int64(E), groups=np.int64(len(groups)),
+                stacked=np.int64(not q.is_list), intermediate=np.int64(I),
+                int4=np.int64(quant[0] == "int4"), group_size=np.int64(quant[1]))
+
+
+def _shape(kind, G, wide=False):
+    """(H, I): int8 any size (odd, not multiples of any VL); int4 multiples of
+    the group.  ``wide``: I past one streamed item (1024 columns)."""
+    if kind == "int8":
+        return (129, 1100) if wide else (129, 257)
+    return (2 * G, 1152) if wide else (3 * G, 2 * G) if G < 128 else (128, 256)
+
+
+# T=1 and T=3 (k=2 of E=5: every expert <= 4 rows) take the streaming decode
+# kernels; T=64 (about 26 rows per expert) the dequantizing packers.
+@pytest.mark.parametrize("T", [1, 3, 64])
+@pytest.mark.parametrize("lists", [False, True], ids=["stacked", "lists"])
+@pytest.mark.parametrize("scale", list(SCALES))
+@pytest.mark.parametrize("kind,G", FORMATS, ids=lambda v: str(v))
+def test_quant_stream_and_pack_match_float64(kind, G, scale, lists, T, isa):
+    H, I = _shape(kind, G)
+    x, w, ids, ex = make_problem(T * 7 + (G or 0), T, 5, 2, H, I)
+    if lists:
+        ex = nbx.Experts(*([a[e] for e in range(5)] for a in (ex.gate, ex.up, ex.down)))
+    q = nbx.quantize(ex, kind, group_size=G or 128, scale_dtype=SCALES[scale])
+    d = nbx.dequantize(q, jnp.float32)
+    ref = np_moe(x, w, ids, d.stacked() if lists else d)
+    y = run_quant_poisoned(x, w, ids, q)
+    assert bool(jnp.all(jnp.isfinite(y))), "unwritten (poisoned) rows in the output"
+    assert rel_err(y, ref) < TOL["f32"]
+
+
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("kind,G", FORMATS, ids=lambda v: str(v))
+def test_quant_stream_past_one_item(kind, G, T, isa):
+    """N past kMaxStreamCols (1024): several streamed items per projection."""
+    H, I = _shape(kind, G, wide=True)
+    x, w, ids, ex = make_problem(5, T, 3, 1, H, I)
+    q = nbx.quantize(ex, kind, group_size=G or 128, scale_dtype=jnp.bfloat16)
+    ref = np_moe(x, w, ids, nbx.dequantize(q, jnp.float32))
+    y = run_quant_poisoned(x, w, ids, q)
+    assert bool(jnp.all(jnp.isfinite(y))), "unwritten (poisoned) rows in the output"
+    assert rel_err(y, ref) < TOL["f32"]
+
+
+@pytest.mark.parametrize("xd", ["f32", "bf16"])
+@pytest.mark.parametrize("band", [1, 2, 7])
+@pytest.mark.parametrize("kind,G", FORMATS, ids=lambda v: str(v))
+def test_quant_bands_are_bit_identical(kind, G, band, xd, isa):
+    """Unbanded, each expert has ~24 rows (packed); in bands of 1 or 2 tokens
+    (bf16 x: token bands) each has <= 4 (streamed): the same bits."""
+    H, I = _shape(kind, G)
+    xdt = {"f32": jnp.float32, "bf16": jnp.bfloat16}[xd]
+    x, w, ids, ex = make_problem(19, 60, 5, 2, H, I, x_dtype=xdt)
+    q = nbx.quantize(ex, kind, group_size=G or 128, scale_dtype=jnp.bfloat16)
+    whole = run_quant_poisoned(x, w, ids, q, band_tokens=0)
+    banded = run_quant_poisoned(x, w, ids, q, band_tokens=band)
+    assert bool(jnp.all(jnp.isfinite(banded.astype(jnp.float32))))
+    assert rel_err(whole, np_moe(x, w, ids, nbx.dequantize(q, jnp.float32))) < TOL[xd]
+    np.testing.assert_array_equal(np.asarray(banded.astype(jnp.float32)),
+                                  np.asarray(whole.astype(jnp.float32)))
 
 
 def test_quantized_grads_flow_to_x_and_weights_only():

@@ -47,6 +47,7 @@ NB_MODULE(_ffi, m) {
     d["nbx_fused_moe_fwd_lists_into"] = Capsule(nbx::FusedMoeForwardListsIntoCpu);
     d["nbx_fused_moe_fwd_quant"] = Capsule(nbx::FusedMoeForwardQuantCpu);
     d["nbx_fused_moe_bwd"] = Capsule(nbx::FusedMoeBackwardCpu);
+    d["nbx_fused_moe_fwd_quant_into"] = Capsule(nbx::FusedMoeForwardQuantIntoCpu);
     return d;
   }, "Handler capsules for platform 'cpu', keyed by FFI target name.");
 

@@ -12,18 +12,41 @@ enum PartialFlags : int {
   kStorePartial = 2,  // more K-blocks follow: store the sums to c, no epilogue
 };
 
+// Columns per streamed work item (whole pages of float32 rows); the streaming
+// kernels take at most this many.
+constexpr int kMaxStreamCols = 1024;
+
+// One expert's quantized matrix [K, N] (formats of jax_nbx/quant.py): int8
+// q[k, n] * scale[n]; int4 packed two rows per byte (low nibble = even row)
+// q[k, n] * scale[k / group, n] + min[k / group, n].  Scales (and mins) f32 or
+// bf16 bits.  The streamed and packed paths of one ISA do the same arithmetic
+// (kernels.h): int8 sums a * q and multiplies each column's sum by its scale
+// once; int4 dequantizes each weight (q * scale + min) and sums a * w; so they
+// give the same bits.
+struct QuantMatrix {
+  const void* q;
+  const void* scale;
+  const void* zero;  // int4: the group minimums
+  int64_t N;
+  int64_t group;  // int4: rows per group (even); int8: K
+  bool int4;
+  bool bf16_scales;
+};
+
 struct KernelTable {
   const char* isa;  // "avx512", "avx2", "generic"
   int vl;           // floats per vector
   int mr;           // rows per packed m-panel
   // GEMM1, packed, one K-block of K rows: out[r*rs + c*cs] = act(a@gate)*(a@up),
   // r < rows, c < cols <= vl; `c` holds mr * 2vl partial sums (PartialFlags).
+  // `scale` (int8 experts, else null): the vl gate then vl up column scales,
+  // applied to the sums before the activation.
   void (*gemm1)(const float* a, const float* b, int64_t K, int act, int rows, int cols,
-                float* out, int64_t rs, int64_t cs, float* c, int flags);
+                float* out, int64_t rs, int64_t cs, float* c, int flags, const float* scale);
   // GEMM2, packed, one K-block: out[r*rs + c] = w[r] * (a@down), r < rows,
-  // c < cols <= 2*vl; partial sums as gemm1.
+  // c < cols <= 2*vl; partial sums as gemm1; `scale`: 2vl column scales or null.
   void (*gemm2)(const float* a, const float* b, int64_t K, const float* w, int rows,
-                int cols, float* out, int64_t rs, float* c, int flags);
+                int cols, float* out, int64_t rs, float* c, int flags, const float* scale);
   // Streaming (decode), rows <= 4 rows a[kk*as + r], weights read in place
   // ([0] float32, [1] bfloat16 bits), `acc` scratch of 2 * rows * ncols floats.
   void (*stream1[2])(const float* a, int64_t as, int rows, const void* wg, const void* wu,
@@ -32,6 +55,19 @@ struct KernelTable {
   void (*stream2[2])(const float* a, int64_t as, int rows, const void* wd, int64_t ld,
                      int64_t K, int ncols, const float* w, float* acc, float* out,
                      int64_t rs);
+  // Quantized experts.  Streaming: as stream1/stream2, the weights being the
+  // columns [n0, n0+ncols) of quantized matrices, dequantized in registers.
+  void (*qstream1)(const float* a, int64_t as, int rows, const QuantMatrix* wg,
+                   const QuantMatrix* wu, int64_t n0, int64_t K, int ncols, int act,
+                   float* acc, float* out, int64_t rs, int64_t cs);
+  void (*qstream2)(const float* a, int64_t as, int rows, const QuantMatrix* wd, int64_t n0,
+                   int64_t K, int ncols, const float* w, float* acc, float* out, int64_t rs);
+  // Packing: rows [k0, k0+kc) of columns [n0, n0+nc) as float32 (int8: q,
+  // unscaled: gemm1/gemm2 apply the scales; int4: dequantized) into panels
+  // `width` (vl or 2vl) columns wide, zero-padded: column n0 + p*width + j of
+  // row k0 + i goes to dst[p*ps + i*rs + j].
+  void (*qpack)(const QuantMatrix* m, int64_t k0, int kc, int64_t n0, int nc, int width,
+                float* dst, int64_t rs, int64_t ps);
 };
 
 // Defined where the target supports them (x86-64: all three).

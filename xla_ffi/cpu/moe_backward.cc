@@ -199,7 +199,7 @@ void GemmTile(const KernelTable& kt, MatA a, MatB<W> b, MatC c, int64_t m0, int6
           for (int r = 0; r < rows; ++r)
             std::memcpy(tile + r * w, cp + r * c.ld, sizeof(float) * cols);
         kt.gemm2(packed_a, packed_b + q * kc * w, kc, ones, rows, cols, cp, c.ld, tile,
-                 load ? kLoadPartial : 0);
+                 load ? kLoadPartial : 0, /*scale=*/nullptr);
         pf.Step(per_call);
       }
     }

@@ -11,7 +11,8 @@
 //
 // The arithmetic is in the micro-kernels of the instruction set chosen at run
 // time (kernel_table.h, kernels.h).  Experts with few rows in the band
-// (decode) skip packing: their weights are streamed once, in place.  Every
+// (decode) skip packing: their weights (float32, bfloat16, int8 or int4) are
+// streamed once, in place.  Every
 // output element is the same kk-ordered sum whatever the kernel, band, tile
 // or thread, so banded and unbanded results are identical bit for bit.  The
 // workspace of a band is one block counted in the account (account.h);
@@ -39,7 +40,7 @@ namespace {
 constexpr int64_t kPanelsPerChunk = 16;  // m-panels per work item
 constexpr int64_t kTileCols = 256;       // output columns per work item
 constexpr int64_t kStreamRows = 4;       // experts with at most this many rows stream
-constexpr int64_t kStreamCols = 1024;    // columns per streamed work item: whole pages
+constexpr int64_t kStreamCols = kMaxStreamCols;  // columns per streamed work item
 static_assert(kStreamCols % kTileCols == 0, "a streamed item covers whole tiles");
 
 // Weight rows per K-block: a packed block (kKBlock rows of a tile, <= 128 kB
@@ -139,12 +140,12 @@ struct Problem {
   const float* topk_w;
   const int32_t* topk_ids;
   // Each expert's matrix, read in place: E addresses per projection (a
-  // stacked array's slices, the buffers of per-expert lists, or QuantExpert
+  // stacked array's slices, the buffers of per-expert lists, or QuantMatrix
   // records for quantized experts).
   const void* const* gate;
   const void* const* up;
   const void* const* down;
-  ffi::DataType w_type;  // U8: quantized (QuantExpert tables)
+  ffi::DataType w_type;  // U8: quantized (QuantMatrix tables)
   void* y;
   int64_t activation;
   bool skip_outside;  // ids outside [0, E) are skipped (expert parallelism), not an error
@@ -166,69 +167,22 @@ inline void CopyPadVec(const W* src, int n, float* dst) {
   for (int c = n; c < VL; ++c) dst[c] = 0.0f;
 }
 
-// One expert's quantized matrix [K, N] (formats of jax_nbx/quant.py): int8
-// q[k, n] * scale[n]; int4 packed two rows per byte (low nibble = even row)
-// q[k, n] * scale[k / group, n] + min[k / group, n].  Scales f32 or bf16.
-struct QuantExpert {
-  const void* q;
-  const void* scale;
-  const void* zero;
-  int64_t N;
-  int64_t group;
-  bool int4;
-  bool bf16_scales;
-};
-
-// A position (row k, column n: offset k * N + n) in a quantized matrix: what
-// the packers' pointer arithmetic does on dense weights, done on an index, so
-// that the same packers dequantize row runs into their float32 stage.
-struct QuantCursor {
-  const QuantExpert* m;
-  int64_t off;
-  QuantCursor operator+(int64_t d) const { return {m, off + d}; }
-};
-
-inline float ScaleAt(const QuantExpert& m, int64_t i) {
-  return m.bf16_scales ? ToFloat(static_cast<const bf16*>(m.scale)[i])
-                       : static_cast<const float*>(m.scale)[i];
-}
-
-// dst[0, VL) = the dequantized values at src[0, n), zero-padded (n <= VL).
-template <int VL>
-inline void CopyPadVec(QuantCursor src, int n, float* dst) {
-  const QuantExpert& m = *src.m;
-  const int64_t k = src.off / m.N, n0 = src.off % m.N;
-  if (!m.int4) {
-    const int8_t* q = static_cast<const int8_t*>(m.q) + k * m.N + n0;
-    for (int c = 0; c < n; ++c) dst[c] = static_cast<float>(q[c]) * ScaleAt(m, n0 + c);
-  } else {
-    const uint8_t* q = static_cast<const uint8_t*>(m.q) + (k / 2) * m.N + n0;
-    const int shift = (k & 1) * 4;
-    const int64_t g = (k / m.group) * m.N + n0;
-    for (int c = 0; c < n; ++c) {
-      const float mn = m.bf16_scales ? ToFloat(static_cast<const bf16*>(m.zero)[g + c])
-                                     : static_cast<const float*>(m.zero)[g + c];
-      dst[c] = static_cast<float>((q[c] >> shift) & 0xF) * ScaleAt(m, g + c) + mn;
-    }
-  }
-  for (int c = n; c < VL; ++c) dst[c] = 0.0f;
-}
-
-// RunRows' weight type for quantized experts: tables hold QuantExpert*.
+// RunRows' weight type for quantized experts: tables hold QuantMatrix*
+// (kernel_table.h); the ISA kernels read them (qstream1/2, qpack).
 struct Quantized {};
 
 template <typename W>
 struct WeightSource {
   using Src = const W*;
-  static constexpr bool kDense = true;  // streamable, prefetchable
+  static constexpr bool kQuant = false;
   static Src At(const void* const* table, int64_t e) { return static_cast<const W*>(table[e]); }
 };
 template <>
 struct WeightSource<Quantized> {
-  using Src = QuantCursor;
-  static constexpr bool kDense = false;  // no streaming or prefetch: through the packers
+  using Src = const QuantMatrix*;
+  static constexpr bool kQuant = true;
   static Src At(const void* const* table, int64_t e) {
-    return {static_cast<const QuantExpert*>(table[e]), 0};
+    return static_cast<const QuantMatrix*>(table[e]);
   }
 };
 
@@ -328,6 +282,31 @@ class Prefetcher {
   int nm_ = 1;
   int64_t ld_ = 0, lines_ = 1, left_ = 0, row_ = 0, mat_ = 0, line_ = 0;
 };
+
+// Column n's scale of an int8 matrix.
+inline float ColumnScale(const QuantMatrix& m, int64_t n) {
+  return m.bf16_scales ? ToFloat(static_cast<const bf16*>(m.scale)[n])
+                       : static_cast<const float*>(m.scale)[n];
+}
+
+// Starts the prefetch of rows [k0, k0+kc) of columns [n0, n0+nc) of a and b
+// (b may be null; ld columns per row).
+template <typename W>
+void StartPrefetch(Prefetcher& pf, const W* a, const W* b, int64_t ld, int64_t k0, int64_t kc,
+                   int64_t n0, int64_t nc) {
+  pf.Start(reinterpret_cast<const char*>(a + n0),
+           b ? reinterpret_cast<const char*>(b + n0) : nullptr, ld * sizeof(W), k0, kc,
+           nc * sizeof(W));
+}
+// Quantized: the q bytes (int4: the byte rows holding those rows); the scales
+// are small next to them and stay cached.
+inline void StartPrefetch(Prefetcher& pf, const QuantMatrix* a, const QuantMatrix* b,
+                          int64_t ld, int64_t k0, int64_t kc, int64_t n0, int64_t nc) {
+  const int64_t d = a->int4 ? 2 : 1;
+  pf.Start(static_cast<const char*>(a->q) + n0,
+           b ? static_cast<const char*>(b->q) + n0 : nullptr, ld, k0 / d,
+           (k0 + kc + d - 1) / d - k0 / d, nc);
+}
 
 template <typename XT>
 void GatherPanel(const XT* x, int64_t H, const int32_t* row_token, int mr, float* dst) {
@@ -451,7 +430,8 @@ void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
   const int mr = kt.mr, vl = kt.vl;
   using WS = WeightSource<W>;
   const int act = static_cast<int>(p.activation);
-  const bool can_stream = WS::kDense && (sizeof(W) == 4 || p.w_type == ffi::DataType::BF16);
+  // dense: f32 and bf16 weights stream (f16 ones always pack); quantized: all
+  const bool can_stream = sizeof(W) == 4 || p.w_type == ffi::DataType::BF16;
   const int w_index = sizeof(W) == 4 ? 0 : 1;
 
   // Gather into packed panels.
@@ -477,18 +457,20 @@ void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     const auto ge = WS::At(p.gate, e);
     const auto ue = WS::At(p.up, e);
     float* scratch = b.scratch + worker * scratch_stride;
-    if constexpr (WS::kDense) {
-      if (can_stream && b.cursor[e] - b.expert_off[e] <= kStreamRows) {
-        // Few rows: stream the weights in place, kStreamCols columns (whole
-        // contiguous rows of W) per item; the other items of the span are empty.
-        if (n0 % kStreamCols != 0) return;
-        const int ns = static_cast<int>(std::min(kStreamCols, I - n0));
-        const int64_t panel = m0 / mr;  // all rows in one panel: kStreamRows <= MR
-        kt.stream1[w_index](b.XO + panel * H * mr, mr, static_cast<int>(m1 - m0), ge + n0,
-                            ue + n0, I, H, ns, act, scratch, b.A2 + panel * I * mr + n0 * mr,
-                            1, mr);
-        return;
-      }
+    if ((WS::kQuant || can_stream) && b.cursor[e] - b.expert_off[e] <= kStreamRows) {
+      // Few rows: stream the weights in place, kStreamCols columns (whole
+      // contiguous rows of W) per item; the other items of the span are empty.
+      if (n0 % kStreamCols != 0) return;
+      const int ns = static_cast<int>(std::min(kStreamCols, I - n0));
+      const int64_t panel = m0 / mr;  // all rows in one panel: kStreamRows <= MR
+      const int rows = static_cast<int>(m1 - m0);
+      float* out = b.A2 + panel * I * mr + n0 * mr;
+      if constexpr (WS::kQuant)
+        kt.qstream1(b.XO + panel * H * mr, mr, rows, ge, ue, n0, H, ns, act, scratch, out, 1, mr);
+      else
+        kt.stream1[w_index](b.XO + panel * H * mr, mr, rows, ge + n0, ue + n0, I, H, ns, act,
+                            scratch, out, 1, mr);
+      return;
     }
     // K-blocks: pack kKBlock rows of the tile (prefetched during the previous
     // block), then run every m-panel of the chunk through each micro-panel,
@@ -497,18 +479,32 @@ void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     float* part = scratch + kKBlock * 2 * kTileCols;
     const int nsub = (nc + vl - 1) / vl;
     const int64_t panels = (m1 - m0 + mr - 1) / mr;
-    Prefetcher pf;  // the first block: all at once, before packing it (dense weights)
-    if constexpr (WS::kDense)
-      pf.Start(reinterpret_cast<const char*>(ge + n0), reinterpret_cast<const char*>(ue + n0),
-               I * sizeof(W), 0, std::min(kKBlock, H), nc * sizeof(W));
+    // int8: the tile's column scales, per micro-panel VL gate then VL up
+    float colscale[2 * kTileCols];
+    const float* scale = nullptr;
+    if constexpr (WS::kQuant) {
+      if (!ge->int4) {
+        for (int q = 0; q < nsub; ++q)
+          for (int j = 0; j < vl; ++j) {
+            const int64_t col = n0 + q * vl + j;
+            colscale[q * 2 * vl + j] = col < n0 + nc ? ColumnScale(*ge, col) : 0.0f;
+            colscale[q * 2 * vl + vl + j] = col < n0 + nc ? ColumnScale(*ue, col) : 0.0f;
+          }
+        scale = colscale;
+      }
+    }
+    Prefetcher pf;  // the first block: all at once, before packing it
+    StartPrefetch(pf, ge, ue, I, 0, std::min(kKBlock, H), n0, nc);
     for (int64_t k0 = 0; k0 < H; k0 += kKBlock) {
       const int kc = static_cast<int>(std::min(kKBlock, H - k0));
       pf.Finish();
-      PackGateUpBlock(ge, ue, I, k0, kc, n0, nc, vl, packed);
-      if constexpr (WS::kDense)
-        if (k0 + kc < H)
-          pf.Start(reinterpret_cast<const char*>(ge + n0), reinterpret_cast<const char*>(ue + n0),
-                   I * sizeof(W), k0 + kc, std::min(kKBlock, H - k0 - kc), nc * sizeof(W));
+      if constexpr (WS::kQuant) {  // gate then up, VL columns each per row
+        kt.qpack(ge, k0, kc, n0, nc, vl, packed, 2 * vl, kc * 2 * vl);
+        kt.qpack(ue, k0, kc, n0, nc, vl, packed + vl, 2 * vl, kc * 2 * vl);
+      } else {
+        PackGateUpBlock(ge, ue, I, k0, kc, n0, nc, vl, packed);
+      }
+      if (k0 + kc < H) StartPrefetch(pf, ge, ue, I, k0 + kc, std::min(kKBlock, H - k0 - kc), n0, nc);
       const int64_t per_call = pf.left() / (nsub * panels) + 1;
       const int flags = (k0 > 0 ? kLoadPartial : 0) | (k0 + kc < H ? kStorePartial : 0);
       for (int q = 0; q < nsub; ++q) {
@@ -518,7 +514,8 @@ void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
           kt.gemm1(b.XO + panel * H * mr + k0 * mr, packed + q * kc * 2 * vl, kc, act,
                    static_cast<int>(std::min<int64_t>(mr, m1 - m)), cols,
                    b.A2 + panel * I * mr + (n0 + q * vl) * mr, 1, mr,
-                   part + (pi * nsub + q) * mr * 2 * vl, flags);
+                   part + (pi * nsub + q) * mr * 2 * vl, flags,
+                   scale ? scale + q * 2 * vl : nullptr);
           pf.Step(per_call);
         }
       }
@@ -536,32 +533,44 @@ void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     const int64_t m0 = b.chunk_begin[c], m1 = b.chunk_end[c];
     const auto de = WS::At(p.down, e);
     float* scratch = b.scratch + worker * scratch_stride;
-    if constexpr (WS::kDense) {
-      if (can_stream && b.cursor[e] - b.expert_off[e] <= kStreamRows) {
-        if (n0 % kStreamCols != 0) return;
-        const int ns = static_cast<int>(std::min(kStreamCols, H - n0));
-        const int64_t panel = m0 / mr;
-        kt.stream2[w_index](b.A2 + panel * I * mr, mr, static_cast<int>(m1 - m0), de + n0, H,
-                            I, ns, b.row_weight + m0, scratch, O + m0 * H + n0, H);
-        return;
-      }
+    if ((WS::kQuant || can_stream) && b.cursor[e] - b.expert_off[e] <= kStreamRows) {
+      if (n0 % kStreamCols != 0) return;
+      const int ns = static_cast<int>(std::min(kStreamCols, H - n0));
+      const int64_t panel = m0 / mr;
+      const int rows = static_cast<int>(m1 - m0);
+      if constexpr (WS::kQuant)
+        kt.qstream2(b.A2 + panel * I * mr, mr, rows, de, n0, I, ns, b.row_weight + m0, scratch,
+                    O + m0 * H + n0, H);
+      else
+        kt.stream2[w_index](b.A2 + panel * I * mr, mr, rows, de + n0, H, I, ns,
+                            b.row_weight + m0, scratch, O + m0 * H + n0, H);
+      return;
     }
     float* packed = scratch;
     float* part = scratch + kKBlock * 2 * kTileCols;
     const int nsub = (nc + 2 * vl - 1) / (2 * vl);
     const int64_t panels = (m1 - m0 + mr - 1) / mr;
+    float colscale[kTileCols + 32];  // int8: the tile's column scales
+    const float* scale = nullptr;
+    if constexpr (WS::kQuant) {
+      if (!de->int4) {
+        for (int j = 0; j < nsub * 2 * vl; ++j)
+          colscale[j] = j < nc ? ColumnScale(*de, n0 + j) : 0.0f;
+        scale = colscale;
+      }
+    }
     Prefetcher pf;
-    if constexpr (WS::kDense)
-      pf.Start(reinterpret_cast<const char*>(de + n0), nullptr, H * sizeof(W), 0,
-               std::min(kKBlock, I), nc * sizeof(W));
+    StartPrefetch(pf, de, decltype(de){nullptr}, H, 0, std::min(kKBlock, I), n0, nc);
     for (int64_t k0 = 0; k0 < I; k0 += kKBlock) {
       const int kc = static_cast<int>(std::min(kKBlock, I - k0));
       pf.Finish();
-      PackDownBlock(de, H, k0, kc, n0, nc, vl, packed);
-      if constexpr (WS::kDense)
-        if (k0 + kc < I)
-          pf.Start(reinterpret_cast<const char*>(de + n0), nullptr, H * sizeof(W), k0 + kc,
-                   std::min(kKBlock, I - k0 - kc), nc * sizeof(W));
+      if constexpr (WS::kQuant)
+        kt.qpack(de, k0, kc, n0, nc, 2 * vl, packed, 2 * vl, kc * 2 * vl);
+      else
+        PackDownBlock(de, H, k0, kc, n0, nc, vl, packed);
+      if (k0 + kc < I)
+        StartPrefetch(pf, de, decltype(de){nullptr}, H, k0 + kc, std::min(kKBlock, I - k0 - kc),
+                      n0, nc);
       const int64_t per_call = pf.left() / (nsub * panels) + 1;
       const int flags = (k0 > 0 ? kLoadPartial : 0) | (k0 + kc < I ? kStorePartial : 0);
       for (int q = 0; q < nsub; ++q) {
@@ -571,7 +580,7 @@ void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
           kt.gemm2(b.A2 + panel * I * mr + k0 * mr, packed + q * kc * 2 * vl, kc,
                    b.row_weight + m, static_cast<int>(std::min<int64_t>(mr, m1 - m)), cols,
                    O + m * H + n0 + q * 2 * vl, H, part + (pi * nsub + q) * mr * 2 * vl,
-                   flags);
+                   flags, scale ? scale + q * 2 * vl : nullptr);
           pf.Step(per_call);
         }
       }
@@ -866,31 +875,33 @@ ffi::Error FusedMoeForwardListsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
 // Quantized experts (jax_nbx/quant.py formats): `groups` groups of buffers —
 // q of gate, up, down; their scales; (int4) their mins — each one stacked
 // [E, ...] buffer (`stacked`) or E per-expert buffers.  Every size is checked
-// against the format before anything is read; the packers dequantize row
-// runs into their float32 stage (no dequantized copy of a weight).
-ffi::Error FusedMoeForwardQuantImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
-                                    ffi::Buffer<ffi::F32> topk_w, ffi::Buffer<ffi::S32> topk_ids,
-                                    ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y,
-                                    int64_t activation, int64_t band_tokens, int64_t max_workers,
-                                    int64_t skip_outside, int64_t num_experts, int64_t groups,
-                                    int64_t stacked, int64_t intermediate, int64_t int4,
-                                    int64_t group_size) {
+// against the format before anything is read; the ISA's quantized kernels
+// read the bytes in place (streaming) or dequantize K-blocks into the packed
+// float32 stage (no dequantized copy of a whole weight).
+// `trailing` buffers after the weights are ignored (the tests' aliased output).
+ffi::Error ForwardQuant(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> topk_w,
+                        ffi::Buffer<ffi::S32> topk_ids, ffi::RemainingArgs weights,
+                        int64_t trailing, ffi::Result<ffi::AnyBuffer> y, int64_t activation,
+                        int64_t band_tokens, int64_t max_workers, int64_t skip_outside,
+                        int64_t num_experts, int64_t groups, int64_t stacked,
+                        int64_t intermediate, int64_t int4, int64_t group_size) {
   const int64_t E = num_experts, I = intermediate, G = groups;
   const int64_t per = stacked ? 1 : E;
-  if (E < 1 || G != (int4 ? 9 : 6) || static_cast<int64_t>(weights.size()) != G * per)
+  if (E < 1 || G != (int4 ? 9 : 6) ||
+      static_cast<int64_t>(weights.size()) != G * per + trailing)
     return ffi::Error::InvalidArgument("expected " + std::to_string((int4 ? 9 : 6) * per) +
                                        " quantized weight buffers; got " +
                                        std::to_string(weights.size()));
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be [T, H], got " + Shape(xd));
   const int64_t H = xd[1];
-  if (int4 && (group_size <= 0 || H % group_size || I % group_size))
+  if (int4 && (group_size <= 0 || group_size % 2 || H % group_size || I % group_size))
     return ffi::Error::InvalidArgument("int4 group size " + std::to_string(group_size) +
-                                       " must divide H=" + std::to_string(H) + " and I=" +
+                                       " must be even and divide H=" + std::to_string(H) + " and I=" +
                                        std::to_string(I));
   const char* names[3] = {"gate", "up", "down"};
   const char* parts[3] = {"q", "scale", "min"};
-  std::vector<QuantExpert> qe(3 * E);
+  std::vector<QuantMatrix> qe(3 * E);
   for (int64_t g = 0; g < G; ++g) {
     const int proj = static_cast<int>(g % 3), part = static_cast<int>(g / 3);
     const int64_t K = proj < 2 ? H : I, N = proj < 2 ? I : H;
@@ -912,7 +923,7 @@ ffi::Error FusedMoeForwardQuantImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
       for (int64_t e = stacked ? 0 : i; e < (stacked ? E : i + 1); ++e) {
         const void* addr = static_cast<const char*>(b->untyped_data()) +
                            (stacked ? e * want_elems * static_cast<int64_t>(es) : 0);
-        QuantExpert& m = qe[proj * E + e];
+        QuantMatrix& m = qe[proj * E + e];
         m.N = N;
         m.group = int4 ? group_size : K;
         m.int4 = int4 != 0;
@@ -925,13 +936,39 @@ ffi::Error FusedMoeForwardQuantImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
       }
     }
   }
-  for (const QuantExpert& m : qe)
+  for (const QuantMatrix& m : qe)
     if (int4 && m.zero == nullptr) return ffi::Error::InvalidArgument("int4 experts need mins");
   std::vector<const void*> tables(3 * E);
   for (int64_t i = 0; i < 3 * E; ++i) tables[i] = &qe[i];
   return RunForward(pool, x, topk_w, topk_ids, E, I, ffi::DataType::U8, tables.data(),
                     tables.data() + E, tables.data() + 2 * E, y, activation, band_tokens,
                     max_workers, skip_outside);
+}
+
+ffi::Error FusedMoeForwardQuantImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                                    ffi::Buffer<ffi::F32> topk_w, ffi::Buffer<ffi::S32> topk_ids,
+                                    ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y,
+                                    int64_t activation, int64_t band_tokens, int64_t max_workers,
+                                    int64_t skip_outside, int64_t num_experts, int64_t groups,
+                                    int64_t stacked, int64_t intermediate, int64_t int4,
+                                    int64_t group_size) {
+  return ForwardQuant(pool, x, topk_w, topk_ids, weights, 0, y, activation, band_tokens,
+                      max_workers, skip_outside, num_experts, groups, stacked, intermediate, int4,
+                      group_size);
+}
+
+// Tests: one more input after the weights, aliased to y (NaN-filled).
+ffi::Error FusedMoeForwardQuantIntoImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                                        ffi::Buffer<ffi::F32> topk_w,
+                                        ffi::Buffer<ffi::S32> topk_ids,
+                                        ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y,
+                                        int64_t activation, int64_t band_tokens,
+                                        int64_t max_workers, int64_t skip_outside,
+                                        int64_t num_experts, int64_t groups, int64_t stacked,
+                                        int64_t intermediate, int64_t int4, int64_t group_size) {
+  return ForwardQuant(pool, x, topk_w, topk_ids, weights, 1, y, activation, band_tokens,
+                      max_workers, skip_outside, num_experts, groups, stacked, intermediate, int4,
+                      group_size);
 }
 
 // Tests: one more input after the weights, aliased to y (NaN-filled).
@@ -989,13 +1026,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardListsCpu, FusedMoeForwardListsImpl,
                               NBX_FORWARD_LISTS_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardListsIntoCpu, FusedMoeForwardListsIntoImpl,
                               NBX_FORWARD_LISTS_BINDING);
+#define NBX_FORWARD_QUANT_BINDING        \
+  NBX_FORWARD_LISTS_BINDING              \
+      .Attr<int64_t>("groups")           \
+      .Attr<int64_t>("stacked")          \
+      .Attr<int64_t>("intermediate")     \
+      .Attr<int64_t>("int4")             \
+      .Attr<int64_t>("group_size")
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardQuantCpu, FusedMoeForwardQuantImpl,
-                              NBX_FORWARD_LISTS_BINDING
-                                  .Attr<int64_t>("groups")
-                                  .Attr<int64_t>("stacked")
-                                  .Attr<int64_t>("intermediate")
-                                  .Attr<int64_t>("int4")
-                                  .Attr<int64_t>("group_size"));
+                              NBX_FORWARD_QUANT_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardQuantIntoCpu, FusedMoeForwardQuantIntoImpl,
+                              NBX_FORWARD_QUANT_BINDING);
 
 // Same op with one more input aliased to y: tests pass a NaN-filled buffer
 // so that a row the handler fails to write shows.
