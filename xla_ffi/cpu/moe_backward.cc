@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "account.h"
+#include "cpu/handler_common.h"
 #include "cpu/kernel_table.h"
 #include "cpu/moe_backward.h"
 #include "dtypes.h"
@@ -53,8 +54,6 @@ namespace {
 constexpr int64_t kKBlock = 128;     // K rows per packed block of B
 constexpr int64_t kTileCols = 256;   // C columns per work item (a multiple of every 2*VL)
 constexpr int64_t kChunkRows = 128;  // C rows per work item
-
-inline size_t AlignUp(size_t n) { return (n + 63) / 64 * 64; }
 
 // Per-worker scratch: a packed K-block of B, a packed m-panel of A, the
 // micro-tile of C being continued, the epilogue's unit weights.
@@ -206,8 +205,6 @@ void GemmTile(const KernelTable& kt, MatA a, MatB<W> b, MatC c, int64_t m0, int6
   }
 }
 
-enum Activation : int64_t { kSwiGLU = 0, kGeGLU = 1 };
-
 // act(g) and act'(g), float32 (the forward's formulas).
 inline void ActGrad(int64_t act, float g, float* f, float* df) {
   if (act == kGeGLU) {
@@ -221,22 +218,6 @@ inline void ActGrad(int64_t act, float g, float* f, float* df) {
   *f = g * s;
   *df = s * (1.0f + g * (1.0f - s));
 }
-
-class Carver {
- public:
-  explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
-  template <typename T>
-  T* Take(int64_t count) {
-    T* p = base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + offset_);
-    offset_ += AlignUp(sizeof(T) * static_cast<size_t>(count));
-    return p;
-  }
-  size_t used() const { return offset_; }
-
- private:
-  char* base_;
-  size_t offset_ = 0;
-};
 
 struct Band {
   int32_t* row_slot;     // [S] slot (t*k + j) of each row; rows ordered by expert
@@ -341,11 +322,6 @@ void GatherRowAny(ffi::DataType t, const void* src, int64_t token, int64_t H, fl
     case ffi::DataType::BF16: GatherRow<bf16>(src, token, H, dst); break;
     default: GatherRow<f16>(src, token, H, dst); break;
   }
-}
-
-template <typename YT>
-void StoreRow(const float* src, int64_t H, YT* dst) {
-  for (int64_t h = 0; h < H; ++h) dst[h] = FromFloat<YT>(src[h]);
 }
 
 template <typename W>
@@ -513,33 +489,14 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
         }
         for (int64_t h = 0; h < H; ++h) first[h] += o[h];
       }
-      char* dst = static_cast<char*>(p.dx) + t * row_bytes;
       if (first == nullptr) {
-        std::memset(dst, 0, row_bytes);
+        std::memset(static_cast<char*>(p.dx) + t * row_bytes, 0, row_bytes);
         continue;
       }
-      switch (p.x_type) {
-        case ffi::DataType::F32: StoreRow(first, H, reinterpret_cast<float*>(dst)); break;
-        case ffi::DataType::BF16: StoreRow(first, H, reinterpret_cast<bf16*>(dst)); break;
-        default: StoreRow(first, H, reinterpret_cast<f16*>(dst)); break;
-      }
+      StoreRowAs(p.x_type, first, H, p.dx, t);
     }
   });
   stages.Mark("combine");
-}
-
-bool IsFloatType(ffi::DataType t) {
-  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
-}
-
-std::string Shape(ffi::AnyBuffer::Dimensions d) {
-  std::string s = "(";
-  for (size_t i = 0; i < d.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(d[i]);
-  }
-  if (d.size() == 1) s += ",";
-  return s + ")";
 }
 
 // Inputs: dy, x [T, H]; topk_weights, topk_ids [T, k]; then the weights: 3
@@ -565,22 +522,13 @@ ffi::Error FusedMoeBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::An
                                        " weight buffers and as many gradient results; got " +
                                        std::to_string(weights.size()) + " and " +
                                        std::to_string(grads.size()));
+  int64_t T, H, k;
+  if (ffi::Error e = CheckRouting(x, topk_w, topk_ids, &T, &H, &k); e.failure()) return e;
   auto xd = x.dimensions();
-  if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be [T, H], got " + Shape(xd));
-  const int64_t T = xd[0], H = xd[1];
-  if (!IsFloatType(x.element_type()))
-    return ffi::Error::InvalidArgument("x must be float32, bfloat16 or float16");
   if (dy.element_type() != x.element_type() || dy.dimensions().size() != 2 ||
       dy.dimensions()[0] != T || dy.dimensions()[1] != H)
     return ffi::Error::InvalidArgument("dy must have x's shape " + Shape(xd) + " and dtype, got " +
                                        Shape(dy.dimensions()));
-  auto wd = topk_w.dimensions();
-  if (wd.size() != 2 || wd[0] != T)
-    return ffi::Error::InvalidArgument("topk_weights must be [T, k] with T=" + std::to_string(T) + ", got " + Shape(wd));
-  const int64_t k = wd[1];
-  auto id = topk_ids.dimensions();
-  if (id.size() != 2 || id[0] != T || id[1] != k)
-    return ffi::Error::InvalidArgument("topk_ids must have the shape of topk_weights " + Shape(wd) + ", got " + Shape(id));
   if (dx->element_type() != x.element_type() || dx->element_count() != x.element_count() ||
       dw->element_count() != topk_w.element_count())
     return ffi::Error::InvalidArgument("dx must be like x and dw like topk_weights");
@@ -632,14 +580,8 @@ ffi::Error FusedMoeBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::An
     }
   }
 
-  // Expert ids are checked before anything is read through them.
   const int32_t* ids = topk_ids.typed_data();
-  for (int64_t i = 0; i < T * k && !skip_outside; ++i) {
-    if (ids[i] < 0 || ids[i] >= E)
-      return ffi::Error::InvalidArgument("topk_ids[" + std::to_string(i / k) + ", " +
-                                         std::to_string(i % k) + "] = " + std::to_string(ids[i]) +
-                                         " is outside [0, " + std::to_string(E) + ")");
-  }
+  if (ffi::Error e = CheckIds(ids, T, k, E, skip_outside != 0); e.failure()) return e;
   // Gradients of experts that receive no rows are zero: written at the end
   // (the others are written by their first band's GEMMs, never zeroed first).
   std::vector<uint8_t> written(E, 0);

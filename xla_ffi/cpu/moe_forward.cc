@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "account.h"
+#include "cpu/handler_common.h"
 #include "cpu/kernel_table.h"
 #include "cpu/moe_forward.h"
 #include "dtypes.h"
@@ -57,27 +58,6 @@ int64_t ScratchFloats(int mr) {
          std::max(kPanelsPerChunk * mr * 2 * kTileCols, 2 * kStreamRows * kStreamCols);
 }
 
-enum Activation : int64_t { kSwiGLU = 0, kGeGLU = 1 };
-
-inline size_t AlignUp(size_t n) { return (n + 63) / 64 * 64; }
-
-// Carves typed arrays out of one workspace block.
-class Carver {
- public:
-  explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
-  // The next array of `count` T (nullptr when only measuring).
-  template <typename T>
-  T* Take(int64_t count) {
-    T* p = base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + offset_);
-    offset_ += AlignUp(sizeof(T) * static_cast<size_t>(count));
-    return p;
-  }
-  size_t used() const { return offset_; }
-
- private:
-  char* base_;
-  size_t offset_ = 0;
-};
 
 // Padded rows: each non-empty expert's group rounds up to whole m-panels.
 int64_t MaxPaddedRows(int64_t S, int64_t E, int mr) {
@@ -318,11 +298,6 @@ void GatherPanel(const XT* x, int64_t H, const int32_t* row_token, int mr, float
       for (int64_t h = 0; h < H; ++h) dst[h * mr + r] = ToFloat(src[h]);
     }
   }
-}
-
-template <typename YT>
-void StoreRow(const float* src, int64_t H, YT* dst) {
-  for (int64_t h = 0; h < H; ++h) dst[h] = FromFloat<YT>(src[h]);
 }
 
 // The rows a band runs, ordered by expert (each expert's rows padded to whole
@@ -613,11 +588,7 @@ void CombineTokens(const Problem& p, ffi::ThreadPool& pool, int workers, int64_t
         std::memset(static_cast<char*>(p.y) + t * row_bytes, 0, row_bytes);
         continue;
       }
-      switch (p.x_type) {
-        case ffi::DataType::F32: StoreRow(first, H, static_cast<float*>(p.y) + t * H); break;
-        case ffi::DataType::BF16: StoreRow(first, H, static_cast<bf16*>(p.y) + t * H); break;
-        default: StoreRow(first, H, static_cast<f16*>(p.y) + t * H); break;
-      }
+      StoreRowAs(p.x_type, first, H, p.y, t);
     }
   });
 }
@@ -672,21 +643,6 @@ void RunExpertGroups(const Problem& p, const KernelTable& kt, ffi::ThreadPool& p
   }
 }
 
-bool IsFloatType(ffi::DataType t) {
-  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 ||
-         t == ffi::DataType::F16;
-}
-
-std::string Shape(ffi::AnyBuffer::Dimensions d) {
-  std::string s = "(";
-  for (size_t i = 0; i < d.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(d[i]);
-  }
-  if (d.size() == 1) s += ",";
-  return s + ")";
-}
-
 // The body shared by stacked and per-expert weights: the tables hold each
 // expert's address per projection; E, I and the weights' dtype were checked
 // by the caller.
@@ -695,34 +651,16 @@ ffi::Error RunForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F
                       const void* const* gate, const void* const* up, const void* const* down,
                       ffi::Result<ffi::AnyBuffer> y, int64_t activation, int64_t band_tokens,
                       int64_t max_workers, int64_t skip_outside) {
-  auto xd = x.dimensions();
-  auto wd = topk_w.dimensions();
-  auto id = topk_ids.dimensions();
-  if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be [T, H], got " + Shape(xd));
-  const int64_t T = xd[0], H = xd[1];
-  if (wd.size() != 2 || wd[0] != T)
-    return ffi::Error::InvalidArgument("topk_weights must be [T, k] with T=" + std::to_string(T) + ", got " + Shape(wd));
-  const int64_t k = wd[1];
-  if (id.size() != 2 || id[0] != T || id[1] != k)
-    return ffi::Error::InvalidArgument("topk_ids must have the shape of topk_weights " + Shape(wd) + ", got " + Shape(id));
-  if (!IsFloatType(x.element_type()))
-    return ffi::Error::InvalidArgument("x must be float32, bfloat16 or float16");
+  int64_t T, H, k;
+  if (ffi::Error e = CheckRouting(x, topk_w, topk_ids, &T, &H, &k); e.failure()) return e;
   if (y->element_type() != x.element_type() || y->dimensions().size() != 2 ||
       y->dimensions()[0] != T || y->dimensions()[1] != H)
     return ffi::Error::InvalidArgument("y must have x's shape and dtype");
   if (activation != kSwiGLU && activation != kGeGLU)
     return ffi::Error::InvalidArgument("unknown activation code " + std::to_string(activation));
 
-  // Expert ids are checked before anything is read through them.
   const int32_t* ids = topk_ids.typed_data();
-  for (int64_t i = 0; i < T * k && !skip_outside; ++i) {
-    if (ids[i] < 0 || ids[i] >= E) {
-      return ffi::Error::InvalidArgument(
-          "topk_ids[" + std::to_string(i / k) + ", " + std::to_string(i % k) +
-          "] = " + std::to_string(ids[i]) + " is outside [0, " +
-          std::to_string(E) + ")");
-    }
-  }
+  if (ffi::Error e = CheckIds(ids, T, k, E, skip_outside != 0); e.failure()) return e;
   if (T == 0 || H == 0) return ffi::Error::Success();
 
   Problem p{T, H, I, E, k, x.untyped_data(), x.element_type(), topk_w.typed_data(), ids,

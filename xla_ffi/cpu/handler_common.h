@@ -1,0 +1,105 @@
+// Pieces the CPU handlers (moe_forward.cc, moe_backward.cc) share: the
+// activation codes, workspace carving, the routing arguments' checks and
+// their messages, storing float32 rows in x's dtype.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "dtypes.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nbx {
+
+enum Activation : int64_t { kSwiGLU = 0, kGeGLU = 1 };
+
+inline size_t AlignUp(size_t n) { return (n + 63) / 64 * 64; }
+
+// Carves typed arrays out of one workspace block.
+class Carver {
+ public:
+  explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
+  // The next array of `count` T (nullptr when only measuring).
+  template <typename T>
+  T* Take(int64_t count) {
+    T* p = base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + offset_);
+    offset_ += AlignUp(sizeof(T) * static_cast<size_t>(count));
+    return p;
+  }
+  size_t used() const { return offset_; }
+
+ private:
+  char* base_;
+  size_t offset_ = 0;
+};
+
+template <typename YT>
+inline void StoreRow(const float* src, int64_t H, YT* dst) {
+  for (int64_t h = 0; h < H; ++h) dst[h] = FromFloat<YT>(src[h]);
+}
+
+// Row `row` of a [*, H] array of dtype t (F32, BF16 or F16) = src.
+inline void StoreRowAs(xla::ffi::DataType t, const float* src, int64_t H, void* base,
+                       int64_t row) {
+  switch (t) {
+    case xla::ffi::DataType::F32: StoreRow(src, H, static_cast<float*>(base) + row * H); break;
+    case xla::ffi::DataType::BF16: StoreRow(src, H, static_cast<bf16*>(base) + row * H); break;
+    default: StoreRow(src, H, static_cast<f16*>(base) + row * H); break;
+  }
+}
+
+inline bool IsFloatType(xla::ffi::DataType t) {
+  return t == xla::ffi::DataType::F32 || t == xla::ffi::DataType::BF16 ||
+         t == xla::ffi::DataType::F16;
+}
+
+inline std::string Shape(xla::ffi::AnyBuffer::Dimensions d) {
+  std::string s = "(";
+  for (size_t i = 0; i < d.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(d[i]);
+  }
+  if (d.size() == 1) s += ",";
+  return s + ")";
+}
+
+// x [T, H] in a float dtype, topk_weights and topk_ids [T, k]; sets T, H, k.
+inline xla::ffi::Error CheckRouting(xla::ffi::AnyBuffer x,
+                                    xla::ffi::Buffer<xla::ffi::F32> topk_w,
+                                    xla::ffi::Buffer<xla::ffi::S32> topk_ids, int64_t* T,
+                                    int64_t* H, int64_t* k) {
+  using xla::ffi::Error;
+  auto xd = x.dimensions();
+  auto wd = topk_w.dimensions();
+  auto id = topk_ids.dimensions();
+  if (xd.size() != 2) return Error::InvalidArgument("x must be [T, H], got " + Shape(xd));
+  *T = xd[0];
+  *H = xd[1];
+  if (wd.size() != 2 || wd[0] != *T)
+    return Error::InvalidArgument("topk_weights must be [T, k] with T=" + std::to_string(*T) +
+                                  ", got " + Shape(wd));
+  *k = wd[1];
+  if (id.size() != 2 || id[0] != *T || id[1] != *k)
+    return Error::InvalidArgument("topk_ids must have the shape of topk_weights " + Shape(wd) +
+                                  ", got " + Shape(id));
+  if (!IsFloatType(x.element_type()))
+    return Error::InvalidArgument("x must be float32, bfloat16 or float16");
+  return Error::Success();
+}
+
+// Every expert id in [0, E), checked before anything is read through them
+// (skipped when ids outside the range mean "held elsewhere").
+inline xla::ffi::Error CheckIds(const int32_t* ids, int64_t T, int64_t k, int64_t E,
+                                bool skip_outside) {
+  for (int64_t i = 0; i < T * k && !skip_outside; ++i) {
+    if (ids[i] < 0 || ids[i] >= E)
+      return xla::ffi::Error::InvalidArgument(
+          "topk_ids[" + std::to_string(i / k) + ", " + std::to_string(i % k) + "] = " +
+          std::to_string(ids[i]) + " is outside [0, " + std::to_string(E) + ")");
+  }
+  return xla::ffi::Error::Success();
+}
+
+}  // namespace nbx
