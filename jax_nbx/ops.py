@@ -160,15 +160,16 @@ def planned_workers() -> int:
 
 
 def plan_band_tokens(T: int, k: int, E: int, H: int, I: int,
-                     max_workspace_bytes: int | None = None) -> int:
+                     max_workspace_bytes: int | None = None, backward: bool = False) -> int:
     """Tokens per band so that one band's workspace fits the CPU headroom
-    (or ``max_workspace_bytes``); equal-sized bands.  Raises DeviceOOMError
-    with the advice when a single token does not fit."""
-    def need(t: int) -> int:
-        return memory.fused_moe_workspace_bytes(t, k, E, H, I)
-
-    return memory.plan_bands(need, T, H, "cpu", max_workspace_bytes,
-                             f"(E={E} k={k} H={H} I={I})")
+    (or ``max_workspace_bytes``); equal-sized bands.  ``backward=True``: the
+    bands of the CPU backward handler (its workspace holds ``2H + 3I``
+    float32 values per slot).  Raises DeviceOOMError with the advice when a
+    single token does not fit."""
+    workspace = (memory.fused_moe_backward_workspace_bytes if backward
+                 else memory.fused_moe_workspace_bytes)
+    return memory.plan_bands(lambda t: workspace(t, k, E, H, I), T, H, "cpu", max_workspace_bytes,
+                             f"({'backward, ' if backward else ''}E={E} k={k} H={H} I={I})")
 
 
 def _ffi_forward(x, w, ids, *weights, activation: str, band_tokens: int,
@@ -210,17 +211,6 @@ def _ffi_forward(x, w, ids, *weights, activation: str, band_tokens: int,
     target = _registry.FORWARD_LISTS_TARGET if lists else _registry.FORWARD_TARGET
     call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
     return call(x, w, ids, *weights, **attrs)
-
-
-def plan_backward_band_tokens(T: int, k: int, E: int, H: int, I: int,
-                              max_workspace_bytes: int | None = None) -> int:
-    """Tokens per band of the CPU backward (its workspace holds ``2H + 3I``
-    float32 values per slot), planned like the forward's bands."""
-    def need(t: int) -> int:
-        return memory.fused_moe_backward_workspace_bytes(t, k, E, H, I)
-
-    return memory.plan_bands(need, T, H, "cpu", max_workspace_bytes,
-                             f"(backward, E={E} k={k} H={H} I={I})")
 
 
 def _ffi_backward(dy, x, w, ids, *weights, activation: str, band_tokens: int,
@@ -280,17 +270,17 @@ def _ffi_op(activation: str, band_tokens: int, platform: str = "cpu", lists: boo
 
     def op_bwd(res, g):
         x, w, ids, experts = res
-        if platform == "cpu" and not is_quantized(experts):
-            T, H = x.shape
-            band = plan_backward_band_tokens(T, ids.shape[1], experts.num_experts, H,
-                                             experts.intermediate, max_workspace_bytes)
-            dx, dw, dws = _ffi_backward(g, x, w, ids, *experts.flat(), activation=activation,
-                                        band_tokens=band, lists=lists, skip_outside=skip_outside)
-            return dx, dw, None, jax.tree.unflatten(jax.tree.structure(experts), dws)
         if is_quantized(experts):  # quantized weights are frozen: dx and dw only
             _, vjp = jax.vjp(lambda x_, w_: moe_reference(x_, w_, ids, experts, activation), x, w)
             dx, dw = vjp(g)
             return dx, dw, None, None
+        if platform == "cpu":
+            T, H = x.shape
+            band = plan_band_tokens(T, ids.shape[1], experts.num_experts, H, experts.intermediate,
+                                    max_workspace_bytes, backward=True)
+            dx, dw, dws = _ffi_backward(g, x, w, ids, *experts.flat(), activation=activation,
+                                        band_tokens=band, lists=lists, skip_outside=skip_outside)
+            return dx, dw, None, jax.tree.unflatten(jax.tree.structure(experts), dws)
         _, vjp = jax.vjp(lambda x_, w_, e_: moe_reference(x_, w_, ids, e_.stacked(), activation),
                          x, w, experts)
         dx, dw, dexperts = vjp(g)

@@ -11,7 +11,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_nbx as nbx
-from jax_nbx.ops import _ffi_backward, plan_backward_band_tokens
+from jax_nbx.ops import _ffi_backward, plan_band_tokens
 from conftest import TOL, make_problem, np_moe_grads, rel_err
 
 NAMES = ("x", "w", "gate", "up", "down")
@@ -93,7 +93,7 @@ def test_backward_writes_every_output():
 
 def test_bands_bit_identical():
     x, w, ids, ex = make_problem(9, 1000, 8, 2, 64, 48)
-    assert plan_backward_band_tokens(1000, 2, 8, 64, 48, "2MB") < 1000  # really banded
+    assert plan_band_tokens(1000, 2, 8, 64, 48, "2MB", backward=True) < 1000  # really banded
     ct = _ct(x.shape)
     one = _grads(x, w, ids, ex, ct)
     banded = _grads(x, w, ids, ex, ct, max_workspace_bytes="2MB")
@@ -136,7 +136,7 @@ def test_backward_refuses_bad_ids():
 def test_backward_budget_too_small_raises_with_advice():
     x, w, ids, ex = make_problem(13, 8, 4, 2, 64, 64)
     with pytest.raises(nbx.DeviceOOMError, match="backward"):
-        plan_backward_band_tokens(8, 2, 4, 64, 64, 1000)
+        plan_band_tokens(8, 2, 4, 64, 64, 1000, backward=True)
 
 
 def test_nan_input_propagates_without_harm():

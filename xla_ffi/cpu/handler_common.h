@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "dtypes.h"
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nbx {
@@ -48,6 +50,35 @@ inline void StoreRowAs(xla::ffi::DataType t, const float* src, int64_t H, void* 
     case xla::ffi::DataType::BF16: StoreRow(src, H, static_cast<bf16*>(base) + row * H); break;
     default: StoreRow(src, H, static_cast<f16*>(base) + row * H); break;
   }
+}
+
+// Tokens [t0, t1): out[t] = the sum over j in order of O[rows[(t-t0)*k + j]]
+// ([*, H] float32 rows, summed in place into the first), stored in dtype
+// `type`; a row is -1 for a skipped slot, and a token whose slots were all
+// skipped gets a zero row (0 is all-zero bits in every dtype).
+inline void CombineSlotRows(xla::ffi::ThreadPool& pool, int workers, int64_t t0, int64_t t1,
+                            int64_t k, const int32_t* rows, float* O, int64_t H,
+                            xla::ffi::DataType type, void* out) {
+  const size_t row_bytes = static_cast<size_t>(H) * xla::ffi::ByteWidth(type);
+  ParallelFor(pool, workers, (t1 - t0 + 15) / 16, [&](int64_t it, int) {
+    for (int64_t t = t0 + it * 16; t < std::min(t1, t0 + it * 16 + 16); ++t) {
+      const int32_t* r = rows + (t - t0) * k;
+      float* first = nullptr;
+      for (int64_t j = 0; j < k; ++j) {
+        if (r[j] < 0) continue;
+        float* o = O + static_cast<int64_t>(r[j]) * H;
+        if (first == nullptr) {
+          first = o;
+          continue;
+        }
+        for (int64_t h = 0; h < H; ++h) first[h] += o[h];
+      }
+      if (first == nullptr)
+        std::memset(static_cast<char*>(out) + t * row_bytes, 0, row_bytes);
+      else
+        StoreRowAs(type, first, H, out, t);
+    }
+  });
 }
 
 inline bool IsFloatType(xla::ffi::DataType t) {

@@ -496,29 +496,8 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
   });
   stages.Mark("gemm_dx");
 
-  // dx[t] = sum over j in order of dX[row(t, j)]; a token with every slot
-  // skipped gets a zero row.
-  const size_t row_bytes = static_cast<size_t>(H) * ffi::ByteWidth(p.x_type);
-  ParallelFor(pool, workers, (t1 - t0 + 15) / 16, [&](int64_t it, int) {
-    for (int64_t t = t0 + it * 16; t < std::min(t1, t0 + it * 16 + 16); ++t) {
-      const int32_t* rows = b.slot_row + (t - t0) * k;
-      float* first = nullptr;
-      for (int64_t j = 0; j < k; ++j) {
-        if (rows[j] < 0) continue;
-        float* o = b.dY + static_cast<int64_t>(rows[j]) * H;
-        if (first == nullptr) {
-          first = o;
-          continue;
-        }
-        for (int64_t h = 0; h < H; ++h) first[h] += o[h];
-      }
-      if (first == nullptr) {
-        std::memset(static_cast<char*>(p.dx) + t * row_bytes, 0, row_bytes);
-        continue;
-      }
-      StoreRowAs(p.x_type, first, H, p.dx, t);
-    }
-  });
+  // dx[t] = sum over j in order of dX[row(t, j)] (zero when every slot was skipped).
+  CombineSlotRows(pool, workers, t0, t1, k, b.slot_row, b.dY, H, p.x_type, p.dx);
   stages.Mark("combine");
 }
 

@@ -564,35 +564,6 @@ void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
 
 }
 
-// Token band: y[t] = sum over j in order of O[row(t, j)] (skipped slots: none).
-void CombineTokens(const Problem& p, ffi::ThreadPool& pool, int workers, int64_t t0,
-                   int64_t t1, const Band& b) {
-  const int64_t H = p.H, k = p.k;
-  float* O = b.XO;
-  const int64_t Tb = t1 - t0;
-  ParallelFor(pool, workers, (Tb + 15) / 16, [&](int64_t it, int) {
-    for (int64_t t = t0 + it * 16; t < std::min(t1, t0 + it * 16 + 16); ++t) {
-      const int32_t* inv = b.inv + (t - t0) * k;
-      float* first = nullptr;
-      for (int64_t j = 0; j < k; ++j) {
-        if (inv[j] < 0) continue;
-        float* o = O + static_cast<int64_t>(inv[j]) * H;
-        if (first == nullptr) {
-          first = o;
-          continue;
-        }
-        for (int64_t h = 0; h < H; ++h) first[h] += o[h];
-      }
-      if (first == nullptr) {  // every slot skipped: a zero row (0 is all-zero bits in every dtype)
-        const size_t row_bytes = static_cast<size_t>(H) * ffi::ByteWidth(p.x_type);
-        std::memset(static_cast<char*>(p.y) + t * row_bytes, 0, row_bytes);
-        continue;
-      }
-      StoreRowAs(p.x_type, first, H, p.y, t);
-    }
-  });
-}
-
 // Expert-major group (float32 y, zeroed before the first group): y[t] += O[row]
 // for the group's rows in order, so that over all groups each y[t] is the sum
 // of its slots' outputs in (expert, j) order whatever the grouping.  Items are
@@ -620,7 +591,8 @@ void RunTokenBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool
                   int workers, int64_t t0, int64_t t1, const Band& b) {
   const int64_t P = PlanTokenBand(p, kt.mr, t0, t1, b);
   RunRows<W>(p, kt, pool, workers, P, Chunks(p, kt.mr, b), b);
-  CombineTokens(p, pool, workers, t0, t1, b);
+  // y[t] = sum over j in order of O[row(t, j)]
+  CombineSlotRows(pool, workers, t0, t1, p.k, b.inv, b.XO, p.H, p.x_type, p.y);
 }
 
 // Float32 x: the call runs in expert-major groups of at most P_max padded
