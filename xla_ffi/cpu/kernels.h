@@ -202,13 +202,127 @@ NBX_AI void AccumulateRows(const float* a, int64_t as, int rows, const W* w, int
   }
 }
 
+// Streaming over bfloat16 weights, R rows (compile time), two rows of W per
+// pass over the accumulators.  2VL weights are loaded as VL 32-bit lanes:
+// lane i holds column 2i in its low half and 2i+1 in its high half, so
+// `lane << 16` is column 2i as float32 and `lane & 0xffff0000` column 2i+1
+// (two instructions per 2VL weights, no shuffles).  The accumulators of each
+// 2VL-column block are kept as [even columns][odd columns] and put back in
+// column order at the end.  Each element is still the chain of a * w in kk
+// order, one FMA per step, as in AccumulateRows and the packed kernels.
+//
+// One pass: NW (1 or 2) rows of W, w[0] then w[1], each row's FMA in turn.
+// The one- and two-row passes are separate functions called from separate
+// places: written as two branches of one loop, GCC hoisted their common
+// product a0 * w0 and lost the FMA contraction (a multiply and an add: other
+// bits than the packed kernels).
+template <int VL, int R, int NW>
+NBX_AI void Bf16Pass(const float (&av)[NW][R], const uint16_t* const (&w)[NW], int ncols,
+                     float* acc) {
+  using V = typename VecT<VL>::type;
+  using U = typename U32T<VL>::type;
+  const int nb = ncols / (2 * VL) * (2 * VL);
+  const U himask = U{} + 0xffff0000u;
+  for (int c = 0; c < nb; c += 2 * VL) {
+    V ve[NW], vo[NW];
+#pragma GCC unroll 2
+    for (int i = 0; i < NW; ++i) {
+      U l;
+      memcpy(&l, w[i] + c, sizeof l);
+      const U e = l << 16, o = l & himask;
+      memcpy(&ve[i], &e, sizeof e);
+      memcpy(&vo[i], &o, sizeof o);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      float* ar = acc + r * ncols + c;
+      V se, so;
+      memcpy(&se, ar, sizeof se);
+      memcpy(&so, ar + VL, sizeof so);
+#pragma GCC unroll 2
+      for (int i = 0; i < NW; ++i) {
+        se += av[i][r] * ve[i];
+        so += av[i][r] * vo[i];
+      }
+      memcpy(ar, &se, sizeof se);
+      memcpy(ar + VL, &so, sizeof so);
+    }
+  }
+  for (int c = nb; c < ncols; ++c) {
+    V f = {};  // lane 0 of a vector: the same FMA as the lanes above
+    V s = {};
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      s[0] = acc[r * ncols + c];
+#pragma GCC unroll 2
+      for (int i = 0; i < NW; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(w[i][c]) << 16;
+        memcpy(&f[0], &bits, 4);
+        s += av[i][r] * f;
+      }
+      acc[r * ncols + c] = s[0];
+    }
+  }
+}
+
+template <int VL, int R>
+void AccumulateRowsBf16R(const float* a, int64_t as, const uint16_t* w, int64_t ld, int64_t K,
+                         int ncols, float* acc) {
+  const int nb = ncols / (2 * VL) * (2 * VL);
+  for (int i = 0; i < R * ncols; ++i) acc[i] = 0.0f;
+  int64_t kk = 0;
+  for (; kk + 1 < K; kk += 2) {
+    float av[2][R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) av[0][r] = a[kk * as + r], av[1][r] = a[(kk + 1) * as + r];
+    const uint16_t* const wr[2] = {w + kk * ld, w + (kk + 1) * ld};
+    Bf16Pass<VL, R, 2>(av, wr, ncols, acc);
+  }
+  if (kk < K) {  // K odd: the last row alone
+    float av[1][R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) av[0][r] = a[kk * as + r];
+    const uint16_t* const wr[1] = {w + kk * ld};
+    Bf16Pass<VL, R, 1>(av, wr, ncols, acc);
+  }
+  // [even][odd] -> column order, per block
+  float tmp[2 * VL];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < nb; c += 2 * VL) {
+      float* ar = acc + r * ncols + c;
+      for (int i = 0; i < VL; ++i) tmp[2 * i] = ar[i], tmp[2 * i + 1] = ar[VL + i];
+      memcpy(ar, tmp, sizeof tmp);
+    }
+}
+
+template <int VL>
+NBX_AI void AccumulateRowsBf16(const float* a, int64_t as, int rows, const uint16_t* w,
+                               int64_t ld, int64_t K, int ncols, float* acc) {
+  switch (rows) {
+    case 1: AccumulateRowsBf16R<VL, 1>(a, as, w, ld, K, ncols, acc); break;
+    case 2: AccumulateRowsBf16R<VL, 2>(a, as, w, ld, K, ncols, acc); break;
+    case 3: AccumulateRowsBf16R<VL, 3>(a, as, w, ld, K, ncols, acc); break;
+    default: AccumulateRowsBf16R<VL, 4>(a, as, w, ld, K, ncols, acc); break;
+  }
+}
+
+// Dense streaming dispatch: float32 rows, or the bfloat16 kernel above.
+template <int VL, typename W>
+NBX_AI void AccumulateRowsW(const float* a, int64_t as, int rows, const W* w, int64_t ld,
+                            int64_t K, int ncols, float* acc) {
+  if constexpr (sizeof(W) == 2)
+    AccumulateRowsBf16<VL>(a, as, rows, w, ld, K, ncols, acc);
+  else
+    AccumulateRows<VL>(a, as, rows, w, ld, K, ncols, acc);
+}
+
 template <int VL, typename W>
 NBX_AI void Gemm1Stream(const float* a, int64_t as, int rows, const W* wg, const W* wu,
                         int64_t ld, int64_t K, int ncols, int act, float* acc, float* out,
                         int64_t rs, int64_t cs) {
-  AccumulateRows<VL>(a, as, rows, wg, ld, K, ncols, acc);
+  AccumulateRowsW<VL>(a, as, rows, wg, ld, K, ncols, acc);
   float* accu = acc + rows * ncols;
-  AccumulateRows<VL>(a, as, rows, wu, ld, K, ncols, accu);
+  AccumulateRowsW<VL>(a, as, rows, wu, ld, K, ncols, accu);
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < ncols; ++c)
       out[r * rs + c * cs] = Act(act, acc[r * ncols + c]) * accu[r * ncols + c];
@@ -218,7 +332,7 @@ template <int VL, typename W>
 NBX_AI void Gemm2Stream(const float* a, int64_t as, int rows, const W* wd, int64_t ld,
                         int64_t K, int ncols, const float* w, float* acc, float* out,
                         int64_t rs) {
-  AccumulateRows<VL>(a, as, rows, wd, ld, K, ncols, acc);
+  AccumulateRowsW<VL>(a, as, rows, wd, ld, K, ncols, acc);
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < ncols; ++c) out[r * rs + c] = w[r] * acc[r * ncols + c];
 }
