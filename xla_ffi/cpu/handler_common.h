@@ -4,6 +4,10 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -132,5 +136,39 @@ inline xla::ffi::Error CheckIds(const int32_t* ids, int64_t T, int64_t k, int64_
   }
   return xla::ffi::Error::Success();
 }
+
+// Stage timings (JAX_NBX_PROFILE=1: one line per band or group on stderr): wall time
+// and the process's CPU time (all threads), which a shared machine disturbs less.
+class Stages {
+ public:
+  explicit Stages(const char* what)
+      : on_(std::getenv("JAX_NBX_PROFILE") != nullptr), what_(what) {
+    Mark(nullptr);
+  }
+  void Mark(const char* name) {
+    if (!on_) return;
+    const auto now = std::chrono::steady_clock::now();
+    const double cpu = static_cast<double>(std::clock()) / CLOCKS_PER_SEC;
+    if (name != nullptr) {
+      char buf[96];
+      std::snprintf(buf, sizeof buf, " %s=%.1f/%.1f", name,
+                    std::chrono::duration<double, std::milli>(now - last_).count(),
+                    (cpu - last_cpu_) * 1e3);
+      line_ += buf;
+    }
+    last_ = now;
+    last_cpu_ = cpu;
+  }
+  ~Stages() {
+    if (on_) std::fprintf(stderr, "jax_nbx %s (wall/cpu ms):%s\n", what_, line_.c_str());
+  }
+
+ private:
+  bool on_;
+  const char* what_;
+  std::string line_;
+  std::chrono::steady_clock::time_point last_;
+  double last_cpu_ = 0;
+};
 
 }  // namespace nbx

@@ -303,36 +303,6 @@ struct Problem {
   uint8_t* written;  // [E]: the expert's gradients hold a partial sum (else unwritten)
 };
 
-// Stage timings (JAX_NBX_PROFILE=1: one line per band on stderr): wall time
-// and the process's CPU time (all threads), which a shared machine disturbs less.
-class Stages {
- public:
-  Stages() : on_(std::getenv("JAX_NBX_PROFILE") != nullptr) { Mark(nullptr); }
-  void Mark(const char* name) {
-    if (!on_) return;
-    const auto now = std::chrono::steady_clock::now();
-    const double cpu = static_cast<double>(std::clock()) / CLOCKS_PER_SEC;
-    if (name != nullptr) {
-      char buf[96];
-      std::snprintf(buf, sizeof buf, " %s=%.1f/%.1fms", name,
-                    std::chrono::duration<double, std::milli>(now - last_).count(),
-                    (cpu - last_cpu_) * 1e3);
-      line_ += buf;
-    }
-    last_ = now;
-    last_cpu_ = cpu;
-  }
-  ~Stages() {
-    if (on_) std::fprintf(stderr, "jax_nbx backward band (wall/cpu):%s\n", line_.c_str());
-  }
-
- private:
-  bool on_;
-  std::string line_;
-  std::chrono::steady_clock::time_point last_;
-  double last_cpu_ = 0;
-};
-
 template <typename T>
 void GatherRow(const void* src, int64_t token, int64_t H, float* dst) {
   const T* s = static_cast<const T*>(src) + token * H;
@@ -353,7 +323,7 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
   const int64_t H = p.H, I = p.I, E = p.E, k = p.k;
   const int64_t s0 = t0 * k, S = (t1 - t0) * k;
   const int64_t scratch_stride = ScratchFloats(kt.mr, kt.vl);
-  Stages stages;
+  Stages stages("backward band");
 
   // Plan: the band's slots ordered by expert, stable in (t, j).
   std::fill(b.expert_off, b.expert_off + E + 1, int64_t{0});

@@ -400,7 +400,7 @@ int64_t PlanGroup(const Problem& p, int mr, SlotPos from, SlotPos to, const Band
 // row's weighted expert output.
 template <typename W>
 void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int workers,
-             int64_t P, int64_t chunks, const Band& b) {
+             int64_t P, int64_t chunks, const Band& b, Stages& st) {
   const int64_t H = p.H, I = p.I;
   const int mr = kt.mr, vl = kt.vl;
   using WS = WeightSource<W>;
@@ -419,6 +419,7 @@ void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
       default: GatherPanel(static_cast<const f16*>(p.x), H, rt, mr, dst); break;
     }
   });
+  st.Mark("gather");
 
   const int64_t scratch_stride = ScratchFloats(mr);
 
@@ -497,6 +498,8 @@ void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     }
   });
 
+  st.Mark("gemm1");
+
   // GEMM2 + routed weight: items (chunk, tile of kTileCols columns of H).
   // Output rows go to O (same memory as the packed x, no longer needed).
   float* O = b.XO;
@@ -561,7 +564,7 @@ void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
       }
     }
   });
-
+  st.Mark("gemm2");
 }
 
 // Expert-major group (float32 y, zeroed before the first group): y[t] += O[row]
@@ -589,10 +592,14 @@ void AccumulateRows(const Problem& p, ffi::ThreadPool& pool, int workers, int64_
 template <typename W>
 void RunTokenBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool,
                   int workers, int64_t t0, int64_t t1, const Band& b) {
+  Stages st("forward band");
   const int64_t P = PlanTokenBand(p, kt.mr, t0, t1, b);
-  RunRows<W>(p, kt, pool, workers, P, Chunks(p, kt.mr, b), b);
+  const int64_t chunks = Chunks(p, kt.mr, b);
+  st.Mark("plan");
+  RunRows<W>(p, kt, pool, workers, P, chunks, b, st);
   // y[t] = sum over j in order of O[row(t, j)]
   CombineSlotRows(pool, workers, t0, t1, p.k, b.inv, b.XO, p.H, p.x_type, p.y);
+  st.Mark("combine");
 }
 
 // Float32 x: the call runs in expert-major groups of at most P_max padded
@@ -607,10 +614,14 @@ void RunExpertGroups(const Problem& p, const KernelTable& kt, ffi::ThreadPool& p
     if (p.topk_ids[i] >= 0 && p.topk_ids[i] < p.E) ++b.total[p.topk_ids[i]];
   std::memset(p.y, 0, static_cast<size_t>(p.T * p.H) * sizeof(float));
   for (SlotPos from{0, 0}; from.e < p.E;) {
+    Stages st("forward group");
     const SlotPos to = NextGroup(p, kt.mr, P_max, from, b);
     const int64_t P = PlanGroup(p, kt.mr, from, to, b);
-    RunRows<W>(p, kt, pool, workers, P, Chunks(p, kt.mr, b), b);
+    const int64_t chunks = Chunks(p, kt.mr, b);
+    st.Mark("plan");
+    RunRows<W>(p, kt, pool, workers, P, chunks, b, st);
     AccumulateRows(p, pool, workers, P, b);
+    st.Mark("accumulate");
     from = to;
   }
 }
