@@ -44,10 +44,12 @@ constexpr int64_t kStreamRows = 4;       // experts with at most this many rows 
 constexpr int64_t kStreamCols = kMaxStreamCols;  // columns per streamed work item
 static_assert(kStreamCols % kTileCols == 0, "a streamed item covers whole tiles");
 
-// Weight rows per K-block: a packed block (kKBlock rows of a tile, <= 128 kB
+// Weight rows per K-block: a packed block (kKBlock rows of a tile, 256 kB
 // in float32) and the partial sums of the chunk's rows stay in L2, one
-// micro-panel of B (kKBlock x 2VL floats) in L1.
-constexpr int64_t kKBlock = 64;
+// micro-panel of B (kKBlock x 2VL floats) in L1.  128 rather than 64: half
+// the partial-sum round trips; OLMoE T=512 f32 ran 6-8% faster (interleaved
+// runs in one process, 2-core Zen 3 with 512 kB L2 per core).
+constexpr int64_t kKBlock = 128;
 
 // Per-worker scratch: one packed K-block of a weight tile (gate||up: 2 *
 // kTileCols columns), then the partial sums of one chunk over the tile's
