@@ -47,7 +47,7 @@ struct KernelTable {
   // c < cols <= 2*vl; partial sums as gemm1; `scale`: 2vl column scales or null.
   void (*gemm2)(const float* a, const float* b, int64_t K, const float* w, int rows,
                 int cols, float* out, int64_t rs, float* c, int flags, const float* scale);
-  // Streaming (decode), rows <= 4 rows a[kk*as + r], weights read in place
+  // Streaming (decode), rows <= 6 rows a[kk*as + r], weights read in place
   // ([0] float32, [1] bfloat16 bits), `acc` scratch of 2 * rows * ncols floats.
   void (*stream1[2])(const float* a, int64_t as, int rows, const void* wg, const void* wu,
                      int64_t ld, int64_t K, int ncols, int act, float* acc, float* out,

@@ -168,7 +168,7 @@ NBX_AI void Gemm2Packed(const float* a, const float* b, int64_t K, const float* 
   }
 }
 
-// Streaming (decode): up to 4 rows, weights read in place, row by row of W
+// Streaming (decode): up to 6 rows, weights read in place, row by row of W
 // (contiguous runs of ncols values; no packing), accumulators in `acc`
 // (memory, L1-resident: 2 * rows * ncols floats).  a[kk*as + r] is row r.
 template <int VL, typename W>
@@ -302,7 +302,9 @@ NBX_AI void AccumulateRowsBf16(const float* a, int64_t as, int rows, const uint1
     case 1: AccumulateRowsBf16R<VL, 1>(a, as, w, ld, K, ncols, acc); break;
     case 2: AccumulateRowsBf16R<VL, 2>(a, as, w, ld, K, ncols, acc); break;
     case 3: AccumulateRowsBf16R<VL, 3>(a, as, w, ld, K, ncols, acc); break;
-    default: AccumulateRowsBf16R<VL, 4>(a, as, w, ld, K, ncols, acc); break;
+    case 4: AccumulateRowsBf16R<VL, 4>(a, as, w, ld, K, ncols, acc); break;
+    case 5: AccumulateRowsBf16R<VL, 5>(a, as, w, ld, K, ncols, acc); break;
+    default: AccumulateRowsBf16R<VL, 6>(a, as, w, ld, K, ncols, acc); break;
   }
 }
 
@@ -594,7 +596,9 @@ void AccumulateRowsQuant(const float* a, int64_t as, int rows, const QuantMatrix
     case 1: AccumulateRowsQFormat<VL, 1>(a, as, m, n0, K, ncols, acc); break;
     case 2: AccumulateRowsQFormat<VL, 2>(a, as, m, n0, K, ncols, acc); break;
     case 3: AccumulateRowsQFormat<VL, 3>(a, as, m, n0, K, ncols, acc); break;
-    default: AccumulateRowsQFormat<VL, 4>(a, as, m, n0, K, ncols, acc); break;
+    case 4: AccumulateRowsQFormat<VL, 4>(a, as, m, n0, K, ncols, acc); break;
+    case 5: AccumulateRowsQFormat<VL, 5>(a, as, m, n0, K, ncols, acc); break;
+    default: AccumulateRowsQFormat<VL, 6>(a, as, m, n0, K, ncols, acc); break;
   }
 }
 
