@@ -257,7 +257,9 @@ NBX_AI void Bf16Pass(const float (&av)[NW][R], const uint16_t* const (&w)[NW], i
 #pragma GCC unroll 2
       for (int i = 0; i < NW; ++i) {
         const uint32_t bits = static_cast<uint32_t>(w[i][c]) << 16;
-        memcpy(&f[0], &bits, 4);
+        float wf;  // (no address of a vector element: Clang refuses it)
+        memcpy(&wf, &bits, 4);
+        f[0] = wf;
         s += av[i][r] * f;
       }
       acc[r * ncols + c] = s[0];
