@@ -297,17 +297,31 @@ void AccumulateRowsBf16R(const float* a, int64_t as, const uint16_t* w, int64_t 
     }
 }
 
+// f(RowsC<R>{}) with R = rows as a compile-time constant, 1..kMaxStreamRows
+// (the streaming kernels' row counts).
+template <int N>
+struct RowsC {
+  static constexpr int value = N;
+};
+template <typename F>
+NBX_AI void WithRows(int rows, const F& f) {
+  static_assert(kMaxStreamRows == 6, "WithRows covers 1..6 rows");
+  switch (rows) {
+    case 1: f(RowsC<1>{}); break;
+    case 2: f(RowsC<2>{}); break;
+    case 3: f(RowsC<3>{}); break;
+    case 4: f(RowsC<4>{}); break;
+    case 5: f(RowsC<5>{}); break;
+    default: f(RowsC<6>{}); break;
+  }
+}
+
 template <int VL>
 NBX_AI void AccumulateRowsBf16(const float* a, int64_t as, int rows, const uint16_t* w,
                                int64_t ld, int64_t K, int ncols, float* acc) {
-  switch (rows) {
-    case 1: AccumulateRowsBf16R<VL, 1>(a, as, w, ld, K, ncols, acc); break;
-    case 2: AccumulateRowsBf16R<VL, 2>(a, as, w, ld, K, ncols, acc); break;
-    case 3: AccumulateRowsBf16R<VL, 3>(a, as, w, ld, K, ncols, acc); break;
-    case 4: AccumulateRowsBf16R<VL, 4>(a, as, w, ld, K, ncols, acc); break;
-    case 5: AccumulateRowsBf16R<VL, 5>(a, as, w, ld, K, ncols, acc); break;
-    default: AccumulateRowsBf16R<VL, 6>(a, as, w, ld, K, ncols, acc); break;
-  }
+  WithRows(rows, [&](auto r) {
+    AccumulateRowsBf16R<VL, decltype(r)::value>(a, as, w, ld, K, ncols, acc);
+  });
 }
 
 // Dense streaming dispatch: float32 rows, or the bfloat16 kernel above.
@@ -594,14 +608,9 @@ void AccumulateRowsQFormat(const float* a, int64_t as, const QuantMatrix& m, int
 template <int VL>
 void AccumulateRowsQuant(const float* a, int64_t as, int rows, const QuantMatrix& m,
                          int64_t n0, int64_t K, int ncols, float* acc) {
-  switch (rows) {
-    case 1: AccumulateRowsQFormat<VL, 1>(a, as, m, n0, K, ncols, acc); break;
-    case 2: AccumulateRowsQFormat<VL, 2>(a, as, m, n0, K, ncols, acc); break;
-    case 3: AccumulateRowsQFormat<VL, 3>(a, as, m, n0, K, ncols, acc); break;
-    case 4: AccumulateRowsQFormat<VL, 4>(a, as, m, n0, K, ncols, acc); break;
-    case 5: AccumulateRowsQFormat<VL, 5>(a, as, m, n0, K, ncols, acc); break;
-    default: AccumulateRowsQFormat<VL, 6>(a, as, m, n0, K, ncols, acc); break;
-  }
+  WithRows(rows, [&](auto r) {
+    AccumulateRowsQFormat<VL, decltype(r)::value>(a, as, m, n0, K, ncols, acc);
+  });
 }
 
 template <int VL>

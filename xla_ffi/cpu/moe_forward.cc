@@ -41,10 +41,7 @@ namespace {
 constexpr int64_t kPanelsPerChunk = 16;  // m-panels per work item
 constexpr int64_t kTileCols = 256;       // output columns per work item
 // Experts with at most this many rows (and at most MR: one m-panel) stream.
-// 6 rather than 4: OLMoE T=32 8-16% and T=64 2-11% faster (f32 and bf16,
-// interleaved runs); streaming up to 12 rows as two passes over the weights
-// was slower than 6.
-constexpr int64_t kStreamRows = 6;
+constexpr int64_t kStreamRows = kMaxStreamRows;
 constexpr int64_t kStreamCols = kMaxStreamCols;  // columns per streamed work item
 static_assert(kStreamCols % kTileCols == 0, "a streamed item covers whole tiles");
 
