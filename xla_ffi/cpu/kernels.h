@@ -58,15 +58,6 @@ NBX_AI typename VecT<VL>::type LoadBf16(const uint16_t* p) {
   return v;
 }
 
-template <typename W, int VL>
-NBX_AI typename VecT<VL>::type LoadW(const W* p) {
-  if constexpr (sizeof(W) == 2) {
-    return LoadBf16<VL>(reinterpret_cast<const uint16_t*>(p));
-  } else {
-    return Load<VL>(reinterpret_cast<const float*>(p));
-  }
-}
-
 NBX_AI float Act(int act, float g) {
   if (act == 1) {  // gelu, tanh approximation
     return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
@@ -168,36 +159,28 @@ NBX_AI void Gemm2Packed(const float* a, const float* b, int64_t K, const float* 
   }
 }
 
-// Streaming (decode): up to 6 rows, weights read in place, row by row of W
-// (contiguous runs of ncols values; no packing), accumulators in `acc`
-// (memory, L1-resident: 2 * rows * ncols floats).  a[kk*as + r] is row r.
-template <int VL, typename W>
-NBX_AI void AccumulateRows(const float* a, int64_t as, int rows, const W* w, int64_t ld,
+// Streaming (decode) over float32 weights: up to 6 rows, weights read in
+// place, row by row of W (contiguous runs of ncols values; no packing),
+// accumulators in `acc` (memory, L1-resident: 2 * rows * ncols floats).
+// a[kk*as + r] is row r.  (bfloat16 weights: AccumulateRowsBf16 below.)
+template <int VL>
+NBX_AI void AccumulateRows(const float* a, int64_t as, int rows, const float* w, int64_t ld,
                            int64_t K, int ncols, float* acc) {
   using V = typename VecT<VL>::type;
   const int nv = ncols / VL * VL;
   for (int i = 0; i < rows * ncols; ++i) acc[i] = 0.0f;
   for (int64_t kk = 0; kk < K; ++kk) {
-    const W* wr = w + kk * ld;
+    const float* wr = w + kk * ld;
     for (int r = 0; r < rows; ++r) {
       const float av = a[kk * as + r];
       float* ar = acc + r * ncols;
       for (int c = 0; c < nv; c += VL) {
         V v;
         memcpy(&v, ar + c, sizeof v);
-        v += av * LoadW<W, VL>(wr + c);
+        v += av * Load<VL>(wr + c);
         memcpy(ar + c, &v, sizeof v);
       }
-      for (int c = nv; c < ncols; ++c) {
-        float wv;
-        if constexpr (sizeof(W) == 2) {
-          uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(wr)[c]) << 16;
-          memcpy(&wv, &bits, 4);
-        } else {
-          wv = reinterpret_cast<const float*>(wr)[c];
-        }
-        ar[c] += av * wv;
-      }
+      for (int c = nv; c < ncols; ++c) ar[c] += av * wr[c];
     }
   }
 }
@@ -331,7 +314,7 @@ NBX_AI void AccumulateRowsW(const float* a, int64_t as, int rows, const W* w, in
   if constexpr (sizeof(W) == 2)
     AccumulateRowsBf16<VL>(a, as, rows, w, ld, K, ncols, acc);
   else
-    AccumulateRows<VL>(a, as, rows, w, ld, K, ncols, acc);
+    AccumulateRows<VL>(a, as, rows, w, ld, K, ncols, acc);  // float
 }
 
 template <int VL, typename W>
