@@ -3,6 +3,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
+#include "abi_export.h"
 #include "account.h"
 #include "cpu/kernel_table.h"
 #include "cpu/moe_backward.h"
@@ -39,6 +40,7 @@ nb::dict StatsDict(const nbx::DeviceStats& s) {
 
 NB_MODULE(_ffi, m) {
   m.doc() = "jax_nbx XLA FFI handlers (CPU) and the memory account";
+  m.def("abi", &nbx::AbiDict, "The cross-language contract (xla_ffi/abi.h) as a dict.");
   m.def("cpu_handlers", []() {
     nb::dict d;
     d["nbx_fused_moe_fwd"] = Capsule(nbx::FusedMoeForwardCpu);

@@ -40,6 +40,10 @@ std::atomic<const KernelTable*> g_active{nullptr};
 
 }  // namespace
 
+const KernelTable* KernelsByName(const char* name) {
+  return Supports(name) ? ByName(name) : nullptr;
+}
+
 bool SelectIsa(const char* name, const char** error) {
   const KernelTable* t = ByName(name);
   if (t == nullptr) {

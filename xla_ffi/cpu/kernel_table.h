@@ -81,6 +81,10 @@ const KernelTable* KernelsGeneric();
 const KernelTable* KernelsAvx2();
 const KernelTable* KernelsAvx512();
 
+// The table of an instruction set by name ("avx512", "avx2", "generic"), or
+// nullptr when the name is unknown or this CPU cannot run it.
+const KernelTable* KernelsByName(const char* name);
+
 // The table in use: JAX_NBX_ISA (avx512|avx2|generic) if set, else the best the
 // CPU supports.  SelectIsa returns false (and the reason) for an unknown name
 // or one this CPU lacks.

@@ -1,0 +1,66 @@
+"""The cross-language contract, read from the compiled module (``xla_ffi/abi.h``).
+
+Every value Python shares with the C++ handlers and the Triton kernels comes
+from here, and here from the header through ``jax_nbx._ffi.abi()``: FFI
+target names, activation codes and constants, weight formats and the order
+of their buffer groups, the CUDA launch-program encoding.  Nothing here is
+written by hand; ``tests/test_contract.py`` checks every consumer.
+"""
+from __future__ import annotations
+
+from . import _ffi
+
+_d = _ffi.abi()
+
+# FFI target names
+TARGET_FORWARD: str = _d["targets"]["forward"]
+TARGET_BACKWARD: str = _d["targets"]["backward"]
+TARGET_CUDA_FORWARD: str = _d["targets"]["cuda_forward"]
+TARGET_CUDA_FORWARD_TABLES: str = _d["targets"]["cuda_forward_tables"]
+TARGET_FORWARD_POISONED: str = _d["targets"]["forward_poisoned"]  # tests only
+TARGET_BACKWARD_POISONED: str = _d["targets"]["backward_poisoned"]  # tests only
+
+# activations: name -> code (the enum attribute "activation", int32)
+ACTIVATIONS: tuple[str, ...] = tuple(_d["activations"])
+ACTIVATION_CODES: dict[str, int] = {n: i for i, n in enumerate(ACTIVATIONS)}
+ACT_SWIGLU: int = ACTIVATION_CODES["swiglu"]
+ACT_GEGLU: int = ACTIVATION_CODES["geglu"]
+GELU_C: float = _d["gelu_c"]
+GELU_B: float = _d["gelu_b"]
+
+# weight formats: name -> code (the enum attribute "format", int32); None = dense
+WEIGHT_FORMATS: tuple[str, ...] = tuple(_d["weight_formats"])
+FORMAT_CODES: dict[str | None, int] = {n: i for i, n in enumerate(WEIGHT_FORMATS)}
+FORMAT_CODES[None] = FORMAT_CODES["dense"]
+PROJECTIONS: tuple[str, ...] = tuple(_d["projections"])  # gate, up, down
+PARTS: tuple[str, ...] = tuple(_d["parts"])  # q, scale, zero (QuantizedWeight attributes)
+_PARTS_OF = tuple(_d["parts_of_format"])
+
+
+def parts_of(fmt: str | None) -> tuple[str, ...]:
+    """The parts a format's weights are passed as, in group order ("dense": the weights)."""
+    return PARTS[:_PARTS_OF[FORMAT_CODES[fmt]]]
+
+
+def group_index(part: int, proj: int) -> int:
+    """Buffer group of (part, projection): groups run part-major."""
+    return part * len(PROJECTIONS) + proj
+
+
+# CUDA launch program (jax_nbx/triton/plan.py encodes, xla_ffi/cuda/program.h decodes)
+ARG_INPUT: int = _d["arg_kinds"]["input"]
+ARG_OUTPUT: int = _d["arg_kinds"]["output"]
+ARG_WORKSPACE: int = _d["arg_kinds"]["workspace"]
+ARG_TABLE: int = _d["arg_kinds"]["table"]
+ARG_I32: int = _d["arg_kinds"]["i32"]
+LAUNCH_HEADER: int = _d["launch_header"]
+ARG_FIELDS: int = _d["arg_fields"]
+IN_X: int = _d["inputs"]["x"]
+IN_W: int = _d["inputs"]["w"]
+IN_IDS: int = _d["inputs"]["ids"]
+IN_GROUP0: int = _d["inputs"]["group0"]
+KERNEL_FIELDS: tuple[str, ...] = tuple(_d["kernel_fields"])
+ERR_NONE: int = _d["err_none"]
+WORKSPACE_ALIGN: int = _d["workspace_align"]
+
+del _d

@@ -1,0 +1,106 @@
+"""Every environment variable jax_nbx reads, in one place.
+
+Read when asked (each function reads its variable now), so a test or a
+notebook may set one before the first call.  A malformed value raises
+ValueError naming the variable.  The C++ handlers read none: what they need
+is handed to them by the Python side (``apply_at_load``).
+
+| variable | meaning | default |
+|---|---|---|
+| ``JAX_NBX_BUDGET`` | the account's budget on every device ("2GiB", bytes) | CPU: half the available memory; CUDA: half of XLA's pool |
+| ``JAX_NBX_ISA`` | the CPU micro-kernels' instruction set (avx512, avx2, generic) | the best the CPU has |
+| ``JAX_NBX_PROFILE`` | print the stages of each CPU band/group to stderr | off |
+| ``JAX_NBX_TABLE_CACHE`` | pointer-table LRU capacity (CUDA) | 256 |
+| ``JAX_NBX_CUDA_CHECK_IDS`` | ``0`` skips the read-back of the expert-id check (CUDA) | on |
+| ``JAX_NBX_CUDA_DECODE_SLOTS`` | at most this many slots take the CUDA decode path | 16 |
+| ``JAX_NBX_CUDA_DECODE_PROGRAMS`` | programs the CUDA decode path's split-K aims at | 1024 |
+| ``JAX_NBX_TRITON_CONFIGS`` | a tile-config JSON file instead of ``configs/<device>.json`` | - |
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, TypeVar
+
+__all__ = ["budget", "isa", "profile", "table_cache", "cuda_check_ids", "cuda_decode_slots",
+           "cuda_decode_programs", "triton_configs", "parse"]
+
+T = TypeVar("T")
+
+
+def _get(var: str) -> str | None:
+    value = os.environ.get(var)
+    return value if value else None
+
+
+def parse(var: str, convert: Callable[[str], T]) -> T | None:
+    """``convert(value)`` of a set variable (None when unset or empty); a
+    conversion error becomes ValueError naming the variable."""
+    value = _get(var)
+    if value is None:
+        return None
+    try:
+        return convert(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{var}={value!r}: {e}") from None
+
+
+def _int_at_least(lo: int) -> Callable[[str], int]:
+    def conv(v: str) -> int:
+        n = int(v)
+        if n < lo:
+            raise ValueError(f"must be an integer >= {lo}")
+        return n
+    return conv
+
+
+def _flag(v: str) -> bool:
+    low = v.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 1/0, true/false, yes/no or on/off")
+
+
+def budget() -> str | None:
+    """``JAX_NBX_BUDGET`` as given (parsed by `jax_nbx.memory.parse_bytes`)."""
+    return _get("JAX_NBX_BUDGET")
+
+
+def isa() -> str | None:
+    """``JAX_NBX_ISA``: "avx512", "avx2" or "generic" (checked when applied)."""
+    return _get("JAX_NBX_ISA")
+
+
+def profile() -> bool:
+    """``JAX_NBX_PROFILE``: any non-empty value other than 0/false/no/off turns it on."""
+    v = _get("JAX_NBX_PROFILE")
+    return v is not None and v.strip().lower() not in ("0", "false", "no", "off")
+
+
+def table_cache() -> int | None:
+    """``JAX_NBX_TABLE_CACHE``: the pointer-table LRU capacity (>= 1)."""
+    return parse("JAX_NBX_TABLE_CACHE", _int_at_least(1))
+
+
+def cuda_check_ids() -> bool:
+    """``JAX_NBX_CUDA_CHECK_IDS`` (default on)."""
+    v = parse("JAX_NBX_CUDA_CHECK_IDS", _flag)
+    return True if v is None else v
+
+
+def cuda_decode_slots() -> int:
+    """``JAX_NBX_CUDA_DECODE_SLOTS`` (default 16)."""
+    v = parse("JAX_NBX_CUDA_DECODE_SLOTS", _int_at_least(0))
+    return 16 if v is None else v
+
+
+def cuda_decode_programs() -> int:
+    """``JAX_NBX_CUDA_DECODE_PROGRAMS`` (default 1024)."""
+    v = parse("JAX_NBX_CUDA_DECODE_PROGRAMS", _int_at_least(1))
+    return 1024 if v is None else v
+
+
+def triton_configs() -> str | None:
+    """``JAX_NBX_TRITON_CONFIGS``: a path, or None."""
+    return _get("JAX_NBX_TRITON_CONFIGS")

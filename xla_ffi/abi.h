@@ -1,0 +1,81 @@
+// The cross-language contract of jax_nbx, written once.
+//
+// Everything that Python (jax_nbx/), the C++ handlers (xla_ffi/) and the
+// Triton kernels (jax_nbx/triton/) must agree on lives here: FFI target names,
+// activation codes and their constants, weight formats and the order of their
+// buffer groups, the CUDA launch-program encoding and its kernel table.  The
+// nanobind module exports all of it (`jax_nbx._ffi.abi()`, read by
+// jax_nbx/_abi.py); Python and Triton read it from there, and
+// tests/test_contract.py checks every consumer against it.  Change a value
+// here and nowhere else.
+#pragma once
+
+#include <cstdint>
+
+namespace nbx::abi {
+
+// ---------------------------------------------------------------- targets
+// FFI target names (registered by jax_nbx/_registry.py).
+// The CPU handlers take every weight format and layout (WeightFormat,
+// stacked or per-expert buffers) through one decoder (cpu/weights.h).
+inline constexpr const char* kTargetForward = "nbx_fused_moe_fwd";
+inline constexpr const char* kTargetBackward = "nbx_fused_moe_bwd";
+inline constexpr const char* kTargetCudaForward = "nbx_fused_moe_fwd_cuda";
+inline constexpr const char* kTargetCudaForwardTables = "nbx_fused_moe_fwd_cuda_tables";
+// Test-only twins (xla_ffi/testing/): the same handlers with one more input
+// per result, aliased to it and NaN-filled, so an unwritten element shows.
+// Registered only by the test suite (jax_nbx._registry.register_testing).
+inline constexpr const char* kTargetForwardPoisoned = "nbx_testing_fused_moe_fwd_poisoned";
+inline constexpr const char* kTargetBackwardPoisoned = "nbx_testing_fused_moe_bwd_poisoned";
+
+// ---------------------------------------------------------------- activations
+// act(gate) * up, then @ down.  Decoded as a typed enum attribute.
+enum class Activation : int32_t { kSwiGLU = 0, kGeGLU = 1 };
+inline constexpr int32_t kNumActivations = 2;
+inline constexpr const char* kActivationNames[kNumActivations] = {"swiglu", "geglu"};
+// GELU, tanh approximation: 0.5 g (1 + tanh(kGeluC (g + kGeluB g^3))).
+inline constexpr double kGeluC = 0.7978845608028654;  // sqrt(2 / pi)
+inline constexpr double kGeluB = 0.044715;
+
+// ---------------------------------------------------------------- weight formats
+// Dense (float32/bfloat16/float16), int8 (per output column), int4 (groups
+// along K, two per byte, low nibble first).  jax_nbx/quant.py owns the math.
+enum class WeightFormat : int32_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
+inline constexpr int32_t kNumWeightFormats = 3;
+inline constexpr const char* kWeightFormatNames[kNumWeightFormats] = {"dense", "int8", "int4"};
+
+// Buffer groups of a call's weights: group g = part * kNumProjections + proj.
+// Each group is one stacked [E, ...] buffer or E per-expert buffers.
+inline constexpr int32_t kNumProjections = 3;
+inline constexpr const char* kProjectionNames[kNumProjections] = {"gate", "up", "down"};
+inline constexpr int32_t kNumParts = 3;
+inline constexpr const char* kPartNames[kNumParts] = {"q", "scale", "zero"};
+// Parts a format carries: dense 1 (the weights), int8 2 (q, scale), int4 3.
+inline constexpr int32_t PartsOf(WeightFormat f) {
+  return f == WeightFormat::kDense ? 1 : (f == WeightFormat::kInt8 ? 2 : 3);
+}
+inline constexpr int32_t GroupsOf(WeightFormat f) { return PartsOf(f) * kNumProjections; }
+inline constexpr int32_t GroupIndex(int32_t part, int32_t proj) {
+  return part * kNumProjections + proj;
+}
+
+// ---------------------------------------------------------------- CUDA launch program
+// int64 program: per launch [kernel, gx, gy, gz, nargs] then nargs x
+// [kind, index, offset].  Built by jax_nbx/triton/plan.py, decoded by
+// xla_ffi/cuda/program.h.
+enum class ArgKind : int64_t { kInput = 0, kOutput = 1, kWorkspace = 2, kTable = 3, kI32 = 4 };
+inline constexpr int64_t kNumArgKinds = 5;
+inline constexpr int64_t kLaunchHeader = 5;  // kernel, gx, gy, gz, nargs
+inline constexpr int64_t kArgFields = 3;     // kind, index, offset
+// Inputs of a CUDA call: x, topk_weights, topk_ids, then each weight group's
+// first buffer (tables are numbered by group the same way).
+inline constexpr int64_t kInputX = 0, kInputW = 1, kInputIds = 2, kInputGroup0 = 3;
+// Kernel table: int64 fields per compiled kernel.
+inline constexpr int64_t kNumKernelFields = 7;
+inline constexpr const char* kKernelFieldNames[kNumKernelFields] = {
+    "name_off", "name_len", "cubin_off", "cubin_len", "num_warps", "shared", "hash"};
+// The expert-id check word: the smallest bad slot, or this when none.
+inline constexpr int32_t kErrNone = 0x7fffffff;
+inline constexpr int64_t kWorkspaceAlign = 256;  // bytes; every workspace array starts aligned
+
+}  // namespace nbx::abi
