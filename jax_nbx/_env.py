@@ -18,11 +18,13 @@ is handed to them by the Python side (``apply_at_load``).
 """
 from __future__ import annotations
 
+import math
 import os
+import re
 from typing import Callable, TypeVar
 
 __all__ = ["budget", "isa", "profile", "table_cache", "cuda_check_ids", "cuda_decode_slots",
-           "cuda_decode_programs", "triton_configs", "parse"]
+           "cuda_decode_programs", "triton_configs", "parse", "parse_bytes", "available_memory"]
 
 T = TypeVar("T")
 
@@ -62,9 +64,69 @@ def _flag(v: str) -> bool:
     raise ValueError("expected 1/0, true/false, yes/no or on/off")
 
 
-def budget() -> str | None:
-    """``JAX_NBX_BUDGET`` as given (parsed by `jax_nbx.memory.parse_bytes`)."""
-    return _get("JAX_NBX_BUDGET")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``2147483648``, ``"2GiB"``, ``"300MB"`` (decimal), ``"1.5G"`` (binary) -> bytes."""
+    if isinstance(value, bool):
+        raise TypeError(f"budget must be a byte count or a string like '2GiB'; got {value!r}")
+    if isinstance(value, (int, float)):
+        n = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot read {value!r} as a byte count; use e.g. 2147483648, '2GiB', "
+                             "'300MB', '1.5G'")
+        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    else:
+        raise TypeError(f"budget must be a byte count or a string like '2GiB'; got {value!r}")
+    if not math.isfinite(n) or n < 0:
+        raise ValueError(f"a byte count must be finite and >= 0; got {value!r}")
+    return int(n)
+
+
+def available_memory() -> int:
+    """Memory available to this process: min(cgroup limit - usage, MemAvailable)."""
+    candidates = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    candidates.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f:
+                raw = f.read().strip()
+            if raw == "max" or int(raw) >= 2**60:
+                continue
+            used = 0
+            try:
+                with open(usage_file) as f:
+                    used = int(f.read().strip())
+            except OSError:
+                pass
+            candidates.append(max(int(raw) - used, 0))
+            break
+        except (OSError, ValueError):
+            continue
+    if not candidates:
+        try:
+            candidates.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError):
+            return 8 * 2**30
+    return min(candidates)
+
+
+def budget() -> int | None:
+    """``JAX_NBX_BUDGET`` in bytes (`parse_bytes`), or None when unset."""
+    return parse("JAX_NBX_BUDGET", parse_bytes)
 
 
 def isa() -> str | None:

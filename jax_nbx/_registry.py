@@ -1,22 +1,28 @@
-"""Registration of the compiled handlers with XLA."""
+"""Loading: the compiled module, its handlers registered with XLA, and the
+environment's settings applied to it, once, here.
+
+The lowest layer of the package: it imports nothing of jax_nbx but the
+compiled module, the contract (`_abi`) and the environment (`_env`), so
+every other module may import it and the state it sets up (budget,
+instruction set, profiling, table capacity) does not depend on which module
+was imported first.
+"""
 from __future__ import annotations
 
-import os
-from typing import Callable
+import importlib.util
 
 import jax
 
-FORWARD_TARGET = "nbx_fused_moe_fwd"
-FORWARD_INTO_TARGET = "nbx_fused_moe_fwd_into"  # tests: output aliased to a poisoned input
-FORWARD_LISTS_TARGET = "nbx_fused_moe_fwd_lists"  # experts as per-expert buffers
-FORWARD_LISTS_INTO_TARGET = "nbx_fused_moe_fwd_lists_into"
-FORWARD_QUANT_TARGET = "nbx_fused_moe_fwd_quant"  # int8 / int4 experts
-BACKWARD_TARGET = "nbx_fused_moe_bwd"  # dx, d(topk_weights), d(experts); stacked or lists
-FORWARD_QUANT_INTO_TARGET = "nbx_fused_moe_fwd_quant_into"  # tests: output aliased to a poisoned input
-CUDA_FORWARD_TARGET = "nbx_fused_moe_fwd_cuda"
-CUDA_FORWARD_TABLES_TARGET = "nbx_fused_moe_fwd_cuda_tables"  # lists and/or quantized experts
+from . import _abi, _env
+
+# Target names (the contract's; kept here for callers of the old names).
+FORWARD_TARGET = _abi.TARGET_FORWARD
+BACKWARD_TARGET = _abi.TARGET_BACKWARD
+CUDA_FORWARD_TARGET = _abi.TARGET_CUDA_FORWARD
+CUDA_FORWARD_TABLES_TARGET = _abi.TARGET_CUDA_FORWARD_TABLES
 
 _PLATFORMS: list[str] = []
+_TESTING_REGISTERED = False
 
 try:
     from . import _ffi
@@ -25,12 +31,6 @@ except ImportError as e:  # pragma: no cover - a broken install
     _IMPORT_ERROR: ImportError | None = e
 else:
     _IMPORT_ERROR = None
-    for _name, _capsule in _ffi.cpu_handlers().items():
-        jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
-    _PLATFORMS.append("cpu")
-    if getattr(_ffi, "has_cuda", False):  # built with nvcc: register for CUDA too
-        for _name, _capsule in _ffi.cuda_handlers().items():
-            jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
 
 
 def ffi_module():
@@ -40,17 +40,40 @@ def ffi_module():
     return _ffi
 
 
-def apply_env(var: str, setter: Callable[[str], object]) -> bool:
-    """Calls setter(value) when the environment variable is set; a bad value
-    raises ValueError naming the variable.  Returns whether it was set."""
-    value = os.environ.get(var)
-    if not value:
-        return False
+def register_testing() -> None:
+    """Registers the test-only targets (xla_ffi/testing/: the handlers with
+    NaN-filled output twins).  Called by the test suite, never by the product."""
+    global _TESTING_REGISTERED
+    if not _TESTING_REGISTERED:
+        for name, capsule in ffi_module().testing_handlers().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+        _TESTING_REGISTERED = True
+
+
+def cuda_unavailable_reason() -> str:
+    """Empty when this build can run the CUDA path, else why not (no CUDA
+    handler compiled in, or no Triton to compile the kernels)."""
+    if _ffi is None or not getattr(_ffi, "has_cuda", False):
+        return "this build of jax_nbx has no CUDA handler (built without nvcc; see README)"
+    if importlib.util.find_spec("triton") is None:
+        return "the CUDA path needs Triton (pip install 'jax_nbx[gpu]')"
+    return ""
+
+
+def platform_is_cuda() -> bool:
+    """Whether JAX's GPU backend is a CUDA one."""
     try:
-        setter(value)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{var}={value!r}: {e}") from None
-    return True
+        return any(d.platform == "gpu" and "cuda" in d.client.platform_version.lower()
+                   for d in jax.devices("gpu")[:1])
+    except RuntimeError:
+        return False
+
+
+def has_handler(platform: str) -> bool:
+    """Whether `fused_moe` has a handler for a JAX backend ("cpu", "gpu")."""
+    if platform == "gpu":
+        return platform_is_cuda() and not cuda_unavailable_reason()
+    return platform in _PLATFORMS
 
 
 def platforms() -> list[str]:
@@ -58,18 +81,24 @@ def platforms() -> list[str]:
     return list(_PLATFORMS) + (["gpu"] if has_handler("gpu") else [])
 
 
-def has_handler(platform: str) -> bool:
-    """Whether `fused_moe` has a handler for a JAX backend ("cpu", "gpu")."""
-    if platform == "gpu":
-        from . import _cuda
+def _apply_environment() -> None:
+    """The settings of `_env`'s variables, applied once at load: the CPU
+    budget (JAX_NBX_BUDGET, else half the available memory), the
+    instruction set, stage profiling, the pointer-table capacity."""
+    budget = _env.budget()
+    _ffi.set_budget("cpu", 0, budget if budget is not None else _env.available_memory() // 2)
+    _env.parse("JAX_NBX_ISA", _ffi.set_cpu_isa)
+    _ffi.set_profile(_env.profile())
+    capacity = _env.table_cache()
+    if capacity is not None and getattr(_ffi, "has_cuda", False):
+        _ffi.cuda_table_set_capacity(capacity)
 
-        return platform_is_cuda() and not _cuda.available()
-    return platform in _PLATFORMS
 
-
-def platform_is_cuda() -> bool:
-    try:
-        return any(d.platform == "gpu" and "cuda" in d.client.platform_version.lower()
-                   for d in jax.devices("gpu")[:1])
-    except RuntimeError:
-        return False
+if _ffi is not None:
+    for _name, _capsule in _ffi.cpu_handlers().items():
+        jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+    _PLATFORMS.append("cpu")
+    if getattr(_ffi, "has_cuda", False):  # built with nvcc: register for CUDA too
+        for _name, _capsule in _ffi.cuda_handlers().items():
+            jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+    _apply_environment()

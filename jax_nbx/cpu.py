@@ -2,14 +2,17 @@
 
 The wheel carries one build of the micro-kernels per instruction set
 ("avx512", "avx2", "generic" on x86-64; "generic" = NEON on arm64) and picks
-the best the CPU supports when first used.  ``JAX_NBX_ISA=avx2`` (read at
-import) or `set_isa` force one, for tests and benchmarks.
+the best the CPU supports when first used.  ``JAX_NBX_ISA=avx2`` (applied
+when the package loads, `jax_nbx._registry`) or `set_isa` force one, for
+tests and benchmarks.
 """
 from __future__ import annotations
 
+import os
+
 from . import _registry
 
-__all__ = ["isa", "supported_isas", "set_isa"]
+__all__ = ["isa", "supported_isas", "set_isa", "planned_workers"]
 
 
 _ffi = _registry.ffi_module
@@ -31,5 +34,8 @@ def set_isa(name: str) -> None:
     _ffi().set_cpu_isa(str(name))
 
 
-if _registry._ffi is not None:
-    _registry.apply_env("JAX_NBX_ISA", set_isa)
+
+def planned_workers() -> int:
+    """Workers the CPU handler may use (XLA's pool threads plus the caller);
+    the workspace plan counts one worker's scratch per worker."""
+    return (os.cpu_count() or 1) + 1

@@ -5,87 +5,25 @@ later ``"cuda:N"``) against a budget.  A request past the budget is refused;
 the refusal says what would have fit (`what_would_have_fit`).  `fused_moe`
 plans its bands from the same numbers so that each fits before it runs.
 
-Default CPU budget: half of the memory available to the process at import
-(the cgroup limit or MemAvailable, whichever is smaller); ``JAX_NBX_BUDGET``
-(e.g. ``"2GiB"``) or `set_budget` override it.
+Default CPU budget: half of the memory available to the process when the
+package loads (the cgroup limit or MemAvailable, whichever is smaller;
+applied by `jax_nbx._registry`); ``JAX_NBX_BUDGET`` (e.g. ``"2GiB"``) or
+`set_budget` override it.
 """
 from __future__ import annotations
 
-import math
-import os
-import re
+from . import _registry, cpu
+from ._env import available_memory, parse_bytes
 
-from . import _registry
-
-__all__ = ["DeviceOOMError", "fused_moe_workspace_bytes", "set_budget", "set_wait", "budget", "headroom", "stats", "report", "reset_peak", "release_cached",
+__all__ = ["DeviceOOMError", "fused_moe_workspace_bytes", "fused_moe_backward_workspace_bytes", "plan_bands", "set_budget", "set_wait", "budget", "headroom", "stats", "report", "reset_peak", "release_cached",
            "last_refusal", "what_would_have_fit", "parse_bytes", "format_bytes", "available_memory"]
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 _ffi = _registry.ffi_module
-
-
-def parse_bytes(value: int | float | str) -> int:
-    """``2147483648``, ``"2GiB"``, ``"300MB"`` (decimal), ``"1.5G"`` (binary) -> bytes."""
-    if isinstance(value, bool):
-        raise TypeError(f"budget must be a byte count or a string like '2GiB'; got {value!r}")
-    if isinstance(value, (int, float)):
-        n = value
-    elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"cannot read {value!r} as a byte count; use e.g. 2147483648, '2GiB', "
-                             "'300MB', '1.5G'")
-        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    else:
-        raise TypeError(f"budget must be a byte count or a string like '2GiB'; got {value!r}")
-    if not math.isfinite(n) or n < 0:
-        raise ValueError(f"a byte count must be finite and >= 0; got {value!r}")
-    return int(n)
 
 
 def format_bytes(n: float) -> str:
     """Decimal units, as in refusal messages: ``'300.0 MB'``."""
     return _ffi().format_bytes(float(n))
-
-
-def available_memory() -> int:
-    """Memory available to this process: min(cgroup limit - usage, MemAvailable)."""
-    candidates = []
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    candidates.append(int(line.split()[1]) * 1024)
-    except OSError:
-        pass
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            with open(limit_file) as f:
-                raw = f.read().strip()
-            if raw == "max" or int(raw) >= 2**60:
-                continue
-            used = 0
-            try:
-                with open(usage_file) as f:
-                    used = int(f.read().strip())
-            except OSError:
-                pass
-            candidates.append(max(int(raw) - used, 0))
-            break
-        except (OSError, ValueError):
-            continue
-    if not candidates:
-        try:
-            candidates.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        except (ValueError, OSError):
-            return 8 * 2**30
-    return min(candidates)
 
 
 def set_budget(nbytes: int | float | str, platform: str = "cpu", device: int = 0) -> int:
@@ -99,33 +37,37 @@ def set_budget(nbytes: int | float | str, platform: str = "cpu", device: int = 0
     return n
 
 
-def fused_moe_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int) -> int:
+def fused_moe_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int, *,
+                              fixed_only: bool = False) -> int:
     """Bytes of workspace the CPU handler takes for one band of ``tokens``
-    tokens (``tokens=0``: the part that does not shrink with the band, mostly
-    one packed weight tile per worker).  The same formula the handler
-    allocates by and `fused_moe` plans with."""
-    from .ops import planned_workers  # ops imports this module
-
+    tokens: per padded slot the packed x row and activations, plus per worker
+    a scratch sized to the problem (one packed K-block of a weight tile and a
+    chunk's partial sums, never more than the band can use).  The same formula
+    the handler allocates by and `fused_moe` plans with.  ``fixed_only``: the
+    part that a smaller band of this call would not shrink below (the
+    per-expert arrays and the scratch)."""
     return int(_ffi().forward_workspace_bytes(int(tokens), int(k), int(E), int(H), int(I),
-                                              planned_workers()))
+                                              cpu.planned_workers(), bool(fixed_only)))
 
 
-def fused_moe_backward_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int) -> int:
+def fused_moe_backward_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int, *,
+                                       fixed_only: bool = False) -> int:
     """Bytes of workspace the CPU backward takes for one band of ``tokens``
     tokens: per slot the gathered x and dy rows and the recomputed
-    activations (float32, ``2H + 3I`` values), plus one packed tile per
-    worker.  The formula the handler allocates by and the plan uses."""
-    from .ops import planned_workers
-
+    activations (float32, ``2H + 3I`` values), plus one tile's scratch per
+    worker (sized to the problem).  The formula the handler allocates by and
+    the plan uses; ``fixed_only`` as in `fused_moe_workspace_bytes`."""
     return int(_ffi().backward_workspace_bytes(int(tokens), int(k), int(E), int(H), int(I),
-                                               planned_workers()))
+                                               cpu.planned_workers(), bool(fixed_only)))
 
 
 def plan_bands(need, T: int, H: int, platform: str, max_workspace_bytes=None,
-               detail: str = "") -> int:
+               detail: str = "", fixed=None) -> int:
     """Tokens per band so that one band's workspace ``need(tokens)`` fits the
     headroom of ``platform``:0 (or ``max_workspace_bytes``); equal-sized
-    bands.  Raises DeviceOOMError with the advice when one token does not fit."""
+    bands.  Raises DeviceOOMError with the advice when one token does not fit.
+    ``fixed(tokens)``: the part of a band's bytes that smaller bands keep
+    (default ``need(0)``), the advice's fixed cost."""
     if max_workspace_bytes is None:
         free, total = headroom(platform), budget(platform)
     else:
@@ -133,9 +75,14 @@ def plan_bands(need, T: int, H: int, platform: str, max_workspace_bytes=None,
     if need(T) <= free:
         return T
     if need(1) > free:
+        # The advice's line through (T, need(T)) must not pass under need(1):
+        # its fixed part is at least the chord's intercept through need(1).
+        fixed_T = fixed(T) if fixed is not None else need(0)
+        chord = (T * need(1) - need(T)) // (T - 1) + 1 if T > 1 else 0
         raise DeviceOOMError.from_numbers(f"fused_moe workspace for T={T} tokens {detail}".rstrip(),
                                           requested=need(T), free=free,
-                                          total=total, shape=(T, H), fixed_bytes=need(0))
+                                          total=total, shape=(T, H),
+                                          fixed_bytes=max(fixed_T, chord))
     lo, hi = 1, T  # need(lo) fits, need(hi) does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -263,6 +210,3 @@ def report() -> str:
     print(text)
     return text
 
-
-if _registry._ffi is not None and not _registry.apply_env("JAX_NBX_BUDGET", set_budget):
-    set_budget(available_memory() // 2)

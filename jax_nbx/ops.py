@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from typing import Literal
 
 import jax
@@ -10,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
-from . import _registry, memory
+from . import _abi, _registry, memory
+from .cpu import planned_workers
 from .experts import FLOAT_DTYPES, Experts
 from .quant import QuantizedWeight, is_quantized, quant_format, weight_groups
 from .reference import ACTIVATIONS, moe_reference
@@ -18,7 +18,6 @@ from .reference import ACTIVATIONS, moe_reference
 __all__ = ["fused_moe", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("ffi", "xla")
-_ACTIVATION_CODES = {"swiglu": 0, "geglu": 1}
 
 
 def _dtype_names() -> str:
@@ -153,12 +152,6 @@ def _resolve_implementation(implementation: str | None) -> str:
     return implementation
 
 
-def planned_workers() -> int:
-    """Workers the CPU handler may use (XLA's pool threads plus the caller);
-    the workspace plan counts one weight panel per worker."""
-    return (os.cpu_count() or 1) + 1
-
-
 def plan_band_tokens(T: int, k: int, E: int, H: int, I: int,
                      max_workspace_bytes: int | None = None, backward: bool = False) -> int:
     """Tokens per band so that one band's workspace fits the CPU headroom
@@ -169,7 +162,18 @@ def plan_band_tokens(T: int, k: int, E: int, H: int, I: int,
     workspace = (memory.fused_moe_backward_workspace_bytes if backward
                  else memory.fused_moe_workspace_bytes)
     return memory.plan_bands(lambda t: workspace(t, k, E, H, I), T, H, "cpu", max_workspace_bytes,
-                             f"({'backward, ' if backward else ''}E={E} k={k} H={H} I={I})")
+                             f"({'backward, ' if backward else ''}E={E} k={k} H={H} I={I})",
+                             fixed=lambda t: workspace(t, k, E, H, I, fixed_only=True))
+
+
+def _poisoned_call(target: str, outs, operands, attrs):
+    """The tests' twin of a handler: one NaN-filled input per result after
+    the operands, aliased to it, so that an element the handler leaves
+    unwritten shows (registered by `_registry.register_testing`)."""
+    twins = [jnp.full(o.shape, jnp.nan, o.dtype) for o in outs]
+    call = jax.ffi.ffi_call(target, outs, vmap_method="sequential",
+                            input_output_aliases={len(operands) + i: i for i in range(len(outs))})
+    return call(*operands, *twins, **attrs)
 
 
 def _ffi_forward(x, w, ids, *weights, activation: str, band_tokens: int,
@@ -178,39 +182,33 @@ def _ffi_forward(x, w, ids, *weights, activation: str, band_tokens: int,
     """The raw FFI call on 2-D inputs (no batching rule, no derivative).
 
     ``weights``: (gate, up, down) stacked, or with ``lists=True`` the E gate
-    arrays, then the E up, then the E down arrays (`Experts.flat`); lists
-    reach the handler as that many buffers and are read in place.
+    arrays, then the E up, then the E down arrays (`Experts.flat`); each dense
+    or a `QuantizedWeight`.  They reach the handler as the contract's buffer
+    groups (`jax_nbx._abi`: gate, up, down, then scales, then zeros), each one
+    stacked buffer or E per-expert buffers, read in place.
     ``band_tokens`` > 0 cuts the tokens into bands of that many (0: one band).
-    ``poison=True`` (tests) hands the handler an output buffer filled with NaN,
-    so any row it fails to write shows.  ``platform="gpu"``: the CUDA handler.
+    ``poison=True`` (tests, CPU) hands the handler an output buffer filled with
+    NaN, so any row it fails to write shows.  ``platform="gpu"``: the CUDA handler.
     ``skip_outside``: slots whose id is outside ``[0, E)`` are skipped, not an error.
     """
     if platform == "gpu":
         from . import _cuda
 
-        return _cuda.forward(x, w, ids, *weights, activation=_ACTIVATION_CODES[activation],
+        return _cuda.forward(x, w, ids, *weights, activation=_abi.ACTIVATION_CODES[activation],
                              band_tokens=band_tokens, lists=lists, skip_outside=skip_outside)
-    attrs = dict(activation=np.int64(_ACTIVATION_CODES[activation]),
+    groups, E, _, quant, _, _ = weight_groups(weights, lists)
+    bufs = [b for g in groups for b in (g if lists else g[:1])]
+    attrs = dict(activation=np.int32(_abi.ACTIVATION_CODES[activation]),
                  band_tokens=np.int64(band_tokens), max_workers=np.int64(planned_workers()),
-                 skip_outside=np.int64(skip_outside))
+                 skip_outside=bool(skip_outside), num_experts=np.int64(E),
+                 format=np.int32(_abi.FORMAT_CODES[quant[0] if quant else None]),
+                 stacked=not lists, group_size=np.int64(quant[1] if quant else 0))
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    if isinstance(weights[0], QuantizedWeight):
-        groups, E, I, quant, _, _ = weight_groups(weights, lists)
-        bufs = [b for g in groups for b in (g if lists else g[:1])]
-        call = jax.ffi.ffi_call(_registry.FORWARD_QUANT_TARGET, out, vmap_method="sequential")
-        return call(x, w, ids, *bufs, num_experts=np.int64(E), groups=np.int64(len(groups)),
-                    stacked=np.int64(not lists), intermediate=np.int64(I),
-                    int4=np.int64(quant[0] == "int4"), group_size=np.int64(quant[1]), **attrs)
-    if lists:
-        attrs["num_experts"] = np.int64(len(weights) // 3)
     if poison:
-        target = _registry.FORWARD_LISTS_INTO_TARGET if lists else _registry.FORWARD_INTO_TARGET
-        n_in = 3 + len(weights)
-        call = jax.ffi.ffi_call(target, out, vmap_method="sequential", input_output_aliases={n_in: 0})
-        return call(x, w, ids, *weights, jnp.full(x.shape, jnp.nan, x.dtype), **attrs)
-    target = _registry.FORWARD_LISTS_TARGET if lists else _registry.FORWARD_TARGET
-    call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
-    return call(x, w, ids, *weights, **attrs)
+        (y,) = _poisoned_call(_abi.TARGET_FORWARD_POISONED, [out], [x, w, ids, *bufs], attrs)
+        return y
+    call = jax.ffi.ffi_call(_abi.TARGET_FORWARD, out, vmap_method="sequential")
+    return call(x, w, ids, *bufs, **attrs)
 
 
 def _ffi_backward(dy, x, w, ids, *weights, activation: str, band_tokens: int,
@@ -222,15 +220,15 @@ def _ffi_backward(dy, x, w, ids, *weights, activation: str, band_tokens: int,
     E = len(weights) // 3 if lists else int(weights[0].shape[0])
     outs = ([jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32)]
             + [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in weights])
-    n_in = 4 + len(weights)
-    twins = [jnp.full(o.shape, jnp.nan, o.dtype) for o in outs] if poison else []
-    call = jax.ffi.ffi_call(_registry.BACKWARD_TARGET, outs, vmap_method="sequential",
-                            input_output_aliases={n_in + i: i for i in range(len(twins))})
-    dx, dw, *dws = call(dy.astype(x.dtype), x, w, ids, *weights, *twins,
-                        activation=np.int64(_ACTIVATION_CODES[activation]),
-                        band_tokens=np.int64(band_tokens), max_workers=np.int64(planned_workers()),
-                        skip_outside=np.int64(skip_outside), num_experts=np.int64(E),
-                        stacked=np.int64(not lists), aliased=np.int64(poison))
+    attrs = dict(activation=np.int32(_abi.ACTIVATION_CODES[activation]),
+                 band_tokens=np.int64(band_tokens), max_workers=np.int64(planned_workers()),
+                 skip_outside=bool(skip_outside), num_experts=np.int64(E), stacked=not lists)
+    operands = [dy.astype(x.dtype), x, w, ids, *weights]
+    if poison:
+        dx, dw, *dws = _poisoned_call(_abi.TARGET_BACKWARD_POISONED, outs, operands, attrs)
+    else:
+        call = jax.ffi.ffi_call(_abi.TARGET_BACKWARD, outs, vmap_method="sequential")
+        dx, dw, *dws = call(*operands, **attrs)
     return dx, dw, [d.astype(a.dtype) for d, a in zip(dws, weights)]
 
 

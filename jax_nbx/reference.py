@@ -13,11 +13,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ._abi import ACTIVATIONS
 from .experts import Experts
 
 __all__ = ["moe_reference", "activation_fn", "ACTIVATIONS"]
-
-ACTIVATIONS = ("swiglu", "geglu")
 
 
 def activation_fn(name: str):

@@ -36,5 +36,3 @@ def set_capacity(n: int) -> None:
     if ffi is not None and getattr(ffi, "has_cuda", False):
         ffi.cuda_table_set_capacity(n)
 
-
-_registry.apply_env("JAX_NBX_TABLE_CACHE", set_capacity)

@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 
 import jax_nbx as nbx
-from jax_nbx import _registry
-from jax_nbx.ops import planned_workers
-from jax_nbx.quant import weight_groups
+from jax_nbx.ops import _ffi_forward
 from conftest import TOL, make_problem, np_moe, rel_err
 
 # max |y - ref| / max |ref| against the ORIGINAL float weights (random Gaussian
@@ -57,17 +55,9 @@ SCALES = {"sf32": jnp.float32, "sbf16": jnp.bfloat16}
 
 def run_quant_poisoned(x, w, ids, q, band_tokens=0):
     """The CPU handler on quantized experts writing into a NaN-filled output
-    buffer (nbx_fused_moe_fwd_quant_into), so any row it fails to write shows."""
-    groups, E, I, quant, _, _ = weight_groups(q.flat(), q.is_list)
-    bufs = [b for g in groups for b in (g if q.is_list else g[:1])]
-    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    call = jax.ffi.ffi_call(_registry.FORWARD_QUANT_INTO_TARGET, out, vmap_method="sequential",
-                            input_output_aliases={3 + len(bufs): 0})
-    return call(x, w, ids, *bufs, jnp.full(x.shape, jnp.nan, x.dtype), activation=np.int64(0),
-                band_tokens=np.int64(band_tokens), max_workers=np.int64(planned_workers()),
-                skip_outside=np.int64(0), num_experts=np.int64(E), groups=np.int64(len(groups)),
-                stacked=np.int64(not q.is_list), intermediate=np.int64(I),
-                int4=np.int64(quant[0] == "int4"), group_size=np.int64(quant[1]))
+    buffer (the test-only twin target), so any row it fails to write shows."""
+    return _ffi_forward(x, w, ids, *q.flat(), activation="swiglu", band_tokens=band_tokens,
+                        lists=q.is_list, poison=True)
 
 
 def _shape(kind, G, wide=False):

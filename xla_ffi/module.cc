@@ -3,11 +3,13 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
+#include "abi.h"
 #include "abi_export.h"
 #include "account.h"
 #include "cpu/kernel_table.h"
 #include "cpu/moe_backward.h"
 #include "cpu/moe_forward.h"
+#include "testing/poisoned_targets.h"
 #ifdef NBX_WITH_CUDA
 #include "cuda/moe_cuda.h"
 #endif
@@ -43,26 +45,29 @@ NB_MODULE(_ffi, m) {
   m.def("abi", &nbx::AbiDict, "The cross-language contract (xla_ffi/abi.h) as a dict.");
   m.def("cpu_handlers", []() {
     nb::dict d;
-    d["nbx_fused_moe_fwd"] = Capsule(nbx::FusedMoeForwardCpu);
-    d["nbx_fused_moe_fwd_into"] = Capsule(nbx::FusedMoeForwardIntoCpu);
-    d["nbx_fused_moe_fwd_lists"] = Capsule(nbx::FusedMoeForwardListsCpu);
-    d["nbx_fused_moe_fwd_lists_into"] = Capsule(nbx::FusedMoeForwardListsIntoCpu);
-    d["nbx_fused_moe_fwd_quant"] = Capsule(nbx::FusedMoeForwardQuantCpu);
-    d["nbx_fused_moe_bwd"] = Capsule(nbx::FusedMoeBackwardCpu);
-    d["nbx_fused_moe_fwd_quant_into"] = Capsule(nbx::FusedMoeForwardQuantIntoCpu);
+    d[nbx::abi::kTargetForward] = Capsule(nbx::FusedMoeForwardCpu);
+    d[nbx::abi::kTargetBackward] = Capsule(nbx::FusedMoeBackwardCpu);
     return d;
   }, "Handler capsules for platform 'cpu', keyed by FFI target name.");
+  m.def("testing_handlers", &nbx::TestingHandlers,
+        "Test-only handler capsules for platform 'cpu' (xla_ffi/testing/).");
+  m.def("set_profile", [](bool on) { nbx::ProfileStages().store(on); },
+        "Prints the CPU handlers' stage timings to stderr (JAX_NBX_PROFILE).");
 
   m.def("forward_workspace_bytes", [](int64_t tokens, int64_t k, int64_t E, int64_t H,
-                                      int64_t I, int workers) {
-    return static_cast<int64_t>(nbx::ForwardWorkspaceBytes(tokens, k, E, H, I, workers));
+                                      int64_t I, int workers, bool fixed_only) {
+    return static_cast<int64_t>(
+        nbx::ForwardWorkspaceBytes(tokens, k, E, H, I, workers, fixed_only));
   }, nb::arg("tokens"), nb::arg("k"), nb::arg("E"), nb::arg("H"), nb::arg("I"),
-     nb::arg("workers"), "Workspace bytes of one CPU forward band of `tokens` tokens.");
+     nb::arg("workers"), nb::arg("fixed_only") = false,
+     "Workspace bytes of one CPU forward band of `tokens` tokens (or its fixed part).");
   m.def("backward_workspace_bytes", [](int64_t tokens, int64_t k, int64_t E, int64_t H,
-                                       int64_t I, int workers) {
-    return static_cast<int64_t>(nbx::BackwardWorkspaceBytes(tokens, k, E, H, I, workers));
+                                       int64_t I, int workers, bool fixed_only) {
+    return static_cast<int64_t>(
+        nbx::BackwardWorkspaceBytes(tokens, k, E, H, I, workers, fixed_only));
   }, nb::arg("tokens"), nb::arg("k"), nb::arg("E"), nb::arg("H"), nb::arg("I"),
-     nb::arg("workers"), "Workspace bytes of one CPU backward band of `tokens` tokens.");
+     nb::arg("workers"), nb::arg("fixed_only") = false,
+     "Workspace bytes of one CPU backward band of `tokens` tokens (or its fixed part).");
 
   m.def("account_unlimited", []() { return nbx::Account::kUnlimited; });
   m.def("set_budget", [](const std::string& platform, int ordinal, int64_t bytes) {
@@ -116,8 +121,8 @@ NB_MODULE(_ffi, m) {
   m.attr("has_cuda") = true;
   m.def("cuda_handlers", []() {
     nb::dict d;
-    d["nbx_fused_moe_fwd_cuda"] = Capsule(nbx::FusedMoeForwardCuda);
-    d["nbx_fused_moe_fwd_cuda_tables"] = Capsule(nbx::FusedMoeForwardCudaTables);
+    d[nbx::abi::kTargetCudaForward] = Capsule(nbx::FusedMoeForwardCuda);
+    d[nbx::abi::kTargetCudaForwardTables] = Capsule(nbx::FusedMoeForwardCudaTables);
     return d;
   }, "Handler capsules for platform 'CUDA', keyed by FFI target name.");
   m.def("cuda_driver_status", []() { return nbx::CudaDriverStatus(); },

@@ -1,25 +1,36 @@
 // Pieces the CPU handlers (moe_forward.cc, moe_backward.cc) share: the
-// activation codes, workspace carving, the routing arguments' checks and
-// their messages, storing float32 rows in x's dtype.
+// typed enum attributes, workspace carving, the routing arguments' checks and
+// their messages, storing float32 rows in x's dtype, stage timings.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <ctime>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
 
+#include "abi.h"
 #include "dtypes.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
+// abi.h's enums travel as typed int32 attributes.
+XLA_FFI_REGISTER_ENUM_ATTR_DECODING(nbx::abi::Activation);
+XLA_FFI_REGISTER_ENUM_ATTR_DECODING(nbx::abi::WeightFormat);
+
 namespace nbx {
 
-enum Activation : int64_t { kSwiGLU = 0, kGeGLU = 1 };
+// An activation code inside abi.h's range, else an error naming it.
+inline xla::ffi::Error CheckActivation(abi::Activation a) {
+  const int32_t c = static_cast<int32_t>(a);
+  if (c < 0 || c >= abi::kNumActivations)
+    return xla::ffi::Error::InvalidArgument("unknown activation code " + std::to_string(c));
+  return xla::ffi::Error::Success();
+}
 
 inline size_t AlignUp(size_t n) { return (n + 63) / 64 * 64; }
 
@@ -137,12 +148,18 @@ inline xla::ffi::Error CheckIds(const int32_t* ids, int64_t T, int64_t k, int64_
   return xla::ffi::Error::Success();
 }
 
-// Stage timings (JAX_NBX_PROFILE=1: one line per band or group on stderr): wall time
-// and the process's CPU time (all threads), which a shared machine disturbs less.
+// Whether Stages print (set from Python: jax_nbx/_env.py's JAX_NBX_PROFILE).
+inline std::atomic<bool>& ProfileStages() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+
+// Stage timings (when profiling: one line per band or group on stderr): wall
+// time and the process's CPU time (all threads), which a shared machine
+// disturbs less.
 class Stages {
  public:
-  explicit Stages(const char* what)
-      : on_(std::getenv("JAX_NBX_PROFILE") != nullptr), what_(what) {
+  explicit Stages(const char* what) : on_(ProfileStages().load()), what_(what) {
     Mark(nullptr);
   }
   void Mark(const char* name) {

@@ -1,5 +1,6 @@
-// The interface between the portable driver (moe_forward.cc) and the
-// micro-kernels of one instruction set (kernels_<isa>.cc); see kernels.h.
+// The interface between the portable drivers (gemm_driver.h, moe_forward.cc,
+// moe_backward.cc) and the micro-kernels of one instruction set
+// (kernels_<isa>.cc); see kernels.h.
 #pragma once
 
 #include <stdint.h>
@@ -43,6 +44,12 @@ struct KernelTable {
   const char* isa;  // "avx512", "avx2", "generic"
   int vl;           // floats per vector
   int mr;           // rows per packed m-panel
+  // Blocking parameters of the drivers (gemm_driver.h), per instruction set
+  // as BLIS keeps them beside its kernels:
+  int kc;            // weight rows per packed K-block
+  int nc;            // output columns per work item (a multiple of 2*vl;
+                     // kMaxStreamCols is a multiple of it)
+  int chunk_panels;  // m-panels per work item of the forward's GEMMs
   // GEMM1, packed, one K-block of K rows: out[r*rs + c*cs] = act(a@gate)*(a@up),
   // r < rows, c < cols <= vl; `c` holds mr * 2vl partial sums (PartialFlags).
   // `scale` (int8 experts, else null): the vl gate then vl up column scales,

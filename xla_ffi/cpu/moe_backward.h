@@ -1,15 +1,64 @@
+// The CPU backward handler of fused_moe (target abi::kTargetBackward).
 #pragma once
 #include <cstddef>
 #include <cstdint>
 
+#include "abi.h"
+#include "cpu/handler_common.h"  // the enum attributes' decoding
 #include "xla/ffi/api/ffi.h"
 
 namespace nbx {
+
 // dx, d(topk_weights) and the experts' gradients (float32) in one call.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeBackwardCpu);
 
+struct BackwardAttrs {
+  abi::Activation activation;
+  int64_t band_tokens;
+  int64_t max_workers;
+  bool skip_outside;
+  int64_t num_experts;
+  bool stacked;
+};
+
+// The backward on dy, x, topk_weights, topk_ids and the dense weight buffers
+// weights[0, size - trailing) (3 stacked or 3E per-expert); the last
+// `trailing` inputs are ignored (the tests' NaN-filled result twins).
+xla::ffi::Error FusedMoeBackward(xla::ffi::ThreadPool pool, xla::ffi::AnyBuffer dy,
+                                 xla::ffi::AnyBuffer x, xla::ffi::Buffer<xla::ffi::F32> topk_w,
+                                 xla::ffi::Buffer<xla::ffi::S32> topk_ids,
+                                 xla::ffi::RemainingArgs weights, size_t trailing,
+                                 xla::ffi::Result<xla::ffi::AnyBuffer> dx,
+                                 xla::ffi::Result<xla::ffi::Buffer<xla::ffi::F32>> dw,
+                                 xla::ffi::RemainingRets grads, const BackwardAttrs& a);
+
 // Bytes of workspace the CPU backward allocates for one band of `tokens`
-// tokens (0 gives the part that does not shrink with the band).
-size_t BackwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H,
-                              int64_t I, int workers);
+// tokens; with `fixed_only` the part a smaller band would not shrink below.
+size_t BackwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
+                              int workers, bool fixed_only = false);
 }  // namespace nbx
+
+// The binding the product target and the tests' twin share.
+#define NBX_BACKWARD_BINDING                                          \
+  ::xla::ffi::Ffi::Bind()                                             \
+      .Ctx<::xla::ffi::ThreadPool>()                                  \
+      .Arg<::xla::ffi::AnyBuffer>()               /* dy [T, H] */     \
+      .Arg<::xla::ffi::AnyBuffer>()               /* x [T, H] */      \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>() /* topk_weights */  \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() /* topk_ids */      \
+      .RemainingArgs()                            /* weights (3 or 3E) */ \
+      .Ret<::xla::ffi::AnyBuffer>()               /* dx [T, H] */     \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>() /* dw [T, k] */     \
+      .RemainingRets()                            /* weight gradients */ \
+      .Attr<::nbx::abi::Activation>("activation")                     \
+      .Attr<int64_t>("band_tokens")                                   \
+      .Attr<int64_t>("max_workers")                                   \
+      .Attr<bool>("skip_outside")                                     \
+      .Attr<int64_t>("num_experts")                                   \
+      .Attr<bool>("stacked")
+
+#define NBX_BACKWARD_ATTR_PARAMS                                                    \
+  ::nbx::abi::Activation activation, int64_t band_tokens, int64_t max_workers,      \
+      bool skip_outside, int64_t num_experts, bool stacked
+#define NBX_BACKWARD_ATTRS \
+  ::nbx::BackwardAttrs { activation, band_tokens, max_workers, skip_outside, num_experts, stacked }

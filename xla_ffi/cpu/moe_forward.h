@@ -1,19 +1,71 @@
+// The CPU forward handler of fused_moe (target abi::kTargetForward).
 #pragma once
 #include <cstddef>
 #include <cstdint>
 
+#include "abi.h"
+#include "cpu/handler_common.h"  // the enum attributes' decoding
 #include "xla/ffi/api/ffi.h"
 
 namespace nbx {
+
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardIntoCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardListsCpu);      // per-expert buffers
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardListsIntoCpu);  // tests: aliased output
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardQuantCpu);      // int8 / int4 experts
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardQuantIntoCpu);  // the same, output aliased (tests)
+
+// The forward's static attributes (one FFI attribute each, same names).
+struct ForwardAttrs {
+  abi::Activation activation;
+  int64_t band_tokens;  // tokens per band; <= 0: one band
+  int64_t max_workers;  // the plan counted scratch for this many workers
+  bool skip_outside;    // ids outside [0, E) are skipped (expert parallelism), not an error
+  int64_t num_experts;
+  abi::WeightFormat format;
+  bool stacked;  // one [E, ...] buffer per group, else E per-expert buffers
+  int64_t group_size;  // int4: rows of K per group
+};
+
+// The forward on x [T, H], topk_weights/topk_ids [T, k] and the weight
+// buffers weights[0, size - trailing) (abi.h's groups); the last `trailing`
+// inputs are ignored (the tests' output twins, xla_ffi/testing/).
+xla::ffi::Error FusedMoeForward(xla::ffi::ThreadPool pool, xla::ffi::AnyBuffer x,
+                                xla::ffi::Buffer<xla::ffi::F32> topk_w,
+                                xla::ffi::Buffer<xla::ffi::S32> topk_ids,
+                                xla::ffi::RemainingArgs weights, size_t trailing,
+                                xla::ffi::Result<xla::ffi::AnyBuffer> y, const ForwardAttrs& a);
 
 // Bytes of workspace the CPU forward allocates for one band of `tokens`
-// tokens (0 gives the part that does not shrink with the band).
-size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H,
-                             int64_t I, int workers);
+// tokens; with `fixed_only` the part of it that a smaller band would not
+// shrink below (per-expert arrays and the per-worker scratch it sizes).
+size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
+                             int workers, bool fixed_only = false);
+
 }  // namespace nbx
+
+// The binding both the product target and the tests' twin use: the inputs,
+// then the weights (and the twin's output buffer) as remaining arguments.
+#define NBX_FORWARD_BINDING                                         \
+  ::xla::ffi::Ffi::Bind()                                           \
+      .Ctx<::xla::ffi::ThreadPool>()                                \
+      .Arg<::xla::ffi::AnyBuffer>()                /* x [T, H] */   \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::F32>>()  /* topk_weights */ \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()  /* topk_ids */   \
+      .RemainingArgs()                             /* weights */    \
+      .Ret<::xla::ffi::AnyBuffer>()                /* y [T, H] */   \
+      .Attr<::nbx::abi::Activation>("activation")                   \
+      .Attr<int64_t>("band_tokens")                                 \
+      .Attr<int64_t>("max_workers")                                 \
+      .Attr<bool>("skip_outside")                                   \
+      .Attr<int64_t>("num_experts")                                 \
+      .Attr<::nbx::abi::WeightFormat>("format")                     \
+      .Attr<bool>("stacked")                                        \
+      .Attr<int64_t>("group_size")
+
+// Forwards the binding's attributes as a ForwardAttrs.
+#define NBX_FORWARD_ATTR_PARAMS                                                         \
+  ::nbx::abi::Activation activation, int64_t band_tokens, int64_t max_workers,          \
+      bool skip_outside, int64_t num_experts, ::nbx::abi::WeightFormat format, bool stacked, \
+      int64_t group_size
+#define NBX_FORWARD_ATTRS                                                              \
+  ::nbx::ForwardAttrs {                                                                \
+    activation, band_tokens, max_workers, skip_outside, num_experts, format, stacked, \
+        group_size                                                                     \
+  }

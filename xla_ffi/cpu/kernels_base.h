@@ -1,0 +1,92 @@
+// The CPU micro-kernels (common part: vector types, loads, the activation,
+// the row-count dispatch), written once with GCC/Clang vector extensions and
+// instantiated per instruction set by kernels_<isa>.cc, each compiled with its
+// own -m flags.  Included ONLY by those files.  Everything here has internal
+// linkage and uses no inline function of the C++ library, so no code compiled
+// for one instruction set can be merged by the linker into another's (or into
+// the portable code).  The portable instantiation (kernels_generic.cc) uses no
+// x86 intrinsics: on arm64 it compiles to NEON.
+//
+// Layouts (float32):
+//   packed A  one m-panel of MR rows: a[kk * MR + r]   (rows past the end are 0)
+//   packed B  one micro-panel of 2*VL columns: b[kk * 2VL + c]
+//             GEMM1: c < VL gate columns, c >= VL the same columns of up
+//             GEMM2: 2VL columns of down
+// Each output element is sum_kk a*b in kk order (one fused multiply-add per
+// step where the instruction set has one), whatever the kernel, the row's
+// place in its panel or the band: results do not depend on how rows group.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "abi.h"
+#include "cpu/kernel_table.h"
+
+namespace nbx {
+namespace {
+
+#define NBX_AI inline __attribute__((always_inline))
+
+template <int VL> struct VecT;
+template <> struct VecT<4> { typedef float type __attribute__((vector_size(16))); };
+template <> struct VecT<8> { typedef float type __attribute__((vector_size(32))); };
+template <> struct VecT<16> { typedef float type __attribute__((vector_size(64))); };
+template <int VL> struct U16T;
+template <> struct U16T<4> { typedef uint16_t type __attribute__((vector_size(8))); };
+template <> struct U16T<8> { typedef uint16_t type __attribute__((vector_size(16))); };
+template <> struct U16T<16> { typedef uint16_t type __attribute__((vector_size(32))); };
+template <int VL> struct U32T;
+template <> struct U32T<4> { typedef uint32_t type __attribute__((vector_size(16))); };
+template <> struct U32T<8> { typedef uint32_t type __attribute__((vector_size(32))); };
+template <> struct U32T<16> { typedef uint32_t type __attribute__((vector_size(64))); };
+
+template <int VL>
+NBX_AI typename VecT<VL>::type Load(const float* p) {
+  typename VecT<VL>::type v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// VL bfloat16 values (raw bits) widened to float32.
+template <int VL>
+NBX_AI typename VecT<VL>::type LoadBf16(const uint16_t* p) {
+  typename U16T<VL>::type h;
+  memcpy(&h, p, sizeof h);
+  typename U32T<VL>::type w = __builtin_convertvector(h, typename U32T<VL>::type) << 16;
+  typename VecT<VL>::type v;
+  memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+// The gate nonlinearity (codes and constants: abi.h).
+NBX_AI float Act(int act, float g) {
+  if (act == static_cast<int>(abi::Activation::kGeGLU)) {  // gelu, tanh approximation
+    constexpr float c = static_cast<float>(abi::kGeluC), b = static_cast<float>(abi::kGeluB);
+    return 0.5f * g * (1.0f + tanhf(c * (g + b * g * g * g)));
+  }
+  return g / (1.0f + expf(-g));  // silu
+}
+
+// f(RowsC<R>{}) with R = rows as a compile-time constant, 1..kMaxStreamRows
+// (the streaming kernels' row counts).
+template <int N>
+struct RowsC {
+  static constexpr int value = N;
+};
+template <typename F>
+NBX_AI void WithRows(int rows, const F& f) {
+  static_assert(kMaxStreamRows == 6, "WithRows covers 1..6 rows");
+  switch (rows) {
+    case 1: f(RowsC<1>{}); break;
+    case 2: f(RowsC<2>{}); break;
+    case 3: f(RowsC<3>{}); break;
+    case 4: f(RowsC<4>{}); break;
+    case 5: f(RowsC<5>{}); break;
+    default: f(RowsC<6>{}); break;
+  }
+}
+
+}  // namespace
+}  // namespace nbx

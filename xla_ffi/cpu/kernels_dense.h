@@ -1,0 +1,266 @@
+// Dense micro-kernels (float32 math on float32/bfloat16 weights): the packed
+// GEMM1/GEMM2 panels and the streaming (decode) kernels.  Part of kernels.h;
+// included only by kernels_<isa>.cc (see kernels_base.h for the rules).
+#pragma once
+
+#include "cpu/kernels_base.h"
+
+namespace nbx {
+namespace {
+
+// lo[r] = c0 + sum_kk a[kk*MR + r] * b[kk*2VL + (0..VL)], hi[r] the same over
+// b[kk*2VL + (VL..2VL)]: the register-blocked loop both packed GEMMs share.
+// c0 is 0, or with `c` the partial sums of the earlier K-blocks (row r: VL lo
+// then VL hi values at c + r*2VL); continuing the chain from stored partial
+// sums gives the same bits as one pass over the whole K.
+template <int VL, int MR>
+NBX_AI void AccumulatePanel(const float* a, const float* b, int64_t K, const float* c,
+                            typename VecT<VL>::type (&lo)[MR],
+                            typename VecT<VL>::type (&hi)[MR]) {
+  using V = typename VecT<VL>::type;
+  if (c != nullptr) {
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      lo[r] = Load<VL>(c + r * 2 * VL);
+      hi[r] = Load<VL>(c + r * 2 * VL + VL);
+    }
+  } else {
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = V{};
+  }
+  for (int64_t kk = 0; kk < K; ++kk) {
+    const V b0 = Load<VL>(b + kk * 2 * VL);
+    const V b1 = Load<VL>(b + kk * 2 * VL + VL);
+    const float* ak = a + kk * MR;
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      lo[r] += ak[r] * b0;
+      hi[r] += ak[r] * b1;
+    }
+  }
+}
+
+template <int VL, int MR>
+NBX_AI void StorePartial(const typename VecT<VL>::type (&lo)[MR],
+                         const typename VecT<VL>::type (&hi)[MR], float* c) {
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    memcpy(c + r * 2 * VL, &lo[r], sizeof lo[r]);
+    memcpy(c + r * 2 * VL + VL, &hi[r], sizeof hi[r]);
+  }
+}
+
+// GEMM1 on one packed m-panel (b: VL gate then VL up columns per row), one
+// K-block: starts from the partial sums in c (flags & kLoadPartial) or 0;
+// stores the sums back to c (flags & kStorePartial, more K-blocks follow) or
+// writes out[r*rs + c*cs] = act(g) * u for r < rows, c < cols.  With
+// `scale` (int8 weights, packed unscaled): g and u are first multiplied by
+// their column's scale, scale[c] (gate) and scale[VL + c] (up).
+template <int VL, int MR>
+NBX_AI void Gemm1Packed(const float* a, const float* b, int64_t K, int act,
+                        int rows, int cols, float* out, int64_t rs, int64_t cs,
+                        float* c, int flags, const float* scale) {
+  typename VecT<VL>::type g[MR], u[MR];
+  AccumulatePanel<VL, MR>(a, b, K, (flags & kLoadPartial) ? c : nullptr, g, u);
+  if (flags & kStorePartial) {
+    StorePartial<VL, MR>(g, u, c);
+    return;
+  }
+  if (scale != nullptr) {
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < cols; ++j)
+        out[r * rs + j * cs] = Act(act, g[r][j] * scale[j]) * (u[r][j] * scale[VL + j]);
+    return;
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < cols; ++j) out[r * rs + j * cs] = Act(act, g[r][j]) * u[r][j];
+}
+
+// GEMM2 on one packed m-panel (b: 2VL columns of down per row), one K-block
+// (flags as Gemm1Packed): out[r*rs + c] = w[r] * acc for r < rows, c < cols;
+// with `scale`, w[r] * (acc * scale[c]).
+template <int VL, int MR>
+NBX_AI void Gemm2Packed(const float* a, const float* b, int64_t K, const float* w,
+                        int rows, int cols, float* out, int64_t rs, float* c, int flags,
+                        const float* scale) {
+  typename VecT<VL>::type lo[MR], hi[MR];
+  AccumulatePanel<VL, MR>(a, b, K, (flags & kLoadPartial) ? c : nullptr, lo, hi);
+  if (flags & kStorePartial) {
+    StorePartial<VL, MR>(lo, hi, c);
+    return;
+  }
+  if (scale != nullptr) {
+    for (int r = 0; r < rows; ++r) {
+      for (int j = 0; j < cols && j < VL; ++j) out[r * rs + j] = w[r] * (lo[r][j] * scale[j]);
+      for (int j = VL; j < cols; ++j) out[r * rs + j] = w[r] * (hi[r][j - VL] * scale[j]);
+    }
+    return;
+  }
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < cols && j < VL; ++j) out[r * rs + j] = w[r] * lo[r][j];
+    for (int j = VL; j < cols; ++j) out[r * rs + j] = w[r] * hi[r][j - VL];
+  }
+}
+
+// Streaming (decode) over float32 weights: up to 6 rows, weights read in
+// place, row by row of W (contiguous runs of ncols values; no packing),
+// accumulators in `acc` (memory, L1-resident: 2 * rows * ncols floats).
+// a[kk*as + r] is row r.  (bfloat16 weights: AccumulateRowsBf16 below.)
+template <int VL>
+NBX_AI void AccumulateRows(const float* a, int64_t as, int rows, const float* w, int64_t ld,
+                           int64_t K, int ncols, float* acc) {
+  using V = typename VecT<VL>::type;
+  const int nv = ncols / VL * VL;
+  for (int i = 0; i < rows * ncols; ++i) acc[i] = 0.0f;
+  for (int64_t kk = 0; kk < K; ++kk) {
+    const float* wr = w + kk * ld;
+    for (int r = 0; r < rows; ++r) {
+      const float av = a[kk * as + r];
+      float* ar = acc + r * ncols;
+      for (int c = 0; c < nv; c += VL) {
+        V v;
+        memcpy(&v, ar + c, sizeof v);
+        v += av * Load<VL>(wr + c);
+        memcpy(ar + c, &v, sizeof v);
+      }
+      for (int c = nv; c < ncols; ++c) ar[c] += av * wr[c];
+    }
+  }
+}
+
+// Streaming over bfloat16 weights, R rows (compile time), two rows of W per
+// pass over the accumulators.  2VL weights are loaded as VL 32-bit lanes:
+// lane i holds column 2i in its low half and 2i+1 in its high half, so
+// `lane << 16` is column 2i as float32 and `lane & 0xffff0000` column 2i+1
+// (two instructions per 2VL weights, no shuffles).  The accumulators of each
+// 2VL-column block are kept as [even columns][odd columns] and put back in
+// column order at the end.  Each element is still the chain of a * w in kk
+// order, one FMA per step, as in AccumulateRows and the packed kernels.
+//
+// One pass: NW (1 or 2) rows of W, w[0] then w[1], each row's FMA in turn.
+// The one- and two-row passes are separate functions called from separate
+// places: written as two branches of one loop, GCC hoisted their common
+// product a0 * w0 and lost the FMA contraction (a multiply and an add: other
+// bits than the packed kernels).
+template <int VL, int R, int NW>
+NBX_AI void Bf16Pass(const float (&av)[NW][R], const uint16_t* const (&w)[NW], int ncols,
+                     float* acc) {
+  using V = typename VecT<VL>::type;
+  using U = typename U32T<VL>::type;
+  const int nb = ncols / (2 * VL) * (2 * VL);
+  const U himask = U{} + 0xffff0000u;
+  for (int c = 0; c < nb; c += 2 * VL) {
+    V ve[NW], vo[NW];
+#pragma GCC unroll 2
+    for (int i = 0; i < NW; ++i) {
+      U l;
+      memcpy(&l, w[i] + c, sizeof l);
+      const U e = l << 16, o = l & himask;
+      memcpy(&ve[i], &e, sizeof e);
+      memcpy(&vo[i], &o, sizeof o);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      float* ar = acc + r * ncols + c;
+      V se, so;
+      memcpy(&se, ar, sizeof se);
+      memcpy(&so, ar + VL, sizeof so);
+#pragma GCC unroll 2
+      for (int i = 0; i < NW; ++i) {
+        se += av[i][r] * ve[i];
+        so += av[i][r] * vo[i];
+      }
+      memcpy(ar, &se, sizeof se);
+      memcpy(ar + VL, &so, sizeof so);
+    }
+  }
+  for (int c = nb; c < ncols; ++c) {
+    V f = {};  // lane 0 of a vector: the same FMA as the lanes above
+    V s = {};
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      s[0] = acc[r * ncols + c];
+#pragma GCC unroll 2
+      for (int i = 0; i < NW; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(w[i][c]) << 16;
+        float wf;  // (no address of a vector element: Clang refuses it)
+        memcpy(&wf, &bits, 4);
+        f[0] = wf;
+        s += av[i][r] * f;
+      }
+      acc[r * ncols + c] = s[0];
+    }
+  }
+}
+
+template <int VL, int R>
+void AccumulateRowsBf16R(const float* a, int64_t as, const uint16_t* w, int64_t ld, int64_t K,
+                         int ncols, float* acc) {
+  const int nb = ncols / (2 * VL) * (2 * VL);
+  for (int i = 0; i < R * ncols; ++i) acc[i] = 0.0f;
+  int64_t kk = 0;
+  for (; kk + 1 < K; kk += 2) {
+    float av[2][R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) av[0][r] = a[kk * as + r], av[1][r] = a[(kk + 1) * as + r];
+    const uint16_t* const wr[2] = {w + kk * ld, w + (kk + 1) * ld};
+    Bf16Pass<VL, R, 2>(av, wr, ncols, acc);
+  }
+  if (kk < K) {  // K odd: the last row alone
+    float av[1][R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) av[0][r] = a[kk * as + r];
+    const uint16_t* const wr[1] = {w + kk * ld};
+    Bf16Pass<VL, R, 1>(av, wr, ncols, acc);
+  }
+  // [even][odd] -> column order, per block
+  float tmp[2 * VL];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < nb; c += 2 * VL) {
+      float* ar = acc + r * ncols + c;
+      for (int i = 0; i < VL; ++i) tmp[2 * i] = ar[i], tmp[2 * i + 1] = ar[VL + i];
+      memcpy(ar, tmp, sizeof tmp);
+    }
+}
+
+template <int VL>
+NBX_AI void AccumulateRowsBf16(const float* a, int64_t as, int rows, const uint16_t* w,
+                               int64_t ld, int64_t K, int ncols, float* acc) {
+  WithRows(rows, [&](auto r) {
+    AccumulateRowsBf16R<VL, decltype(r)::value>(a, as, w, ld, K, ncols, acc);
+  });
+}
+
+// Dense streaming dispatch: float32 rows, or the bfloat16 kernel above.
+template <int VL, typename W>
+NBX_AI void AccumulateRowsW(const float* a, int64_t as, int rows, const W* w, int64_t ld,
+                            int64_t K, int ncols, float* acc) {
+  if constexpr (sizeof(W) == 2)
+    AccumulateRowsBf16<VL>(a, as, rows, w, ld, K, ncols, acc);
+  else
+    AccumulateRows<VL>(a, as, rows, w, ld, K, ncols, acc);  // float
+}
+
+template <int VL, typename W>
+NBX_AI void Gemm1Stream(const float* a, int64_t as, int rows, const W* wg, const W* wu,
+                        int64_t ld, int64_t K, int ncols, int act, float* acc, float* out,
+                        int64_t rs, int64_t cs) {
+  AccumulateRowsW<VL>(a, as, rows, wg, ld, K, ncols, acc);
+  float* accu = acc + rows * ncols;
+  AccumulateRowsW<VL>(a, as, rows, wu, ld, K, ncols, accu);
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < ncols; ++c)
+      out[r * rs + c * cs] = Act(act, acc[r * ncols + c]) * accu[r * ncols + c];
+}
+
+template <int VL, typename W>
+NBX_AI void Gemm2Stream(const float* a, int64_t as, int rows, const W* wd, int64_t ld,
+                        int64_t K, int ncols, const float* w, float* acc, float* out,
+                        int64_t rs) {
+  AccumulateRowsW<VL>(a, as, rows, wd, ld, K, ncols, acc);
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < ncols; ++c) out[r * rs + c] = w[r] * acc[r * ncols + c];
+}
+
+}  // namespace
+}  // namespace nbx
