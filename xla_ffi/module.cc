@@ -10,6 +10,7 @@
 #include "cpu/moe_backward.h"
 #include "cpu/moe_forward.h"
 #include "testing/poisoned_targets.h"
+#include "testing/kernel_tests.h"
 #ifdef NBX_WITH_CUDA
 #include "cuda/moe_cuda.h"
 #endif
@@ -143,4 +144,6 @@ NB_MODULE(_ffi, m) {
 #else
   m.attr("has_cuda") = false;
 #endif
+
+  nbx::BindKernelTests(m);
 }
