@@ -10,7 +10,7 @@ counted in the account under the tag ``"tables"`` until it is evicted.
 """
 from __future__ import annotations
 
-from . import _cuda, _registry
+from . import _cuda, _env, _registry
 
 __all__ = ["stats", "clear", "set_capacity"]
 
@@ -37,4 +37,10 @@ def set_capacity(n: int) -> None:
         ffi.cuda_table_set_capacity(n)
 
 
-_registry.apply_env("JAX_NBX_TABLE_CACHE", set_capacity)
+def _apply_env() -> None:
+    n = _env.table_cache()  # ValueError naming JAX_NBX_TABLE_CACHE when malformed
+    if n is not None:
+        set_capacity(n)
+
+
+_apply_env()

@@ -8,6 +8,7 @@
 #include "cpu/kernel_table.h"
 #include "cpu/moe_backward.h"
 #include "cpu/moe_forward.h"
+#include "testing/program_tests.h"
 #ifdef NBX_WITH_CUDA
 #include "cuda/moe_cuda.h"
 #endif
@@ -138,4 +139,5 @@ NB_MODULE(_ffi, m) {
 #else
   m.attr("has_cuda") = false;
 #endif
+  nbx::BindProgramTests(m);
 }
