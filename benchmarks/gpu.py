@@ -236,7 +236,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     dev = jax.devices()[0]
     log(f"device: {dev.device_kind}, jax {jax.__version__}, backend {jax.default_backend()}, "
-        f"nbx platforms {nbx._registry.platforms()}, cuda path: {_cuda.available() or 'available'}")
+        f"nbx platforms {nbx._registry.platforms()}, cuda path: {_cuda.unavailable_reason() or 'available'}")
     check_rows: list = []
     ok = run_checks(check_rows)
     bench_rows: list = []

@@ -15,27 +15,19 @@ allocated outside the pool and counted under the tag ``"tables"``.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import jax
 import numpy as np
 
-from . import _registry, memory
+from . import _abi, _env, _registry, memory
 from .quant import weight_groups
 from .triton import plan as P
 
 _budget_set: set[int] = set()
 
 
-def available() -> str:
-    """Empty when the CUDA path can run in this process, else why not."""
-    ffi = _registry._ffi
-    if ffi is None or not getattr(ffi, "has_cuda", False):
-        return "this build of jax_nbx has no CUDA handler (built without nvcc; see README)"
-    if importlib.util.find_spec("triton") is None:
-        return "the CUDA path needs Triton (pip install 'jax_nbx[gpu]')"
-    return ""
+def unavailable_reason() -> str:
+    """Why the CUDA path cannot run in this process; "" when it can."""
+    return _registry.cuda_unavailable_reason()
 
 
 def _device(ordinal: int = 0):
@@ -55,8 +47,9 @@ def ensure_budget(ordinal: int = 0) -> None:
     if ordinal in _budget_set:
         return
     _budget_set.add(ordinal)
-    if os.environ.get("JAX_NBX_BUDGET"):
-        memory.set_budget(os.environ["JAX_NBX_BUDGET"], "cuda", ordinal)
+    budget = _env.budget()
+    if budget:
+        memory.set_budget(budget, "cuda", ordinal)
         return
     if memory.budget("cuda", ordinal) != _registry.ffi_module().account_unlimited():
         return  # set by the user
@@ -83,7 +76,7 @@ def check_ids_enabled() -> bool:
     """``JAX_NBX_CUDA_CHECK_IDS=0`` skips the run-time read-back of the
     expert-id check (bad ids are still never used as indices: their slots
     are skipped, but the call then does not fail)."""
-    return os.environ.get("JAX_NBX_CUDA_CHECK_IDS", "1") not in ("0", "false", "no")
+    return _env.cuda_check_ids()
 
 
 def forward(x, w, ids, *weights, activation: int, band_tokens: int, lists: bool = False,
@@ -116,11 +109,11 @@ def forward(x, w, ids, *weights, activation: int, band_tokens: int, lists: bool 
     outs = (jax.ShapeDtypeStruct(x.shape, x.dtype),
             jax.ShapeDtypeStruct((max(prog.workspace_bytes, 1),), np.uint8))
     if quant is None and not lists:
-        call = jax.ffi.ffi_call(_registry.CUDA_FORWARD_TARGET, outs, vmap_method="sequential")
+        call = jax.ffi.ffi_call(_abi.TARGET_CUDA_FORWARD, outs, vmap_method="sequential")
         y, _ = call(x, w, ids, *weights, **attrs)
         return y
     bufs = [b for g in groups for b in (g if lists else g[:1])]
-    call = jax.ffi.ffi_call(_registry.CUDA_FORWARD_TABLES_TARGET, outs, vmap_method="sequential")
+    call = jax.ffi.ffi_call(_abi.TARGET_CUDA_FORWARD_TABLES, outs, vmap_method="sequential")
     y, _ = call(x, w, ids, *bufs, groups=np.int64(len(groups)), stacked=np.int64(not lists), **attrs)
     return y
 

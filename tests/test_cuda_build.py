@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 import jax_nbx as nbx
-from jax_nbx import _cuda, _registry
+from jax_nbx import _abi, _cuda, _registry
 
 ffi = _registry.ffi_module()
 
@@ -15,7 +15,8 @@ def test_cuda_handler_built_where_nvcc_is():
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc on this machine: the CUDA handler is not built (NBX_CUDA=AUTO)")
     assert ffi.has_cuda, "nvcc is on PATH but the CUDA handler was not built"
-    assert _registry.CUDA_FORWARD_TARGET in ffi.cuda_handlers()
+    assert _abi.TARGET_CUDA_FORWARD in ffi.cuda_handlers()
+    assert _abi.TARGET_CUDA_FORWARD_TABLES in ffi.cuda_handlers()
 
 
 def test_no_gpu_means_no_gpu_platform():
@@ -34,8 +35,8 @@ def test_missing_driver_is_reported_not_fatal():
     assert _cuda.table_stats()["entries"] >= 0
 
 
-def test_cuda_available_says_why_not():
-    msg = _cuda.available()
+def test_cuda_unavailable_reason_says_why_not():
+    msg = _cuda.unavailable_reason()
     assert msg == "" or "CUDA handler" in msg or "Triton" in msg
 
 

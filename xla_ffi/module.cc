@@ -11,6 +11,7 @@
 #include "cpu/moe_forward.h"
 #include "testing/poisoned_targets.h"
 #include "testing/kernel_tests.h"
+#include "testing/program_tests.h"
 #ifdef NBX_WITH_CUDA
 #include "cuda/moe_cuda.h"
 #endif
@@ -146,4 +147,5 @@ NB_MODULE(_ffi, m) {
 #endif
 
   nbx::BindKernelTests(m);
+  nbx::BindProgramTests(m);
 }

@@ -15,10 +15,12 @@ import inspect
 
 import numpy as np
 
+from .. import _abi
 from . import plan as P
 
-# int64 fields per kernel in the handler's table (the handler reads the same layout)
-KERNEL_FIELDS = ("name_off", "name_len", "cubin_off", "cubin_len", "num_warps", "shared", "hash")
+# int64 fields per kernel in the handler's table (abi::kKernelFieldNames;
+# decoded by DecodeKernelTable in xla_ffi/cuda/program.h)
+KERNEL_FIELDS = _abi.KERNEL_FIELDS
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,5 +65,7 @@ def pack(prog: P.Program, cc: int) -> tuple[np.ndarray, np.ndarray]:
         blob += name.encode()
         cubin_off = len(blob)
         blob += cubin
-        rows.append([name_off, len(name), cubin_off, len(cubin), warps, shared, h - (1 << 64) if h >= 1 << 63 else h])
+        fields = dict(name_off=name_off, name_len=len(name), cubin_off=cubin_off, cubin_len=len(cubin),
+                      num_warps=warps, shared=shared, hash=h - (1 << 64) if h >= 1 << 63 else h)
+        rows.append([fields[f] for f in KERNEL_FIELDS])
     return np.frombuffer(bytes(blob), np.uint8).copy(), np.asarray(rows, np.int64).reshape(-1, len(KERNEL_FIELDS))

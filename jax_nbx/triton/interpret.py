@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from .. import _abi
 from . import plan as P
 
 _DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "i32": "int32",
@@ -145,25 +146,26 @@ def run(prog: P.Program, inputs: list[np.ndarray], out: np.ndarray,
     """Executes ``prog`` on host arrays (inputs in call order: x, w, ids, then
     each weight group's first array; ``out`` written in place; ``tables``
     default to the stacked arrays' own, for dense experts).  Returns the err word: the first slot
-    with a bad expert id, or `plan.ERR_NONE`.  ``workspace`` (a list) receives
+    with a bad expert id, or `_abi.ERR_NONE`.  ``workspace`` (a list) receives
     the workspace bytes, for debugging."""
     inputs = [np.ascontiguousarray(a) for a in inputs]
     if tables is None:
-        tables = pointer_tables(*inputs[P.IN_GATE:])
-    ws = np.empty(prog.workspace_bytes + P.WS_ALIGN, np.uint8)
-    ws_base = -(-ws.ctypes.data // P.WS_ALIGN) * P.WS_ALIGN
+        tables = pointer_tables(*inputs[_abi.IN_GROUP0:])
+    align = _abi.WORKSPACE_ALIGN
+    ws = np.empty(prog.workspace_bytes + align, np.uint8)
+    ws_base = -(-ws.ctypes.data // align) * align
     ws[:] = 0xCD  # poison: nothing may depend on workspace it did not write
     fns: dict[str, object] = {}
     for ln in prog.launches:
         args = []
         for a in ln.args:
-            if a.kind == P.ARG_INPUT:
+            if a.kind == _abi.ARG_INPUT:
                 args.append(_HostTensor(inputs[a.index].ctypes.data + a.offset, a.ptype))
-            elif a.kind == P.ARG_OUTPUT:
+            elif a.kind == _abi.ARG_OUTPUT:
                 args.append(_HostTensor(out.ctypes.data + a.offset, a.ptype))
-            elif a.kind == P.ARG_WORKSPACE:
+            elif a.kind == _abi.ARG_WORKSPACE:
                 args.append(_HostTensor(ws_base + a.offset, a.ptype))
-            elif a.kind == P.ARG_TABLE:
+            elif a.kind == _abi.ARG_TABLE:
                 args.append(_HostTensor(tables[a.index].ctypes.data, "*i64"))
             else:
                 args.append(a.offset)

@@ -31,19 +31,31 @@ handful of slots still gives the GPU enough programs.
 An expert id outside ``[0, E)`` is never used as an index: the slot is
 skipped and the smallest such slot is recorded in ``err`` (the handler reads
 it back and fails the call naming the slot and the id).
+
+Every code shared with the handler and `plan.py` (the expert-id check word,
+activation and weight-format codes, the GELU constants) comes from
+``xla_ffi/abi.h`` through `jax_nbx._abi`, as module-level ``tl.constexpr``
+(the only globals a Triton function may read).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-ERR_NONE = tl.constexpr(2**31 - 1)
+from .. import _abi
+
+ERR_NONE = tl.constexpr(_abi.ERR_NONE)
+ACT_GEGLU = tl.constexpr(_abi.ACT_GEGLU)  # any other ACT: swiglu
+GELU_C = tl.constexpr(_abi.GELU_C)
+GELU_B = tl.constexpr(_abi.GELU_B)
+QUANT_DENSE = tl.constexpr(_abi.FORMAT_CODES["dense"])
+QUANT_INT8 = tl.constexpr(_abi.FORMAT_CODES["int8"])  # any other QUANT: int4
 
 
 @triton.jit
 def _act(g, ACT: tl.constexpr):
-    if ACT == 1:  # gelu, tanh approximation; tanh(z) = 2*sigmoid(2z) - 1
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    if ACT == ACT_GEGLU:  # gelu, tanh approximation; tanh(z) = 2*sigmoid(2z) - 1
+        z = GELU_C * (g + GELU_B * g * g * g)
         return 0.5 * g * (2.0 * tl.sigmoid(2.0 * z))
     return g * tl.sigmoid(g)  # silu
 
@@ -62,16 +74,16 @@ def _expert_ptr(tbl, e, wref, W_ALIGNED: tl.constexpr):
 def _wtile(qtbl, stbl, ztbl, e, wref, sref, kk, offs_n, N: tl.constexpr, mask,
            QUANT: tl.constexpr, GS: tl.constexpr, W_ALIGNED: tl.constexpr):
     """Expert e's weights at rows kk [BK] and columns offs_n [BN], as float32.
-    QUANT 0: dense (wref's dtype); 1: int8, times scale[n]; 2: int4 packed two
+    QUANT dense: wref's dtype; int8: times scale[n]; int4: packed two
     per byte along K (low nibble = even row), times scale[k // GS, n] plus
     min[k // GS, n].  qtbl/stbl/ztbl: tables of the expert's q, scale and min
     arrays (scales typed like sref)."""
     p = _expert_ptr(qtbl, e, wref, W_ALIGNED)
-    if QUANT == 0:
+    if QUANT == QUANT_DENSE:
         return tl.load(p + kk[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask,
                        other=0.0).to(tl.float32)
     sp = _expert_ptr(stbl, e, sref, W_ALIGNED)
-    if QUANT == 1:
+    if QUANT == QUANT_INT8:
         q = tl.load(p + kk[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0)
         sc = tl.load(sp + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         return q.to(tl.float32) * sc[None, :]
@@ -193,7 +205,7 @@ def gemm1(x, sorted_slots, block_expert, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tb
                     mask=valid[:, None] & kmask[None, :], other=0.0)
         a = a.to(sref.dtype.element_ty)
         wmask = kmask[:, None] & nmask[None, :]
-        if QUANT == 0:
+        if QUANT == QUANT_DENSE:
             woff = kk[:, None].to(tl.int64) * I + offs_n[None, :]
             bg = tl.load(gp + woff, mask=wmask, other=0.0)
             bu = tl.load(upp + woff, mask=wmask, other=0.0)
@@ -233,7 +245,7 @@ def gemm2(h, sorted_slots, block_expert, down_tbl, ds_tbl, dz_tbl, wref, sref, w
         kmask = kk < I
         a = tl.load(h + rows[:, None].to(tl.int64) * I + kk[None, :], mask=kmask[None, :], other=0.0)
         a = a.to(sref.dtype.element_ty)
-        if QUANT == 0:
+        if QUANT == QUANT_DENSE:
             b = tl.load(dp + kk[:, None].to(tl.int64) * H + offs_n[None, :],
                         mask=kmask[:, None] & nmask[None, :], other=0.0)
         else:

@@ -7,28 +7,38 @@ CUDA handler (`xla_ffi/cuda/moe_cuda.cc`, from the int64 encoding of
 `Program.encode`) and, in the tests, by the Triton interpreter
 (`interpret.py`), so the interpreter checks the grids and arguments the GPU
 gets, not a copy of them.  Nothing in this module imports Triton.
+
+The encoding (argument kinds, input numbering, weight-group order, the
+expert-id check word, workspace alignment) is the contract of
+``xla_ffi/abi.h``, read through `jax_nbx._abi`; environment variables are
+read through `jax_nbx._env`.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-# Argument kinds (the handler's ArgKind enum has the same numbers).
-ARG_INPUT, ARG_OUTPUT, ARG_WORKSPACE, ARG_TABLE, ARG_I32 = 0, 1, 2, 3, 4
+from .. import _abi, _env
+
+# Argument kinds (abi::ArgKind).
+ARG_INPUT, ARG_OUTPUT, ARG_WORKSPACE, ARG_TABLE, ARG_I32 = (
+    _abi.ARG_INPUT, _abi.ARG_OUTPUT, _abi.ARG_WORKSPACE, _abi.ARG_TABLE, _abi.ARG_I32)
 # Inputs in call order: x, w, ids, then the first buffer of each weight group
-# (groups: gate, up, down; for quantized experts then their scales, then
-# (int4) their mins).  Tables are numbered by group the same way.
-IN_X, IN_W, IN_IDS, IN_GATE, IN_UP, IN_DOWN = range(6)
-IN_GROUP0 = 3
-QUANT_CODES = {None: 0, "int8": 1, "int4": 2}
-ERR_NONE = 2**31 - 1
-WS_ALIGN = 256
+# (group = part * 3 + projection: gate, up, down; for quantized experts then
+# their scales, then (int4) their mins).  Tables are numbered by group the same way.
+_Q, _SCALE, _ZERO = (_abi.PARTS.index(part) for part in ("q", "scale", "zero"))
+IN_X, IN_W, IN_IDS, IN_GROUP0 = _abi.IN_X, _abi.IN_W, _abi.IN_IDS, _abi.IN_GROUP0
+IN_GATE, IN_UP, IN_DOWN = (IN_GROUP0 + _abi.group_index(_Q, p) for p in range(len(_abi.PROJECTIONS)))
+# weight format (None = dense) -> the kernels' QUANT constexpr
+QUANT_CODES = _abi.FORMAT_CODES
+_DENSE, _INT8, _INT4 = (QUANT_CODES[f] for f in ("dense", "int8", "int4"))
+ERR_NONE = _abi.ERR_NONE
+WS_ALIGN = _abi.WORKSPACE_ALIGN
 COUNT_BLOCK = 128
 FILL_BLOCK = 1024
 COMBINE_BLOCK = 1024
@@ -141,7 +151,7 @@ def gemm_configs(M: int, E: int, H: int, I: int, wdtype, device_name: str | None
     entry of the nearest M; quantized experts: dtype "int4g128-bf16" etc.,
     the format then the scales' dtype), else defaults by rows per expert.
     ``JAX_NBX_TRITON_CONFIGS`` names another file."""
-    path = os.environ.get("JAX_NBX_TRITON_CONFIGS")
+    path = _env.triton_configs()
     file = Path(path) if path else (config_file(device_name) if device_name else None)
     if file is not None and file.exists():
         dt = f"{quant}-{_tl_name(wdtype)}" if quant else _tl_name(wdtype)
@@ -171,14 +181,14 @@ def _pow2(n: int, lo: int = 16) -> int:
 
 def use_decode(slots: int) -> bool:
     """Few slots: one program per (slot, column tile) beats ordering and padding."""
-    return slots <= int(os.environ.get("JAX_NBX_CUDA_DECODE_SLOTS", 16))
+    return slots <= _env.cuda_decode_slots()
 
 
 def split_k(K: int, programs: int, BK: int, target: int | None = None) -> tuple[int, int]:
     """(chunk length, chunks) splitting K so that ``programs`` x chunks reaches
     about ``target`` programs (default 1024: ~8 per H100/H200 multiprocessor);
     chunks are whole BK steps."""
-    target = target or int(os.environ.get("JAX_NBX_CUDA_DECODE_PROGRAMS", 1024))
+    target = target or _env.cuda_decode_programs()
     steps = -(-K // BK)
     want = max(1, min(steps, -(-target // max(programs, 1))))
     kch = -(-steps // want) * BK
@@ -216,7 +226,7 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
     kind, gsize = quant if quant else (None, 0)
     QUANT = QUANT_CODES[kind]
     xs = "*" + _tl_name(xdtype)
-    ws_t = {0: "*" + _tl_name(wdtype), 1: "*i8", 2: "*u8"}[QUANT]
+    ws_t = {_DENSE: "*" + _tl_name(wdtype), _INT8: "*i8", _INT4: "*u8"}[QUANT]
     ieee = wdtype == np.float32
     hdtype = np.dtype("float32") if ieee else wdtype
     n = band * k
@@ -237,12 +247,16 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         launches.append(Launch(Kernel("fill_i32", (("BLOCK", FILL_BLOCK),)),
                                (-(-count // FILL_BLOCK), 1, 1), (ws(off), i32(count), i32(value))))
 
+    def tables(part):  # one table per projection (gate, up, down) of a part
+        return [Arg(ARG_TABLE, _abi.group_index(part, p), 0, "*i64") for p in range(len(_abi.PROJECTIONS))]
+
     wref = inp(IN_GATE, 0, ws_t)
     # typed like the products: the weights (dense) or the scales (quantized)
-    sref = wref if QUANT == 0 else inp(IN_GROUP0 + 3, 0, "*" + _tl_name(wdtype))
-    tbl = [Arg(ARG_TABLE, p, 0, "*i64") for p in range(3)]
-    stbl = [Arg(ARG_TABLE, 3 + p, 0, "*i64") for p in range(3)] if QUANT else tbl
-    ztbl = [Arg(ARG_TABLE, 6 + p, 0, "*i64") for p in range(3)] if QUANT == 2 else stbl
+    sref = wref if QUANT == _DENSE else inp(IN_GROUP0 + _abi.group_index(_SCALE, 0), 0,
+                                            "*" + _tl_name(wdtype))
+    tbl = tables(_Q)
+    stbl = tables(_SCALE) if QUANT != _DENSE else tbl
+    ztbl = tables(_ZERO) if QUANT == _INT4 else stbl
     qc = (("QUANT", QUANT), ("GS", gsize))
     common = (("H", H), ("I", I))
     decode = use_decode(n)

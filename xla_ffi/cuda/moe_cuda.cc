@@ -27,8 +27,10 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>  // cudaStream_t (XLA's stream type); no runtime calls
 
+#include "abi.h"
 #include "account.h"
 #include "cuda/moe_cuda.h"
+#include "cuda/program.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -141,16 +143,13 @@ struct LoadedKernel {
 };
 
 // Cubins loaded per (device, content hash); modules live for the process.
-ffi::Error GetKernel(int ordinal, const uint8_t* blob, size_t blob_size, const int64_t* row,
-                     LoadedKernel* out) {
+// `row` was checked against the blob by DecodeKernelTable (cuda/program.h).
+ffi::Error GetKernel(int ordinal, const uint8_t* blob, const KernelRow& row, LoadedKernel* out) {
   static std::mutex mu;
   static std::unordered_map<std::string, LoadedKernel> cache;
-  const int64_t name_off = row[0], name_len = row[1], cubin_off = row[2], cubin_len = row[3];
-  if (name_off < 0 || cubin_off < 0 || name_off + name_len > static_cast<int64_t>(blob_size) ||
-      cubin_off + cubin_len > static_cast<int64_t>(blob_size))
-    return ffi::Error::InvalidArgument("kernel table points outside the cubin blob");
-  const std::string name(reinterpret_cast<const char*>(blob + name_off), name_len);
-  const std::string key = std::to_string(ordinal) + ":" + std::to_string(row[6]) + ":" + name;
+  const std::string name(reinterpret_cast<const char*>(blob + row.name_off),
+                         static_cast<size_t>(row.name_len));
+  const std::string key = std::to_string(ordinal) + ":" + std::to_string(row.hash) + ":" + name;
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it != cache.end()) {
@@ -160,14 +159,14 @@ ffi::Error GetKernel(int ordinal, const uint8_t* blob, size_t blob_size, const i
   Driver& d = Driver::Get();
   // cuModuleLoadData wants the image in host memory that stays valid for the
   // call only; copy it so the image is suitably aligned.
-  std::vector<uint64_t> image((cubin_len + 7) / 8 + 1, 0);
-  std::memcpy(image.data(), blob + cubin_off, cubin_len);
+  std::vector<uint64_t> image((row.cubin_len + 7) / 8 + 1, 0);
+  std::memcpy(image.data(), blob + row.cubin_off, static_cast<size_t>(row.cubin_len));
   CUmodule mod;
   NBX_CU("cuModuleLoadData", d.cuModuleLoadData(&mod, image.data()));
   LoadedKernel k;
   NBX_CU("cuModuleGetFunction", d.cuModuleGetFunction(&k.fn, mod, name.c_str()));
-  k.num_warps = static_cast<int>(row[4]);
-  k.shared = static_cast<int>(row[5]);
+  k.num_warps = static_cast<int>(row.num_warps);
+  k.shared = static_cast<int>(row.shared);
   if (k.shared > 48 * 1024)
     NBX_CU("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
            d.cuFuncSetAttribute(k.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, k.shared));
@@ -275,13 +274,12 @@ class TableCache {
 
 // ---------------------------------------------------------------- the handler
 
-enum ArgKind : int64_t { kInput = 0, kOutput = 1, kWorkspace = 2, kTable = 3, kI32 = 4 };
-constexpr int32_t kErrNone = 0x7fffffff;
-
 // Runs the program with the pointer table `addrs` ([G][E] absolute addresses,
-// G = first.size() groups: gate, up, down, then for quantized experts their
-// scales, then their mins).  `first` holds each group's first buffer (the
-// program's typed weight arguments are inputs 3 + group).
+// G = first.size() groups in abi.h's order, abi::GroupIndex(part, projection)).
+// `first` holds each group's first buffer (the program's typed weight
+// arguments are inputs abi::kInputGroup0 + group).  The program and the
+// kernel table are decoded and checked (cuda/program.h) before anything is
+// reserved, uploaded or launched.
 ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Buffer<ffi::S32> ids, const std::vector<CUdeviceptr>& first,
                       const std::vector<int64_t>& addrs, ffi::Result<ffi::AnyBuffer> y,
@@ -292,15 +290,18 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
   Driver& d = Driver::Get();
   if (!d.ok) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, d.why);
   const Device dev{"cuda", ordinal};
-  constexpr int kFields = 7;
-  if (kernels.size() % kFields != 0)
-    return ffi::Error::InvalidArgument("kernel table has " + std::to_string(kernels.size()) +
-                                       " entries; expected a multiple of 7");
-  const int64_t n_kernels = static_cast<int64_t>(kernels.size()) / kFields;
   const int64_t E = num_experts;
-  const char* proj_name[3] = {"gate", "up", "down"};
-  const char* part_name[3] = {"", " scales", " mins"};
   const int64_t G = static_cast<int64_t>(first.size());
+  std::vector<KernelRow> rows;
+  if (std::string why = DecodeKernelTable(kernels.begin(), kernels.size(), blob.size(), &rows);
+      !why.empty())
+    return ffi::Error::InvalidArgument(why);
+  const int64_t n_kernels = static_cast<int64_t>(rows.size());
+  std::vector<LaunchRef> launches;
+  if (std::string why = DecodeProgram(program.begin(), program.size(), n_kernels,
+                                      abi::kInputGroup0 + G, G, workspace_bytes, &launches);
+      !why.empty())
+    return ffi::Error::InvalidArgument(why);
   if (static_cast<int64_t>(addrs.size()) != G * E)
     return ffi::Error::InvalidArgument("pointer table has " + std::to_string(addrs.size()) +
                                        " entries; expected " + std::to_string(G) + " * E = " +
@@ -308,12 +309,16 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
   if (w_aligned)
     for (int64_t p = 0; p < G; ++p)
       for (int64_t e = 0; e < E; ++e)
-        if (addrs[p * E + e] % 16 != 0)
+        if (addrs[p * E + e] % 16 != 0) {
+          // experts.gate (dense), experts.gate.q / .scale / .zero (quantized)
+          const int64_t proj = p % abi::kNumProjections, part = p / abi::kNumProjections;
+          std::string name = std::string("experts.") + abi::kProjectionNames[proj];
+          if (G > abi::kNumProjections) name += std::string(".") + abi::kPartNames[part];
           return ffi::Error::InvalidArgument(
-              std::string("experts.") + proj_name[p % 3] + part_name[(p / 3) % 3] + " expert " +
-              std::to_string(e) +
+              name + " expert " + std::to_string(e) +
               " starts at an address that is not 16-byte aligned, but the kernels were compiled "
               "assuming it is");
+        }
 
   // Workspace: counted first, then taken from XLA's pool.
   std::string err;
@@ -332,7 +337,9 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
     return ffi::Error::InvalidArgument("workspace buffer of " + std::to_string(ws_buf->size_bytes()) +
                                        " bytes; the program needs " + std::to_string(workspace_bytes));
   const CUdeviceptr ws = reinterpret_cast<CUdeviceptr>(ws_buf->untyped_data());
-  if (ws % 256 != 0) return ffi::Error::InvalidArgument("workspace buffer is not 256-byte aligned");
+  if (ws % abi::kWorkspaceAlign != 0)
+    return ffi::Error::InvalidArgument("workspace buffer is not " +
+                                       std::to_string(abi::kWorkspaceAlign) + "-byte aligned");
 
   ScopedContext ctx;
   if (auto e = ctx.Enter(ordinal); e.failure()) return e;
@@ -341,60 +348,45 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
 
   std::vector<LoadedKernel> loaded(n_kernels);
   for (int64_t i = 0; i < n_kernels; ++i)
-    if (auto e = GetKernel(ordinal, blob.begin(), blob.size(), &kernels[i * kFields], &loaded[i]);
-        e.failure())
+    if (auto e = GetKernel(ordinal, blob.begin(), rows[i], &loaded[i]); e.failure())
       return e;
 
+  // numbered as abi::kInputX, kInputW, kInputIds, then kInputGroup0 + group
   std::vector<CUdeviceptr> inputs = {reinterpret_cast<CUdeviceptr>(x.untyped_data()),
                                      reinterpret_cast<CUdeviceptr>(w.untyped_data()),
                                      reinterpret_cast<CUdeviceptr>(ids.typed_data())};
+  static_assert(abi::kInputX == 0 && abi::kInputW == 1 && abi::kInputIds == 2 &&
+                    abi::kInputGroup0 == 3,
+                "inputs[] is built in abi.h's input order");
   inputs.insert(inputs.end(), first.begin(), first.end());
   const CUdeviceptr output = reinterpret_cast<CUdeviceptr>(y->untyped_data());
 
-  // Each launch: [kernel, gx, gy, gz, nargs, (kind, index, offset) * nargs].
+  // Every index and workspace offset was checked by DecodeProgram.
   std::vector<uint64_t> ptr_vals;
   std::vector<int32_t> i32_vals;
   std::vector<void*> params;
-  size_t pc = 0;
-  const size_t np = program.size();
-  while (pc < np) {
-    if (pc + 5 > np) return ffi::Error::InvalidArgument("truncated launch program");
-    const int64_t ki = program[pc], gx = program[pc + 1], gy = program[pc + 2],
-                  gz = program[pc + 3], nargs = program[pc + 4];
-    pc += 5;
-    if (ki < 0 || ki >= n_kernels || nargs < 0 || pc + 3 * nargs > np)
-      return ffi::Error::InvalidArgument("malformed launch program");
+  for (const LaunchRef& ln : launches) {
+    const size_t nargs = ln.args.size();
     ptr_vals.assign(nargs, 0);
     i32_vals.assign(nargs, 0);
     params.clear();
-    for (int64_t a = 0; a < nargs; ++a, pc += 3) {
-      const int64_t kind = program[pc], index = program[pc + 1], off = program[pc + 2];
-      switch (kind) {
-        case kInput:
-          if (index < 0 || index >= static_cast<int64_t>(inputs.size()))
-            return ffi::Error::InvalidArgument("bad input index");
-          ptr_vals[a] = inputs[index] + off;
-          break;
-        case kOutput: ptr_vals[a] = output + off; break;
-        case kWorkspace:
-          if (off < 0 || off >= workspace_bytes)
-            return ffi::Error::InvalidArgument("workspace offset outside the workspace");
-          ptr_vals[a] = ws + off;
-          break;
-        case kTable:
-          if (index < 0 || index >= G) return ffi::Error::InvalidArgument("bad table index");
-          ptr_vals[a] = table + index * E * sizeof(int64_t);
-          break;
-        case kI32: i32_vals[a] = static_cast<int32_t>(off); break;
-        default: return ffi::Error::InvalidArgument("unknown argument kind");
+    for (size_t a = 0; a < nargs; ++a) {
+      const ArgRef& r = ln.args[a];
+      switch (r.kind) {
+        case abi::ArgKind::kInput: ptr_vals[a] = inputs[r.index] + r.offset; break;
+        case abi::ArgKind::kOutput: ptr_vals[a] = output + r.offset; break;
+        case abi::ArgKind::kWorkspace: ptr_vals[a] = ws + r.offset; break;
+        case abi::ArgKind::kTable: ptr_vals[a] = table + r.index * E * sizeof(int64_t); break;
+        case abi::ArgKind::kI32: i32_vals[a] = static_cast<int32_t>(r.offset); break;
       }
-      params.push_back(kind == kI32 ? static_cast<void*>(&i32_vals[a])
-                                    : static_cast<void*>(&ptr_vals[a]));
+      params.push_back(r.kind == abi::ArgKind::kI32 ? static_cast<void*>(&i32_vals[a])
+                                                    : static_cast<void*>(&ptr_vals[a]));
     }
     static uint64_t null_scratch = 0;  // Triton's global and profile scratch: unused
     params.push_back(&null_scratch);
     params.push_back(&null_scratch);
-    const LoadedKernel& k = loaded[ki];
+    const LoadedKernel& k = loaded[ln.kernel];
+    const int64_t gx = ln.grid[0], gy = ln.grid[1], gz = ln.grid[2];
     if (gx * gy * gz == 0) continue;
     NBX_CU("cuLaunchKernel",
            d.cuLaunchKernel(k.fn, static_cast<unsigned>(gx), static_cast<unsigned>(gy),
@@ -403,15 +395,15 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
   }
 
   if (check_ids) {
-    int32_t bad = kErrNone;
+    int32_t bad = abi::kErrNone;
     NBX_CU("reading the expert-id check",
            d.cuMemcpyDtoHAsync(&bad, ws + err_offset, sizeof(bad), reinterpret_cast<CUstream>(stream)));
     NBX_CU("cuStreamSynchronize", d.cuStreamSynchronize(reinterpret_cast<CUstream>(stream)));
-    if (bad != kErrNone) {
+    if (bad != abi::kErrNone) {
       int32_t id = 0;
       const int64_t kk = ids.dimensions().size() > 1 ? ids.dimensions()[1] : 1;
       NBX_CU("reading the bad expert id",
-             d.cuMemcpyDtoHAsync(&id, inputs[2] + static_cast<int64_t>(bad) * 4, 4,
+             d.cuMemcpyDtoHAsync(&id, inputs[abi::kInputIds] + static_cast<int64_t>(bad) * 4, 4,
                                  reinterpret_cast<CUstream>(stream)));
       NBX_CU("cuStreamSynchronize", d.cuStreamSynchronize(reinterpret_cast<CUstream>(stream)));
       return ffi::Error::InvalidArgument(
@@ -431,10 +423,11 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                             int64_t workspace_bytes, int64_t err_offset, int64_t w_aligned,
                             int64_t num_experts, int64_t check_ids) {
   const int64_t E = num_experts;
-  const ffi::AnyBuffer* proj[3] = {&gate, &up, &down};
-  std::vector<int64_t> addrs(3 * E);
-  std::vector<CUdeviceptr> first(3);
-  for (int p = 0; p < 3; ++p) {
+  constexpr int P = abi::kNumProjections;
+  const ffi::AnyBuffer* proj[P] = {&gate, &up, &down};
+  std::vector<int64_t> addrs(P * E);
+  std::vector<CUdeviceptr> first(P);
+  for (int p = 0; p < P; ++p) {
     const int64_t stride = static_cast<int64_t>(proj[p]->size_bytes()) / (E > 0 ? E : 1);
     const int64_t base = reinterpret_cast<int64_t>(proj[p]->untyped_data());
     first[p] = static_cast<CUdeviceptr>(base);
@@ -457,7 +450,8 @@ ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
                                   int64_t stacked) {
   const int64_t E = num_experts, G = groups;
   const int64_t per_group = stacked ? 1 : E;
-  if (E < 1 || G < 3 || G > 9 || static_cast<int64_t>(weights.size()) != G * per_group)
+  if (E < 1 || G < abi::kNumProjections || G > abi::kNumParts * abi::kNumProjections ||
+      static_cast<int64_t>(weights.size()) != G * per_group)
     return ffi::Error::InvalidArgument("expected " + std::to_string(G * per_group) +
                                        " weight buffers (" + std::to_string(G) + " groups of " +
                                        std::to_string(per_group) + "); got " +

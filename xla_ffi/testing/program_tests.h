@@ -1,0 +1,11 @@
+// Test hooks for the CUDA launch-program decoder (cuda/program.h), bound in
+// every build, GPU or not: tests/test_program_decoder.py feeds it the
+// programs jax_nbx/triton/plan.py encodes.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+namespace nbx {
+// Adds `decode_program` and `decode_kernel_table` to the module.
+void BindProgramTests(nanobind::module_& m);
+}  // namespace nbx
