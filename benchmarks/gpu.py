@@ -92,7 +92,6 @@ def run_checks(rows):
     x = jnp.asarray(rng.standard_normal((5, 64)), jnp.bfloat16)
     ex = nbx.Experts(*(jnp.asarray(rng.standard_normal(s) * 0.1, jnp.bfloat16)
                        for s in ((4, 64, 32), (4, 64, 32), (4, 32, 64))))
-    w = jnp.ones((5, 2), jnp.float32)
     for T_, note in ((5, "decode"), (64, "prefill")):
         xx = jnp.tile(x, (T_ // 5 + 1, 1))[:T_]
         ids = jnp.zeros((T_, 2), jnp.int32).at[T_ // 2, 1].set(9)

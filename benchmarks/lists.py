@@ -18,7 +18,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 
 import jax_nbx as nbx
 from jax_nbx._bench import DTYPES, format_table, machine, make_layer

@@ -18,7 +18,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_nbx as nbx
 from jax_nbx._bench import DTYPES, format_table, machine, make_layer

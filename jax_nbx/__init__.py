@@ -18,4 +18,5 @@ from .sharding import sharded_moe
 __version__ = "0.1.0"
 
 __all__ = ["Experts", "route", "fused_moe", "moe_reference", "IMPLEMENTATIONS", "MODELS",
-           "ModelShape", "DeviceOOMError", "quantize", "dequantize", "QuantizedWeight", "sharded_moe", "memory", "cpu", "tables", "__version__"]
+           "ModelShape", "DeviceOOMError", "quantize", "dequantize", "QuantizedWeight", "sharded_moe",
+           "memory", "cpu", "tables", "__version__"]

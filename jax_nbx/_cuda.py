@@ -6,9 +6,10 @@ the program is decided here at trace time; the kernels are compiled for the
 device's compute capability at first use (cached on disk by Triton).
 
 Budget rule on CUDA: the workspace comes from XLA's own device pool (a second
-output buffer of the call, which XLA allocates and this module drops), so the account's default budget for ``cuda:N`` is half
-of that pool's limit (``device.memory_stats()["bytes_limit"]``, i.e. the
-memory XLA took for the process), set at first use unless
+output buffer of the call, which XLA allocates and this module drops), so
+the account's default budget for ``cuda:N`` is half of that pool's limit
+(``device.memory_stats()["bytes_limit"]``, i.e. the memory XLA took for the
+process), set at first use unless
 ``JAX_NBX_BUDGET`` or `jax_nbx.memory.set_budget(..., "cuda", N)` set one.
 Pointer tables (``3·E`` int64 per distinct set of expert addresses) are
 allocated outside the pool and counted under the tag ``"tables"``.

@@ -7,7 +7,7 @@ is handed to them by the Python side (``apply_at_load``).
 
 | variable | meaning | default |
 |---|---|---|
-| ``JAX_NBX_BUDGET`` | the account's budget on every device ("2GiB", bytes) | CPU: half the available memory; CUDA: half of XLA's pool |
+| ``JAX_NBX_BUDGET`` | the account's budget ("2GiB", bytes) | CPU: half the free memory; CUDA: half of XLA's pool |
 | ``JAX_NBX_ISA`` | the CPU micro-kernels' instruction set (avx512, avx2, generic) | the best the CPU has |
 | ``JAX_NBX_PROFILE`` | print the stages of each CPU band/group to stderr | off |
 | ``JAX_NBX_TABLE_CACHE`` | pointer-table LRU capacity (CUDA) | 256 |
@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 __all__ = ["budget", "isa", "profile", "table_cache", "cuda_check_ids", "cuda_decode_slots",
            "cuda_decode_programs", "triton_configs", "parse", "parse_bytes", "available_memory"]

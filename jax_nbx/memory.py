@@ -15,8 +15,10 @@ from __future__ import annotations
 from . import _registry, cpu
 from ._env import available_memory, parse_bytes
 
-__all__ = ["DeviceOOMError", "fused_moe_workspace_bytes", "fused_moe_backward_workspace_bytes", "plan_bands", "set_budget", "set_wait", "budget", "headroom", "stats", "report", "reset_peak", "release_cached",
-           "last_refusal", "what_would_have_fit", "parse_bytes", "format_bytes", "available_memory"]
+__all__ = ["DeviceOOMError", "fused_moe_workspace_bytes", "fused_moe_backward_workspace_bytes",
+           "plan_bands", "set_budget", "set_wait", "budget", "headroom", "stats", "report",
+           "reset_peak", "release_cached", "last_refusal", "what_would_have_fit", "parse_bytes",
+           "format_bytes", "available_memory"]
 
 _ffi = _registry.ffi_module
 
@@ -37,37 +39,32 @@ def set_budget(nbytes: int | float | str, platform: str = "cpu", device: int = 0
     return n
 
 
-def fused_moe_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int, *,
-                              fixed_only: bool = False) -> int:
+def fused_moe_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int) -> int:
     """Bytes of workspace the CPU handler takes for one band of ``tokens``
     tokens: per padded slot the packed x row and activations, plus per worker
-    a scratch sized to the problem (one packed K-block of a weight tile and a
-    chunk's partial sums, never more than the band can use).  The same formula
-    the handler allocates by and `fused_moe` plans with.  ``fixed_only``: the
-    part that a smaller band of this call would not shrink below (the
-    per-expert arrays and the scratch)."""
+    a scratch sized to H and I (a packed K-block of a weight tile, and a
+    chunk's partial sums only when a sum spans several K-blocks).
+    ``tokens=0`` gives the part that does not shrink with the band.  The same
+    formula the handler allocates by and `fused_moe` plans with."""
     return int(_ffi().forward_workspace_bytes(int(tokens), int(k), int(E), int(H), int(I),
-                                              cpu.planned_workers(), bool(fixed_only)))
+                                              cpu.planned_workers()))
 
 
-def fused_moe_backward_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int, *,
-                                       fixed_only: bool = False) -> int:
+def fused_moe_backward_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int) -> int:
     """Bytes of workspace the CPU backward takes for one band of ``tokens``
     tokens: per slot the gathered x and dy rows and the recomputed
     activations (float32, ``2H + 3I`` values), plus one tile's scratch per
-    worker (sized to the problem).  The formula the handler allocates by and
-    the plan uses; ``fixed_only`` as in `fused_moe_workspace_bytes`."""
+    worker (sized to H and I).  The formula the handler allocates by and the
+    plan uses."""
     return int(_ffi().backward_workspace_bytes(int(tokens), int(k), int(E), int(H), int(I),
-                                               cpu.planned_workers(), bool(fixed_only)))
+                                               cpu.planned_workers()))
 
 
 def plan_bands(need, T: int, H: int, platform: str, max_workspace_bytes=None,
-               detail: str = "", fixed=None) -> int:
+               detail: str = "") -> int:
     """Tokens per band so that one band's workspace ``need(tokens)`` fits the
     headroom of ``platform``:0 (or ``max_workspace_bytes``); equal-sized
-    bands.  Raises DeviceOOMError with the advice when one token does not fit.
-    ``fixed(tokens)``: the part of a band's bytes that smaller bands keep
-    (default ``need(0)``), the advice's fixed cost."""
+    bands.  Raises DeviceOOMError with the advice when one token does not fit."""
     if max_workspace_bytes is None:
         free, total = headroom(platform), budget(platform)
     else:
@@ -75,14 +72,14 @@ def plan_bands(need, T: int, H: int, platform: str, max_workspace_bytes=None,
     if need(T) <= free:
         return T
     if need(1) > free:
-        # The advice's line through (T, need(T)) must not pass under need(1):
-        # its fixed part is at least the chord's intercept through need(1).
-        fixed_T = fixed(T) if fixed is not None else need(0)
+        # The advice's line through (T, need(T)) must not pass under need(1)
+        # (need is not quite linear: padding grows with min(slots, E)), so its
+        # fixed part is at least the chord's intercept through need(1).
         chord = (T * need(1) - need(T)) // (T - 1) + 1 if T > 1 else 0
         raise DeviceOOMError.from_numbers(f"fused_moe workspace for T={T} tokens {detail}".rstrip(),
                                           requested=need(T), free=free,
                                           total=total, shape=(T, H),
-                                          fixed_bytes=max(fixed_T, chord))
+                                          fixed_bytes=max(need(0), chord))
     lo, hi = 1, T  # need(lo) fits, need(hi) does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -172,7 +169,7 @@ class DeviceOOMError(MemoryError):
     @classmethod
     def from_numbers(cls, what: str, *, requested: int, free: int, total: int,
                      shape: tuple[int, int] | None = None, fixed_bytes: int = 0,
-                     device: str = "cpu:0") -> "DeviceOOMError":
+                     device: str = "cpu:0") -> DeviceOOMError:
         advice = what_would_have_fit(requested, free, total, shape, fixed_bytes)
         msg = (f"{what}: {format_bytes(requested)} needed, {format_bytes(free)} free of a "
                f"{format_bytes(total)} budget on {device}; {advice}")

@@ -124,10 +124,12 @@ def _validate(x, topk_weights, topk_ids, experts: Experts, activation: str,
     if x.shape[-1] != H:
         raise ValueError(f"x has shape {x.shape}; its last axis must be the experts' hidden size H={H}")
     if topk_ids.ndim != x.ndim:
-        raise ValueError(f"topk_ids has shape {topk_ids.shape}; expected {x.shape[:-1] + ('k',)} (x's leading dims, then k)")
+        raise ValueError(f"topk_ids has shape {topk_ids.shape}; expected {x.shape[:-1] + ('k',)} "
+                         "(x's leading dims, then k)")
     k = topk_ids.shape[-1]
     if topk_ids.shape != x.shape[:-1] + (k,):
-        raise ValueError(f"topk_ids has shape {topk_ids.shape}; expected {x.shape[:-1] + (k,)} (x's leading dims, then k)")
+        raise ValueError(f"topk_ids has shape {topk_ids.shape}; expected {x.shape[:-1] + (k,)} "
+                         "(x's leading dims, then k)")
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights has shape {topk_weights.shape}; expected topk_ids' shape {topk_ids.shape}")
     if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
@@ -162,8 +164,7 @@ def plan_band_tokens(T: int, k: int, E: int, H: int, I: int,
     workspace = (memory.fused_moe_backward_workspace_bytes if backward
                  else memory.fused_moe_workspace_bytes)
     return memory.plan_bands(lambda t: workspace(t, k, E, H, I), T, H, "cpu", max_workspace_bytes,
-                             f"({'backward, ' if backward else ''}E={E} k={k} H={H} I={I})",
-                             fixed=lambda t: workspace(t, k, E, H, I, fixed_only=True))
+                             f"({'backward, ' if backward else ''}E={E} k={k} H={H} I={I})")
 
 
 def _poisoned_call(target: str, outs, operands, attrs):
@@ -232,7 +233,7 @@ def _ffi_backward(dy, x, w, ids, *weights, activation: str, band_tokens: int,
     return dx, dw, [d.astype(a.dtype) for d, a in zip(dws, weights)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ffi_op(activation: str, band_tokens: int, platform: str = "cpu", lists: bool = False,
             skip_outside: bool = False, max_workspace_bytes: int | str | None = None):
     """The FFI op on 2-D inputs with a batching rule and a derivative (on the

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _abi
 from .experts import Experts
 
 __all__ = ["QuantizedWeight", "quantize", "dequantize", "GROUP_SIZES"]
@@ -200,9 +201,9 @@ def weight_groups(weights, lists: bool):
     projs = [list(weights[i * per:(i + 1) * per]) for i in range(3)]  # gate, up, down
     w0 = projs[0][0]
     quant = quant_format(Experts(*projs))
-    if quant:
-        parts = ["q", "scale"] + (["zero"] if quant[0] == "int4" else [])
-        groups = [[getattr(m, part) for m in proj] for part in parts for proj in projs]
+    if quant:  # the contract's group order: part-major (q, scale, zero), then projection
+        groups = [[getattr(m, part) for m in proj]
+                  for part in _abi.parts_of(quant[0]) for proj in projs]
     else:
         groups = projs
     dtype = np.dtype(w0.dtype)  # for a QuantizedWeight: the dtype of its scales

@@ -9,7 +9,6 @@ results are scatter-added back to their tokens.  Work is at most
 """
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 

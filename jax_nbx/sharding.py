@@ -28,7 +28,8 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from .experts import Experts
 from .ops import fused_moe
@@ -146,7 +147,9 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
         send_x = jnp.where(pad[..., None], jnp.zeros((), x.dtype), send_x)
         send_w = jnp.where(pad, jnp.zeros((), w.dtype), jnp.take(w, jnp.minimum(src, S - 1)))
         send_id = jnp.where(pad, e_local, jnp.take(ids - dest * e_local, jnp.minimum(src, S - 1)))
-        a2a = lambda a: jax.lax.all_to_all(a, expert_axis, 0, 0, tiled=True)
+        def a2a(a):
+            return jax.lax.all_to_all(a, expert_axis, 0, 0, tiled=True)
+
         recv_x, recv_w, recv_id = a2a(send_x), a2a(send_w), a2a(send_id)      # [n, C, ...] by source
         out = fused_moe(recv_x.reshape(n * C, -1), recv_w.reshape(n * C, 1),
                         recv_id.reshape(n * C, 1), ex, activation=activation,

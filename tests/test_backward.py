@@ -12,6 +12,7 @@ from jax.test_util import check_grads
 
 import jax_nbx as nbx
 from jax_nbx.ops import _ffi_backward, plan_band_tokens
+
 from conftest import TOL, make_problem, np_moe_grads, rel_err
 
 NAMES = ("x", "w", "gate", "up", "down")

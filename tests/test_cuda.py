@@ -11,6 +11,7 @@ import pytest
 
 import jax_nbx as nbx
 from jax_nbx import _cuda, _registry
+
 from conftest import make_problem, np_moe, rel_err
 
 pytestmark = pytest.mark.skipif(not _registry.has_handler("gpu"),

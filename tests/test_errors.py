@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jax_nbx as nbx
+
 from conftest import make_problem, np_moe, rel_err
 
 

@@ -10,6 +10,7 @@ import pytest
 
 import jax_nbx as nbx
 from jax_nbx.ops import _ffi_forward
+
 from conftest import DTYPES, TOL, make_problem, np_moe, rel_err
 
 # (T, E, k, H, I): T in {0, 1, 33, 222, 1024}, E in {1, 8, 64}, k in {1, 2, 6, 8};
@@ -36,7 +37,7 @@ def _ids(case):
     return "T{}-E{}-k{}-H{}-I{}".format(*case)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_ffi(activation, band_tokens):
     return jax.jit(functools.partial(_ffi_forward, activation=activation,
                                      band_tokens=band_tokens, poison=True))

@@ -11,6 +11,7 @@ import pytest
 
 import jax_nbx as nbx
 from jax_nbx.ops import _ffi_forward
+
 from conftest import DTYPES, TOL, make_problem, np_moe, rel_err
 
 

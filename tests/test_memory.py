@@ -13,6 +13,7 @@ import pytest
 import jax_nbx as nbx
 from jax_nbx import memory
 from jax_nbx.ops import plan_band_tokens
+
 from conftest import make_problem, np_moe, rel_err
 
 T, E, K, H, I = 222, 8, 2, 129, 511

@@ -10,6 +10,7 @@ import pytest
 
 import jax_nbx as nbx
 from jax_nbx.ops import _ffi_forward
+
 from conftest import TOL, make_problem, np_moe, rel_err
 
 # max |y - ref| / max |ref| against the ORIGINAL float weights (random Gaussian

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import jax_nbx as nbx
+
 from conftest import TOL, make_problem, np_moe, rel_err
 
 

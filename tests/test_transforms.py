@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jax_nbx as nbx
+
 from conftest import TOL, make_problem, np_moe, np_moe_grads, rel_err
 
 IMPLS = ["ffi", "xla"]

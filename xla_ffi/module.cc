@@ -11,6 +11,7 @@
 #include "cpu/moe_forward.h"
 #include "testing/poisoned_targets.h"
 #include "testing/kernel_tests.h"
+#include "testing/planner_tests.h"
 #include "testing/program_tests.h"
 #ifdef NBX_WITH_CUDA
 #include "cuda/moe_cuda.h"
@@ -57,19 +58,15 @@ NB_MODULE(_ffi, m) {
         "Prints the CPU handlers' stage timings to stderr (JAX_NBX_PROFILE).");
 
   m.def("forward_workspace_bytes", [](int64_t tokens, int64_t k, int64_t E, int64_t H,
-                                      int64_t I, int workers, bool fixed_only) {
-    return static_cast<int64_t>(
-        nbx::ForwardWorkspaceBytes(tokens, k, E, H, I, workers, fixed_only));
+                                      int64_t I, int workers) {
+    return static_cast<int64_t>(nbx::ForwardWorkspaceBytes(tokens, k, E, H, I, workers));
   }, nb::arg("tokens"), nb::arg("k"), nb::arg("E"), nb::arg("H"), nb::arg("I"),
-     nb::arg("workers"), nb::arg("fixed_only") = false,
-     "Workspace bytes of one CPU forward band of `tokens` tokens (or its fixed part).");
+     nb::arg("workers"), "Workspace bytes of one CPU forward band of `tokens` tokens.");
   m.def("backward_workspace_bytes", [](int64_t tokens, int64_t k, int64_t E, int64_t H,
-                                       int64_t I, int workers, bool fixed_only) {
-    return static_cast<int64_t>(
-        nbx::BackwardWorkspaceBytes(tokens, k, E, H, I, workers, fixed_only));
+                                       int64_t I, int workers) {
+    return static_cast<int64_t>(nbx::BackwardWorkspaceBytes(tokens, k, E, H, I, workers));
   }, nb::arg("tokens"), nb::arg("k"), nb::arg("E"), nb::arg("H"), nb::arg("I"),
-     nb::arg("workers"), nb::arg("fixed_only") = false,
-     "Workspace bytes of one CPU backward band of `tokens` tokens (or its fixed part).");
+     nb::arg("workers"), "Workspace bytes of one CPU backward band of `tokens` tokens.");
 
   m.def("account_unlimited", []() { return nbx::Account::kUnlimited; });
   m.def("set_budget", [](const std::string& platform, int ordinal, int64_t bytes) {
@@ -148,4 +145,5 @@ NB_MODULE(_ffi, m) {
 
   nbx::BindKernelTests(m);
   nbx::BindProgramTests(m);
+  nbx::BindPlannerTests(m);
 }

@@ -23,7 +23,7 @@ from . import plan as P
 KERNEL_FIELDS = _abi.KERNEL_FIELDS
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compile(kernel: P.Kernel, ptypes: tuple[str, ...], aligned: tuple[bool, ...], cc: int):
     import triton
     from triton.backends.compiler import GPUTarget

@@ -1,6 +1,5 @@
 // Run-time choice of the micro-kernels' instruction set.
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 
@@ -60,11 +59,8 @@ bool SelectIsa(const char* name, const char** error) {
 
 const KernelTable* ActiveKernels() {
   const KernelTable* t = g_active.load();
-  if (t == nullptr) {
+  if (t == nullptr) {  // the best this CPU has (JAX_NBX_ISA: Python calls SelectIsa at load)
     t = Best();
-    const char* env = std::getenv("JAX_NBX_ISA");
-    if (env != nullptr && *env != '\0' && Supports(env) && ByName(env) != nullptr)
-      t = ByName(env);  // (Python validates JAX_NBX_ISA at import and reports misuse)
     g_active.store(t);
   }
   return t;

@@ -92,9 +92,9 @@ const KernelTable* KernelsAvx512();
 // nullptr when the name is unknown or this CPU cannot run it.
 const KernelTable* KernelsByName(const char* name);
 
-// The table in use: JAX_NBX_ISA (avx512|avx2|generic) if set, else the best the
-// CPU supports.  SelectIsa returns false (and the reason) for an unknown name
-// or one this CPU lacks.
+// The table in use: the one SelectIsa chose (jax_nbx applies JAX_NBX_ISA
+// through it when it loads), else the best the CPU supports.  SelectIsa
+// returns false (and the reason) for an unknown name or one this CPU lacks.
 const KernelTable* ActiveKernels();
 bool SelectIsa(const char* name, const char** error);
 const char* SupportedIsas();  // "avx512,avx2,generic"-style list for this CPU

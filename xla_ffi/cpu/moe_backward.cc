@@ -119,6 +119,7 @@ struct TileScratch {
   float* packed_a;
   float* tile;
   float* ones;
+  int64_t kc;  // K-block rows the scratch holds (the bits do not depend on it)
 };
 
 // GemmTile's scratch floats for K-blocks of at most kc rows and tiles of at
@@ -127,7 +128,7 @@ int64_t TileScratchFloats(int64_t kc, int64_t nc, int mr, int vl) {
   return kc * nc + kc * mr + mr * 2 * vl + mr;
 }
 TileScratch CarveTileScratch(float* base, int64_t kc, int64_t nc, int mr, int vl) {
-  TileScratch s{base, base + kc * nc, nullptr, nullptr};
+  TileScratch s{base, base + kc * nc, nullptr, nullptr, kc};
   s.tile = s.packed_a + kc * mr;
   s.ones = s.tile + mr * 2 * vl;
   return s;
@@ -160,7 +161,7 @@ void GemmTile(const KernelTable& kt, MatA a, MatB<W> b, MatC c, int64_t m0, int6
   const int nsub = (nc + w - 1) / w;
   const int64_t panels = (m1 - m0 + mr - 1) / mr;
   RunKBlocks(
-      K, kt.kc,
+      K, s.kc,
       [&](Prefetcher& pf, int64_t k0, int64_t kc) { StartBlock(pf, b, k0, kc, n0, nc); },
       [&](int64_t k0, int kc) {
         if (b.sn == 1) {
@@ -212,7 +213,6 @@ struct Band {
   float* GU;             // [S][2I] g | u; then dg | du
   float* DA;             // [S][I] dy D^T; then a
   float* scratch;        // [workers][stride]
-  size_t fixed_bytes;    // what a smaller band of the same call would not shrink
   int64_t stride, kc, nc;  // per-worker scratch floats; its blocking maxima
   int mr, vl;
   TileScratch Scratch(int worker) const {
@@ -223,9 +223,10 @@ struct Band {
 size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int workers,
                  const KernelTable& kt, Band* b) {
   const int64_t C = MaxChunks(S, E, kChunkRows);
-  // Scratch sized to the problem: K of every product is H, I or an expert's
-  // rows (<= S); N is H or I.
-  b->kc = std::min<int64_t>(kt.kc, std::max({H, I, S}));
+  // Scratch sized to the problem (the same for every band): N of every
+  // product is H or I; K-blocks of at most max(H, I) rows (the weight
+  // gradients' K, an expert's rows, runs in blocks of that size too).
+  b->kc = std::min<int64_t>(kt.kc, std::max(H, I));
   b->nc = (std::min<int64_t>(kt.nc, std::max(H, I)) + 2 * kt.vl - 1) / (2 * kt.vl) * (2 * kt.vl);
   b->mr = kt.mr;
   b->vl = kt.vl;
@@ -235,7 +236,6 @@ size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int wor
   b->plan.real_end = cv.Take<int64_t>(E);
   b->plan.seen = cv.Take<int64_t>(E);
   b->scratch = cv.Take<float>(static_cast<int64_t>(workers) * b->stride);
-  b->fixed_bytes = cv.used();
   b->plan.row_slot = cv.Take<int32_t>(S);
   b->plan.slot_row = cv.Take<int32_t>(S);
   b->chunks.expert = cv.Take<int32_t>(C);
@@ -248,13 +248,10 @@ size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int wor
   return cv.used();
 }
 
-// Bytes of a band of S slots, or with `fixed_only` its part that a smaller
-// band of the same call would not shrink below.
 size_t BandBytes(int64_t S, int64_t E, int64_t H, int64_t I, int workers,
-                 const KernelTable& kt, bool fixed_only = false) {
-  Band b;
-  const size_t all = CarveBand(nullptr, S, E, H, I, workers, kt, &b);
-  return fixed_only ? b.fixed_bytes : all;
+                 const KernelTable& kt) {
+  Band unused;
+  return CarveBand(nullptr, S, E, H, I, workers, kt, &unused);
 }
 
 struct Problem {
@@ -499,8 +496,7 @@ ffi::Error FusedMoeBackward(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   const KernelTable& kt = *ActiveKernels();
   Workspace ws;
   std::string err;
-  const WorkShape shape{band, H,
-                        static_cast<int64_t>(BandBytes(band * k, E, H, I, workers, kt, true))};
+  const WorkShape shape{band, H, static_cast<int64_t>(BandBytes(0, E, H, I, workers, kt))};
   if (!Workspace::Allocate(Device{"cpu", 0}, BandBytes(band * k, E, H, I, workers, kt),
                            "backward", shape, &ws, &err))
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, err);
@@ -519,8 +515,8 @@ ffi::Error FusedMoeBackward(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
 }
 
 size_t BackwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
-                              int workers, bool fixed_only) {
-  return BandBytes(tokens * k, E, H, I, workers, *ActiveKernels(), fixed_only);
+                              int workers) {
+  return BandBytes(tokens * k, E, H, I, workers, *ActiveKernels());
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeBackwardCpu, FusedMoeBackwardImpl, NBX_BACKWARD_BINDING);

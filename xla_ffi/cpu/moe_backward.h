@@ -33,9 +33,9 @@ xla::ffi::Error FusedMoeBackward(xla::ffi::ThreadPool pool, xla::ffi::AnyBuffer 
                                  xla::ffi::RemainingRets grads, const BackwardAttrs& a);
 
 // Bytes of workspace the CPU backward allocates for one band of `tokens`
-// tokens; with `fixed_only` the part a smaller band would not shrink below.
+// tokens (0 gives the part that does not shrink with the band).
 size_t BackwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
-                              int workers, bool fixed_only = false);
+                              int workers);
 }  // namespace nbx
 
 // The binding the product target and the tests' twin share.

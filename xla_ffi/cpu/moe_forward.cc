@@ -49,21 +49,22 @@ constexpr int64_t kStreamCols = kMaxStreamCols;
 
 int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// Per-worker scratch, sized to the problem (never more than it can use): one
-// packed K-block of a weight tile (GEMM1: gate||up, GEMM2: down), then the
-// partial sums of one chunk's panels over the tile (which also hold the
-// streaming accumulators), then a tile's int8 column scales.  S is the
-// band's slots; one expert has at most P = MaxPaddedRows(S) rows in a band
-// or an expert-major group.
-int64_t ScratchFloats(int64_t S, int64_t E, int64_t H, int64_t I, const KernelTable& kt) {
-  const int64_t mr = kt.mr, vl = kt.vl, P = MaxPaddedRows(S, E, mr);
+// Per-worker scratch, sized to the problem's H and I (never more than they
+// can use, and the same for every band of a call, so the part of the
+// workspace that does not shrink with the band stays fixed): one packed
+// K-block of a weight tile (GEMM1: gate||up, GEMM2: down); then the partial
+// sums of one chunk's panels over the tile, needed only when K spans more
+// than one K-block, and which also hold the streaming accumulators; then a
+// tile's int8 column scales.
+int64_t ScratchFloats(int64_t H, int64_t I, const KernelTable& kt) {
+  const int64_t mr = kt.mr, vl = kt.vl;
   const int64_t cols1 = 2 * RoundUp(std::min<int64_t>(kt.nc, I), vl);  // gate||up
   const int64_t cols2 = RoundUp(std::min<int64_t>(kt.nc, H), 2 * vl);  // down
   const int64_t packed =
       std::max(std::min<int64_t>(kt.kc, H) * cols1, std::min<int64_t>(kt.kc, I) * cols2);
-  const int64_t panels = std::min<int64_t>(kt.chunk_panels, P / mr);
-  const int64_t part = panels * mr * std::max(cols1, cols2);
-  const int64_t rows = std::min({kStreamRows, mr, P});
+  const int64_t part =
+      kt.chunk_panels * mr * std::max(H > kt.kc ? cols1 : 0, I > kt.kc ? cols2 : 0);
+  const int64_t rows = std::min(kStreamRows, mr);
   const int64_t stream = rows * std::max(2 * std::min(kStreamCols, I), std::min(kStreamCols, H));
   return packed + std::max(part, stream) + std::max(cols1, cols2);
 }
@@ -78,7 +79,6 @@ struct Band {
   float* A2;              // [P/MR][I][MR] packed activations
   float* scratch;         // [workers][ScratchFloats]
   int64_t scratch_stride;
-  size_t fixed_bytes;     // what a smaller band of the same call would not shrink
 };
 
 // Lays a band of S slots out from `base`; returns the bytes it takes.  With
@@ -89,15 +89,14 @@ size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int wor
   const int64_t P = MaxPaddedRows(S, E, kt.mr);
   const int64_t C = MaxChunks(P, E, int64_t{kt.mr} * kt.chunk_panels);
   Carver cv(base);
-  // per expert and per worker (the scratch, sized for this band): fixed
+  // per expert and per worker: the part that does not shrink with the band
   b->plan.expert_off = cv.Take<int64_t>(E + 1);
   b->plan.real_end = cv.Take<int64_t>(E);
   b->plan.seen = cv.Take<int64_t>(E);
   b->total = cv.Take<int64_t>(E);
-  b->scratch_stride = ScratchFloats(S, E, H, I, kt);
+  b->scratch_stride = ScratchFloats(H, I, kt);
   b->scratch = cv.Take<float>(static_cast<int64_t>(workers) * b->scratch_stride);
-  b->fixed_bytes = cv.used();
-  // per slot or padded row: shrinks with the band
+  // per slot or padded row
   b->plan.slot_row = cv.Take<int32_t>(S);
   b->plan.row_slot = cv.Take<int32_t>(P);
   b->row_token = cv.Take<int32_t>(P);
@@ -110,13 +109,9 @@ size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int wor
   return cv.used();
 }
 
-// Bytes of a band of S slots, or with `fixed_only` its part that a smaller
-// band of the same call would not shrink below (the refusal's advice).
-size_t BandBytes(int64_t S, int64_t E, int64_t H, int64_t I, int workers, const KernelTable& kt,
-                 bool fixed_only = false) {
-  Band b;
-  const size_t all = CarveBand(nullptr, S, E, H, I, workers, kt, &b);
-  return fixed_only ? b.fixed_bytes : all;
+size_t BandBytes(int64_t S, int64_t E, int64_t H, int64_t I, int workers, const KernelTable& kt) {
+  Band unused;
+  return CarveBand(nullptr, S, E, H, I, workers, kt, &unused);
 }
 
 struct Problem {
@@ -409,7 +404,7 @@ ffi::Error AllocateBand(int64_t S, int64_t tokens, const Problem& p, int workers
                         const KernelTable& kt, Workspace* ws, Band* b) {
   std::string err;
   const WorkShape shape{tokens, p.H,
-                        static_cast<int64_t>(BandBytes(S, p.E, p.H, p.I, workers, kt, true))};
+                        static_cast<int64_t>(BandBytes(0, p.E, p.H, p.I, workers, kt))};
   if (!Workspace::Allocate(Device{"cpu", 0}, BandBytes(S, p.E, p.H, p.I, workers, kt),
                            "workspace", shape, ws, &err))
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, err);
@@ -478,8 +473,8 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
 }
 
 size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
-                             int workers, bool fixed_only) {
-  return BandBytes(tokens * k, E, H, I, workers, *ActiveKernels(), fixed_only);
+                             int workers) {
+  return BandBytes(tokens * k, E, H, I, workers, *ActiveKernels());
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCpu, FusedMoeForwardImpl, NBX_FORWARD_BINDING);

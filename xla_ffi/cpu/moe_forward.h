@@ -33,10 +33,10 @@ xla::ffi::Error FusedMoeForward(xla::ffi::ThreadPool pool, xla::ffi::AnyBuffer x
                                 xla::ffi::Result<xla::ffi::AnyBuffer> y, const ForwardAttrs& a);
 
 // Bytes of workspace the CPU forward allocates for one band of `tokens`
-// tokens; with `fixed_only` the part of it that a smaller band would not
-// shrink below (per-expert arrays and the per-worker scratch it sizes).
+// tokens (0 gives the part that does not shrink with the band: the
+// per-expert arrays and the per-worker scratch, sized to H and I).
 size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
-                             int workers, bool fixed_only = false);
+                             int workers);
 
 }  // namespace nbx
 

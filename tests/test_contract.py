@@ -1,0 +1,121 @@
+"""The cross-language contract (xla_ffi/abi.h, read through jax_nbx._abi):
+every consumer on the CPU side agrees with it.  (The CUDA launch program and
+the Triton kernels: tests/test_program_decoder.py.)"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_nbx as nbx
+from jax_nbx import _abi, _registry, quant, reference
+from jax_nbx.ops import _ffi_forward
+
+from conftest import TOL, make_problem, np_moe, rel_err
+
+ffi = _registry.ffi_module()
+
+
+def test_target_names_are_the_abis():
+    assert set(ffi.cpu_handlers()) == {_abi.TARGET_FORWARD, _abi.TARGET_BACKWARD}
+    assert set(ffi.testing_handlers()) == {_abi.TARGET_FORWARD_POISONED,
+                                           _abi.TARGET_BACKWARD_POISONED}
+    if getattr(ffi, "has_cuda", False):
+        assert set(ffi.cuda_handlers()) == {_abi.TARGET_CUDA_FORWARD,
+                                            _abi.TARGET_CUDA_FORWARD_TABLES}
+    assert _registry.FORWARD_TARGET == _abi.TARGET_FORWARD
+    assert _registry.CUDA_FORWARD_TARGET == _abi.TARGET_CUDA_FORWARD
+
+
+def test_activations_are_the_abis_and_the_reference_has_each():
+    assert reference.ACTIVATIONS == _abi.ACTIVATIONS == ("swiglu", "geglu")
+    g = jnp.linspace(-6.0, 6.0, 101, dtype=jnp.float32)
+    for name in _abi.ACTIVATIONS:
+        assert reference.activation_fn(name)(g).shape == g.shape
+    # the reference's tanh-GELU uses the contract's constants
+    g64 = np.linspace(-6.0, 6.0, 101)
+    mine = 0.5 * g64 * (1.0 + np.tanh(_abi.GELU_C * (g64 + _abi.GELU_B * g64 ** 3)))
+    np.testing.assert_allclose(np.asarray(reference.activation_fn("geglu")(g), np.float64), mine,
+                               rtol=2e-6, atol=2e-6)
+    assert _abi.GELU_C == pytest.approx(np.sqrt(2.0 / np.pi), rel=1e-15)
+
+
+@pytest.mark.parametrize("activation", _abi.ACTIVATIONS)
+def test_handler_reads_each_activation_code_as_the_reference_does(activation):
+    x, w, ids, ex = make_problem(1, 9, 4, 2, 33, 20)
+    y = nbx.fused_moe(x, w, ids, ex, activation=activation, implementation="ffi")
+    assert rel_err(y, np_moe(x, w, ids, ex, activation)) < TOL["f32"]
+
+
+def test_weight_groups_follow_the_abis_order():
+    x, w, ids, ex = make_problem(2, 3, 4, 2, 64, 32)
+    for kind in ("int8", "int4"):
+        q = nbx.quantize(ex, kind, group_size=32)
+        groups, E, I, fmt, _, _ = quant.weight_groups(q.flat(), lists=False)
+        assert len(groups) == len(_abi.parts_of(kind)) * len(_abi.PROJECTIONS)
+        for part, pname in enumerate(_abi.parts_of(kind)):
+            for proj, jname in enumerate(_abi.PROJECTIONS):
+                got = groups[_abi.group_index(part, proj)][0]
+                assert got is getattr(getattr(q, jname), pname)
+    assert _abi.parts_of(None) == ("q",) and _abi.FORMAT_CODES[None] == _abi.FORMAT_CODES["dense"]
+
+
+def _raw_forward(x, w, ids, ex, **overrides):
+    attrs = dict(activation=np.int32(0), band_tokens=np.int64(0), max_workers=np.int64(2),
+                 skip_outside=False, num_experts=np.int64(ex.num_experts),
+                 format=np.int32(_abi.FORMAT_CODES["dense"]), stacked=True, group_size=np.int64(0))
+    attrs.update(overrides)
+    call = jax.ffi.ffi_call(_abi.TARGET_FORWARD, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            vmap_method="sequential")
+    return call(x, w, ids, ex.gate, ex.up, ex.down, **attrs)
+
+
+def test_enum_attributes_out_of_range_are_refused_by_name():
+    x, w, ids, ex = make_problem(3, 5, 4, 2, 16, 8)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="unknown activation code 7"):
+        jax.block_until_ready(_raw_forward(x, w, ids, ex, activation=np.int32(7)))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="unknown weight format code 5"):
+        jax.block_until_ready(_raw_forward(x, w, ids, ex, format=np.int32(5)))
+    # an int64 where the contract says int32 is refused by XLA's decoder, not misread
+    # (other shapes: JAX's executable cache compares attributes by value, 0 == int64 0)
+    x, w, ids, ex = make_problem(3, 7, 3, 1, 12, 8)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="expected S32 but got S64"):
+        jax.block_until_ready(_raw_forward(x, w, ids, ex, activation=np.int64(0)))
+
+
+def test_weight_buffers_are_checked_against_the_format():
+    x, w, ids, ex = make_problem(4, 5, 4, 2, 16, 8)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"up has shape \(4, 16, 9\); expected \(4, 16, 8\)"):
+        call = jax.ffi.ffi_call(_abi.TARGET_FORWARD, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                vmap_method="sequential")
+        jax.block_until_ready(call(x, w, ids, ex.gate, jnp.zeros((4, 16, 9)), ex.down,
+                                   activation=np.int32(0), band_tokens=np.int64(0),
+                                   max_workers=np.int64(2), skip_outside=False,
+                                   num_experts=np.int64(4), format=np.int32(0), stacked=True,
+                                   group_size=np.int64(0)))
+    # int8 experts passed as dense: the decoder names the group count it expected
+    q = nbx.quantize(ex, "int8")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="expected 3 dense weight buffers"):
+        call = jax.ffi.ffi_call(_abi.TARGET_FORWARD, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                vmap_method="sequential")
+        jax.block_until_ready(call(x, w, ids, *[g[0] for g in quant.weight_groups(q.flat(), False)[0]],
+                                   activation=np.int32(0), band_tokens=np.int64(0),
+                                   max_workers=np.int64(2), skip_outside=False,
+                                   num_experts=np.int64(4), format=np.int32(0), stacked=True,
+                                   group_size=np.int64(0)))
+
+
+@pytest.mark.parametrize("fmt", ["dense", "int8", "int4"])
+@pytest.mark.parametrize("lists", [False, True], ids=["stacked", "lists"])
+def test_poisoned_twin_takes_every_format(fmt, lists):
+    """The tests' NaN-filled-output twin runs every weight format and layout."""
+    x, w, ids, ex = make_problem(6, 11, 5, 2, 64, 32)
+    if lists:
+        ex = nbx.Experts(*([a[e] for e in range(5)] for a in (ex.gate, ex.up, ex.down)))
+    e = ex if fmt == "dense" else nbx.quantize(ex, fmt, group_size=32)
+    y = _ffi_forward(x, w, ids, *e.flat(), activation="swiglu", band_tokens=4, lists=lists,
+                     poison=True)
+    assert bool(jnp.all(jnp.isfinite(y)))
+    d = ex if fmt == "dense" else nbx.dequantize(e, jnp.float32)
+    assert rel_err(y, np_moe(x, w, ids, d.stacked())) < TOL["f32"]

@@ -1,0 +1,58 @@
+"""Our C++ compiles clean under -Wall -Wextra -Werror with GCC and with Clang
+(every source of the module, each with its own instruction-set flags, as
+CMakeLists.txt builds it; jaxlib's and nanobind's headers are system headers).
+
+Clang is installed by .ci/run; where a compiler is missing its case skips."""
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import jax
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SRC = ROOT / "xla_ffi"
+# per-file flags (CMakeLists.txt's NBX_KERNEL_SOURCES)
+ISA_FLAGS = {
+    "cpu/kernels_avx2.cc": ["-mavx2", "-mfma"],
+    "cpu/kernels_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
+}
+CUDA_INCLUDE = pathlib.Path("/usr/local/cuda/include")
+
+
+def _sources() -> list[str]:
+    files = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.cc"))
+    if not (CUDA_INCLUDE / "cuda.h").exists():
+        files = [f for f in files if not f.startswith("cuda/")]
+    return files
+
+
+def _nanobind_include() -> str:
+    try:
+        import nanobind
+    except ImportError:
+        pytest.skip("nanobind is not installed (pip install -e '.[test]' brings it)")
+    return nanobind.include_dir()
+
+
+@pytest.mark.parametrize("compiler", ["g++", "clang++"])
+@pytest.mark.parametrize("source", _sources())
+def test_compiles_without_warnings(compiler, source):
+    if shutil.which(compiler) is None:
+        pytest.skip(f"{compiler} is not installed")
+    if sys.platform != "linux":
+        pytest.skip("checked on Linux")
+    cmd = [compiler, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
+           "-isystem", jax.ffi.include_dir(), "-isystem", _nanobind_include(),
+           "-isystem", sysconfig.get_paths()["include"], "-I", str(SRC),
+           *ISA_FLAGS.get(source, []), str(SRC / source)]
+    if source.startswith("cuda/"):
+        cmd[1:1] = ["-isystem", str(CUDA_INCLUDE)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"{' '.join(cmd)}\n{out.stderr[-4000:]}"
