@@ -103,8 +103,8 @@ def forward(x, w, ids, *weights, activation: int, band_tokens: int, lists: bool 
     blob, table = C.pack(prog, compute_capability(dev))
     attrs = dict(blob=blob, kernels=table.reshape(-1), program=prog.encode(),
                  workspace_bytes=np.int64(prog.workspace_bytes), err_offset=np.int64(prog.err_offset),
-                 w_aligned=np.int64(strides_ok), num_experts=np.int64(E),
-                 check_ids=np.int64(check_ids_enabled() and not skip_outside))
+                 w_aligned=bool(strides_ok), num_experts=np.int64(E),
+                 check_ids=bool(check_ids_enabled() and not skip_outside))
     # The workspace is a second output that XLA allocates in its pool (stream
     # ordered, planned by XLA) and that is dropped here.
     outs = (jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -115,7 +115,7 @@ def forward(x, w, ids, *weights, activation: int, band_tokens: int, lists: bool 
         return y
     bufs = [b for g in groups for b in (g if lists else g[:1])]
     call = jax.ffi.ffi_call(_abi.TARGET_CUDA_FORWARD_TABLES, outs, vmap_method="sequential")
-    y, _ = call(x, w, ids, *bufs, groups=np.int64(len(groups)), stacked=np.int64(not lists), **attrs)
+    y, _ = call(x, w, ids, *bufs, groups=np.int64(len(groups)), stacked=not lists, **attrs)
     return y
 
 

@@ -15,6 +15,7 @@ from jax_nbx.ops import _ffi_forward
 from conftest import TOL, make_problem, np_moe, rel_err
 
 ffi = _registry.ffi_module()
+pytestmark = pytest.mark.fast
 
 
 def test_target_names_are_the_abis():

@@ -18,6 +18,7 @@ from jax_nbx.triton import compile as C  # noqa: E402
 from jax_nbx.triton import plan  # noqa: E402
 
 ffi = _registry.ffi_module()
+pytestmark = pytest.mark.fast
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype("float32")
 

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "abi.h"
+#include "account.h"
 #include "dtypes.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -23,6 +24,18 @@ XLA_FFI_REGISTER_ENUM_ATTR_DECODING(nbx::abi::Activation);
 XLA_FFI_REGISTER_ENUM_ATTR_DECODING(nbx::abi::WeightFormat);
 
 namespace nbx {
+
+// A band's workspace: `bytes` counted in cpu:0's account under `tag`, or
+// RESOURCE_EXHAUSTED with the account's advice, which sees the band as
+// `tokens` rows of width H of which `fixed` bytes do not shrink with it.
+inline xla::ffi::Error AllocateWorkspace(size_t bytes, size_t fixed, int64_t tokens, int64_t H,
+                                         const char* tag, Workspace* ws) {
+  std::string err;
+  if (!Workspace::Allocate(Device{"cpu", 0}, bytes, tag,
+                           WorkShape{tokens, H, static_cast<int64_t>(fixed)}, ws, &err))
+    return xla::ffi::Error(xla::ffi::ErrorCode::kResourceExhausted, err);
+  return xla::ffi::Error::Success();
+}
 
 // An activation code inside abi.h's range, else an error naming it.
 inline xla::ffi::Error CheckActivation(abi::Activation a) {

@@ -59,6 +59,11 @@ namespace {
 
 constexpr int64_t kChunkRows = 128;  // C rows per work item
 
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
 // The weight gradients are large fresh outputs (3*E*H*I float32 per call,
 // 1.6 GB at OLMoE's shape) that our GEMMs touch first: with 4 kB pages the
 // page faults cost more than the GEMMs writing them (measured: first touch
@@ -232,12 +237,11 @@ size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int wor
   b->vl = kt.vl;
   b->stride = TileScratchFloats(b->kc, b->nc, kt.mr, kt.vl);
   Carver cv(base);
+  b->plan.row_slot = cv.Take<int32_t>(S);
+  b->plan.slot_row = cv.Take<int32_t>(S);
   b->plan.expert_off = cv.Take<int64_t>(E + 1);
   b->plan.real_end = cv.Take<int64_t>(E);
   b->plan.seen = cv.Take<int64_t>(E);
-  b->scratch = cv.Take<float>(static_cast<int64_t>(workers) * b->stride);
-  b->plan.row_slot = cv.Take<int32_t>(S);
-  b->plan.slot_row = cv.Take<int32_t>(S);
   b->chunks.expert = cv.Take<int32_t>(C);
   b->chunks.begin = cv.Take<int64_t>(C);
   b->chunks.end = cv.Take<int64_t>(C);
@@ -245,6 +249,7 @@ size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int wor
   b->dY = cv.Take<float>(S * H);
   b->GU = cv.Take<float>(S * 2 * I);
   b->DA = cv.Take<float>(S * I);
+  b->scratch = cv.Take<float>(static_cast<int64_t>(workers) * b->stride);
   return cv.used();
 }
 
@@ -495,20 +500,21 @@ ffi::Error FusedMoeBackward(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   const int workers = static_cast<int>(std::clamp<int64_t>(a.max_workers, 1, MaxWorkers(pool)));
   const KernelTable& kt = *ActiveKernels();
   Workspace ws;
-  std::string err;
-  const WorkShape shape{band, H, static_cast<int64_t>(BandBytes(0, E, H, I, workers, kt))};
-  if (!Workspace::Allocate(Device{"cpu", 0}, BandBytes(band * k, E, H, I, workers, kt),
-                           "backward", shape, &ws, &err))
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted, err);
+  if (ffi::Error e = AllocateWorkspace(BandBytes(band * k, E, H, I, workers, kt),
+                                       BandBytes(0, E, H, I, workers, kt), band, H, "backward",
+                                       &ws);
+      e.failure())
+    return e;
   Band b;
   CarveBand(ws.data(), band * k, E, H, I, workers, kt, &b);
-  for (int64_t t0 = 0; t0 < T; t0 += band) {
-    const int64_t t1 = std::min(T, t0 + band);
-    switch (w.dtype) {
-      case ffi::DataType::F32: RunBand<float>(p, kt, pool, workers, t0, t1, b); break;
-      case ffi::DataType::BF16: RunBand<bf16>(p, kt, pool, workers, t0, t1, b); break;
-      default: RunBand<f16>(p, kt, pool, workers, t0, t1, b); break;
-    }
+  auto run = [&](auto tag) {  // tag: the weights' element type
+    using W = typename decltype(tag)::type;
+    for (int64_t t0 = 0; t0 < T; t0 += band) RunBand<W>(p, kt, pool, workers, t0, std::min(T, t0 + band), b);
+  };
+  switch (w.dtype) {
+    case ffi::DataType::F32: run(TypeTag<float>{}); break;
+    case ffi::DataType::BF16: run(TypeTag<bf16>{}); break;
+    default: run(TypeTag<f16>{}); break;
   }
   zero_unwritten();
   return ffi::Error::Success();

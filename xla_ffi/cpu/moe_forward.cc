@@ -49,6 +49,14 @@ constexpr int64_t kStreamCols = kMaxStreamCols;
 
 int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
+// Where a worker's scratch keeps its partial sums: after the largest packed
+// block of either GEMM (one offset for both).
+int64_t PartialSumsOffset(int64_t H, int64_t I, const KernelTable& kt) {
+  const int64_t cols1 = 2 * RoundUp(std::min<int64_t>(kt.nc, I), kt.vl);
+  const int64_t cols2 = RoundUp(std::min<int64_t>(kt.nc, H), 2 * kt.vl);
+  return std::max(std::min<int64_t>(kt.kc, H) * cols1, std::min<int64_t>(kt.kc, I) * cols2);
+}
+
 // Per-worker scratch, sized to the problem's H and I (never more than they
 // can use, and the same for every band of a call, so the part of the
 // workspace that does not shrink with the band stays fixed): one packed
@@ -60,14 +68,15 @@ int64_t ScratchFloats(int64_t H, int64_t I, const KernelTable& kt) {
   const int64_t mr = kt.mr, vl = kt.vl;
   const int64_t cols1 = 2 * RoundUp(std::min<int64_t>(kt.nc, I), vl);  // gate||up
   const int64_t cols2 = RoundUp(std::min<int64_t>(kt.nc, H), 2 * vl);  // down
-  const int64_t packed =
-      std::max(std::min<int64_t>(kt.kc, H) * cols1, std::min<int64_t>(kt.kc, I) * cols2);
+  const int64_t packed = PartialSumsOffset(H, I, kt);
   const int64_t part =
       kt.chunk_panels * mr * std::max(H > kt.kc ? cols1 : 0, I > kt.kc ? cols2 : 0);
   const int64_t rows = std::min(kStreamRows, mr);
   const int64_t stream = rows * std::max(2 * std::min(kStreamCols, I), std::min(kStreamCols, H));
-  return packed + std::max(part, stream) + std::max(cols1, cols2);
+  // whole pages per worker (1024 floats): workers' blocks keep one alignment
+  return RoundUp(packed + std::max(part, stream) + std::max(cols1, cols2), 1024);
 }
+
 
 struct Band {
   SlotPlan plan;          // slot order (slots.h); slot_row is the combine's map
@@ -79,6 +88,7 @@ struct Band {
   float* A2;              // [P/MR][I][MR] packed activations
   float* scratch;         // [workers][ScratchFloats]
   int64_t scratch_stride;
+  int64_t part_offset;    // the partial sums' place in a worker's scratch
 };
 
 // Lays a band of S slots out from `base`; returns the bytes it takes.  With
@@ -89,23 +99,22 @@ size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int wor
   const int64_t P = MaxPaddedRows(S, E, kt.mr);
   const int64_t C = MaxChunks(P, E, int64_t{kt.mr} * kt.chunk_panels);
   Carver cv(base);
-  // per expert and per worker: the part that does not shrink with the band
+  b->plan.slot_row = cv.Take<int32_t>(S);
+  b->row_token = cv.Take<int32_t>(P);
+  b->row_weight = cv.Take<float>(P);
+  b->plan.row_slot = cv.Take<int32_t>(P);
   b->plan.expert_off = cv.Take<int64_t>(E + 1);
   b->plan.real_end = cv.Take<int64_t>(E);
   b->plan.seen = cv.Take<int64_t>(E);
   b->total = cv.Take<int64_t>(E);
-  b->scratch_stride = ScratchFloats(H, I, kt);
-  b->scratch = cv.Take<float>(static_cast<int64_t>(workers) * b->scratch_stride);
-  // per slot or padded row
-  b->plan.slot_row = cv.Take<int32_t>(S);
-  b->plan.row_slot = cv.Take<int32_t>(P);
-  b->row_token = cv.Take<int32_t>(P);
-  b->row_weight = cv.Take<float>(P);
   b->chunks.expert = cv.Take<int32_t>(C);
   b->chunks.begin = cv.Take<int64_t>(C);
   b->chunks.end = cv.Take<int64_t>(C);
   b->XO = cv.Take<float>(P * H);
   b->A2 = cv.Take<float>(P * I);
+  b->scratch_stride = ScratchFloats(H, I, kt);
+  b->scratch = cv.Take<float>(static_cast<int64_t>(workers) * b->scratch_stride);
+  b->part_offset = PartialSumsOffset(H, I, kt);
   return cv.used();
 }
 
@@ -239,8 +248,7 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     const int nsub = (nc + width - 1) / width;
     const int64_t panels = (m1 - m0 + mr - 1) / mr;
     float* packed = scratch;
-    const int64_t packed_floats = std::min<int64_t>(kt.kc, K) * nsub * 2 * vl;
-    float* part = scratch + packed_floats;
+    float* part = scratch + b.part_offset;
     // int8: the tile's column scales, per micro-panel `width` of each matrix
     const float* scale = nullptr;
     if constexpr (WS::kQuant) {
@@ -402,12 +410,11 @@ struct BandBody {
 // Allocates a band of S slots (`tokens` tokens) in the account and carves it.
 ffi::Error AllocateBand(int64_t S, int64_t tokens, const Problem& p, int workers,
                         const KernelTable& kt, Workspace* ws, Band* b) {
-  std::string err;
-  const WorkShape shape{tokens, p.H,
-                        static_cast<int64_t>(BandBytes(0, p.E, p.H, p.I, workers, kt))};
-  if (!Workspace::Allocate(Device{"cpu", 0}, BandBytes(S, p.E, p.H, p.I, workers, kt),
-                           "workspace", shape, ws, &err))
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted, err);
+  if (ffi::Error e = AllocateWorkspace(BandBytes(S, p.E, p.H, p.I, workers, kt),
+                                       BandBytes(0, p.E, p.H, p.I, workers, kt), tokens, p.H,
+                                       "workspace", ws);
+      e.failure())
+    return e;
   CarveBand(ws->data(), S, p.E, p.H, p.I, workers, kt, b);
   return ffi::Error::Success();
 }

@@ -285,8 +285,8 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
                       const std::vector<int64_t>& addrs, ffi::Result<ffi::AnyBuffer> y,
                       ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
                       ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
-                      int64_t workspace_bytes, int64_t err_offset, int64_t w_aligned,
-                      int64_t num_experts, int64_t check_ids) {
+                      int64_t workspace_bytes, int64_t err_offset, bool w_aligned,
+                      int64_t num_experts, bool check_ids) {
   Driver& d = Driver::Get();
   if (!d.ok) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, d.why);
   const Device dev{"cuda", ordinal};
@@ -420,8 +420,8 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                             ffi::AnyBuffer up, ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y,
                             ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
                             ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
-                            int64_t workspace_bytes, int64_t err_offset, int64_t w_aligned,
-                            int64_t num_experts, int64_t check_ids) {
+                            int64_t workspace_bytes, int64_t err_offset, bool w_aligned,
+                            int64_t num_experts, bool check_ids) {
   const int64_t E = num_experts;
   constexpr int P = abi::kNumProjections;
   const ffi::AnyBuffer* proj[P] = {&gate, &up, &down};
@@ -445,9 +445,9 @@ ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
                                   ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y,
                                   ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
                                   ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
-                                  int64_t workspace_bytes, int64_t err_offset, int64_t w_aligned,
-                                  int64_t num_experts, int64_t check_ids, int64_t groups,
-                                  int64_t stacked) {
+                                  int64_t workspace_bytes, int64_t err_offset, bool w_aligned,
+                                  int64_t num_experts, bool check_ids, int64_t groups,
+                                  bool stacked) {
   const int64_t E = num_experts, G = groups;
   const int64_t per_group = stacked ? 1 : E;
   if (E < 1 || G < abi::kNumProjections || G > abi::kNumParts * abi::kNumProjections ||
@@ -518,9 +518,9 @@ std::string CudaDriverStatus() {
       .Attr<ffi::Span<const int64_t>>("program")                           \
       .Attr<int64_t>("workspace_bytes")                                    \
       .Attr<int64_t>("err_offset")                                         \
-      .Attr<int64_t>("w_aligned")                                          \
+      .Attr<bool>("w_aligned")                                             \
       .Attr<int64_t>("num_experts")                                        \
-      .Attr<int64_t>("check_ids")
+      .Attr<bool>("check_ids")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCuda, FusedMoeCudaImpl,
                               NBX_PROGRAM_BIND
@@ -534,6 +534,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCudaTables, FusedMoeCudaTablesImpl,
                                   .RemainingArgs()               // weight groups
                                   NBX_PROGRAM_RETS_AND_ATTRS
                                   .Attr<int64_t>("groups")
-                                  .Attr<int64_t>("stacked"));
+                                  .Attr<bool>("stacked"));
 
 }  // namespace nbx

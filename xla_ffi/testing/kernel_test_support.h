@@ -1,0 +1,549 @@
+// The kernel testers' support (tests of the CPU micro-kernels): random
+// operands, the float64 reference, poisoned buffers with guards, the packing
+// of operands into the kernels' layouts.  Included only by kernel_tests.cc.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "abi.h"
+#include "cpu/kernel_table.h"
+#include "dtypes.h"
+
+namespace nbx {
+namespace kernel_testing {
+
+// ---------------------------------------------------------------- basics
+
+__attribute__((format(printf, 1, 2))) std::string Fmt(const char* fmt, ...) {
+  char buf[512];
+  va_list args;
+  va_start(args, fmt);
+  vsnprintf(buf, sizeof buf, fmt, args);
+  va_end(args);
+  return buf;
+}
+
+std::string JoinInts(const std::vector<int64_t>& v, const char* sep) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + std::to_string(v[i]);
+  return s;
+}
+
+// Output buffers start as this NaN; a kernel never produces these bits.
+constexpr uint32_t kSentinelBits = 0x7fc0ffeeu;
+const float kSentinel = BitsToFloat(kSentinelBits);
+bool IsSentinel(float v) { return FloatToBits(v) == kSentinelBits; }
+// Inputs no kernel may use.
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+class Rng {
+ public:
+  explicit Rng(uint32_t seed) : gen_(seed) {}
+  float Uniform() { return std::uniform_real_distribution<float>(-1.0f, 1.0f)(gen_); }
+  int64_t Int(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(gen_); }
+  bool Bit() { return Int(0, 1) == 1; }
+
+ private:
+  std::mt19937 gen_;
+};
+
+// Every case's failures, one line per failing case.
+using Issues = std::vector<std::string>;
+
+class Report {
+ public:
+  explicit Report(std::string label) : label_(std::move(label)) {}
+  void Add(const std::string& what, const Issues& issues) {
+    if (issues.empty()) return;
+    std::string line = label_ + " " + what + ": ";
+    for (size_t i = 0; i < issues.size(); ++i) line += (i ? "; " : "") + issues[i];
+    lines_.push_back(line);
+  }
+  std::vector<std::string> Lines() const { return lines_; }
+
+ private:
+  std::string label_;
+  std::vector<std::string> lines_;
+};
+
+const char* ActName(int act) { return act == 1 ? "gelu" : "silu"; }
+
+double RefAct(int act, double g) {
+  if (act == 1) return 0.5 * g * (1.0 + std::tanh(abi::kGeluC * (g + abi::kGeluB * g * g * g)));
+  return g / (1.0 + std::exp(-g));
+}
+
+// The kernels' parameter values (XNNPACK-style edges: 0, 1, odd, one past a
+// power of two, ...).
+const int64_t kKs[] = {0, 1, 2, 7, 37, 128, 129, 257};
+
+std::vector<int> StreamCols(int vl) {
+  std::vector<int> v = {1, vl - 1, vl, vl + 1, 2 * vl, 2 * vl + 3, 3 * vl + 5, 129, 515,
+                        kMaxStreamCols};
+  v.erase(std::remove_if(v.begin(), v.end(), [](int n) { return n < 1; }), v.end());
+  std::sort(v.begin(), v.end());
+  v.erase(std::unique(v.begin(), v.end()), v.end());
+  return v;
+}
+
+std::vector<int> Acts(bool down) { return down ? std::vector<int>{0} : std::vector<int>{0, 1}; }
+
+// ---------------------------------------------------------------- reference
+
+struct Dot {
+  double sum = 0;  // sum_k a * w
+  double mag = 0;  // sum_k |a| * |w|: what float32 rounding is relative to
+};
+
+// A K x cols weight matrix in float64 as the kernel must see it (bfloat16
+// widened, dequantized, column scales applied), with the magnitudes its
+// rounding error is relative to (int4: |q * scale| + |min|).
+struct RefMatrix {
+  RefMatrix(int64_t k, int c) : K(k), cols(c), v(k * c), m(k * c) {}
+  void Set(int64_t kk, int c, double value, double mag) {
+    v[kk * cols + c] = value;
+    m[kk * cols + c] = mag;
+  }
+  void ScaleColumns(const std::vector<float>& s) {
+    for (int64_t kk = 0; kk < K; ++kk)
+      for (int c = 0; c < cols; ++c) v[kk * cols + c] *= s[c], m[kk * cols + c] *= std::fabs(s[c]);
+  }
+  int64_t K;
+  int cols;
+  std::vector<double> v, m;
+};
+
+// a (rows x K, float64) @ w: rows x cols dots.
+std::vector<Dot> Dots(const std::vector<double>& a, int rows, const RefMatrix& w) {
+  std::vector<Dot> d(static_cast<size_t>(rows) * w.cols);
+  for (int r = 0; r < rows; ++r) {
+    Dot* dr = d.data() + static_cast<size_t>(r) * w.cols;
+    for (int64_t kk = 0; kk < w.K; ++kk) {
+      const double av = a[r * w.K + kk], aa = std::fabs(av);
+      const double* v = w.v.data() + kk * w.cols;
+      const double* m = w.m.data() + kk * w.cols;
+      for (int c = 0; c < w.cols; ++c) dr[c].sum += av * v[c], dr[c].mag += aa * m[c];
+    }
+  }
+  return d;
+}
+
+constexpr double kRelTol = 2e-6;
+double Tol(const Dot& d) { return kRelTol * d.mag + 1e-30; }
+
+std::string Compare(float got, double want, double tol) {
+  const double diff = std::fabs(static_cast<double>(got) - want);
+  if (diff <= tol) return "";  // (false for NaN)
+  return Fmt("got %.9g, want %.9g (|diff| %.3g > tol %.3g)", got, want, diff, tol);
+}
+
+// act(g) * u: the errors of g and u carried through (|act'| < 1.2 for both
+// activations), plus the float32 activation's own (1e-6 (|g| + |act(g)|)).
+std::string CheckGlu(int act, const Dot& g, const Dot& u, float got) {
+  const double tg = Tol(g), tu = Tol(u), f = RefAct(act, g.sum);
+  const double tol = 1.2 * tg * (std::fabs(u.sum) + tu) + std::fabs(f) * tu +
+                     1e-6 * (std::fabs(g.sum) + std::fabs(f)) * std::fabs(u.sum) + 1e-30;
+  return Compare(got, f * u.sum, tol);
+}
+
+std::string CheckDown(float w, const Dot& d, float got) {
+  return Compare(got, w * d.sum, std::fabs(w) * Tol(d));
+}
+
+// The float64 reference of a kernel's output: act(a@gate) * (a@up) (gemm1 and
+// the streamed twins), or w[r] * (a@down) (gemm2).
+struct Expected {
+  std::string operator()(int r, int c, float got) const {
+    const Dot& x = g[static_cast<size_t>(r) * cols + c];
+    return down ? CheckDown(w[r], x, got) : CheckGlu(act, x, u[static_cast<size_t>(r) * cols + c], got);
+  }
+  bool down = false;
+  int act = 0;
+  int cols = 0;
+  std::vector<Dot> g, u;  // gemm2: a@down in g
+  std::vector<float> w;
+};
+
+Expected ExpectGlu(int act, const std::vector<double>& a, int rows, const RefMatrix& gate,
+                   const RefMatrix& up) {
+  Expected e;
+  e.act = act;
+  e.cols = gate.cols;
+  e.g = Dots(a, rows, gate);
+  e.u = Dots(a, rows, up);
+  return e;
+}
+
+Expected ExpectDown(const std::vector<float>& w, const std::vector<double>& a, int rows,
+                    const RefMatrix& down) {
+  Expected e;
+  e.down = true;
+  e.cols = down.cols;
+  e.g = Dots(a, rows, down);
+  e.w = w;
+  return e;
+}
+
+// ---------------------------------------------------------------- buffers
+
+// Where a kernel writes in a buffer: element (r, c) of a rows x cols result at
+// base + p*ps + r*rs + j*cs, c = p*cb + j (cb = 0: one block); everything
+// else in the buffer must keep the sentinel.  The guards either side are
+// kGuard + rs + cs + ps long: one row, column or panel too far lands in them.
+constexpr int64_t kGuard = 7;
+
+struct Grid {
+  int64_t Offset(int r, int c) const {
+    const int p = cb ? c / cb : 0, j = cb ? c % cb : c;
+    return p * ps + r * rs + j * cs;
+  }
+  int64_t At(int r, int c) const { return base + Offset(r, c); }
+  std::vector<float> Fresh() const { return std::vector<float>(size, kSentinel); }
+  std::string Name() const {
+    if (cb) return Fmt("rs=%lld ps=%lld", (long long)rs, (long long)ps);
+    return cs == 1 ? Fmt("row-major rs=%lld", (long long)rs) : Fmt("column-major cs=%lld", (long long)cs);
+  }
+  int rows = 0, cols = 0;
+  int64_t rs = 0, cs = 1;
+  int cb = 0;
+  int64_t ps = 0;
+  int64_t base = 0;  // where (0, 0) is
+  size_t size = 0;
+};
+
+Grid MakeGrid(int rows, int cols, int64_t rs, int64_t cs, int cb = 0, int64_t ps = 0) {
+  Grid g;
+  g.rows = rows, g.cols = cols, g.rs = rs, g.cs = cs, g.cb = cb, g.ps = ps;
+  const int64_t last = rows > 0 && cols > 0 ? g.Offset(rows - 1, cols - 1) : 0;
+  g.base = kGuard + rs + cs + ps;
+  g.size = static_cast<size_t>(2 * g.base + last + 1);
+  return g;
+}
+
+// An output of rows x cols: row-major (rows padded) or column-major.
+Grid OutputGrid(int rows, int cols, bool column_major) {
+  return column_major ? MakeGrid(rows, cols, 1, rows + 2) : MakeGrid(rows, cols, cols + 3, 1);
+}
+
+// n consecutive elements (guards n long).
+Grid FlatGrid(int64_t n) { return MakeGrid(1, static_cast<int>(n), n, 1); }
+
+struct NoCheck {
+  std::string operator()(int, int, float) const { return ""; }
+};
+
+// Elements of `g` in `buf` must have been written (when must_write) and pass
+// check(r, c, value); all others must still be the sentinel.
+template <class F>
+void ScanGrid(const std::string& what, const std::vector<float>& buf, const Grid& g,
+              bool must_write, const F& check, Issues& issues) {
+  std::vector<int32_t> owner(buf.size(), -1);
+  for (int r = 0; r < g.rows; ++r)
+    for (int c = 0; c < g.cols; ++c) owner[g.At(r, c)] = r * g.cols + c;
+  int64_t unwritten = 0, wrong = 0, stray = 0;
+  std::string first_unwritten, first_wrong, first_stray;
+  for (size_t i = 0; i < buf.size(); ++i) {
+    const float v = buf[i];
+    if (owner[i] < 0) {
+      if (!IsSentinel(v) && stray++ == 0)
+        first_stray = Fmt("offset %lld from [0,0] = %.9g", (long long)(i - g.base), v);
+      continue;
+    }
+    const int r = owner[i] / g.cols, c = owner[i] % g.cols;
+    if (IsSentinel(v)) {
+      if (must_write && unwritten++ == 0) first_unwritten = Fmt("[%d,%d]", r, c);
+      continue;
+    }
+    std::string msg = check(r, c, v);
+    if (!msg.empty() && wrong++ == 0) first_wrong = Fmt("[%d,%d] ", r, c) + msg;
+  }
+  const long long n = static_cast<long long>(g.rows) * g.cols;
+  if (wrong) issues.push_back(what + Fmt(": %lld of %lld wrong, first ", (long long)wrong, n) + first_wrong);
+  if (unwritten)
+    issues.push_back(what + Fmt(": %lld of %lld not written, first ", (long long)unwritten, n) + first_unwritten);
+  if (stray) issues.push_back(what + Fmt(": %lld written outside, first at ", (long long)stray) + first_stray);
+}
+
+void ExpectUntouched(const std::string& what, const std::vector<float>& buf, Issues& issues) {
+  ScanGrid(what, buf, MakeGrid(0, 0, 0, 1), false, NoCheck{}, issues);
+}
+
+// The elements of `g` in `got` and `want` must be the same bits.
+void CompareBits(const std::string& what, const std::vector<float>& got,
+                 const std::vector<float>& want, const Grid& g, Issues& issues) {
+  int64_t differ = 0;
+  std::string first;
+  for (int r = 0; r < g.rows; ++r)
+    for (int c = 0; c < g.cols; ++c) {
+      const float x = got[g.At(r, c)], y = want[g.At(r, c)];
+      if (FloatToBits(x) == FloatToBits(y) || differ++ > 0) continue;
+      first = Fmt("[%d,%d] %.9g vs %.9g (%lld ulp)", r, c, x, y,
+                  (long long)std::llabs((int64_t)FloatToBits(x) - (int64_t)FloatToBits(y)));
+    }
+  if (differ)
+    issues.push_back(what + Fmt(": %lld of %lld differ in bits, first ", (long long)differ,
+                                static_cast<long long>(g.rows) * g.cols) + first);
+}
+
+// ---------------------------------------------------------------- operands
+
+// n x rows values a[kk*as + r] (r < rows) in [-1, 1], `pad` at r in [rows, as):
+// activations (a streamed kernel's rows, or packed A with as = MR and pad 0)
+// and dense weights (rows = columns, as = ld).
+std::vector<float> RandomRows(int64_t n, int rows, int64_t as, float pad, Rng& rng) {
+  std::vector<float> a(static_cast<size_t>(n * as));
+  for (int64_t kk = 0; kk < n; ++kk)
+    for (int64_t r = 0; r < as; ++r) a[kk * as + r] = r < rows ? rng.Uniform() : pad;
+  return a;
+}
+
+// Rows of a (a[kk*as + r]) as float64, row-major rows x K.
+std::vector<double> RowsF64(const std::vector<float>& a, int64_t as, int rows, int64_t K) {
+  std::vector<double> d(static_cast<size_t>(rows * K));
+  for (int r = 0; r < rows; ++r)
+    for (int64_t kk = 0; kk < K; ++kk) d[r * K + kk] = a[kk * as + r];
+  return d;
+}
+
+// Packed A (one m-panel of mr rows, a[kk*mr + r], rows past the end 0).
+std::vector<float> PackA(const std::vector<float>& a, int64_t as, int rows, int64_t K, int mr) {
+  std::vector<float> p(static_cast<size_t>(K * mr), 0.0f);
+  for (int64_t kk = 0; kk < K; ++kk)
+    for (int r = 0; r < rows; ++r) p[kk * mr + r] = a[kk * as + r];
+  return p;
+}
+
+// A dense K x ncols weight matrix read in place: float32, or bfloat16 bits;
+// row stride ld > ncols, the padding NaN.  Optional column scales (as int8
+// weights have: the packed kernels apply them, `scale` argument).
+class DenseWeights {
+ public:
+  DenseWeights(int64_t K, int ncols, int64_t ld, bool is_bf16, bool scaled, Rng& rng)
+      : K_(K), ncols_(ncols), ld_(ld), f_(RandomRows(K, ncols, ld, kNaN, rng)) {
+    if (is_bf16) {
+      h_.resize(f_.size());
+      for (size_t i = 0; i < f_.size(); ++i) {
+        h_[i] = FromFloat<bf16>(f_[i]).bits;
+        f_[i] = ToFloat(bf16{h_[i]});
+      }
+    }
+    if (scaled)
+      for (int c = 0; c < ncols; ++c) scales_.push_back(rng.Uniform());
+  }
+  const void* Data() const { return h_.empty() ? static_cast<const void*>(f_.data()) : h_.data(); }
+  RefMatrix Ref() const {
+    RefMatrix m(K_, ncols_);
+    for (int64_t kk = 0; kk < K_; ++kk)
+      for (int c = 0; c < ncols_; ++c) m.Set(kk, c, f_[kk * ld_ + c], std::fabs(f_[kk * ld_ + c]));
+    if (HasScales()) m.ScaleColumns(scales_);
+    return m;
+  }
+  // Columns [c0, c0+nc) as K rows of `width` float32 (zero-padded) at dst + kk*rs.
+  void Panel(const KernelTable&, int64_t c0, int nc, int width, float* dst, int64_t rs) const {
+    for (int64_t kk = 0; kk < K_; ++kk)
+      for (int j = 0; j < width; ++j) dst[kk * rs + j] = j < nc ? f_[kk * ld_ + c0 + j] : 0.0f;
+  }
+  bool HasScales() const { return !scales_.empty(); }
+  float Scale(int64_t c) const { return scales_[c]; }
+
+ private:
+  int64_t K_;
+  int ncols_;
+  int64_t ld_;
+  std::vector<float> f_;   // float32 values (bfloat16: widened)
+  std::vector<uint16_t> h_;  // bfloat16 bits
+  std::vector<float> scales_;
+};
+
+// Scales or group minimums: float32, or bfloat16 bits.
+class ScaleArray {
+ public:
+  ScaleArray(int64_t n, bool is_bf16) : bf16_(is_bf16), f_(is_bf16 ? 0 : n), h_(is_bf16 ? n : 0) {}
+  void Set(int64_t i, float v) {
+    if (bf16_) h_[i] = FromFloat<bf16>(v).bits;
+    else f_[i] = v;
+  }
+  float Get(int64_t i) const { return bf16_ ? ToFloat(bf16{h_[i]}) : f_[i]; }
+  const void* Data() const { return bf16_ ? static_cast<const void*>(h_.data()) : f_.data(); }
+
+ private:
+  bool bf16_;
+  std::vector<float> f_;
+  std::vector<uint16_t> h_;
+};
+
+struct QuantFormat {
+  std::string Name() const {
+    return (int4 ? Fmt("int4/g%d", group) : std::string("int8")) + (bf16_scales ? "/bf16-scales" : "/f32-scales");
+  }
+  bool int4;
+  int group;  // int4: rows per group
+  bool bf16_scales;
+};
+
+std::vector<QuantFormat> QuantFormats() {
+  std::vector<QuantFormat> v;
+  for (bool b : {false, true}) {
+    v.push_back({false, 0, b});
+    for (int group : {32, 64, 128}) v.push_back({true, group, b});
+  }
+  return v;
+}
+
+// K of a quantized case: int4 a multiple of the group.
+std::vector<int64_t> QuantKs(const QuantFormat& f) {
+  if (!f.int4) return std::vector<int64_t>(std::begin(kKs), std::end(kKs));
+  std::vector<int64_t> v = {0, f.group, 2 * f.group, 256};
+  std::sort(v.begin(), v.end());
+  v.erase(std::unique(v.begin(), v.end()), v.end());
+  return v;
+}
+
+// A quantized K x N matrix (QuantMatrix) of which columns [n0, n0+ncols) and
+// rows [k0, k1) are the case's: the scales (and mins) of other columns, and
+// int4 groups without such a row, are NaN.  q: any int8; int4 any nibbles;
+// scales in [-1, 1] / 127 (int8) or / 15 (int4), mins in [-1, 1].
+class QuantWeights {
+ public:
+  QuantWeights(const QuantFormat& f, int64_t K, int64_t N, int64_t n0, int ncols, Rng& rng,
+               int64_t k0 = 0, int64_t k1 = -1)
+      : f_(f), K_(K), N_(N), n0_(n0), ncols_(ncols),
+        q_(static_cast<size_t>((f.int4 ? K / 2 : K) * N)),
+        scale_(f.int4 ? K / f.group * N : N, f.bf16_scales),
+        zero_(f.int4 ? K / f.group * N : 0, f.bf16_scales) {
+    if (k1 < 0) k1 = K;
+    for (uint8_t& b : q_) b = static_cast<uint8_t>(rng.Int(0, 255));
+    const int64_t groups = f.int4 ? K / f.group : 1;
+    for (int64_t g = 0; g < groups; ++g) {
+      const bool live = !f.int4 || (g * f.group < k1 && (g + 1) * f.group > k0);
+      for (int64_t n = 0; n < N; ++n) {
+        const bool ours = live && n >= n0 && n < n0 + ncols;
+        scale_.Set(g * N + n, ours ? rng.Uniform() / (f.int4 ? 15.0f : 127.0f) : kNaN);
+        if (f.int4) zero_.Set(g * N + n, ours ? rng.Uniform() : kNaN);
+      }
+    }
+  }
+  QuantMatrix Matrix() const {
+    return QuantMatrix{q_.data(), scale_.Data(), f_.int4 ? zero_.Data() : nullptr, N_,
+                       f_.int4 ? f_.group : K_, f_.int4, f_.bf16_scales};
+  }
+  // What qpack must produce for rows [k0, k0+kc): int8 q (unscaled), int4 q * scale + min.
+  RefMatrix Packed(int64_t k0, int64_t kc) const {
+    RefMatrix m(kc, ncols_);
+    for (int64_t i = 0; i < kc; ++i)
+      for (int c = 0; c < ncols_; ++c) {
+        const int64_t k = k0 + i, n = n0_ + c;
+        if (!f_.int4) {
+          const double q = static_cast<int8_t>(q_[k * N_ + n]);
+          m.Set(i, c, q, std::fabs(q));
+          continue;
+        }
+        const uint8_t byte = q_[(k / 2) * N_ + n];
+        const int64_t g = (k / f_.group) * N_ + n;
+        const double qs = ((k & 1) ? byte >> 4 : byte & 15) * static_cast<double>(scale_.Get(g));
+        const double z = zero_.Get(g);
+        m.Set(i, c, qs + z, std::fabs(qs) + std::fabs(z));
+      }
+    return m;
+  }
+  // The weights the kernels multiply by (int8: q * scale).
+  RefMatrix Ref() const {
+    RefMatrix m = Packed(0, K_);
+    if (HasScales()) {
+      std::vector<float> s(ncols_);
+      for (int c = 0; c < ncols_; ++c) s[c] = Scale(c);
+      m.ScaleColumns(s);
+    }
+    return m;
+  }
+  // As DenseWeights::Panel, by the table's qpack.
+  void Panel(const KernelTable& t, int64_t c0, int nc, int width, float* dst, int64_t rs) const {
+    const QuantMatrix m = Matrix();
+    t.qpack(&m, 0, static_cast<int>(K_), n0_ + c0, nc, width, dst, rs, K_ * rs);
+  }
+  bool HasScales() const { return !f_.int4; }
+  float Scale(int64_t c) const { return scale_.Get(n0_ + c); }
+
+ private:
+  QuantFormat f_;
+  int64_t K_, N_, n0_;
+  int ncols_;
+  std::vector<uint8_t> q_;
+  ScaleArray scale_, zero_;
+};
+
+// Columns [c0, c0+nc) of the weights as one packed B micro-panel of K rows
+// (gemm1: VL gate then VL up columns; gemm2: 2VL down columns; zero-padded),
+// and the column scales the packed kernel applies (padding NaN), if any.
+template <class W>
+struct PackedB {
+  PackedB(const KernelTable& t, const W& first, const W* second, int64_t K, int64_t c0, int nc)
+      : b(static_cast<size_t>(K * 2 * t.vl)), scale(2 * t.vl, kNaN) {
+    const int width = second ? t.vl : 2 * t.vl;
+    first.Panel(t, c0, nc, width, b.data(), 2 * t.vl);
+    if (second) second->Panel(t, c0, nc, width, b.data() + t.vl, 2 * t.vl);
+    if (!first.HasScales()) return;
+    for (int j = 0; j < nc; ++j) {
+      scale[j] = first.Scale(c0 + j);
+      if (second) scale[t.vl + j] = second->Scale(c0 + j);
+    }
+    scaled = true;
+  }
+  const float* Scale() const { return scaled ? scale.data() : nullptr; }
+  std::vector<float> b, scale;
+  bool scaled = false;
+};
+
+// One packed GEMM call site on one m-panel: gemm1 (act(a@gate) * (a@up)) or
+// gemm2 (w * (a@down)); operator() runs the K-block [k0, k0+kc).
+struct PackedCall {
+  void operator()(int64_t k0, int64_t kc, float* c, int flags) const {
+    const float* ak = a + k0 * t.mr;
+    const float* bk = b + k0 * 2 * t.vl;
+    if (down) t.gemm2(ak, bk, kc, w, rows, cols, out, rs, c, flags, scale);
+    else t.gemm1(ak, bk, kc, act, rows, cols, out, rs, cs, c, flags, scale);
+  }
+  const KernelTable& t;
+  bool down;
+  int act;
+  const float* a;
+  const float* b;
+  const float* scale;
+  const float* w;
+  int rows, cols;
+  float* out;
+  int64_t rs, cs;
+};
+
+// The packed kernels' result for rows of a and the weights (whole K, one
+// gemm1/gemm2 call per VL/2VL columns), laid out as `grid`: what a streamed
+// kernel must equal bit for bit.
+template <class W>
+std::vector<float> PackedResult(const KernelTable& t, const std::vector<float>& a, int64_t as,
+                                int64_t K, int act, const std::vector<float>& w, const W& first,
+                                const W* second, const Grid& grid) {
+  const int width = second ? t.vl : 2 * t.vl;
+  const std::vector<float> ap = PackA(a, as, grid.rows, K, t.mr);
+  std::vector<float> out = grid.Fresh(), c(2 * t.vl * t.mr);
+  for (int c0 = 0; c0 < grid.cols; c0 += width) {
+    const int nc = std::min(width, grid.cols - c0);
+    const PackedB<W> pb(t, first, second, K, c0, nc);
+    const PackedCall call{t, second == nullptr, act, ap.data(), pb.b.data(), pb.Scale(), w.data(),
+                          grid.rows, nc, out.data() + grid.At(0, c0), grid.rs, grid.cs};
+    call(0, K, c.data(), 0);
+  }
+  return out;
+}
+
+}  // namespace kernel_testing
+}  // namespace nbx
