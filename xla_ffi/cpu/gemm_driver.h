@@ -97,10 +97,12 @@ void PackRowsT(const W* const* m, int64_t ld, int64_t k0, int kc, int64_t n0, in
   constexpr int C = 2 * VL / NS;
   const int nsub = (nc + C - 1) / C;
   for (int i = 0; i < kc; ++i) {
+    const W* row[NS];
+    for (int s = 0; s < NS; ++s) row[s] = m[s] + (k0 + i) * ld + n0;
     float* d = dst + i * 2 * VL;
     for (int q = 0; q < nsub; ++q, d += kc * 2 * VL) {
       const int n = std::min(C, nc - q * C);
-      for (int s = 0; s < NS; ++s) CopyPad<C>(m[s] + (k0 + i) * ld + n0 + q * C, n, d + s * C);
+      for (int s = 0; s < NS; ++s) CopyPad<C>(row[s] + q * C, n, d + s * C);
     }
   }
 }

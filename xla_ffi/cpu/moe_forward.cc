@@ -194,9 +194,9 @@ std::pair<int64_t, int64_t> PlanRows(const Problem& p, const KernelTable& kt, in
 // A = packed x, B = gate||up, out = packed activations) or GEMM2 (A = packed
 // activations, B = down, out = O rows, weighted).  Experts with few rows
 // stream their weights in place; the others run the K-block driver.
-template <typename W>
+template <typename W, bool first>
 void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int workers,
-             int64_t chunks, const Band& b, bool first) {
+             int64_t chunks, const Band& b) {
   using WS = WeightSource<W>;
   const int64_t H = p.H, I = p.I;
   const int64_t K = first ? H : I, N = first ? I : H;
@@ -226,7 +226,7 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
       const int64_t panel = m0 / mr;  // all rows in one panel: stream_rows <= MR
       const int rows = static_cast<int>(m1 - m0);
       const float* a = A + panel * K * mr;
-      if (first) {
+      if constexpr (first) {
         float* out = b.A2 + panel * I * mr + n0 * mr;
         if constexpr (WS::kQuant)
           kt.qstream1(a, mr, rows, mats[0], mats[1], n0, K, cols, p.act, scratch, out, 1, mr);
@@ -273,7 +273,7 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
           if constexpr (WS::kQuant) {
             for (int s = 0; s < ns; ++s)
               kt.qpack(mats[s], k0, kc, n0, nc, width, packed + s * width, 2 * vl, kc * 2 * vl);
-          } else if (first) {
+          } else if constexpr (first) {
             PackRows<2>(mats, N, k0, kc, n0, nc, vl, packed);
           } else {
             PackRows<1>(mats, N, k0, kc, n0, nc, vl, packed);
@@ -291,7 +291,7 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
               const int rows = static_cast<int>(std::min<int64_t>(mr, m1 - m));
               const float* a = A + panel * K * mr + k0 * mr;
               float* pp = part + (pi * nsub + q) * mr * 2 * vl;
-              if (first)
+              if constexpr (first)
                 kt.gemm1(a, bq, kc, p.act, rows, cols, b.A2 + panel * I * mr + (n0 + q * vl) * mr,
                          1, mr, pp, flags, sq);
               else
@@ -320,9 +320,9 @@ void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     }
   });
   st.Mark("gather");
-  RunGemm<W>(p, kt, pool, workers, chunks, b, /*first=*/true);
+  RunGemm<W, /*first=*/true>(p, kt, pool, workers, chunks, b);
   st.Mark("gemm1");
-  RunGemm<W>(p, kt, pool, workers, chunks, b, /*first=*/false);
+  RunGemm<W, /*first=*/false>(p, kt, pool, workers, chunks, b);
   st.Mark("gemm2");
 }
 
