@@ -141,6 +141,20 @@ def _validate(x, topk_weights, topk_ids, experts: Experts, activation: str,
     return E, H, I, k
 
 
+def _ids_as_int32(ids, E: int) -> jax.Array:
+    """topk_ids as int32: every id in [-1, E] keeps its value and any other
+    becomes -1 or E, so an id out of range stays out of range (refused by
+    name, or skipped) and never wraps into a valid expert.  Wider or unsigned
+    ids are clamped first, in numpy for host arrays (before JAX could wrap
+    them), in JAX for traced ones; unsigned ids are clamped from 0, not -1
+    (which an unsigned dtype would read as its largest value)."""
+    dt = np.dtype(ids.dtype)
+    if dt.itemsize >= 4 and dt != np.int32:  # int64, uint32, uint64
+        lo = 0 if np.issubdtype(dt, np.unsignedinteger) else -1
+        ids = np.clip(ids, lo, E) if isinstance(ids, np.ndarray) else jnp.clip(ids, lo, E)
+    return jnp.asarray(ids).astype(jnp.int32)
+
+
 def _resolve_implementation(implementation: str | None) -> str:
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None; got {implementation!r}")
@@ -253,7 +267,8 @@ def _ffi_op(activation: str, band_tokens: int, platform: str = "cpu", lists: boo
         if not any(jax.tree.leaves(in_batched[3:])):  # weights may be QuantizedWeight pytrees
             xb, wb, ib = args
             B, T, H = xb.shape
-            y = forward(xb.reshape(B * T, H), wb.reshape(B * T, -1), ib.reshape(B * T, -1), *weights)
+            k = wb.shape[-1]  # (not -1: an empty batch has nothing to infer it from)
+            y = forward(xb.reshape(B * T, H), wb.reshape(B * T, k), ib.reshape(B * T, k), *weights)
             return y.reshape(B, T, H), True
         # Experts differ per batch element: one call per element.
         ex = [jax.tree.map(lambda a, b: a if b else jnp.broadcast_to(a, (axis_size,) + a.shape), wt, bt)
@@ -361,7 +376,10 @@ def fused_moe(
     """
     x = jnp.asarray(x)
     topk_weights = jnp.asarray(topk_weights)
-    topk_ids = jnp.asarray(topk_ids)
+    # host ids stay numpy until they are narrowed (_ids_as_int32): JAX with x64
+    # off would wrap 64-bit values into int32 on the way in
+    if not isinstance(topk_ids, (jax.Array, jax.core.Tracer)):
+        topk_ids = np.asarray(topk_ids)
     if isinstance(experts, Experts):
         experts = jax.tree.map(jnp.asarray, experts)
     if ids_outside not in ("error", "skip"):
@@ -375,11 +393,7 @@ def fused_moe(
         return jnp.zeros(x.shape, x.dtype)
     x2 = x.reshape(T, H)
     w2 = topk_weights.reshape(T, k).astype(jnp.float32)
-    ids2 = topk_ids.reshape(T, k)
-    if np.dtype(ids2.dtype).itemsize > 4 or np.dtype(ids2.dtype) == np.uint32:
-        # keep out-of-range ids out of range when narrowing to int32
-        ids2 = jnp.clip(ids2, -1, E)
-    ids2 = ids2.astype(jnp.int32)
+    ids2 = _ids_as_int32(topk_ids, E).reshape(T, k)
 
     if impl == "xla":
         y = moe_reference(x2, w2, ids2, experts.stacked(), activation)
