@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jax_nbx as nbx
+
 from conftest import TOL, make_problem, np_moe, rel_err
 
 T, E, K, H, I = 6, 8, 2, 33, 20
