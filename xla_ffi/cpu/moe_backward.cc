@@ -59,11 +59,6 @@ namespace {
 
 constexpr int64_t kChunkRows = 128;  // C rows per work item
 
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-
 // The weight gradients are large fresh outputs (3*E*H*I float32 per call,
 // 1.6 GB at OLMoE's shape) that our GEMMs touch first: with 4 kB pages the
 // page faults cost more than the GEMMs writing them (measured: first touch
@@ -507,15 +502,10 @@ ffi::Error FusedMoeBackward(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
     return e;
   Band b;
   CarveBand(ws.data(), band * k, E, H, I, workers, kt, &b);
-  auto run = [&](auto tag) {  // tag: the weights' element type
-    using W = typename decltype(tag)::type;
-    for (int64_t t0 = 0; t0 < T; t0 += band) RunBand<W>(p, kt, pool, workers, t0, std::min(T, t0 + band), b);
-  };
-  switch (w.dtype) {
-    case ffi::DataType::F32: run(TypeTag<float>{}); break;
-    case ffi::DataType::BF16: run(TypeTag<bf16>{}); break;
-    default: run(TypeTag<f16>{}); break;
-  }
+  ForFloatType(w.dtype, [&](auto tag) {
+    for (int64_t t0 = 0; t0 < T; t0 += band)
+      RunBand<typename decltype(tag)::type>(p, kt, pool, workers, t0, std::min(T, t0 + band), b);
+  });
   zero_unwritten();
   return ffi::Error::Success();
 }

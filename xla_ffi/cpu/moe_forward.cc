@@ -134,10 +134,6 @@ struct Problem {
   int act;
 };
 
-// RunRows' weight type for quantized experts: tables hold QuantMatrix*
-// (kernel_table.h); the ISA kernels read them (qstream1/2, qpack).
-struct Quantized {};
-
 template <typename W>
 struct WeightSource {
   using Src = const W*;
@@ -382,31 +378,6 @@ void RunExpertGroups(const Problem& p, const KernelTable& kt, ffi::ThreadPool& p
   }
 }
 
-// Runs Body<W> for the weights' element type.
-template <template <typename> class Body, typename... Args>
-void ForWeightType(ffi::DataType wt, Args&&... args) {
-  switch (wt) {
-    case ffi::DataType::F32: Body<float>::Run(args...); break;
-    case ffi::DataType::BF16: Body<bf16>::Run(args...); break;
-    case ffi::DataType::U8: Body<Quantized>::Run(args...); break;
-    default: Body<f16>::Run(args...); break;
-  }
-}
-template <typename W>
-struct GroupsBody {
-  static void Run(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int workers,
-                  int64_t P_max, const Band& b) {
-    RunExpertGroups<W>(p, kt, pool, workers, P_max, b);
-  }
-};
-template <typename W>
-struct BandBody {
-  static void Run(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int workers,
-                  int64_t t0, int64_t t1, const Band& b) {
-    RunTokenBand<W>(p, kt, pool, workers, t0, t1, b);
-  }
-};
-
 // Allocates a band of S slots (`tokens` tokens) in the account and carves it.
 ffi::Error AllocateBand(int64_t S, int64_t tokens, const Problem& p, int workers,
                         const KernelTable& kt, Workspace* ws, Band* b) {
@@ -463,8 +434,10 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
     Band b;
     if (ffi::Error e = AllocateBand(band * k, band, p, workers, kt, &ws, &b); e.failure())
       return e;
-    ForWeightType<GroupsBody>(w.dtype, p, kt, pool, workers, MaxPaddedRows(band * k, p.E, kt.mr),
-                              b);
+    const int64_t P_max = MaxPaddedRows(band * k, p.E, kt.mr);
+    ForWeightType(w.dtype, [&](auto tag) {
+      RunExpertGroups<typename decltype(tag)::type>(p, kt, pool, workers, P_max, b);
+    });
     return ffi::Error::Success();
   }
   // bfloat16 / float16 x: token bands, each summed in j order and stored.
@@ -474,7 +447,9 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
     Band b;
     if (ffi::Error e = AllocateBand((t1 - t0) * k, t1 - t0, p, workers, kt, &ws, &b); e.failure())
       return e;
-    ForWeightType<BandBody>(w.dtype, p, kt, pool, workers, t0, t1, b);
+    ForWeightType(w.dtype, [&](auto tag) {
+      RunTokenBand<typename decltype(tag)::type>(p, kt, pool, workers, t0, t1, b);
+    });
   }
   return ffi::Error::Success();
 }

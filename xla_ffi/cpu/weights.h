@@ -11,6 +11,7 @@
 
 #include "abi.h"
 #include "cpu/kernel_table.h"
+#include "dtypes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nbx {
@@ -30,6 +31,35 @@ struct ExpertWeights {
   const void* const* down() const { return table.data() + 2 * E; }
   bool quantized() const { return format != abi::WeightFormat::kDense; }
 };
+
+// The element type of quantized experts' tables (QuantMatrix*; the ISA's
+// quantized kernels read them), for code templated on the weights' type.
+struct Quantized {};
+
+// A type as a value: f(TypeTag<W>{}) lets a generic lambda name W.
+template <typename W>
+struct TypeTag {
+  using type = W;
+};
+
+// f(TypeTag<W>{}) for dense weights of dtype t: float, bf16, or f16.
+template <typename F>
+void ForFloatType(xla::ffi::DataType t, F&& f) {
+  switch (t) {
+    case xla::ffi::DataType::F32: f(TypeTag<float>{}); break;
+    case xla::ffi::DataType::BF16: f(TypeTag<bf16>{}); break;
+    default: f(TypeTag<f16>{}); break;
+  }
+}
+
+// f(TypeTag<W>{}) for ExpertWeights::dtype: a dense type, or Quantized (U8).
+template <typename F>
+void ForWeightType(xla::ffi::DataType t, F&& f) {
+  if (t == xla::ffi::DataType::U8)
+    f(TypeTag<Quantized>{});
+  else
+    ForFloatType(t, f);
+}
 
 // Decodes the weight buffers args[first, first + count): the groups of
 // `format` in abi.h's order (group = part * 3 + projection), each one stacked
