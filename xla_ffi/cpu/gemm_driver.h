@@ -135,10 +135,9 @@ void PackColumns(const W* p, int64_t ld, int64_t k0, int kc, int64_t n0, int nc,
 }
 
 // The micro-kernels' PartialFlags of block [k0, k0+kc) of K: continue the
-// stored sums unless it is the first block (and `load_first` is false), store
-// them unless it is the last.
-inline int BlockFlags(int64_t k0, int64_t kc, int64_t K, bool load_first = false) {
-  return (k0 > 0 || load_first ? kLoadPartial : 0) | (k0 + kc < K ? kStorePartial : 0);
+// stored sums unless it is the first block, store them unless it is the last.
+inline int BlockFlags(int64_t k0, int64_t kc, int64_t K) {
+  return (k0 > 0 ? kLoadPartial : 0) | (k0 + kc < K ? kStorePartial : 0);
 }
 
 // The K-block loop of one tile: block [k0, k0+kc) is packed once its

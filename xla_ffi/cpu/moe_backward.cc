@@ -123,7 +123,7 @@ struct TileScratch {
 };
 
 // GemmTile's scratch floats for K-blocks of at most kc rows and tiles of at
-// most nc columns (sized to the problem: see ScratchFloats).
+// most nc columns (CarveBand sizes them to the problem).
 int64_t TileScratchFloats(int64_t kc, int64_t nc, int mr, int vl) {
   return kc * nc + kc * mr + mr * 2 * vl + mr;
 }

@@ -49,32 +49,31 @@ constexpr int64_t kStreamCols = kMaxStreamCols;
 
 int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// Where a worker's scratch keeps its partial sums: after the largest packed
-// block of either GEMM (one offset for both).
-int64_t PartialSumsOffset(int64_t H, int64_t I, const KernelTable& kt) {
-  const int64_t cols1 = 2 * RoundUp(std::min<int64_t>(kt.nc, I), kt.vl);
-  const int64_t cols2 = RoundUp(std::min<int64_t>(kt.nc, H), 2 * kt.vl);
-  return std::max(std::min<int64_t>(kt.kc, H) * cols1, std::min<int64_t>(kt.kc, I) * cols2);
-}
-
-// Per-worker scratch, sized to the problem's H and I (never more than they
+// A worker's scratch, sized to the problem's H and I (never more than they
 // can use, and the same for every band of a call, so the part of the
-// workspace that does not shrink with the band stays fixed): one packed
-// K-block of a weight tile (GEMM1: gate||up, GEMM2: down); then the partial
-// sums of one chunk's panels over the tile, needed only when K spans more
-// than one K-block, and which also hold the streaming accumulators; then a
-// tile's int8 column scales.
-int64_t ScratchFloats(int64_t H, int64_t I, const KernelTable& kt) {
+// workspace that does not shrink with the band stays fixed), in floats:
+//   [0, part_offset)   one packed K-block of a weight tile (GEMM1: gate||up,
+//                      GEMM2: down; the larger of the two)
+//   [part_offset, ..)  the partial sums of one chunk's panels over the tile,
+//                      needed only when K spans more than one K-block; the
+//                      streaming accumulators use the scratch from 0
+//   the last columns   a tile's int8 column scales (RunGemm)
+struct ScratchLayout {
+  int64_t part_offset;
+  int64_t stride;  // whole pages (1024 floats): workers' blocks keep one alignment
+};
+
+ScratchLayout LayOutScratch(int64_t H, int64_t I, const KernelTable& kt) {
   const int64_t mr = kt.mr, vl = kt.vl;
   const int64_t cols1 = 2 * RoundUp(std::min<int64_t>(kt.nc, I), vl);  // gate||up
   const int64_t cols2 = RoundUp(std::min<int64_t>(kt.nc, H), 2 * vl);  // down
-  const int64_t packed = PartialSumsOffset(H, I, kt);
+  const int64_t packed =
+      std::max(std::min<int64_t>(kt.kc, H) * cols1, std::min<int64_t>(kt.kc, I) * cols2);
   const int64_t part =
       kt.chunk_panels * mr * std::max(H > kt.kc ? cols1 : 0, I > kt.kc ? cols2 : 0);
   const int64_t rows = std::min(kStreamRows, mr);
   const int64_t stream = rows * std::max(2 * std::min(kStreamCols, I), std::min(kStreamCols, H));
-  // whole pages per worker (1024 floats): workers' blocks keep one alignment
-  return RoundUp(packed + std::max(part, stream) + std::max(cols1, cols2), 1024);
+  return {packed, RoundUp(packed + std::max(part, stream) + std::max(cols1, cols2), 1024)};
 }
 
 
@@ -86,9 +85,8 @@ struct Band {
   Chunks chunks;          // [C] work items
   float* XO;              // [P/MR][H][MR] packed x; later O [P][H]
   float* A2;              // [P/MR][I][MR] packed activations
-  float* scratch;         // [workers][ScratchFloats]
-  int64_t scratch_stride;
-  int64_t part_offset;    // the partial sums' place in a worker's scratch
+  float* scratch;         // [workers][scratch_layout.stride]
+  ScratchLayout scratch_layout;
 };
 
 // Lays a band of S slots out from `base`; returns the bytes it takes.  With
@@ -112,9 +110,8 @@ size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int wor
   b->chunks.end = cv.Take<int64_t>(C);
   b->XO = cv.Take<float>(P * H);
   b->A2 = cv.Take<float>(P * I);
-  b->scratch_stride = ScratchFloats(H, I, kt);
-  b->scratch = cv.Take<float>(static_cast<int64_t>(workers) * b->scratch_stride);
-  b->part_offset = PartialSumsOffset(H, I, kt);
+  b->scratch_layout = LayOutScratch(H, I, kt);
+  b->scratch = cv.Take<float>(static_cast<int64_t>(workers) * b->scratch_layout.stride);
   return cv.used();
 }
 
@@ -213,7 +210,7 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     const int64_t m0 = b.chunks.begin[c], m1 = b.chunks.end[c];
     const typename WS::Src mats[2] = {WS::At(first ? p.w->gate() : p.w->down(), e),
                                       first ? WS::At(p.w->up(), e) : nullptr};
-    float* scratch = b.scratch + worker * b.scratch_stride;
+    float* scratch = b.scratch + worker * b.scratch_layout.stride;
     if (can_stream && b.plan.real_end[e] - b.plan.expert_off[e] <= stream_rows) {
       // Few rows: stream the weights in place, kStreamCols columns (whole
       // contiguous rows of W) per item; the other items of the span are empty.
@@ -244,12 +241,12 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     const int nsub = (nc + width - 1) / width;
     const int64_t panels = (m1 - m0 + mr - 1) / mr;
     float* packed = scratch;
-    float* part = scratch + b.part_offset;
+    float* part = scratch + b.scratch_layout.part_offset;
     // int8: the tile's column scales, per micro-panel `width` of each matrix
     const float* scale = nullptr;
     if constexpr (WS::kQuant) {
       if (!mats[0]->int4) {
-        float* colscale = scratch + b.scratch_stride - nsub * 2 * vl;
+        float* colscale = scratch + b.scratch_layout.stride - nsub * 2 * vl;
         for (int q = 0; q < nsub; ++q)
           for (int s = 0; s < ns; ++s)
             for (int j = 0; j < width; ++j) {
