@@ -49,7 +49,7 @@ def ensure_budget(ordinal: int = 0) -> None:
         return
     _budget_set.add(ordinal)
     budget = _env.budget()
-    if budget:
+    if budget is not None:
         memory.set_budget(budget, "cuda", ordinal)
         return
     if memory.budget("cuda", ordinal) != _registry.ffi_module().account_unlimited():
