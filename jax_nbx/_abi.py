@@ -62,5 +62,7 @@ IN_GROUP0: int = _d["inputs"]["group0"]
 KERNEL_FIELDS: tuple[str, ...] = tuple(_d["kernel_fields"])
 ERR_NONE: int = _d["err_none"]
 WORKSPACE_ALIGN: int = _d["workspace_align"]
+# slots (T * k) of one call: indexed with int32 by every handler
+MAX_SLOTS: int = _d["max_slots"]
 
 del _d

@@ -62,7 +62,7 @@ def ensure_budget(ordinal: int = 0) -> None:
 
 def plan_band_tokens(T: int, k: int, E: int, H: int, I: int, wdtype,
                      max_workspace_bytes=None, quant=None) -> int:
-    """Tokens per band so that one band's workspace fits cuda:0's headroom."""
+    """Tokens per band so that one band's workspace fits cuda:0's budget."""
     ensure_budget(0)
     name = _device(0).device_kind
 

@@ -31,8 +31,9 @@ def format_bytes(n: float) -> str:
 def set_budget(nbytes: int | float | str, platform: str = "cpu", device: int = 0) -> int:
     """Sets a device's budget (bytes or a string like ``"2GiB"``); returns it in bytes.
 
-    A jitted ``fused_moe`` keeps the bands it planned when it was traced;
-    the new budget is enforced on its next run (it may be refused).
+    Calls plan their bands from the budget (`plan_bands`).  A jitted
+    ``fused_moe`` keeps the bands it planned when it was traced; the new
+    budget is enforced on its next run (it may be refused).
     """
     n = parse_bytes(nbytes)
     _ffi().set_budget(platform, int(device), n)
@@ -63,10 +64,15 @@ def fused_moe_backward_workspace_bytes(tokens: int, k: int, E: int, H: int, I: i
 def plan_bands(need, T: int, H: int, platform: str, max_workspace_bytes=None,
                detail: str = "") -> int:
     """Tokens per band so that one band's workspace ``need(tokens)`` fits the
-    headroom of ``platform``:0 (or ``max_workspace_bytes``); equal-sized
-    bands.  Raises DeviceOOMError with the advice when one token does not fit."""
+    budget of ``platform``:0 (or ``max_workspace_bytes``); equal-sized bands.
+    Raises DeviceOOMError with the advice when one token does not fit.
+
+    A pure function of the problem and the budget: never of the bytes that
+    concurrent calls hold at the moment of planning (a call that fits the
+    budget waits for them at run time, `set_wait`).  Under ``jax.jit`` the
+    plan is made once, when the function is traced."""
     if max_workspace_bytes is None:
-        free, total = headroom(platform), budget(platform)
+        free = total = budget(platform)
     else:
         free = total = parse_bytes(max_workspace_bytes)
     if need(T) <= free:

@@ -155,6 +155,36 @@ def _ids_as_int32(ids, E: int) -> jax.Array:
     return jnp.asarray(ids).astype(jnp.int32)
 
 
+def _check_slots(T: int, k: int) -> None:
+    """T * k slots within the handlers' int32 indices (`_abi.MAX_SLOTS`)."""
+    if T * k > _abi.MAX_SLOTS:
+        raise ValueError(f"T * k = {T} * {k} = {T * k} slots exceed the FFI handlers' limit of "
+                         f"{_abi.MAX_SLOTS} (they index slots with int32); split the tokens over "
+                         "several calls")
+
+
+# XLA status codes that begin a handler's error text (absl::StatusCode names)
+_STATUS_CODES = ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "INTERNAL", "FAILED_PRECONDITION",
+                 "OUT_OF_RANGE", "UNIMPLEMENTED", "UNKNOWN", "UNAVAILABLE", "ABORTED",
+                 "DEADLINE_EXCEEDED", "DATA_LOSS", "NOT_FOUND", "ALREADY_EXISTS",
+                 "PERMISSION_DENIED", "CANCELLED", "UNAUTHENTICATED")
+
+
+def _as_runtime_error(err: BaseException) -> BaseException:
+    """A handler's run-time error as the type the docs promise: a refusal as
+    `DeviceOOMError`, any other status as ``JaxRuntimeError``.  JAX's C++
+    dispatch fast path (taken once a jitted call of the same signature has
+    succeeded) raises a failed status as a plain ``ValueError`` with the same
+    text (jax-ml/jax#34083); a ``ValueError`` whose text starts with a status
+    code is that, and is retyped.  Any other error is returned untouched."""
+    oom = memory.as_device_oom(err)
+    if oom is not err:
+        return oom
+    if type(err) is ValueError and str(err).split(":", 1)[0] in _STATUS_CODES:
+        return jax.errors.JaxRuntimeError(str(err))
+    return err
+
+
 def _resolve_implementation(implementation: str | None) -> str:
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None; got {implementation!r}")
@@ -170,7 +200,7 @@ def _resolve_implementation(implementation: str | None) -> str:
 
 def plan_band_tokens(T: int, k: int, E: int, H: int, I: int,
                      max_workspace_bytes: int | None = None, backward: bool = False) -> int:
-    """Tokens per band so that one band's workspace fits the CPU headroom
+    """Tokens per band so that one band's workspace fits the CPU budget
     (or ``max_workspace_bytes``); equal-sized bands.  ``backward=True``: the
     bands of the CPU backward handler (its workspace holds ``2H + 3I``
     float32 values per slot).  Raises DeviceOOMError with the advice when a
@@ -206,6 +236,7 @@ def _ffi_forward(x, w, ids, *weights, activation: str, band_tokens: int,
     NaN, so any row it fails to write shows.  ``platform="gpu"``: the CUDA handler.
     ``skip_outside``: slots whose id is outside ``[0, E)`` are skipped, not an error.
     """
+    _check_slots(*ids.shape)  # (a vmapped batch folds into the tokens: checked again here)
     if platform == "gpu":
         from . import _cuda
 
@@ -391,6 +422,8 @@ def fused_moe(
     T = int(np.prod(lead, dtype=np.int64))
     if T == 0:
         return jnp.zeros(x.shape, x.dtype)
+    if impl == "ffi":
+        _check_slots(T, k)
     x2 = x.reshape(T, H)
     w2 = topk_weights.reshape(T, k).astype(jnp.float32)
     ids2 = _ids_as_int32(topk_ids, E).reshape(T, k)
@@ -412,7 +445,7 @@ def fused_moe(
         if not isinstance(y, jax.core.Tracer):  # eager: surface a refusal here
             y.block_until_ready()
     except (jax.errors.JaxRuntimeError, ValueError) as e:  # eager errors may arrive as either
-        err = memory.as_device_oom(e)
+        err = _as_runtime_error(e)
         if err is e:
             raise
         raise err from None

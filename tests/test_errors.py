@@ -37,6 +37,38 @@ def test_out_of_range_id_under_jit_then_recovers(prob):
     assert rel_err(f(ids), np_moe(x, w, ids, experts)) < 1e-5
 
 
+def test_eager_error_type_does_not_depend_on_an_earlier_success():
+    # shapes of their own: once a call of a signature has succeeded, JAX's C++ dispatch fast path
+    # raised the handler's status as a plain ValueError (jax-ml/jax#34083); eager fused_moe
+    # raises JaxRuntimeError either way (issue #14, item 6)
+    x, w, ids, experts = make_problem(3, 11, 8, 2, 65, 33)
+    nbx.fused_moe(x, w, ids, experts, implementation="ffi").block_until_ready()
+    for _ in range(2):
+        with pytest.raises(jax.errors.JaxRuntimeError,
+                           match=r"^INVALID_ARGUMENT: topk_ids\[5, 1\] = 9 is outside \[0, 8\)"):
+            nbx.fused_moe(x, w, _bad_ids(ids, 9), experts, implementation="ffi")
+    assert nbx.memory.stats()["cpu:0"]["live"] == 0
+
+
+def test_under_a_users_jit_the_error_text_is_the_same_whatever_the_type():
+    # Under the user's own jax.jit the call is JAX's: after a success its fast path raises
+    # ValueError (documented in the README, with this text); before, JaxRuntimeError.
+    x, w, ids, experts = make_problem(4, 13, 8, 2, 65, 33)
+    f = jax.jit(lambda i: nbx.fused_moe(x, w, i, experts, implementation="ffi"))
+    f(ids).block_until_ready()
+    with pytest.raises((jax.errors.JaxRuntimeError, ValueError),
+                       match=r"^INVALID_ARGUMENT: topk_ids\[5, 1\] = 9 is outside \[0, 8\)"):
+        f(_bad_ids(ids, 9)).block_until_ready()
+
+
+def test_retyping_keeps_other_errors():
+    from jax_nbx.ops import _as_runtime_error
+    e = ValueError("x has shape (3,); expected ...")
+    assert _as_runtime_error(e) is e
+    r = _as_runtime_error(ValueError("INTERNAL: boom"))
+    assert type(r) is jax.errors.JaxRuntimeError and str(r) == "INTERNAL: boom"
+
+
 def test_int64_id_beyond_int32_is_still_refused(prob):
     x, w, ids, experts = prob
     big = np.asarray(ids, np.int64)

@@ -269,3 +269,108 @@ def test_idle_blocks_are_reused_counted_and_give_way(prob, budget):
     assert _cpu()["cached"] == need_t
     memory.release_cached()
     assert _cpu()["cached"] == 0 and _cpu()["live"] == 0
+
+
+# --- plans are a pure function of the problem and the budget (issue #14, item 3) -------------
+
+def _hold(nbytes: int):
+    """Bytes held in cpu:0's account as a concurrent call's workspace would be."""
+    return memory._ffi().hold_workspace("cpu", 0, int(nbytes))
+
+
+def test_plan_ignores_bytes_held_by_concurrent_calls(prob, budget):
+    budget(need(T) + need(T) // 2)
+    alone = plan_band_tokens(T, K, E, H, I)
+    hold = _hold(need(T))  # another call's band: the headroom is now below one token's need
+    try:
+        assert memory.headroom() < need(1)
+        # planned from the headroom this raised DeviceOOMError ("no band split alone reaches it")
+        assert plan_band_tokens(T, K, E, H, I) == alone == T
+    finally:
+        hold.release()
+    assert _cpu()["live"] == 0
+
+
+def test_a_call_traced_under_load_keeps_the_plan_it_has_alone_and_waits(prob, budget):
+    x, w, ids, experts = prob
+    expected = np.asarray(nbx.fused_moe(x, w, ids, experts))
+    budget(need(T) + need(T) // 2)
+    memory.release_cached()
+    hold = _hold(need(T))
+    timer = threading.Timer(0.3, hold.release)  # the other call returns its bytes
+    timer.start()
+    try:
+        memory.reset_peak()
+        y = jax.jit(nbx.fused_moe)(x, w, ids, experts)  # traced (and run) while held: waits
+        np.testing.assert_array_equal(np.asarray(y), expected)
+    finally:
+        timer.join()
+        hold.release()
+    s = _cpu()
+    assert s["live"] == 0
+    assert s["largest_request"] >= need(T)  # one band of all T tokens, not a plan shrunk by the load
+
+
+def test_a_refusal_after_waiting_says_the_call_fits_the_budget_alone(prob, budget):
+    x, w, ids, experts = prob
+    budget(need(T) + need(T) // 2)
+    memory.release_cached()
+    hold = _hold(need(T))
+    memory.set_wait(0.2)
+    try:
+        with pytest.raises(nbx.DeviceOOMError,
+                           match=r"fits the budget alone, but concurrent calls held .* for the "
+                                 r"200 ms it waited") as info:
+            nbx.fused_moe(x, w, ids, experts)
+        assert "no band split alone reaches it" not in str(info.value)
+    finally:
+        memory.set_wait(10)
+        hold.release()
+    assert _cpu()["live"] == 0
+
+
+def test_hold_workspace_is_refused_past_the_budget(budget):
+    budget("1MB")
+    with pytest.raises(ValueError, match=r"refused 2.0 MB of test hold: 1.0 MB free"):
+        _hold(2_000_000)
+    assert _cpu()["live"] == 0
+
+
+# --- sizes past the int32 slot indices (issue #14, item 7) -------------------------------------
+
+def test_workspace_formulas_refuse_slot_counts_past_the_limit():
+    from jax_nbx import _abi
+    with pytest.raises(ValueError, match="slots exceed the handlers' limit"):
+        memory.fused_moe_workspace_bytes(2 ** 62, 2, 8, 64, 96)  # overflowed to 1.9 MB before
+    with pytest.raises(ValueError, match="slots exceed the handlers' limit"):
+        memory.fused_moe_backward_workspace_bytes(_abi.MAX_SLOTS // 2 + 1, 2, 8, 64, 96)
+    with pytest.raises(ValueError, match="out of range"):
+        memory.fused_moe_workspace_bytes(-1, 2, 8, 64, 96)
+    assert memory.fused_moe_workspace_bytes(_abi.MAX_SLOTS // 2, 2, 8, 64, 96) > 0
+
+
+def test_workspace_formulas_saturate_instead_of_wrapping():
+    # 2^28 slots x H = 2^40 floats: ~2^70 bytes.  Saturates at int64's largest, never wraps small.
+    big = memory.fused_moe_workspace_bytes(2 ** 27, 2, 8, 2 ** 40, 96)
+    assert big == 2 ** 63 - 1
+    assert memory.fused_moe_backward_workspace_bytes(2 ** 27, 2, 8, 96, 2 ** 40) == 2 ** 63 - 1
+    with pytest.raises(nbx.DeviceOOMError, match="no band split alone reaches it"):
+        plan_band_tokens(2 ** 27, 2, 8, 2 ** 40, 96)
+
+
+def test_fused_moe_refuses_calls_past_the_slot_limit_at_trace_time():
+    from jax_nbx import _abi
+    ex = nbx.Experts(*(jax.ShapeDtypeStruct(s, np.float32) for s in ((8, 16, 8), (8, 16, 8), (8, 8, 16))))
+    T_big = _abi.MAX_SLOTS // 2 + 1
+    args = (jax.ShapeDtypeStruct((T_big, 16), np.float32), jax.ShapeDtypeStruct((T_big, 2), np.float32),
+            jax.ShapeDtypeStruct((T_big, 2), np.int32))
+    with pytest.raises(ValueError, match=r"T \* k = 536870913 \* 2 = 1073741826 slots exceed"):
+        jax.eval_shape(lambda x, w, i, e: nbx.fused_moe(x, w, i, e, implementation="ffi"), *args, ex)
+    # vmap folds a batch into the tokens: the folded call is checked too
+    half = (_abi.MAX_SLOTS // 2) // 2 + 1
+    bargs = (jax.ShapeDtypeStruct((2, half, 16), np.float32), jax.ShapeDtypeStruct((2, half, 2), np.float32),
+             jax.ShapeDtypeStruct((2, half, 2), np.int32))
+    with pytest.raises(ValueError, match="slots exceed the FFI handlers' limit"):
+        jax.eval_shape(jax.vmap(lambda x, w, i: nbx.fused_moe(x, w, i, nbx.Experts(
+            *(np.zeros(s, np.float32) for s in ((8, 16, 8), (8, 16, 8), (8, 8, 16)))),
+            implementation="ffi")), *bargs)

@@ -59,6 +59,13 @@ inline constexpr int32_t GroupIndex(int32_t part, int32_t proj) {
   return part * kNumProjections + proj;
 }
 
+// ---------------------------------------------------------------- limits
+// Slots (T * k routed pairs) of one call.  The handlers and kernels index
+// slots, and the rows they are padded to, with int32: 2^30 slots leave room
+// for the padding.  A larger call is refused by name (Python at trace time,
+// each CPU handler again at run time, with its padded rows checked too).
+inline constexpr int64_t kMaxSlots = int64_t{1} << 30;
+
 // ---------------------------------------------------------------- CUDA launch program
 // int64 program: per launch [kernel, gx, gy, gz, nargs] then nargs x
 // [kind, index, offset].  Built by jax_nbx/triton/plan.py, decoded by

@@ -62,6 +62,7 @@ nb::dict AbiDict() {
   d["kernel_fields"] = Names(abi::kKernelFieldNames);
   d["err_none"] = abi::kErrNone;
   d["workspace_align"] = abi::kWorkspaceAlign;
+  d["max_slots"] = abi::kMaxSlots;
   return d;
 }
 

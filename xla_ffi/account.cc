@@ -160,7 +160,8 @@ bool Account::Reserve(const Device& d, int64_t bytes, const char* tag,
     st.EvictFor(bytes);
     return bytes <= s.budget - s.live - s.cached;
   };
-  if (!fits() && bytes <= s.budget && s.live > 0) {
+  const bool contended = !fits() && bytes <= s.budget && s.live > 0;
+  if (contended) {
     // It fits the budget: wait for concurrent calls to return their bytes.
     l.returned.wait_for(lock, std::chrono::milliseconds(l.wait_ms), fits);
   }
@@ -176,8 +177,16 @@ bool Account::Reserve(const Device& d, int64_t bytes, const char* tag,
     r.message = "jax_nbx account (" + d.Name() + ") refused " +
                 FormatBytes(static_cast<double>(bytes)) + " of " + tag + ": " +
                 FormatBytes(static_cast<double>(r.free)) + " free of a " +
-                FormatBytes(static_cast<double>(s.budget)) + " budget; " +
-                WhatWouldHaveFit(bytes, r.free, s.budget, shape);
+                FormatBytes(static_cast<double>(s.budget)) + " budget; ";
+    if (contended && bytes <= s.budget)  // (the budget may have been lowered meanwhile)
+      r.message += "short by " + FormatBytes(static_cast<double>(r.shortfall)) +
+                   "; the request fits the budget alone, but concurrent calls held " +
+                   FormatBytes(static_cast<double>(s.live)) + " for the " +
+                   std::to_string(l.wait_ms) +
+                   " ms it waited: run fewer calls at once, wait longer "
+                   "(jax_nbx.memory.set_wait), or plan smaller bands (max_workspace_bytes)";
+    else
+      r.message += WhatWouldHaveFit(bytes, r.free, s.budget, shape);
     ++s.refusals;
     *error = r.message;
     l.last_refusal = std::move(r);
@@ -230,8 +239,12 @@ bool Workspace::Allocate(const Device& d, size_t bytes, const char* tag,
                          std::string* error) {
   out->Release();
   if (bytes == 0) return true;
+  // Sizes past int64 (a saturated layout, `Carver`) are refused as the whole
+  // int64 range: larger than any budget, never wrapped to a small request.
+  const int64_t request = bytes > static_cast<size_t>(INT64_MAX) ? INT64_MAX
+                                                                  : static_cast<int64_t>(bytes);
   void* p = nullptr;
-  if (!Account::Get().Reserve(d, static_cast<int64_t>(bytes), tag, shape, error, &p))
+  if (!Account::Get().Reserve(d, request, tag, shape, error, &p))
     return false;
   constexpr size_t kAlign = 64;
   if (p == nullptr) p = std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);

@@ -9,6 +9,7 @@
 #include "cpu/kernel_table.h"
 #include "cpu/moe_backward.h"
 #include "cpu/moe_forward.h"
+#include "testing/account_tests.h"
 #include "testing/poisoned_targets.h"
 #include "testing/kernel_tests.h"
 #include "testing/planner_tests.h"
@@ -41,6 +42,24 @@ nb::dict StatsDict(const nbx::DeviceStats& s) {
   d["live_by_tag"] = tags;
   return d;
 }
+// The workspace formulas' arguments: sizes >= 0, k >= 1, workers >= 1, and
+// tokens * k within the handlers' slots (abi::kMaxSlots).
+void CheckFormulaArgs(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I, int workers) {
+  if (tokens < 0 || k < 1 || E < 1 || H < 0 || I < 0 || workers < 1)
+    throw nb::value_error(("workspace formula arguments out of range: tokens=" +
+                           std::to_string(tokens) + " k=" + std::to_string(k) + " E=" +
+                           std::to_string(E) + " H=" + std::to_string(H) + " I=" +
+                           std::to_string(I) + " workers=" + std::to_string(workers)).c_str());
+  if (tokens > nbx::abi::kMaxSlots / k)
+    throw nb::value_error(("tokens * k = " + std::to_string(tokens) + " * " + std::to_string(k) +
+                           " slots exceed the handlers' limit of " +
+                           std::to_string(nbx::abi::kMaxSlots)).c_str());
+}
+
+// A layout's bytes (SIZE_MAX when it overflowed) as int64, saturated.
+int64_t SaturatedInt64(size_t bytes) {
+  return bytes > static_cast<size_t>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(bytes);
+}
 }  // namespace
 
 NB_MODULE(_ffi, m) {
@@ -59,12 +78,14 @@ NB_MODULE(_ffi, m) {
 
   m.def("forward_workspace_bytes", [](int64_t tokens, int64_t k, int64_t E, int64_t H,
                                       int64_t I, int workers) {
-    return static_cast<int64_t>(nbx::ForwardWorkspaceBytes(tokens, k, E, H, I, workers));
+    CheckFormulaArgs(tokens, k, E, H, I, workers);
+    return SaturatedInt64(nbx::ForwardWorkspaceBytes(tokens, k, E, H, I, workers));
   }, nb::arg("tokens"), nb::arg("k"), nb::arg("E"), nb::arg("H"), nb::arg("I"),
      nb::arg("workers"), "Workspace bytes of one CPU forward band of `tokens` tokens.");
   m.def("backward_workspace_bytes", [](int64_t tokens, int64_t k, int64_t E, int64_t H,
                                        int64_t I, int workers) {
-    return static_cast<int64_t>(nbx::BackwardWorkspaceBytes(tokens, k, E, H, I, workers));
+    CheckFormulaArgs(tokens, k, E, H, I, workers);
+    return SaturatedInt64(nbx::BackwardWorkspaceBytes(tokens, k, E, H, I, workers));
   }, nb::arg("tokens"), nb::arg("k"), nb::arg("E"), nb::arg("H"), nb::arg("I"),
      nb::arg("workers"), "Workspace bytes of one CPU backward band of `tokens` tokens.");
 
@@ -146,4 +167,5 @@ NB_MODULE(_ffi, m) {
   nbx::BindKernelTests(m);
   nbx::BindProgramTests(m);
   nbx::BindPlannerTests(m);
+  nbx::BindAccountTests(m);
 }

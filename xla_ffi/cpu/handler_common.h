@@ -15,6 +15,7 @@
 
 #include "abi.h"
 #include "account.h"
+#include "cpu/slots.h"
 #include "dtypes.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -47,15 +48,22 @@ inline xla::ffi::Error CheckActivation(abi::Activation a) {
 
 inline size_t AlignUp(size_t n) { return (n + 63) / 64 * 64; }
 
-// Carves typed arrays out of one workspace block.
+// Carves typed arrays out of one workspace block.  Measuring (base nullptr)
+// saturates: a layout whose size overflows measures SIZE_MAX, which no
+// budget holds, instead of wrapping to a small number.
 class Carver {
  public:
   explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
-  // The next array of `count` T (nullptr when only measuring).
+  // The next array of `rows` x `cols` T (nullptr when only measuring).
   template <typename T>
-  T* Take(int64_t count) {
+  T* Take(int64_t rows, int64_t cols = 1) {
     T* p = base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + offset_);
-    offset_ += AlignUp(sizeof(T) * static_cast<size_t>(count));
+    size_t n = 0, bytes = 0;
+    if (rows < 0 || cols < 0 ||
+        __builtin_mul_overflow(static_cast<size_t>(rows), static_cast<size_t>(cols), &n) ||
+        __builtin_mul_overflow(n, sizeof(T), &bytes) || bytes > SIZE_MAX - 64 ||
+        __builtin_add_overflow(offset_, AlignUp(bytes), &offset_))
+      offset_ = SIZE_MAX;
     return p;
   }
   size_t used() const { return offset_; }
@@ -158,6 +166,19 @@ inline xla::ffi::Error CheckIds(const int32_t* ids, int64_t T, int64_t k, int64_
           "topk_ids[" + std::to_string(i / k) + ", " + std::to_string(i % k) + "] = " +
           std::to_string(ids[i]) + " is outside [0, " + std::to_string(E) + ")");
   }
+  return xla::ffi::Error::Success();
+}
+
+// The call's T * k slots, and the rows they pad to (`pad` per expert; 1: no
+// padding), within the int32 indices of the handlers (abi::kMaxSlots).
+inline xla::ffi::Error CheckSlots(int64_t T, int64_t k, int64_t E, int64_t pad) {
+  const int64_t S = T * k;  // T and k are dimensions of topk_ids: no overflow
+  if (S > abi::kMaxSlots || MaxPaddedRows(S, E, pad) > INT32_MAX)
+    return xla::ffi::Error::InvalidArgument(
+        "T * k = " + std::to_string(T) + " * " + std::to_string(k) + " = " + std::to_string(S) +
+        " slots (padded to " + std::to_string(MaxPaddedRows(S, E, pad)) +
+        " rows) exceed the handler's int32 indices (at most " + std::to_string(abi::kMaxSlots) +
+        " slots); split the tokens over several calls");
   return xla::ffi::Error::Success();
 }
 

@@ -240,11 +240,11 @@ size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int wor
   b->chunks.expert = cv.Take<int32_t>(C);
   b->chunks.begin = cv.Take<int64_t>(C);
   b->chunks.end = cv.Take<int64_t>(C);
-  b->Xg = cv.Take<float>(S * H);
-  b->dY = cv.Take<float>(S * H);
-  b->GU = cv.Take<float>(S * 2 * I);
-  b->DA = cv.Take<float>(S * I);
-  b->scratch = cv.Take<float>(static_cast<int64_t>(workers) * b->stride);
+  b->Xg = cv.Take<float>(S, H);
+  b->dY = cv.Take<float>(S, H);
+  b->GU = cv.Take<float>(S, 2 * I);
+  b->DA = cv.Take<float>(S, I);
+  b->scratch = cv.Take<float>(workers, b->stride);
   return cv.used();
 }
 
@@ -472,6 +472,7 @@ ffi::Error FusedMoeBackward(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
 
   const int32_t* ids = topk_ids.typed_data();
   if (ffi::Error e = CheckIds(ids, T, k, E, a.skip_outside); e.failure()) return e;
+  if (ffi::Error e = CheckSlots(T, k, E, 1); e.failure()) return e;
   // Gradients of experts that receive no rows are zero: written at the end
   // (the others are written by their first band's GEMMs, never zeroed first).
   std::vector<uint8_t> written(E, 0);

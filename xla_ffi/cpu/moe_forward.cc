@@ -108,10 +108,10 @@ size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int wor
   b->chunks.expert = cv.Take<int32_t>(C);
   b->chunks.begin = cv.Take<int64_t>(C);
   b->chunks.end = cv.Take<int64_t>(C);
-  b->XO = cv.Take<float>(P * H);
-  b->A2 = cv.Take<float>(P * I);
+  b->XO = cv.Take<float>(P, H);
+  b->A2 = cv.Take<float>(P, I);
   b->scratch_layout = LayOutScratch(H, I, kt);
-  b->scratch = cv.Take<float>(static_cast<int64_t>(workers) * b->scratch_layout.stride);
+  b->scratch = cv.Take<float>(workers, b->scratch_layout.stride);
   return cv.used();
 }
 
@@ -414,6 +414,7 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
     return e;
   const int32_t* ids = topk_ids.typed_data();
   if (ffi::Error e = CheckIds(ids, T, k, w.E, a.skip_outside); e.failure()) return e;
+  if (ffi::Error e = CheckSlots(T, k, w.E, ActiveKernels()->mr); e.failure()) return e;
   if (T == 0 || H == 0) return ffi::Error::Success();
   if (w.I == 0 || k == 0) {
     std::memset(y->untyped_data(), 0, y->size_bytes());

@@ -1,0 +1,10 @@
+// The account (account.h) exposed for tests: a workspace held from Python,
+// as a concurrent call would hold it (tests/test_memory.py, test_soak.py).
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+namespace nbx {
+// Adds AccountHold and hold_workspace to the module.
+void BindAccountTests(nanobind::module_& m);
+}  // namespace nbx
