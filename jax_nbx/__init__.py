@@ -5,7 +5,7 @@
     w, ids = nbx.route(logits, k=2)
     y = nbx.fused_moe(x, w, ids, experts)
 """
-from . import _registry, cpu, memory, tables  # noqa: F401  (_registry registers the handlers)
+from . import _registry, cpu, memory, metal, tables  # noqa: F401  (_registry registers the handlers)
 from .experts import Experts
 from .memory import DeviceOOMError
 from .models import MODELS, ModelShape
@@ -19,4 +19,4 @@ __version__ = "0.1.0"
 
 __all__ = ["Experts", "route", "fused_moe", "moe_reference", "IMPLEMENTATIONS", "MODELS",
            "ModelShape", "DeviceOOMError", "quantize", "dequantize", "QuantizedWeight", "sharded_moe",
-           "memory", "cpu", "tables", "__version__"]
+           "memory", "cpu", "metal", "tables", "__version__"]

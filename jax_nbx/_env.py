@@ -10,7 +10,8 @@ is handed to them by the Python side (``apply_at_load``).
 | ``JAX_NBX_BUDGET`` | the account's budget ("2GiB", bytes) | CPU: half the free memory; CUDA: half of XLA's pool |
 | ``JAX_NBX_ISA`` | the CPU micro-kernels' instruction set (avx512, avx2, generic) | the best the CPU has |
 | ``JAX_NBX_PROFILE`` | print the stages of each CPU band/group to stderr | off |
-| ``JAX_NBX_TABLE_CACHE`` | pointer-table LRU capacity (CUDA) | 256 |
+| ``JAX_NBX_TABLE_CACHE`` | pointer-table LRU capacity (CUDA, Metal) | 256 |
+| ``JAX_NBX_METAL`` | the Metal device: ``apple``, ``sim`` (simulated: tests) or ``none`` | ``apple`` if built |
 | ``JAX_NBX_CUDA_CHECK_IDS`` | ``0`` skips the read-back of the expert-id check (CUDA) | on |
 | ``JAX_NBX_CUDA_DECODE_SLOTS`` | at most this many slots take the CUDA decode path | 16 |
 | ``JAX_NBX_CUDA_DECODE_PROGRAMS`` | programs the CUDA decode path's split-K aims at | 1024 |
@@ -24,7 +25,7 @@ import re
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["budget", "isa", "profile", "table_cache", "cuda_check_ids", "cuda_decode_slots",
+__all__ = ["budget", "isa", "profile", "table_cache", "metal", "cuda_check_ids", "cuda_decode_slots",
            "cuda_decode_programs", "triton_configs", "parse", "parse_bytes", "available_memory"]
 
 T = TypeVar("T")
@@ -144,6 +145,16 @@ def profile() -> bool:
 def table_cache() -> int | None:
     """``JAX_NBX_TABLE_CACHE``: the pointer-table LRU capacity (>= 1)."""
     return parse("JAX_NBX_TABLE_CACHE", _int_at_least(1))
+
+
+def metal() -> str | None:
+    """``JAX_NBX_METAL``: "apple", "sim" or "none" (None when unset)."""
+    def check(v: str) -> str:
+        v = v.strip().lower()
+        if v not in ("apple", "sim", "none"):
+            raise ValueError(f"expected 'apple', 'sim' or 'none', got {v!r}")
+        return v
+    return parse("JAX_NBX_METAL", check)
 
 
 def cuda_check_ids() -> bool:

@@ -92,6 +92,33 @@ def _apply_environment() -> None:
     capacity = _env.table_cache()
     if capacity is not None and getattr(_ffi, "has_cuda", False):
         _ffi.cuda_table_set_capacity(capacity)
+    if capacity is not None:
+        _ffi.metal_table_set_capacity(capacity)
+    _activate_metal(_env.metal(), budget)
+
+
+METAL_UNAVAILABLE = ""  # why no Metal device is active ("" when one is)
+
+
+def _activate_metal(which: str | None, budget: int | None) -> None:
+    """The Metal device: JAX_NBX_METAL's choice (an error names it), else
+    Metal itself where the build has it (quietly none when it finds no GPU).
+    metal:0's budget is the device's working-set size, or JAX_NBX_BUDGET."""
+    global METAL_UNAVAILABLE
+    requested = which is not None
+    if which is None:
+        which = "apple" if _ffi.has_metal_apple else "none"
+    why = _ffi.metal_activate(which)
+    if why and requested:
+        raise ValueError(f"JAX_NBX_METAL={which}: {why}")
+    if which == "none" or why:
+        METAL_UNAVAILABLE = why or ("JAX_NBX_METAL=none" if requested else
+                                    "this build of jax_nbx has no Metal implementation (it is "
+                                    "compiled only on Apple; JAX_NBX_METAL=sim runs the simulated device)")
+        return
+    METAL_UNAVAILABLE = ""
+    if budget is not None:
+        _ffi.set_budget("metal", 0, budget)
 
 
 if _ffi is not None:

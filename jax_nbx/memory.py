@@ -85,7 +85,7 @@ def plan_bands(need, T: int, H: int, platform: str, max_workspace_bytes=None,
         raise DeviceOOMError.from_numbers(f"fused_moe workspace for T={T} tokens {detail}".rstrip(),
                                           requested=need(T), free=free,
                                           total=total, shape=(T, H),
-                                          fixed_bytes=max(need(0), chord))
+                                          fixed_bytes=max(need(0), chord), device=f"{platform}:0")
     lo, hi = 1, T  # need(lo) fits, need(hi) does not
     while hi - lo > 1:
         mid = (lo + hi) // 2

@@ -1,5 +1,11 @@
 """Pointer tables: the absolute address of every expert's weights, per projection.
 
+On Metal (`jax_nbx.metal`) the tables hold GPU addresses inside no-copy wraps
+of the host weights (pinned scopes: one wrap per host allocation); a table's
+pins live exactly as long as its cache entry, and `release_pinned` drops
+every pinning table (at an unload boundary: before weights are freed for
+good).
+
 The CUDA kernels read each expert in place through a device table of int64
 addresses (gate, up, down; ``3·E`` entries), never through a stacked copy.
 Tables are cached under a fingerprint of all the addresses in a bounded LRU
@@ -12,19 +18,33 @@ from __future__ import annotations
 
 from . import _cuda, _registry
 
-__all__ = ["stats", "clear", "set_capacity"]
+__all__ = ["stats", "clear", "set_capacity", "release_pinned"]
 
 
-def stats() -> dict:
-    """entries, hits, misses, evictions and bytes of the table cache."""
+def stats(platform: str = "cuda") -> dict:
+    """entries, hits, misses, evictions and bytes of a table cache
+    (``"cuda"`` or ``"metal"``; Metal adds stale: hits dropped because their
+    memory had been freed and reallocated, wraps: no-copy wraps the cached
+    tables pin, and capacity)."""
+    if platform == "metal":
+        return dict(_registry.ffi_module().metal_table_stats())
+    if platform != "cuda":
+        raise ValueError(f"platform must be 'cuda' or 'metal'; got {platform!r}")
     return _cuda.table_stats()
 
 
+def release_pinned() -> int:
+    """Drops every cached Metal table and the wraps it pins (their bytes leave
+    the account); returns how many tables were dropped."""
+    return int(_registry.ffi_module().metal_release_pinned())
+
+
 def clear() -> None:
-    """Frees every cached table (their bytes leave the account)."""
-    ffi = _registry._ffi
-    if ffi is not None and getattr(ffi, "has_cuda", False):
+    """Frees every cached table, CUDA and Metal (their bytes leave the account)."""
+    ffi = _registry.ffi_module()
+    if getattr(ffi, "has_cuda", False):
         ffi.cuda_table_clear()
+    ffi.metal_release_pinned()
 
 
 def set_capacity(n: int) -> None:
@@ -32,7 +52,8 @@ def set_capacity(n: int) -> None:
     n = int(n)
     if n < 1:
         raise ValueError(f"capacity must be >= 1; got {n}")
-    ffi = _registry._ffi
-    if ffi is not None and getattr(ffi, "has_cuda", False):
+    ffi = _registry.ffi_module()
+    if getattr(ffi, "has_cuda", False):
         ffi.cuda_table_set_capacity(n)
+    ffi.metal_table_set_capacity(n)
 

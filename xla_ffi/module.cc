@@ -9,7 +9,10 @@
 #include "cpu/kernel_table.h"
 #include "cpu/moe_backward.h"
 #include "cpu/moe_forward.h"
+#include "metal/runtime.h"
+#include "metal/tables.h"
 #include "testing/account_tests.h"
+#include "testing/metal_tests.h"
 #include "testing/poisoned_targets.h"
 #include "testing/kernel_tests.h"
 #include "testing/planner_tests.h"
@@ -164,8 +167,43 @@ NB_MODULE(_ffi, m) {
   m.attr("has_cuda") = false;
 #endif
 
+  // The Metal layer (xla_ffi/metal/): the active device and its pointer tables.
+  m.attr("has_metal_apple") = nbx::metal::HasAppleImplementation();
+  m.def("metal_activate", [](const std::string& which) { return nbx::metal::Activate(which); },
+        "Activates 'apple', 'sim' or 'none'; returns '' or why not.");
+  m.def("metal_info", []() -> std::optional<nb::dict> {
+    nbx::metal::Device* d = nbx::metal::Active();
+    if (d == nullptr) return std::nullopt;
+    const nbx::metal::DeviceInfo i = d->info();
+    nb::dict out;
+    out["implementation"] = std::string(d->implementation());
+    out["name"] = i.name;
+    out["working_set"] = i.working_set;
+    out["max_buffer_length"] = i.max_buffer_length;
+    out["max_wraps"] = i.max_wraps;
+    out["live_wraps"] = d->live_wraps();
+    out["device_count"] = nbx::metal::DeviceCount();
+    return out;
+  });
+  m.def("metal_table_stats", []() {
+    const nbx::metal::TableStats s = nbx::metal::Tables::Get().Stats();
+    nb::dict d;
+    d["entries"] = s.entries;
+    d["hits"] = s.hits;
+    d["misses"] = s.misses;
+    d["evictions"] = s.evictions;
+    d["stale"] = s.stale;
+    d["bytes"] = s.bytes;
+    d["wraps"] = s.wraps;
+    d["capacity"] = s.capacity;
+    return d;
+  });
+  m.def("metal_release_pinned", []() { return nbx::metal::Tables::Get().ReleasePinned(); });
+  m.def("metal_table_set_capacity", [](int64_t n) { nbx::metal::Tables::Get().SetCapacity(n); });
+
   nbx::BindKernelTests(m);
   nbx::BindProgramTests(m);
   nbx::BindPlannerTests(m);
   nbx::BindAccountTests(m);
+  nbx::BindMetalTests(m);
 }

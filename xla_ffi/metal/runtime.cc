@@ -1,0 +1,111 @@
+// The active Metal device and account-counted buffers (see runtime.h).
+#include "metal/runtime.h"
+
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+#include "metal/sim_device.h"
+
+namespace nbx::metal {
+
+#ifdef NBX_WITH_METAL
+std::unique_ptr<metal::Device> NewAppleDevice(std::string* error);  // apple_device.mm
+#endif
+
+char* HostAlloc(int64_t bytes) {
+  const size_t n = static_cast<size_t>(PageCeil(bytes > 0 ? bytes : 1));
+  return static_cast<char*>(std::aligned_alloc(static_cast<size_t>(kPageBytes), n));
+}
+
+void HostFree(char* p) { std::free(p); }
+
+namespace {
+struct State {
+  std::mutex mu;
+  std::unique_ptr<metal::Device> device;
+};
+State& S() {
+  static State s;
+  return s;
+}
+}  // namespace
+
+metal::Device* Active() { return S().device.get(); }
+
+SimDevice* ActiveSim() { return dynamic_cast<SimDevice*>(S().device.get()); }
+
+bool HasAppleImplementation() {
+#ifdef NBX_WITH_METAL
+  return true;
+#else
+  return false;
+#endif
+}
+
+int DeviceCount() { return Active() != nullptr ? 1 : 0; }
+
+std::string Activate(const std::string& which) {
+  std::lock_guard<std::mutex> lock(S().mu);
+  const DeviceStats st = Account::Get().Stats(Ledger());
+  if (S().device != nullptr && st.live > 0)
+    return "cannot switch the Metal device while the account holds " + FormatBytes(st.live) +
+           " on metal:0";
+  std::unique_ptr<metal::Device> next;
+  if (which == "sim") {
+    next = std::make_unique<SimDevice>(SimDevice::Config{});
+  } else if (which == "apple") {
+#ifdef NBX_WITH_METAL
+    std::string err;
+    next = NewAppleDevice(&err);
+    if (next == nullptr) return err;
+#else
+    return "this build of jax_nbx has no Metal implementation (it is compiled only on Apple)";
+#endif
+  } else if (which != "none") {
+    return "unknown Metal device '" + which + "' (expected 'apple', 'sim' or 'none')";
+  }
+  if (S().device != nullptr) S().device->Synchronize();
+  S().device = std::move(next);
+  if (S().device != nullptr) Account::Get().SetBudget(Ledger(), S().device->info().working_set);
+  return "";
+}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    Reset();
+    b_ = std::exchange(o.b_, Buffer{});
+    tag_ = o.tag_;
+  }
+  return *this;
+}
+
+bool DeviceBuffer::Allocate(int64_t bytes, const char* tag, const WorkShape& shape,
+                            DeviceBuffer* out, std::string* error) {
+  out->Reset();
+  metal::Device* d = Active();
+  if (d == nullptr) {
+    *error = "no Metal device is active";
+    return false;
+  }
+  void* unused = nullptr;
+  if (!Account::Get().Reserve(Ledger(), bytes, tag, shape, error, &unused)) return false;
+  Buffer b;
+  if (!d->NewBuffer(bytes, &b, error)) {
+    Account::Get().Release(Ledger(), bytes, tag, nullptr);
+    return false;
+  }
+  out->b_ = b;
+  out->tag_ = tag;
+  return true;
+}
+
+void DeviceBuffer::Reset() {
+  if (!b_) return;
+  Account::Get().Release(Ledger(), b_.length, tag_, nullptr);  // counted free now
+  if (metal::Device* d = Active()) d->Release(b_);             // gone after its work completes
+  b_ = Buffer{};
+}
+
+}  // namespace nbx::metal

@@ -1,0 +1,59 @@
+// The active Metal device and the account's view of it.
+//
+// At most one device is active: Metal itself on Apple (when the build has it
+// and a GPU is present), the simulated device when asked for
+// (JAX_NBX_METAL=sim, applied by jax_nbx/_registry.py), else none.  Every
+// buffer the Metal path allocates is a `DeviceBuffer`: counted in the
+// account under "metal:0" (budget: the device's working-set size) before it
+// exists, and counted free the moment it is released, while the buffer itself
+// goes only when the command buffers using it have completed (device.h).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "account.h"
+#include "metal/device.h"
+
+namespace nbx::metal {
+
+class SimDevice;
+
+inline nbx::Device Ledger() { return nbx::Device{"metal", 0}; }
+
+// The active device, or nullptr.
+metal::Device* Active();
+// The active device when it is the simulated one (tests), else nullptr.
+SimDevice* ActiveSim();
+// "none", "sim" or "apple"; returns "" or why not (e.g. no Metal in this
+// build).  Activating sets metal:0's budget to the device's working set.
+std::string Activate(const std::string& which);
+// Whether this build has the Apple implementation (compiled only on Apple).
+bool HasAppleImplementation();
+// Devices of this machine's Metal: 1 when one is active (Apple silicon has one GPU).
+int DeviceCount();
+
+// A shared-storage buffer counted in the account (metal:0) under `tag`.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  ~DeviceBuffer() { Reset(); }
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  // Refused by the account (its message and advice in *error) or by the device.
+  static bool Allocate(int64_t bytes, const char* tag, const WorkShape& shape, DeviceBuffer* out,
+                       std::string* error);
+  const Buffer& buffer() const { return b_; }
+  // The account counts the bytes free now; the device releases the buffer
+  // after the work in flight that uses it.
+  void Reset();
+
+ private:
+  Buffer b_;
+  const char* tag_ = "";
+};
+
+}  // namespace nbx::metal

@@ -1,0 +1,12 @@
+// The Metal layer (xla_ffi/metal/) exposed for tests, against the simulated
+// device: its controls, pinned scopes, account-counted buffers, command
+// buffers that read through GPU addresses, and the table cache
+// (tests/test_metal.py).
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+namespace nbx {
+// Adds the metal_sim_* functions and the MetalPins/MetalBuffer/MetalTable classes.
+void BindMetalTests(nanobind::module_& m);
+}  // namespace nbx
