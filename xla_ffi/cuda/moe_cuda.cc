@@ -18,7 +18,7 @@
 
 #include <cstdint>
 #include <cstring>
-#include <list>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -31,6 +31,7 @@
 #include "account.h"
 #include "cuda/moe_cuda.h"
 #include "cuda/program.h"
+#include "lru.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -178,8 +179,24 @@ ffi::Error GetKernel(int ordinal, const uint8_t* blob, const KernelRow& row, Loa
 // ---------------------------------------------------------------- pointer tables
 
 // One device table per distinct set of expert addresses: [3][E] int64 (gate,
-// up, down).  Bounded LRU; each table's bytes are counted in the account
-// (tag "tables") and returned when it is evicted.
+// up, down), in the fingerprinted LRU the Metal tables use too (lru.h); each
+// table's bytes are counted in the account (tag "tables") and returned when
+// its last holder drops it (evicted, and no call using it any more).
+struct CudaTable {
+  int ordinal = 0;
+  CUdeviceptr ptr = 0;
+  int64_t bytes = 0;
+  CudaTable() = default;
+  CudaTable(const CudaTable&) = delete;
+  CudaTable& operator=(const CudaTable&) = delete;
+  ~CudaTable() {
+    if (ptr == 0) return;
+    ScopedContext ctx;
+    if (!ctx.Enter(ordinal).failure()) Driver::Get().cuMemFree(ptr);
+    Account::Get().Release(Device{"cuda", ordinal}, bytes, "tables", nullptr);
+  }
+};
+
 class TableCache {
  public:
   static TableCache& Get() {
@@ -187,39 +204,35 @@ class TableCache {
     return c;
   }
 
-  ffi::Error Lookup(const Device& dev, const std::vector<int64_t>& addrs, CUdeviceptr* out) {
-    uint64_t h = 1469598103934665603ull ^ static_cast<uint64_t>(dev.ordinal);
-    for (int64_t a : addrs) {
-      h ^= static_cast<uint64_t>(a);
-      h *= 1099511628211ull;
-      h ^= h >> 29;
-    }
+  // The table of `addrs` on dev; *out keeps it alive while the call uses it.
+  ffi::Error Lookup(const Device& dev, const std::vector<int64_t>& addrs,
+                    std::shared_ptr<CudaTable>* out) {
+    std::vector<int64_t> key;
+    key.reserve(addrs.size() + 1);
+    key.push_back(dev.ordinal);
+    key.insert(key.end(), addrs.begin(), addrs.end());
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = index_.find(h);
-    if (it != index_.end() && it->second->addrs == addrs && it->second->ordinal == dev.ordinal) {
-      lru_.splice(lru_.begin(), lru_, it->second);
-      ++hits_;
-      *out = it->second->table;
-      return ffi::Error::Success();
-    }
-    ++misses_;
-    Driver& d = Driver::Get();
+    if ((*out = lru_.Find(key))) return ffi::Error::Success();
     const int64_t bytes = static_cast<int64_t>(addrs.size() * sizeof(int64_t));
     std::string err;
     void* unused = nullptr;
-    while (lru_.size() >= capacity_) Evict();
     if (!Account::Get().Reserve(dev, bytes, "tables", WorkShape{}, &err, &unused))
       return ffi::Error(ffi::ErrorCode::kResourceExhausted, err);
+    Driver& d = Driver::Get();
     CUdeviceptr p;
     CUresult r = d.cuMemAlloc(&p, bytes);
-    if (r == CUDA_SUCCESS) r = d.cuMemcpyHtoD(p, addrs.data(), bytes);
     if (r != CUDA_SUCCESS) {
       Account::Get().Release(dev, bytes, "tables", nullptr);
-      return CudaError("pointer table upload", r);
+      return CudaError("pointer table allocation", r);
     }
-    lru_.push_front(Entry{h, dev.ordinal, addrs, p, bytes});
-    index_[h] = lru_.begin();  // on a fingerprint collision the newer table takes the slot
-    *out = p;
+    auto t = std::make_shared<CudaTable>();
+    t->ordinal = dev.ordinal;
+    t->ptr = p;
+    t->bytes = bytes;  // from here the table returns its bytes when dropped
+    if ((r = d.cuMemcpyHtoD(p, addrs.data(), bytes)) != CUDA_SUCCESS)
+      return CudaError("pointer table upload", r);
+    lru_.Insert(key, t);
+    *out = std::move(t);
     return ffi::Error::Success();
   }
 
@@ -227,49 +240,27 @@ class TableCache {
              int64_t* bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     *entries = static_cast<int64_t>(lru_.size());
-    *hits = hits_;
-    *misses = misses_;
-    *evictions = evictions_;
+    *hits = lru_.hits();
+    *misses = lru_.misses();
+    *evictions = lru_.evictions();
     int64_t b = 0;
-    for (const auto& e : lru_) b += e.bytes;
+    lru_.ForEach([&](const CudaTable& t) { b += t.bytes; });
     *bytes = b;
   }
 
   void SetCapacity(size_t n) {
     std::lock_guard<std::mutex> lock(mu_);
-    capacity_ = n < 1 ? 1 : n;
-    while (lru_.size() > capacity_) Evict();
+    lru_.SetCapacity(n);
   }
 
   void Clear() {
     std::lock_guard<std::mutex> lock(mu_);
-    while (!lru_.empty()) Evict();
+    lru_.Clear();
   }
 
  private:
-  struct Entry {
-    uint64_t hash;
-    int ordinal;
-    std::vector<int64_t> addrs;
-    CUdeviceptr table;
-    int64_t bytes;
-  };
-  void Evict() {  // mu_ held
-    Entry& e = lru_.back();
-    auto it = index_.find(e.hash);
-    if (it != index_.end() && it->second == std::prev(lru_.end())) index_.erase(it);
-    ScopedContext ctx;
-    if (!ctx.Enter(e.ordinal).failure()) Driver::Get().cuMemFree(e.table);
-    Account::Get().Release(Device{"cuda", e.ordinal}, e.bytes, "tables", nullptr);
-    ++evictions_;
-    lru_.pop_back();
-  }
-
   std::mutex mu_;
-  std::list<Entry> lru_;
-  std::unordered_map<uint64_t, std::list<Entry>::iterator> index_;
-  size_t capacity_ = 256;
-  int64_t hits_ = 0, misses_ = 0, evictions_ = 0;
+  FingerprintLru<CudaTable> lru_{256};
 };
 
 // ---------------------------------------------------------------- the handler
@@ -343,8 +334,9 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
 
   ScopedContext ctx;
   if (auto e = ctx.Enter(ordinal); e.failure()) return e;
-  CUdeviceptr table = 0;
-  if (auto e = TableCache::Get().Lookup(dev, addrs, &table); e.failure()) return e;
+  std::shared_ptr<CudaTable> table_ref;
+  if (auto e = TableCache::Get().Lookup(dev, addrs, &table_ref); e.failure()) return e;
+  const CUdeviceptr table = table_ref->ptr;
 
   std::vector<LoadedKernel> loaded(n_kernels);
   for (int64_t i = 0; i < n_kernels; ++i)
