@@ -101,6 +101,16 @@ def test_bands_are_planned_against_the_working_set():
     assert e.value.device == "metal:0"
 
 
+def test_new_buffers_are_not_zeroed_and_memset_writes_what_kernels_read():
+    b = F.metal_buffer(3 * PAGE + 5)
+    assert b.read([(b.gpu, 1)]) == [0xCD]                  # the simulation never hands out zeros
+    b.fill(PAGE, 7, 10)
+    assert b.read([(b.gpu + PAGE, 1), (b.gpu + PAGE + 9, 1), (b.gpu + PAGE + 10, 1)]) == [7, 7, 0xCD]
+    assert b.read([(b.gpu + 3 * PAGE + 5 + PAGE, 1)]) == [-1]  # past the buffer: the gap
+    assert "no buffer or wrap" in F.metal_sim_take_violations()[0]
+    b.release()
+
+
 def test_a_free_is_counted_at_once_and_the_buffer_goes_after_completion():
     b = F.metal_buffer(100_000)
     gpu = b.gpu

@@ -112,6 +112,11 @@ void BindMetalTests(nb::module_& m) {
       .def("read", [](const metal::DeviceBuffer& b, const std::vector<std::tuple<uint64_t, int64_t>>& reads) {
         return RunReads({b.buffer()}, reads);
       })
+      .def("fill", [](const metal::DeviceBuffer& b, int64_t offset, int value, int64_t bytes) {
+        if (offset < 0 || bytes < 0 || offset + bytes > b.buffer().length)
+          throw nb::value_error("fill outside the buffer");
+        metal::Active()->Memset(b.buffer(), offset, value, bytes);
+      })
       .def("release", [](metal::DeviceBuffer& b) { b.Reset(); });
   m.def("metal_buffer", [](int64_t bytes) {
     auto b = std::make_unique<metal::DeviceBuffer>();
