@@ -18,11 +18,13 @@ bring tokens and experts together (``dispatch``):
   each token sums its k slots in slot order.
 
 Forward and backward (the op's own custom VJP; ``all_to_all`` and the
-gathers are differentiable) run under ``jax.jit`` with ``NamedSharding``
-inputs.
+gathers are differentiable) run eagerly and under ``jax.jit``, on any mesh:
+a classic `jax.sharding.Mesh` (Auto axes) or `jax.make_mesh`'s (Explicit
+axes), inside ``jax.set_mesh`` or not.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -53,7 +55,10 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
       experts: stacked `Experts` (``gate/up [E, H, I]``, ``down [E, I, H]``); E
         divisible by the size of ``expert_axis``.
       mesh: a `jax.sharding.Mesh` with those axes (``data_axis=None``: tokens
-        not split over data).
+        not split over data): a classic ``Mesh(devices, names)`` (Auto
+        axes) or `jax.make_mesh`'s (Explicit axes).  Inputs laid out otherwise (or not at
+        all) are moved to the layouts below first (``jax.device_put``;
+        their gradients come back in the inputs' layouts).
       activation, implementation: as in `fused_moe`.
       dispatch: how tokens meet their experts (n = size of ``expert_axis``,
         d = size of ``data_axis``, S = T·k/(d·n) slots per device):
@@ -84,9 +89,12 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
 
     Returns ``y [T, H]``: equal to the unsharded op up to the order of the
     float32 sum (over expert shards for ``"psum"``; over a token's k slots,
-    each rounded to ``x.dtype`` first, for ``"all_to_all"``).  With a mesh
-    of explicit axes (`jax.make_mesh`'s default), reduce or differentiate the
-    result under ``jax.jit`` inside ``with jax.set_mesh(mesh):``.
+    each rounded to ``x.dtype`` first, for ``"all_to_all"``).  Inside
+    ``jax.set_mesh`` with Explicit axes its type carries that sharding;
+    otherwise it is laid out on ``mesh`` with Auto axes (outside a mesh
+    context Explicit axes are used as Auto: JAX cannot differentiate arrays
+    typed by a mesh that no context sets).  Eager calls run one jitted
+    program per configuration, compiled once per shapes and layouts.
     """
     if dispatch not in ("psum", "all_to_all"):
         raise ValueError(f"dispatch must be 'psum' or 'all_to_all'; got {dispatch!r}")
@@ -109,7 +117,6 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
         raise ValueError(f"x must be [T, H]; got shape {x.shape}")
     d = mesh.shape[data_axis] if data_axis is not None else 1
     T = x.shape[0]
-    e_local = E // n
     if dispatch == "psum":
         if T % d:
             raise ValueError(f"T={T} tokens do not split over {d} devices of mesh axis {data_axis!r}")
@@ -120,14 +127,41 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
                              f"({data_axis!r}, {expert_axis!r}) (dispatch='all_to_all')")
         tok = P((data_axis, expert_axis) if data_axis is not None else expert_axis, None)
     ex_spec = Experts(P(expert_axis, None, None), P(expert_axis, None, None), P(expert_axis, None, None))
+    mesh = _mesh_for_context(mesh)
+    f = _sharded(mesh, expert_axis, data_axis, tok, dispatch, activation, implementation,
+                 capacity_factor)
+
+    # inputs laid out otherwise (or not at all) are moved to the specs first:
+    # device_put, which under a mesh of Explicit axes changes the arrays' types
+    # as jax.reshard does, lays out Auto axes as well, and whose transpose
+    # gives each cotangent its input's layout
+    def place(a, spec):
+        return jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
+
+    args = (place(x, tok), place(topk_weights, tok), place(topk_ids, tok),
+            Experts(*(place(a, sp) for a, sp in zip((experts.gate, experts.up, experts.down),
+                                                    (ex_spec.gate, ex_spec.up, ex_spec.down)))))
+    return f(*args)
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded(mesh: Mesh, expert_axis: str, data_axis: str | None, tok: P, dispatch: str,
+             activation: str, implementation: str | None, capacity_factor: float | None):
+    """The jitted shard_map of one configuration (kept: eager calls of the same
+    configuration reuse its compilations; under an outer jit it is inlined)."""
+    n = mesh.shape[expert_axis]
+    ex_spec = Experts(P(expert_axis, None, None), P(expert_axis, None, None), P(expert_axis, None, None))
 
     def local_psum(x, w, ids, ex):
+        e_local = ex.num_experts
         e0 = jax.lax.axis_index(expert_axis) * e_local
         y = fused_moe(x, w, ids - e0.astype(ids.dtype), ex, activation=activation,
                       implementation=implementation, ids_outside="skip")
         return jax.lax.psum(y.astype(jnp.float32), expert_axis).astype(x.dtype)
 
     def local_all_to_all(x, w, ids, ex):
+        e_local = ex.num_experts
+        E = e_local * n
         t, k = ids.shape
         S = t * k
         C = S if capacity_factor is None else max(1, min(S, math.ceil(capacity_factor * S / n)))
@@ -160,13 +194,18 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
         return per_slot.reshape(t, k, -1).sum(axis=1).astype(x.dtype)
 
     local = local_psum if dispatch == "psum" else local_all_to_all
-    f = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, ex_spec), out_specs=tok,
-                      check_vma=False)
-    # inputs laid out otherwise (or not at all) are resharded to the specs first
-    def place(a, spec):
-        return jax.reshard(a, jax.sharding.NamedSharding(mesh, spec))
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, ex_spec), out_specs=tok,
+                                 check_vma=False))
 
-    args = (place(x, tok), place(topk_weights, tok), place(topk_ids, tok),
-            Experts(*(place(a, sp) for a, sp in zip((experts.gate, experts.up, experts.down),
-                                                    (ex_spec.gate, ex_spec.up, ex_spec.down)))))
-    return f(*args)
+
+def _mesh_for_context(mesh: Mesh) -> Mesh:
+    """``mesh`` as shard_map should see it here.  Outside any mesh context
+    (``jax.set_mesh``) the mesh's Explicit axes become Auto: arrays typed by
+    an Explicit mesh that no context sets cannot be differentiated (JAX asks
+    for ``jax.set_mesh``), so the result is laid out, not typed, as with a
+    classic `jax.sharding.Mesh`.  Inside a context the mesh is used as given."""
+    AxisType = jax.sharding.AxisType
+    if not jax.sharding.get_abstract_mesh().empty or AxisType.Explicit not in mesh.axis_types:
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+

@@ -123,6 +123,83 @@ def test_sharded_moe_on_8_host_devices():
     assert r.stdout.count(" ok") == 11, r.stdout
 
 
+def _run_8(script: str, *args: str, timeout: int = 600) -> str:
+    """``script`` (arguments ``args``) in a subprocess with 8 host devices; its stdout."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r.stdout
+
+
+# The problem, its unsharded reference (forward and gradients w.r.t. x,
+# topk_weights and the experts) and a comparison; shared by the scripts below.
+PROBLEM = textwrap.dedent("""
+    import contextlib
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jax_nbx as nbx
+    assert len(jax.devices()) == 8, jax.devices()
+    rng = np.random.default_rng(0)
+    T, E, k, H, I = 32, 16, 4, 40, 24
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    ex = nbx.Experts(*(jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32)
+                       for s in ((E, H, I), (E, H, I), (E, I, H))))
+    w, ids = nbx.route(jnp.asarray(rng.standard_normal((T, E)), jnp.float32), k)
+    def loss_of(moe, ids):
+        return lambda x, w, e: jnp.sum(moe(x, w, ids, e) ** 2)
+    y_ref = nbx.fused_moe(x, w, ids, ex)
+    g_ref = jax.grad(loss_of(nbx.fused_moe, ids), argnums=(0, 1, 2))(x, w, ex)
+    def relerr(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+""")
+
+MESH_SCRIPT = PROBLEM + textwrap.dedent("""
+    import sys
+    kind = sys.argv[1]
+    if kind == "classic":      # Auto axes: what most JAX code builds
+        mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
+    else:                      # jax.make_mesh: Explicit axes
+        mesh = jax.make_mesh((2, 4), ("data", "expert"))
+    ctx = jax.set_mesh(mesh) if kind == "make_mesh+set_mesh" else contextlib.nullcontext()
+    with ctx:
+        for dispatch in ("psum", "all_to_all"):
+            for jit in (False, True):
+                moe = lambda x, w, i, e: nbx.sharded_moe(x, w, i, e, mesh, dispatch=dispatch)
+                fwd, grad = moe, jax.grad(loss_of(moe, ids), argnums=(0, 1, 2))
+                if jit:
+                    fwd, grad = jax.jit(fwd), jax.jit(grad)
+                err = relerr(fwd(x, w, ids, ex), y_ref)
+                assert err < 1e-5, (kind, dispatch, jit, err)
+                g = grad(x, w, ex)
+                for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+                    assert relerr(a, b) < 1e-4, (kind, dispatch, jit, relerr(a, b))
+                print(kind, dispatch, "jit" if jit else "eager", "ok", err)
+        if kind != "make_mesh+set_mesh":
+            # inputs already laid out on the mesh (by device_put), eagerly and under jit
+            tok = NamedSharding(mesh, P("data", None))
+            xs, ws, ids_s = (jax.device_put(a, tok) for a in (x, w, ids))
+            ex_s = jax.device_put(ex, NamedSharding(mesh, P("expert", None, None)))
+            for jit in (False, True):
+                moe = lambda x, w, i, e: nbx.sharded_moe(x, w, i, e, mesh)
+                err = relerr((jax.jit(moe) if jit else moe)(xs, ws, ids_s, ex_s), y_ref)
+                assert err < 1e-5, (kind, "placed", jit, err)
+                print(kind, "placed inputs", "jit" if jit else "eager", "ok", err)
+""")
+
+
+@pytest.mark.parametrize("kind", ["classic", "make_mesh", "make_mesh+set_mesh"])
+def test_sharded_moe_on_any_mesh(kind):
+    """On a 2x4 (data, expert) mesh built as `jax.sharding.Mesh` (Auto axes), as
+    `jax.make_mesh` (Explicit axes) used outside any mesh context, and as
+    `jax.make_mesh` inside `jax.set_mesh`: both dispatches, eagerly and under
+    jit, forward and gradients (x, topk_weights, experts) against the unsharded
+    op; outside set_mesh also with inputs already placed on the mesh."""
+    out = _run_8(MESH_SCRIPT, kind)
+    assert out.count(" ok ") == (4 if kind == "make_mesh+set_mesh" else 6), out
+
+
 def test_sharded_moe_errors():
     import jax
 
