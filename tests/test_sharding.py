@@ -200,6 +200,63 @@ def test_sharded_moe_on_any_mesh(kind):
     assert out.count(" ok ") == (4 if kind == "make_mesh+set_mesh" else 6), out
 
 
+IDS_SCRIPT = PROBLEM + textwrap.dedent(r"""
+    import re
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
+    bad_ids = {v: ids.at[21, 2].set(v) for v in (20, -1)}
+    # the handler names the position in the device's block of tokens: 16 rows a
+    # device for psum (split over data), 4 for all_to_all (over data and expert)
+    row = {"psum": 21 % 16, "all_to_all": 21 % 4}
+    for dispatch in ("psum", "all_to_all"):
+        for jit in (False, True):
+            moe = lambda x, w, i, e, **kw: nbx.sharded_moe(x, w, i, e, mesh, dispatch=dispatch, **kw)
+            f = jax.jit(moe, static_argnames="ids_outside") if jit else moe
+            for v, bad in bad_ids.items():
+                try:
+                    f(x, w, bad, ex).block_until_ready()
+                    raise AssertionError(f"id {v} accepted ({dispatch}, jit={jit})")
+                except (jax.errors.JaxRuntimeError, ValueError) as e:
+                    want = rf"topk_ids\[{row[dispatch]}, 2\] = {v} is outside \[0, 16\)"
+                    assert re.search(want, str(e)), (dispatch, jit, str(e)[:2000])
+            assert relerr(f(x, w, ids, ex), y_ref) < 1e-5  # and the next call runs
+            # "skip": the slot contributes nothing, as fused_moe's skip (gradients too)
+            bad = bad_ids[20]
+            y = f(x, w, bad, ex, ids_outside="skip")
+            assert relerr(y, nbx.fused_moe(x, w, bad, ex, ids_outside="skip")) < 1e-5
+            skip = lambda moe: (lambda x, w, i, e: moe(x, w, i, e, ids_outside="skip"))
+            g = jax.grad(loss_of(skip(moe), bad), argnums=(0, 1, 2))
+            g = (jax.jit(g) if jit else g)(x, w, ex)
+            g0 = jax.grad(loss_of(skip(nbx.fused_moe), bad), argnums=(0, 1, 2))(x, w, ex)
+            assert float(g[1][21, 2]) == 0.0
+            for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
+                assert relerr(a, b) < 1e-4, (dispatch, jit, relerr(a, b))
+            print(dispatch, "jit" if jit else "eager", "ok")
+    # 64-bit ids are narrowed as fused_moe narrows them: 2**32 + 1 stays out of range
+    big = np.asarray(ids, np.int64)
+    big[21, 2] = 2 ** 32 + 1
+    for dispatch in ("psum", "all_to_all"):
+        try:
+            nbx.sharded_moe(x, w, big, ex, mesh, dispatch=dispatch).block_until_ready()
+            raise AssertionError("2**32 + 1 accepted")
+        except (jax.errors.JaxRuntimeError, ValueError) as e:
+            assert re.search(r"topk_ids\[\d+, 2\] = 16 is outside \[0, 16\)", str(e)), str(e)[:2000]
+        # the "xla" implementation drops such slots, as fused_moe's does
+        y = nbx.sharded_moe(x, w, big, ex, mesh, dispatch=dispatch, implementation="xla")
+        assert relerr(y, nbx.fused_moe(x, w, big, ex, implementation="xla")) < 1e-5
+        print(dispatch, "int64 ok")
+""")
+
+
+def test_sharded_moe_ids_outside():
+    """An id outside [0, E) is refused at run time, naming the id (and its
+    position in the device's block of tokens), eagerly and under jit, both
+    dispatches, and the next call runs; ids_outside="skip" drops those slots
+    exactly as fused_moe's skip (forward and gradients); 64-bit ids are
+    narrowed without wrapping into range; implementation="xla" drops."""
+    out = _run_8(IDS_SCRIPT)
+    assert out.count(" ok") == 6, out
+
+
 def test_sharded_moe_errors():
     import jax
 
@@ -220,3 +277,7 @@ def test_sharded_moe_errors():
         nbx.sharded_moe(x, w, ids, ex, mesh, data_axis=None, capacity_factor=1.0)
     with pytest.raises(ValueError, match="capacity_factor must be > 0"):
         nbx.sharded_moe(x, w, ids, ex, mesh, data_axis=None, dispatch="all_to_all", capacity_factor=0)
+    with pytest.raises(ValueError, match="ids_outside must be 'error' or 'skip'; got 'drop'"):
+        nbx.sharded_moe(x, w, ids, ex, mesh, data_axis=None, ids_outside="drop")
+    with pytest.raises(TypeError, match="topk_ids has dtype float32; expected an integer dtype"):
+        nbx.sharded_moe(x, w, ids.astype(jnp.float32), ex, mesh, data_axis=None)
