@@ -20,7 +20,9 @@ bring tokens and experts together (``dispatch``):
 Forward and backward (the op's own custom VJP; ``all_to_all`` and the
 gathers are differentiable) run eagerly and under ``jax.jit``, on any mesh:
 a classic `jax.sharding.Mesh` (Auto axes) or `jax.make_mesh`'s (Explicit
-axes), inside ``jax.set_mesh`` or not.
+axes), inside ``jax.set_mesh`` or not, in one process or in several (JAX's
+multi-controller runtime: ``jax.distributed.initialize`` in every process,
+one mesh over every process's devices, global arrays in and out).
 """
 from __future__ import annotations
 
@@ -58,9 +60,12 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
         divisible by the size of ``expert_axis``.
       mesh: a `jax.sharding.Mesh` with those axes (``data_axis=None``: tokens
         not split over data): a classic ``Mesh(devices, names)`` (Auto
-        axes) or `jax.make_mesh`'s (Explicit axes).  Inputs laid out otherwise (or not at
-        all) are moved to the layouts below first (``jax.device_put``;
-        their gradients come back in the inputs' layouts).
+        axes) or `jax.make_mesh`'s (Explicit axes), over one process's
+        devices or every process's (then pass global arrays, e.g. from
+        ``jax.make_array_from_callback``, or the same host arrays in every
+        process).  Inputs laid out otherwise (or not at all) are moved to
+        the layouts below first (``jax.device_put``; their gradients come
+        back in the inputs' layouts).
       activation, implementation: as in `fused_moe`.
       dispatch: how tokens meet their experts (n = size of ``expert_axis``,
         d = size of ``data_axis``, S = T·k/(d·n) slots per device):
