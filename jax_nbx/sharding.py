@@ -194,6 +194,8 @@ def _sharded(mesh: Mesh, expert_axis: str, data_axis: str | None, tok: P, dispat
         E experts of size 1x1) and the handler refuses it.  The ids depend on
         that branch, so that no compiler drops the check."""
         t, kk = ids.shape
+        if t * kk == 0:
+            return ids
         none = blocks * t * kk
         block = jax.lax.axis_index(tok_axes) if tok_axes else 0
         flat = block * (t * kk) + jnp.arange(t * kk, dtype=jnp.int32).reshape(t, kk)

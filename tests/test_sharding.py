@@ -271,6 +271,7 @@ def test_sharded_moe_errors():
     assert rel_err(y, np_moe(x, w, ids, ex)) < TOL["f32"]
     y = nbx.sharded_moe(x, w, ids, ex, mesh, data_axis=None, dispatch="all_to_all")
     assert rel_err(y, np_moe(x, w, ids, ex)) < TOL["f32"]
+    assert nbx.sharded_moe(x[:0], w[:0], ids[:0], ex, mesh, data_axis=None).shape == (0, 16)
     with pytest.raises(ValueError, match="dispatch must be 'psum' or 'all_to_all'; got 'alltoall'"):
         nbx.sharded_moe(x, w, ids, ex, mesh, data_axis=None, dispatch="alltoall")
     with pytest.raises(ValueError, match="capacity_factor applies to dispatch='all_to_all' only"):
