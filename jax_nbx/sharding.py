@@ -18,21 +18,26 @@ bring tokens and experts together (``dispatch``):
   each token sums its k slots in slot order.
 
 Forward and backward (the op's own custom VJP; ``all_to_all`` and the
-gathers are differentiable) run under ``jax.jit`` with ``NamedSharding``
-inputs.
+gathers are differentiable) run eagerly and under ``jax.jit``, on any mesh:
+a classic `jax.sharding.Mesh` (Auto axes) or `jax.make_mesh`'s (Explicit
+axes), inside ``jax.set_mesh`` or not, in one process or in several (JAX's
+multi-controller runtime: ``jax.distributed.initialize`` in every process,
+one mesh over every process's devices, global arrays in and out).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .experts import Experts
-from .ops import fused_moe
+from .ops import _ids_as_int32, _resolve_implementation, fused_moe
 
 __all__ = ["sharded_moe"]
 
@@ -42,7 +47,8 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
                 activation: Literal["swiglu", "geglu"] = "swiglu",
                 implementation: Literal["ffi", "xla"] | None = None,
                 dispatch: Literal["psum", "all_to_all"] = "psum",
-                capacity_factor: float | None = None) -> jax.Array:
+                capacity_factor: float | None = None,
+                ids_outside: Literal["error", "skip"] = "error") -> jax.Array:
     """`fused_moe` with experts sharded over ``expert_axis`` and tokens over ``data_axis``.
 
     Args:
@@ -53,7 +59,13 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
       experts: stacked `Experts` (``gate/up [E, H, I]``, ``down [E, I, H]``); E
         divisible by the size of ``expert_axis``.
       mesh: a `jax.sharding.Mesh` with those axes (``data_axis=None``: tokens
-        not split over data).
+        not split over data): a classic ``Mesh(devices, names)`` (Auto
+        axes) or `jax.make_mesh`'s (Explicit axes), over one process's
+        devices or every process's (then pass global arrays, e.g. from
+        ``jax.make_array_from_callback``, or the same host arrays in every
+        process).  Inputs laid out otherwise (or not at all) are moved to
+        the layouts below first (``jax.device_put``; their gradients come
+        back in the inputs' layouts).
       activation, implementation: as in `fused_moe`.
       dispatch: how tokens meet their experts (n = size of ``expert_axis``,
         d = size of ``data_axis``, S = T·k/(d·n) slots per device):
@@ -81,13 +93,29 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
         a device sends to one destination beyond the first C (in slot order:
         token, then its k slots) are dropped, i.e. contribute zero, as if
         their routed weight were 0 (their weight's gradient is 0 too).
+      ids_outside: what a global id outside ``[0, E)`` means, as in
+        `fused_moe`: ``"error"`` (default; on the FFI path, the "xla" path
+        drops such slots) or ``"skip"`` (the slot contributes nothing, its
+        weight's gradient is 0).  With ``"error"`` every device fails
+        together at run time (eagerly and under ``jax.jit``: no device is
+        left waiting in a collective) with the handler's
+        ``INVALID_ARGUMENT`` naming the first such id in token order and its
+        position in its device's block of tokens (``topk_ids[r, j]``: row r of
+        the T/d rows a device holds for ``"psum"``, of the T/(d·n) for
+        ``"all_to_all"``).  The check costs an all-gather of two integers from
+        each device (and, on a GPU, reading one flag back to the host).
 
     Returns ``y [T, H]``: equal to the unsharded op up to the order of the
     float32 sum (over expert shards for ``"psum"``; over a token's k slots,
-    each rounded to ``x.dtype`` first, for ``"all_to_all"``).  With a mesh
-    of explicit axes (`jax.make_mesh`'s default), reduce or differentiate the
-    result under ``jax.jit`` inside ``with jax.set_mesh(mesh):``.
+    each rounded to ``x.dtype`` first, for ``"all_to_all"``).  Inside
+    ``jax.set_mesh`` with Explicit axes its type carries that sharding;
+    otherwise it is laid out on ``mesh`` with Auto axes (outside a mesh
+    context Explicit axes are used as Auto: JAX cannot differentiate arrays
+    typed by a mesh that no context sets).  Eager calls run one jitted
+    program per configuration, compiled once per shapes and layouts.
     """
+    if ids_outside not in ("error", "skip"):
+        raise ValueError(f"ids_outside must be 'error' or 'skip'; got {ids_outside!r}")
     if dispatch not in ("psum", "all_to_all"):
         raise ValueError(f"dispatch must be 'psum' or 'all_to_all'; got {dispatch!r}")
     if capacity_factor is not None:
@@ -107,9 +135,15 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
         raise ValueError(f"E={E} experts do not split over {n} devices of mesh axis {expert_axis!r}")
     if x.ndim != 2:
         raise ValueError(f"x must be [T, H]; got shape {x.shape}")
+    if not isinstance(topk_ids, (jax.Array, jax.core.Tracer)):
+        topk_ids = np.asarray(topk_ids)
+    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected an integer dtype")
+    topk_ids = _ids_int32(topk_ids, E)
+    # as in fused_moe: the FFI path refuses ids outside [0, E), the "xla" path drops them
+    check_ids = ids_outside == "error" and _resolve_implementation(implementation) == "ffi"
     d = mesh.shape[data_axis] if data_axis is not None else 1
     T = x.shape[0]
-    e_local = E // n
     if dispatch == "psum":
         if T % d:
             raise ValueError(f"T={T} tokens do not split over {d} devices of mesh axis {data_axis!r}")
@@ -120,20 +154,87 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
                              f"({data_axis!r}, {expert_axis!r}) (dispatch='all_to_all')")
         tok = P((data_axis, expert_axis) if data_axis is not None else expert_axis, None)
     ex_spec = Experts(P(expert_axis, None, None), P(expert_axis, None, None), P(expert_axis, None, None))
+    mesh = _mesh_for_context(mesh)
+    f = _sharded(mesh, expert_axis, data_axis, tok, dispatch, activation, implementation,
+                 capacity_factor, check_ids)
+
+    # inputs laid out otherwise (or not at all) are moved to the specs first:
+    # device_put, which under a mesh of Explicit axes changes the arrays' types
+    # as jax.reshard does, lays out Auto axes as well, and whose transpose
+    # gives each cotangent its input's layout
+    def place(a, spec):
+        return jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
+
+    args = (place(x, tok), place(topk_weights, tok), place(topk_ids, tok),
+            Experts(*(place(a, sp) for a, sp in zip((experts.gate, experts.up, experts.down),
+                                                    (ex_spec.gate, ex_spec.up, ex_spec.down)))))
+    return f(*args)
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded(mesh: Mesh, expert_axis: str, data_axis: str | None, tok: P, dispatch: str,
+             activation: str, implementation: str | None, capacity_factor: float | None,
+             check_ids: bool):
+    """The jitted shard_map of one configuration (kept: eager calls of the same
+    configuration reuse its compilations; under an outer jit it is inlined)."""
+    n = mesh.shape[expert_axis]
+    ex_spec = Experts(P(expert_axis, None, None), P(expert_axis, None, None), P(expert_axis, None, None))
+
+    all_axes = (expert_axis,) if data_axis is None else (data_axis, expert_axis)
+    tok_axes = tuple(a for a in (tok[0] if isinstance(tok[0], tuple) else (tok[0],)) if a is not None)
+    blocks = math.prod(mesh.shape[a] for a in tok_axes)   # token blocks (of t rows each)
+
+    def checked(ids, E):
+        """``ids`` once every one is found in ``[0, E)``; else every device fails
+        together (none is left waiting in a collective for one that failed),
+        naming the first bad id (in token order) and its place in its
+        device's block of tokens.  The devices share their first bad slot (a
+        small all_gather); only when there is one, each runs a fused_moe call
+        with ``ids_outside="error"`` on a block holding that id (zero inputs,
+        E experts of size 1x1) and the handler refuses it.  The ids depend on
+        that branch, so that no compiler drops the check."""
+        t, kk = ids.shape
+        if t * kk == 0:
+            return ids
+        none = blocks * t * kk
+        block = jax.lax.axis_index(tok_axes) if tok_axes else 0
+        flat = block * (t * kk) + jnp.arange(t * kk, dtype=jnp.int32).reshape(t, kk)
+        bad = (ids < 0) | (ids >= E)
+        first = jnp.min(jnp.where(bad, flat, none), initial=none)
+        lowest = jnp.iinfo(jnp.int32).min
+        value = jnp.max(jnp.where(flat == first, ids, lowest), initial=lowest)
+        pairs = jax.lax.all_gather(jnp.stack([first, value]), all_axes).reshape(-1, 2)
+        first, value = pairs[jnp.argmin(pairs[:, 0])]
+
+        def refuse(ids):
+            one = jnp.zeros((t, kk), jnp.int32).at[(first // kk) % t, first % kk].set(value)
+            probe = Experts(*(jnp.zeros((E, 1, 1), jnp.float32),) * 3)
+            y = fused_moe(jnp.zeros((t, 1), jnp.float32), jnp.zeros((t, kk), jnp.float32), one, probe,
+                          implementation="ffi")
+            return jnp.where(jnp.all(y == 0), ids, -1)
+
+        return jax.lax.cond(first < none, refuse, lambda ids: ids, ids)
 
     def local_psum(x, w, ids, ex):
+        e_local = ex.num_experts
+        if check_ids:
+            ids = checked(ids, e_local * n)
         e0 = jax.lax.axis_index(expert_axis) * e_local
         y = fused_moe(x, w, ids - e0.astype(ids.dtype), ex, activation=activation,
                       implementation=implementation, ids_outside="skip")
         return jax.lax.psum(y.astype(jnp.float32), expert_axis).astype(x.dtype)
 
     def local_all_to_all(x, w, ids, ex):
+        e_local = ex.num_experts
+        E = e_local * n
+        if check_ids:
+            ids = checked(ids, E)
         t, k = ids.shape
         S = t * k
         C = S if capacity_factor is None else max(1, min(S, math.ceil(capacity_factor * S / n)))
         ids = ids.reshape(S).astype(jnp.int32)
         w = w.reshape(S)
-        valid = (ids >= 0) & (ids < E)     # ids outside [0, E): no device holds them, skipped
+        valid = (ids >= 0) & (ids < E)     # ids outside [0, E) (when not refused): skipped
         dest = jnp.where(valid, ids // e_local, 0)             # expert-axis index holding the expert
         onehot = ((dest[:, None] == jnp.arange(n, dtype=jnp.int32)[None, :]) & valid[:, None])
         pos = jnp.take_along_axis(jnp.cumsum(onehot.astype(jnp.int32), axis=0), dest[:, None],
@@ -160,13 +261,28 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
         return per_slot.reshape(t, k, -1).sum(axis=1).astype(x.dtype)
 
     local = local_psum if dispatch == "psum" else local_all_to_all
-    f = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, ex_spec), out_specs=tok,
-                      check_vma=False)
-    # inputs laid out otherwise (or not at all) are resharded to the specs first
-    def place(a, spec):
-        return jax.reshard(a, jax.sharding.NamedSharding(mesh, spec))
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, ex_spec), out_specs=tok,
+                                 check_vma=False))
 
-    args = (place(x, tok), place(topk_weights, tok), place(topk_ids, tok),
-            Experts(*(place(a, sp) for a, sp in zip((experts.gate, experts.up, experts.down),
-                                                    (ex_spec.gate, ex_spec.up, ex_spec.down)))))
-    return f(*args)
+
+def _mesh_for_context(mesh: Mesh) -> Mesh:
+    """``mesh`` as shard_map should see it here.  Outside any mesh context
+    (``jax.set_mesh``) the mesh's Explicit axes become Auto: arrays typed by
+    an Explicit mesh that no context sets cannot be differentiated (JAX asks
+    for ``jax.set_mesh``), so the result is laid out, not typed, as with a
+    classic `jax.sharding.Mesh`.  Inside a context the mesh is used as given."""
+    AxisType = jax.sharding.AxisType
+    if not jax.sharding.get_abstract_mesh().empty or AxisType.Explicit not in mesh.axis_types:
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def _ids_int32(ids, E: int):
+    """topk_ids as int32 with out-of-range ids kept out of range (`fused_moe`'s
+    narrowing); host (numpy) ids stay numpy, which `jax.device_put` lays out
+    on any mesh (one of several processes' included)."""
+    if not isinstance(ids, np.ndarray):
+        return _ids_as_int32(ids, E)
+    if ids.dtype.itemsize >= 4 and ids.dtype != np.int32:  # int64, uint32, uint64
+        ids = np.clip(ids, 0 if np.issubdtype(ids.dtype, np.unsignedinteger) else -1, E)
+    return ids.astype(np.int32)

@@ -123,6 +123,140 @@ def test_sharded_moe_on_8_host_devices():
     assert r.stdout.count(" ok") == 11, r.stdout
 
 
+def _run_8(script: str, *args: str, timeout: int = 600) -> str:
+    """``script`` (arguments ``args``) in a subprocess with 8 host devices; its stdout."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r.stdout
+
+
+# The problem, its unsharded reference (forward and gradients w.r.t. x,
+# topk_weights and the experts) and a comparison; shared by the scripts below.
+PROBLEM = textwrap.dedent("""
+    import contextlib
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jax_nbx as nbx
+    assert len(jax.devices()) == 8, jax.devices()
+    rng = np.random.default_rng(0)
+    T, E, k, H, I = 32, 16, 4, 40, 24
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    ex = nbx.Experts(*(jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32)
+                       for s in ((E, H, I), (E, H, I), (E, I, H))))
+    w, ids = nbx.route(jnp.asarray(rng.standard_normal((T, E)), jnp.float32), k)
+    def loss_of(moe, ids):
+        return lambda x, w, e: jnp.sum(moe(x, w, ids, e) ** 2)
+    y_ref = nbx.fused_moe(x, w, ids, ex)
+    g_ref = jax.grad(loss_of(nbx.fused_moe, ids), argnums=(0, 1, 2))(x, w, ex)
+    def relerr(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+""")
+
+MESH_SCRIPT = PROBLEM + textwrap.dedent("""
+    import sys
+    kind = sys.argv[1]
+    if kind == "classic":      # Auto axes: what most JAX code builds
+        mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
+    else:                      # jax.make_mesh: Explicit axes
+        mesh = jax.make_mesh((2, 4), ("data", "expert"))
+    ctx = jax.set_mesh(mesh) if kind == "make_mesh+set_mesh" else contextlib.nullcontext()
+    with ctx:
+        for dispatch in ("psum", "all_to_all"):
+            for jit in (False, True):
+                moe = lambda x, w, i, e: nbx.sharded_moe(x, w, i, e, mesh, dispatch=dispatch)
+                fwd, grad = moe, jax.grad(loss_of(moe, ids), argnums=(0, 1, 2))
+                if jit:
+                    fwd, grad = jax.jit(fwd), jax.jit(grad)
+                err = relerr(fwd(x, w, ids, ex), y_ref)
+                assert err < 1e-5, (kind, dispatch, jit, err)
+                g = grad(x, w, ex)
+                for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+                    assert relerr(a, b) < 1e-4, (kind, dispatch, jit, relerr(a, b))
+                print(kind, dispatch, "jit" if jit else "eager", "ok", err)
+        if kind != "make_mesh+set_mesh":
+            # inputs already laid out on the mesh (by device_put), eagerly and under jit
+            tok = NamedSharding(mesh, P("data", None))
+            xs, ws, ids_s = (jax.device_put(a, tok) for a in (x, w, ids))
+            ex_s = jax.device_put(ex, NamedSharding(mesh, P("expert", None, None)))
+            for jit in (False, True):
+                moe = lambda x, w, i, e: nbx.sharded_moe(x, w, i, e, mesh)
+                err = relerr((jax.jit(moe) if jit else moe)(xs, ws, ids_s, ex_s), y_ref)
+                assert err < 1e-5, (kind, "placed", jit, err)
+                print(kind, "placed inputs", "jit" if jit else "eager", "ok", err)
+""")
+
+
+@pytest.mark.parametrize("kind", ["classic", "make_mesh", "make_mesh+set_mesh"])
+def test_sharded_moe_on_any_mesh(kind):
+    """On a 2x4 (data, expert) mesh built as `jax.sharding.Mesh` (Auto axes), as
+    `jax.make_mesh` (Explicit axes) used outside any mesh context, and as
+    `jax.make_mesh` inside `jax.set_mesh`: both dispatches, eagerly and under
+    jit, forward and gradients (x, topk_weights, experts) against the unsharded
+    op; outside set_mesh also with inputs already placed on the mesh."""
+    out = _run_8(MESH_SCRIPT, kind)
+    assert out.count(" ok ") == (4 if kind == "make_mesh+set_mesh" else 6), out
+
+
+IDS_SCRIPT = PROBLEM + textwrap.dedent(r"""
+    import re
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
+    bad_ids = {v: ids.at[21, 2].set(v) for v in (20, -1)}
+    # the handler names the position in the device's block of tokens: 16 rows a
+    # device for psum (split over data), 4 for all_to_all (over data and expert)
+    row = {"psum": 21 % 16, "all_to_all": 21 % 4}
+    for dispatch in ("psum", "all_to_all"):
+        for jit in (False, True):
+            moe = lambda x, w, i, e, **kw: nbx.sharded_moe(x, w, i, e, mesh, dispatch=dispatch, **kw)
+            f = jax.jit(moe, static_argnames="ids_outside") if jit else moe
+            for v, bad in bad_ids.items():
+                try:
+                    f(x, w, bad, ex).block_until_ready()
+                    raise AssertionError(f"id {v} accepted ({dispatch}, jit={jit})")
+                except (jax.errors.JaxRuntimeError, ValueError) as e:
+                    want = rf"topk_ids\[{row[dispatch]}, 2\] = {v} is outside \[0, 16\)"
+                    assert re.search(want, str(e)), (dispatch, jit, str(e)[:2000])
+            assert relerr(f(x, w, ids, ex), y_ref) < 1e-5  # and the next call runs
+            # "skip": the slot contributes nothing, as fused_moe's skip (gradients too)
+            bad = bad_ids[20]
+            y = f(x, w, bad, ex, ids_outside="skip")
+            assert relerr(y, nbx.fused_moe(x, w, bad, ex, ids_outside="skip")) < 1e-5
+            skip = lambda moe: (lambda x, w, i, e: moe(x, w, i, e, ids_outside="skip"))
+            g = jax.grad(loss_of(skip(moe), bad), argnums=(0, 1, 2))
+            g = (jax.jit(g) if jit else g)(x, w, ex)
+            g0 = jax.grad(loss_of(skip(nbx.fused_moe), bad), argnums=(0, 1, 2))(x, w, ex)
+            assert float(g[1][21, 2]) == 0.0
+            for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
+                assert relerr(a, b) < 1e-4, (dispatch, jit, relerr(a, b))
+            print(dispatch, "jit" if jit else "eager", "ok")
+    # 64-bit ids are narrowed as fused_moe narrows them: 2**32 + 1 stays out of range
+    big = np.asarray(ids, np.int64)
+    big[21, 2] = 2 ** 32 + 1
+    for dispatch in ("psum", "all_to_all"):
+        try:
+            nbx.sharded_moe(x, w, big, ex, mesh, dispatch=dispatch).block_until_ready()
+            raise AssertionError("2**32 + 1 accepted")
+        except (jax.errors.JaxRuntimeError, ValueError) as e:
+            assert re.search(r"topk_ids\[\d+, 2\] = 16 is outside \[0, 16\)", str(e)), str(e)[:2000]
+        # the "xla" implementation drops such slots, as fused_moe's does
+        y = nbx.sharded_moe(x, w, big, ex, mesh, dispatch=dispatch, implementation="xla")
+        assert relerr(y, nbx.fused_moe(x, w, big, ex, implementation="xla")) < 1e-5
+        print(dispatch, "int64 ok")
+""")
+
+
+def test_sharded_moe_ids_outside():
+    """An id outside [0, E) is refused at run time, naming the id (and its
+    position in the device's block of tokens), eagerly and under jit, both
+    dispatches, and the next call runs; ids_outside="skip" drops those slots
+    exactly as fused_moe's skip (forward and gradients); 64-bit ids are
+    narrowed without wrapping into range; implementation="xla" drops."""
+    out = _run_8(IDS_SCRIPT)
+    assert out.count(" ok") == 6, out
+
+
 def test_sharded_moe_errors():
     import jax
 
@@ -137,9 +271,14 @@ def test_sharded_moe_errors():
     assert rel_err(y, np_moe(x, w, ids, ex)) < TOL["f32"]
     y = nbx.sharded_moe(x, w, ids, ex, mesh, data_axis=None, dispatch="all_to_all")
     assert rel_err(y, np_moe(x, w, ids, ex)) < TOL["f32"]
+    assert nbx.sharded_moe(x[:0], w[:0], ids[:0], ex, mesh, data_axis=None).shape == (0, 16)
     with pytest.raises(ValueError, match="dispatch must be 'psum' or 'all_to_all'; got 'alltoall'"):
         nbx.sharded_moe(x, w, ids, ex, mesh, data_axis=None, dispatch="alltoall")
     with pytest.raises(ValueError, match="capacity_factor applies to dispatch='all_to_all' only"):
         nbx.sharded_moe(x, w, ids, ex, mesh, data_axis=None, capacity_factor=1.0)
     with pytest.raises(ValueError, match="capacity_factor must be > 0"):
         nbx.sharded_moe(x, w, ids, ex, mesh, data_axis=None, dispatch="all_to_all", capacity_factor=0)
+    with pytest.raises(ValueError, match="ids_outside must be 'error' or 'skip'; got 'drop'"):
+        nbx.sharded_moe(x, w, ids, ex, mesh, data_axis=None, ids_outside="drop")
+    with pytest.raises(TypeError, match="topk_ids has dtype float32; expected an integer dtype"):
+        nbx.sharded_moe(x, w, ids.astype(jnp.float32), ex, mesh, data_axis=None)
