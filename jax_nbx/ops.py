@@ -141,18 +141,25 @@ def _validate(x, topk_weights, topk_ids, experts: Experts, activation: str,
     return E, H, I, k
 
 
-def _ids_as_int32(ids, E: int) -> jax.Array:
+def _narrow_ids(ids, E: int):
     """topk_ids as int32: every id in [-1, E] keeps its value and any other
     becomes -1 or E, so an id out of range stays out of range (refused by
     name, or skipped) and never wraps into a valid expert.  Wider or unsigned
     ids are clamped first, in numpy for host arrays (before JAX could wrap
-    them), in JAX for traced ones; unsigned ids are clamped from 0, not -1
-    (which an unsigned dtype would read as its largest value)."""
+    them; numpy in, numpy out), in JAX for traced ones; unsigned ids are
+    clamped from 0, not -1 (which an unsigned dtype would read as its
+    largest value)."""
     dt = np.dtype(ids.dtype)
+    host = isinstance(ids, np.ndarray)
     if dt.itemsize >= 4 and dt != np.int32:  # int64, uint32, uint64
         lo = 0 if np.issubdtype(dt, np.unsignedinteger) else -1
-        ids = np.clip(ids, lo, E) if isinstance(ids, np.ndarray) else jnp.clip(ids, lo, E)
-    return jnp.asarray(ids).astype(jnp.int32)
+        ids = np.clip(ids, lo, E) if host else jnp.clip(ids, lo, E)
+    return ids.astype(np.int32) if host else ids.astype(jnp.int32)
+
+
+def _ids_as_int32(ids, E: int) -> jax.Array:
+    """`_narrow_ids` as a JAX array."""
+    return jnp.asarray(_narrow_ids(ids, E))
 
 
 def _check_slots(T: int, k: int) -> None:

@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .experts import Experts
-from .ops import _ids_as_int32, _resolve_implementation, fused_moe
+from .ops import _narrow_ids, _resolve_implementation, fused_moe
 
 __all__ = ["sharded_moe"]
 
@@ -139,7 +139,7 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
         topk_ids = np.asarray(topk_ids)
     if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
         raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected an integer dtype")
-    topk_ids = _ids_int32(topk_ids, E)
+    topk_ids = _narrow_ids(topk_ids, E)  # numpy stays numpy: device_put lays it out on any mesh
     # as in fused_moe: the FFI path refuses ids outside [0, E), the "xla" path drops them
     check_ids = ids_outside == "error" and _resolve_implementation(implementation) == "ffi"
     d = mesh.shape[data_axis] if data_axis is not None else 1
@@ -276,13 +276,3 @@ def _mesh_for_context(mesh: Mesh) -> Mesh:
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
-
-def _ids_int32(ids, E: int):
-    """topk_ids as int32 with out-of-range ids kept out of range (`fused_moe`'s
-    narrowing); host (numpy) ids stay numpy, which `jax.device_put` lays out
-    on any mesh (one of several processes' included)."""
-    if not isinstance(ids, np.ndarray):
-        return _ids_as_int32(ids, E)
-    if ids.dtype.itemsize >= 4 and ids.dtype != np.int32:  # int64, uint32, uint64
-        ids = np.clip(ids, 0 if np.issubdtype(ids.dtype, np.unsignedinteger) else -1, E)
-    return ids.astype(np.int32)
