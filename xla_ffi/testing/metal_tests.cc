@@ -15,6 +15,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "metal/emulated_kernels.h"
 #include "metal/pins.h"
 #include "metal/runtime.h"
 #include "metal/sim_device.h"
@@ -141,6 +142,24 @@ void BindMetalTests(nb::module_& m) {
       .def("read", [](const metal::Table& t, const std::vector<std::tuple<uint64_t, int64_t>>& reads) {
         return RunReads(t.pins.resources(), reads);
       });
+  m.def("metal_run_moe_gemm",
+        [](int64_t a, int64_t row_src, int64_t tile_expert, const metal::Table& table,
+           int64_t row_weight, int64_t out, uint32_t K, uint32_t N, uint32_t E, uint32_t mode,
+           uint32_t act, uint32_t lda, int64_t P, bool drop_barrier, bool resident) {
+          auto at = [](int64_t v) { return reinterpret_cast<void*>(static_cast<uintptr_t>(v)); };
+          const metal::MoeGemmArgs g{static_cast<const float*>(at(a)),
+                                     static_cast<const int32_t*>(at(row_src)),
+                                     static_cast<const int32_t*>(at(tile_expert)),
+                                     reinterpret_cast<const uint64_t*>(table.addresses.buffer().host),
+                                     static_cast<const float*>(at(row_weight)),
+                                     static_cast<float*>(at(out)), K, N, E, mode, act, lda, P};
+          std::string err;
+          if (!metal::LaunchMoeGemm(g, resident ? table.pins.resources() : std::vector<metal::Buffer>{},
+                                    drop_barrier, &err))
+            throw nb::value_error(err.c_str());
+        },
+        "nbx_moe_gemm (moe_gemm.metal) through the MSL emulation on the simulated device; numpy "
+        "arrays by address, the weights through the table's GPU addresses.");
   m.def("metal_table", [](const Ranges& ranges, bool cache) {
     std::shared_ptr<metal::Table> t;
     std::string err;

@@ -1,0 +1,186 @@
+// Runs Metal Shading Language kernels, unchanged, as C++ on the CPU (the
+// simulated device's kernels; issue #16).  Included only by
+// metal/emulated_kernels.cc, before the .metal sources: its macros (`kernel`,
+// `device`, `threadgroup`, `constant`, `thread`) must not leak elsewhere.
+//
+// The kernels keep to a subset of MSL that Apple's compiler and this header
+// both accept (checked by tests/test_metal_kernels.py's subset lint):
+//   - parameters: buffers (`device`/`constant` pointers or references) with
+//     [[buffer(n)]], threadgroup memory only as `threadgroup T*` parameters
+//     marked NBX_THREADGROUP(n) (the .metal file defines it as
+//     [[threadgroup(n)]] for Apple's compiler; here it is empty, as the
+//     `threadgroup` qualifier is), then exactly these built-ins, in order:
+//     `uint3 tgpig [[threadgroup_position_in_grid]]`,
+//     `uint tiitg [[thread_index_in_threadgroup]]`,
+//     `uint sgitg [[simdgroup_index_in_threadgroup]]`,
+//     `uint tiisg [[thread_index_in_simdgroup]]`;
+//   - `threadgroup_barrier(mem_flags::mem_threadgroup)`;
+//   - `simdgroup_float8x8`, `simdgroup_load/store` (with an element stride),
+//     `simdgroup_multiply_accumulate`, `make_filled_simdgroup_matrix`;
+//   - addresses taken from a table become pointers only through
+//     `nbx_device_ptr<T>(address, count)`: a cast in Metal, a checked
+//     translation from the simulated GPU range here (an address outside a
+//     live buffer or pin fails the launch).
+// Every thread of a threadgroup is a real OS thread, all of them running at
+// once, so a missing barrier shows as a wrong result; the threads start
+// staggered by index and threadgroup memory starts NaN-poisoned, so a read
+// before another thread's write shows reliably.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+namespace nbx::metal::msl {
+
+using uint = uint32_t;
+using ulong = uint64_t;
+struct uint3 {
+  uint32_t x = 0, y = 0, z = 0;
+};
+
+// A reusable barrier among the threads of one threadgroup.
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t gen = gen_;
+    if (++waiting_ == n_) {
+      waiting_ = 0;
+      ++gen_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return gen_ != gen; });
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int n_, waiting_ = 0;
+  uint64_t gen_ = 0;
+};
+
+// The current thread's threadgroup (set by the launcher).
+struct ThreadContext {
+  Barrier* barrier = nullptr;
+  // translation of simulated GPU addresses; returns nullptr when refused
+  std::function<void*(uint64_t, int64_t)> resolve;
+  std::atomic<bool>* failed = nullptr;
+};
+inline thread_local ThreadContext tls;
+
+enum class mem_flags { mem_none, mem_threadgroup, mem_device };
+inline void threadgroup_barrier(mem_flags) { tls.barrier->Wait(); }
+
+// An 8x8 simdgroup matrix.  In Metal the 32 threads of a simdgroup hold it
+// together; here each thread holds all of it and every operation computes
+// the whole matrix (the same values on every thread of the simdgroup).
+template <typename T>
+struct simdgroup_matrix8 {
+  T v[64];
+};
+using simdgroup_float8x8 = simdgroup_matrix8<float>;
+
+#define make_filled_simdgroup_matrix make_filled_simdgroup_matrix_impl
+template <typename T, int R, int C>
+simdgroup_matrix8<T> make_filled_simdgroup_matrix_impl(T x) {
+  static_assert(R == 8 && C == 8, "8x8 only");
+  simdgroup_matrix8<T> m;
+  for (T& e : m.v) e = x;
+  return m;
+}
+
+// Row-major load/store with `stride` elements between rows.
+template <typename T, typename S>
+void simdgroup_load(simdgroup_matrix8<T>& m, const S* src, unsigned long stride = 8) {
+  for (int r = 0; r < 8; ++r)
+    for (int c = 0; c < 8; ++c) m.v[r * 8 + c] = static_cast<T>(src[r * stride + c]);
+}
+template <typename T, typename S>
+void simdgroup_store(const simdgroup_matrix8<T>& m, S* dst, unsigned long stride = 8) {
+  for (int r = 0; r < 8; ++r)
+    for (int c = 0; c < 8; ++c) dst[r * stride + c] = static_cast<S>(m.v[r * 8 + c]);
+}
+// d = a @ b + c (float accumulation, in k order)
+template <typename T>
+void simdgroup_multiply_accumulate(simdgroup_matrix8<T>& d, const simdgroup_matrix8<T>& a,
+                                   const simdgroup_matrix8<T>& b, const simdgroup_matrix8<T>& c) {
+  simdgroup_matrix8<T> out;
+  for (int r = 0; r < 8; ++r)
+    for (int col = 0; col < 8; ++col) {
+      float s = c.v[r * 8 + col];
+      for (int k = 0; k < 8; ++k) s = std::fma(a.v[r * 8 + k], b.v[k * 8 + col], s);
+      out.v[r * 8 + col] = s;
+    }
+  d = out;
+}
+
+using std::exp;
+using std::tanh;
+
+// An address from a table as a pointer to `count` elements (see above).
+template <typename T>
+T* nbx_device_ptr(uint64_t address, int64_t count) {
+  void* p = tls.resolve ? tls.resolve(address, count * static_cast<int64_t>(sizeof(T))) : nullptr;
+  if (p == nullptr) {
+    *tls.failed = true;
+    static std::remove_const_t<T> sink[64] = {};  // a refused address reads this; the launch fails
+    return sink;
+  }
+  return static_cast<T*>(p);
+}
+
+// Runs `body(tgpig, tiitg, sgitg, tiisg, threadgroup memory)` for a grid of
+// threadgroups of `threads` threads (a multiple of 32), each group's threads
+// concurrent, with `tg_floats` floats of NaN-filled threadgroup memory.
+// Returns false when a thread used a refused address.
+inline bool Launch(uint3 grid, int threads, int64_t tg_floats,
+                   const std::function<void*(uint64_t, int64_t)>& resolve,
+                   const std::function<void(uint3, uint32_t, uint32_t, uint32_t, float*)>& body) {
+  std::atomic<bool> failed{false};
+  std::vector<float> tg(static_cast<size_t>(tg_floats));
+  for (uint32_t z = 0; z < grid.z; ++z)
+    for (uint32_t y = 0; y < grid.y; ++y)
+      for (uint32_t x = 0; x < grid.x; ++x) {
+        std::fill(tg.begin(), tg.end(), std::nanf(""));
+        Barrier barrier(threads);
+        std::vector<std::thread> pool;
+        pool.reserve(static_cast<size_t>(threads));
+        for (int t = 0; t < threads; ++t) {
+          pool.emplace_back([&, t] {
+            tls.barrier = &barrier;
+            tls.resolve = resolve;
+            tls.failed = &failed;
+            // staggered start: a read of another thread's write without a barrier shows
+            std::this_thread::sleep_for(std::chrono::microseconds(20 * t));
+            body(uint3{x, y, z}, static_cast<uint32_t>(t), static_cast<uint32_t>(t / 32),
+                 static_cast<uint32_t>(t % 32), tg.data());
+            tls = ThreadContext{};
+          });
+        }
+        for (std::thread& th : pool) th.join();
+      }
+  return !failed;
+}
+
+}  // namespace nbx::metal::msl
+
+// ---- MSL spellings (this translation unit only) ----
+#define kernel
+#define device
+#define constant const
+#define thread
+#define threadgroup
+#define NBX_THREADGROUP(n)
