@@ -17,6 +17,7 @@ TARGET_FORWARD: str = _d["targets"]["forward"]
 TARGET_BACKWARD: str = _d["targets"]["backward"]
 TARGET_CUDA_FORWARD: str = _d["targets"]["cuda_forward"]
 TARGET_CUDA_FORWARD_TABLES: str = _d["targets"]["cuda_forward_tables"]
+TARGET_METAL_FORWARD: str = _d["targets"]["metal_forward"]
 TARGET_FORWARD_POISONED: str = _d["targets"]["forward_poisoned"]  # tests only
 TARGET_BACKWARD_POISONED: str = _d["targets"]["backward_poisoned"]  # tests only
 

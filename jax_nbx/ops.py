@@ -17,7 +17,7 @@ from .reference import ACTIVATIONS, moe_reference
 
 __all__ = ["fused_moe", "IMPLEMENTATIONS"]
 
-IMPLEMENTATIONS = ("ffi", "xla")
+IMPLEMENTATIONS = ("ffi", "xla", "metal")
 
 
 def _dtype_names() -> str:
@@ -197,7 +197,15 @@ def _resolve_implementation(implementation: str | None) -> str:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None; got {implementation!r}")
     platform = jax.default_backend()
     has_handler = _registry.has_handler(platform)
-    if implementation is None:
+    if implementation == "metal":
+        if platform != "cpu":
+            raise ValueError(f"implementation='metal' runs under JAX's CPU client; the default "
+                             f"backend is {platform!r}")
+        if _registry.ffi_module().metal_info() is None:
+            raise ValueError("implementation='metal': no Metal device is active "
+                             f"({_registry.METAL_UNAVAILABLE or 'jax_nbx.metal.use'})")
+        return implementation
+    if implementation is None:  # (the Metal path is never the default yet: see the README)
         return "ffi" if has_handler else "xla"
     if implementation == "ffi" and not has_handler:
         raise ValueError(f"implementation='ffi': jax_nbx has no handler for platform {platform!r} "
@@ -244,6 +252,8 @@ def _ffi_forward(x, w, ids, *weights, activation: str, band_tokens: int,
     ``skip_outside``: slots whose id is outside ``[0, E)`` are skipped, not an error.
     """
     _check_slots(*ids.shape)  # (a vmapped batch folds into the tokens: checked again here)
+    if platform == "metal" and poison:
+        raise ValueError("the Metal path has no poisoned test twin")
     if platform == "gpu":
         from . import _cuda
 
@@ -260,7 +270,8 @@ def _ffi_forward(x, w, ids, *weights, activation: str, band_tokens: int,
     if poison:
         (y,) = _poisoned_call(_abi.TARGET_FORWARD_POISONED, [out], [x, w, ids, *bufs], attrs)
         return y
-    call = jax.ffi.ffi_call(_abi.TARGET_FORWARD, out, vmap_method="sequential")
+    target = _abi.TARGET_METAL_FORWARD if platform == "metal" else _abi.TARGET_FORWARD
+    call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
     return call(x, w, ids, *bufs, **attrs)
 
 
@@ -429,8 +440,14 @@ def fused_moe(
     T = int(np.prod(lead, dtype=np.int64))
     if T == 0:
         return jnp.zeros(x.shape, x.dtype)
-    if impl == "ffi":
+    if impl != "xla":
         _check_slots(T, k)
+    if impl == "metal":  # what the Metal handler takes so far (it checks again at run time)
+        if is_quantized(experts):
+            raise ValueError("quantized experts are not supported on the Metal path yet")
+        if x.dtype != jnp.float32 or experts.dtype != jnp.float32:
+            raise TypeError(f"the Metal path takes float32 x and weights only so far; got x "
+                            f"{x.dtype}, experts {experts.dtype}")
     x2 = x.reshape(T, H)
     w2 = topk_weights.reshape(T, k).astype(jnp.float32)
     ids2 = _ids_as_int32(topk_ids, E).reshape(T, k)
@@ -439,7 +456,12 @@ def fused_moe(
         y = moe_reference(x2, w2, ids2, experts.stacked(), activation)
         return y.reshape(x.shape)
     platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
-    if platform == "gpu":
+    if impl == "metal":
+        platform = "metal"
+        band = memory.plan_bands(
+            lambda t: int(_registry.ffi_module().metal_forward_workspace_bytes(t, k, E, H, I)),
+            T, H, "metal", max_workspace_bytes, f"(Metal, E={E} k={k} H={H} I={I})")
+    elif platform == "gpu":
         from . import _cuda
 
         band = _cuda.plan_band_tokens(T, k, E, H, I, experts.dtype, max_workspace_bytes,

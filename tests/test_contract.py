@@ -19,7 +19,7 @@ pytestmark = pytest.mark.fast
 
 
 def test_target_names_are_the_abis():
-    assert set(ffi.cpu_handlers()) == {_abi.TARGET_FORWARD, _abi.TARGET_BACKWARD}
+    assert set(ffi.cpu_handlers()) == {_abi.TARGET_FORWARD, _abi.TARGET_BACKWARD, _abi.TARGET_METAL_FORWARD}
     assert set(ffi.testing_handlers()) == {_abi.TARGET_FORWARD_POISONED,
                                            _abi.TARGET_BACKWARD_POISONED}
     if getattr(ffi, "has_cuda", False):

@@ -22,6 +22,9 @@ inline constexpr const char* kTargetForward = "nbx_fused_moe_fwd";
 inline constexpr const char* kTargetBackward = "nbx_fused_moe_bwd";
 inline constexpr const char* kTargetCudaForward = "nbx_fused_moe_fwd_cuda";
 inline constexpr const char* kTargetCudaForwardTables = "nbx_fused_moe_fwd_cuda_tables";
+// The Metal path (platform "cpu": JAX's CPU client, the handler dispatching
+// to the Metal device; metal/moe_metal.cc), the forward's attributes.
+inline constexpr const char* kTargetMetalForward = "nbx_fused_moe_fwd_metal";
 // Test-only twins (xla_ffi/testing/): the same handlers with one more input
 // per result, aliased to it and NaN-filled, so an unwritten element shows.
 // Registered only by the test suite (jax_nbx._registry.register_testing).

@@ -28,6 +28,7 @@ nb::dict AbiDict() {
   targets["backward"] = abi::kTargetBackward;
   targets["cuda_forward"] = abi::kTargetCudaForward;
   targets["cuda_forward_tables"] = abi::kTargetCudaForwardTables;
+  targets["metal_forward"] = abi::kTargetMetalForward;
   targets["forward_poisoned"] = abi::kTargetForwardPoisoned;
   targets["backward_poisoned"] = abi::kTargetBackwardPoisoned;
   d["targets"] = targets;

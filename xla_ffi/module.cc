@@ -9,6 +9,7 @@
 #include "cpu/kernel_table.h"
 #include "cpu/moe_backward.h"
 #include "cpu/moe_forward.h"
+#include "metal/moe_metal.h"
 #include "metal/runtime.h"
 #include "metal/tables.h"
 #include "testing/account_tests.h"
@@ -72,6 +73,7 @@ NB_MODULE(_ffi, m) {
     nb::dict d;
     d[nbx::abi::kTargetForward] = Capsule(nbx::FusedMoeForwardCpu);
     d[nbx::abi::kTargetBackward] = Capsule(nbx::FusedMoeBackwardCpu);
+    d[nbx::abi::kTargetMetalForward] = Capsule(nbx::FusedMoeForwardMetal);
     return d;
   }, "Handler capsules for platform 'cpu', keyed by FFI target name.");
   m.def("testing_handlers", &nbx::TestingHandlers,
@@ -198,6 +200,11 @@ NB_MODULE(_ffi, m) {
     d["capacity"] = s.capacity;
     return d;
   });
+  m.def("metal_forward_workspace_bytes", [](int64_t tokens, int64_t k, int64_t E, int64_t H,
+                                            int64_t I) {
+    CheckFormulaArgs(tokens, k, E, H, I, 1);
+    return SaturatedInt64(nbx::MetalForwardWorkspaceBytes(tokens, k, E, H, I));
+  }, "metal:0 workspace bytes of one Metal forward band of `tokens` tokens.");
   m.def("metal_release_pinned", []() { return nbx::metal::Tables::Get().ReleasePinned(); });
   m.def("metal_table_set_capacity", [](int64_t n) { nbx::metal::Tables::Get().SetCapacity(n); });
 
