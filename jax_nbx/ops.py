@@ -360,7 +360,7 @@ def fused_moe(
     experts: Experts,
     *,
     activation: Literal["swiglu", "geglu"] = "swiglu",
-    implementation: Literal["ffi", "xla"] | None = None,
+    implementation: Literal["ffi", "xla", "metal"] | None = None,
     max_workspace_bytes: int | str | None = None,
     ids_outside: Literal["error", "skip"] = "error",
 ) -> jax.Array:
@@ -387,7 +387,10 @@ def fused_moe(
         the CPU handler, or on a CUDA GPU the Triton kernels launched by the
         CUDA handler), ``"xla"`` (the pure-JAX reference, every platform), or
         ``None``: ``"ffi"`` where a handler exists for ``jax.default_backend()``,
-        else ``"xla"``.  On CUDA, 16-bit weights run on tensor cores: x and
+        else ``"xla"``.  ``"metal"``: the Metal handler on the active Metal
+        device (`jax_nbx.metal`; so far float32 only, and only the simulated
+        device dispatches: never the default yet; gradients from the
+        reference's VJP).  On CUDA, 16-bit weights run on tensor cores: x and
         the intermediate are rounded to the weights' dtype before each
         product (float32 accumulation).
       max_workspace_bytes: cap on the handler's workspace for this call
