@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -78,6 +79,7 @@ struct ThreadContext {
   // translation of simulated GPU addresses; returns nullptr when refused
   std::function<void*(uint64_t, int64_t)> resolve;
   std::atomic<bool>* failed = nullptr;
+  std::vector<std::vector<unsigned char>> refused;  // what refused addresses read (zeros)
 };
 inline thread_local ThreadContext tls;
 
@@ -136,8 +138,12 @@ T* nbx_device_ptr(uint64_t address, int64_t count) {
   void* p = tls.resolve ? tls.resolve(address, count * static_cast<int64_t>(sizeof(T))) : nullptr;
   if (p == nullptr) {
     *tls.failed = true;
-    static std::remove_const_t<T> sink[64] = {};  // a refused address reads this; the launch fails
-    return sink;
+    // a refused address reads zeros of the promised extent (the launch fails): never out of
+    // bounds; each refusal its own block, kept until the thread's work ends
+    tls.refused.emplace_back(static_cast<size_t>(count > 0 ? count : 1) * sizeof(T) + alignof(T), 0);
+    void* p = tls.refused.back().data();
+    size_t space = tls.refused.back().size();
+    return static_cast<T*>(std::align(alignof(T), sizeof(T), p, space));
   }
   return static_cast<T*>(p);
 }
