@@ -127,6 +127,24 @@ def isa(request):
     nbx.cpu.set_isa(before)
 
 
+@pytest.fixture
+def metal_sim():
+    """The simulated Metal device, fresh for the test (default limits); after
+    it, nothing live on metal:0, no live wrap, no unreported violation."""
+    ffi = nbx._registry.ffi_module()
+    nbx.tables.release_pinned()
+    nbx.metal.use("sim")
+    yield ffi
+    nbx.tables.release_pinned()
+    ffi.metal_sim_hold_completions(False)
+    s = nbx.memory.stats()["metal:0"]
+    assert s["live"] == 0, s
+    assert ffi.metal_sim_state()["live_wraps"] == 0
+    assert ffi.metal_sim_take_violations() == []
+    nbx.tables.set_capacity(256)
+    nbx.metal.use("none")
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_handler_bytes():
     """Every test leaves the handlers' live allocation count at zero."""

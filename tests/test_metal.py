@@ -17,21 +17,7 @@ PAGE = 16384
 KiB = 1024
 
 
-@pytest.fixture(autouse=True)
-def sim():
-    """The simulated device, fresh for each test (default limits), and
-    nothing left live on metal:0 afterwards."""
-    nbx.tables.release_pinned()
-    nbx.metal.use("sim")
-    yield
-    nbx.tables.release_pinned()
-    F.metal_sim_hold_completions(False)
-    s = memory.stats()["metal:0"]
-    assert s["live"] == 0, s
-    assert F.metal_sim_state()["live_wraps"] == 0
-    assert F.metal_sim_take_violations() == []
-    nbx.tables.set_capacity(256)
-    nbx.metal.use("none")
+pytestmark = pytest.mark.usefixtures("metal_sim")  # conftest.py: the simulated device
 
 
 def ptr(a: np.ndarray) -> int:

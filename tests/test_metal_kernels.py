@@ -21,15 +21,7 @@ BM = 32
 KERNELS = pathlib.Path(__file__).resolve().parent.parent / "xla_ffi" / "metal" / "kernels"
 
 
-@pytest.fixture(autouse=True)
-def sim():
-    nbx.tables.release_pinned()
-    nbx.metal.use("sim")
-    yield
-    nbx.tables.release_pinned()
-    assert nbx.memory.stats()["metal:0"]["live"] == 0
-    F.metal_sim_take_violations()
-    nbx.metal.use("none")
+pytestmark = pytest.mark.usefixtures("metal_sim")  # conftest.py: the simulated device
 
 
 def ptr(a: np.ndarray) -> int:

@@ -19,15 +19,7 @@ from conftest import make_problem, np_moe, np_moe_grads, rel_err
 F = nbx._registry.ffi_module()
 
 
-@pytest.fixture(autouse=True)
-def sim():
-    nbx.tables.release_pinned()
-    nbx.metal.use("sim")
-    yield
-    nbx.tables.release_pinned()
-    assert memory.stats()["metal:0"]["live"] == 0
-    assert F.metal_sim_take_violations() == []
-    nbx.metal.use("none")
+pytestmark = pytest.mark.usefixtures("metal_sim")  # conftest.py: the simulated device
 
 
 def metal(x, w, ids, ex, **kw):
