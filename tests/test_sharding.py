@@ -40,7 +40,9 @@ def test_ids_outside_skip_with_bands_and_lists():
         nbx.fused_moe(x, w, ids, ex, ids_outside="drop")
 
 
-SCRIPT = textwrap.dedent("""
+# The problem on 8 host devices (x, w, ids, ex): the start of every script below.
+SETUP = textwrap.dedent("""
+    import contextlib
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     import jax_nbx as nbx
@@ -51,6 +53,9 @@ SCRIPT = textwrap.dedent("""
     ex = nbx.Experts(*(jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32)
                        for s in ((E, H, I), (E, H, I), (E, I, H))))
     w, ids = nbx.route(jnp.asarray(rng.standard_normal((T, E)), jnp.float32), k)
+""")
+
+SCRIPT = SETUP + textwrap.dedent("""
     def relerr(a, b):
         return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
     def reference(ids, w=w):
@@ -134,18 +139,7 @@ def _run_8(script: str, *args: str, timeout: int = 600) -> str:
 
 # The problem, its unsharded reference (forward and gradients w.r.t. x,
 # topk_weights and the experts) and a comparison; shared by the scripts below.
-PROBLEM = textwrap.dedent("""
-    import contextlib
-    import jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    import jax_nbx as nbx
-    assert len(jax.devices()) == 8, jax.devices()
-    rng = np.random.default_rng(0)
-    T, E, k, H, I = 32, 16, 4, 40, 24
-    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
-    ex = nbx.Experts(*(jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32)
-                       for s in ((E, H, I), (E, H, I), (E, I, H))))
-    w, ids = nbx.route(jnp.asarray(rng.standard_normal((T, E)), jnp.float32), k)
+PROBLEM = SETUP + textwrap.dedent("""
     def loss_of(moe, ids):
         return lambda x, w, e: jnp.sum(moe(x, w, ids, e) ** 2)
     y_ref = nbx.fused_moe(x, w, ids, ex)
