@@ -126,6 +126,22 @@ def test_weights_not_made_resident_fail_the_launch():
     assert any("not made resident" in v for v in F.metal_sim_take_violations())
 
 
+@pytest.mark.parametrize("S,E", [(1, 1), (7, 3), (66, 4), (300, 8), (1000, 5)])
+def test_ordering_kernels_match_the_cpu_planner(S, E):
+    """moe_order.metal (count, offsets, scatter: no atomics) gives exactly the
+    CPU planner's order (cpu/slots.h OrderSlots): by expert, stable in slot,
+    each expert padded to 32 rows; ids outside [0, E) left out."""
+    rng = np.random.default_rng(S + E)
+    ids = rng.integers(-1, E + 1, S).astype(np.int32)       # some outside [0, E)
+    ids[: S // 3] = E - 1                                      # skew
+    count, off, row_slot, slot_row = F.metal_order_slots(ids.tolist(), E, BM)
+    expert_off, real_end, ref_rows, ref_slot_row = F.plan_slots(ids.tolist(), 0, S, E, BM)
+    assert count == [int(np.sum(ids == e)) for e in range(E)]
+    assert off == list(expert_off)
+    assert row_slot == list(ref_rows) and -7 not in row_slot   # every row written
+    assert slot_row == list(ref_slot_row)
+
+
 def test_kernel_sources_keep_to_the_emulated_subset():
     """Constructs outside the subset msl_emulation.h documents are refused."""
     allowed_attrs = {"buffer", "threadgroup_position_in_grid", "thread_index_in_threadgroup",

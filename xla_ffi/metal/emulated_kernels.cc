@@ -20,6 +20,7 @@
 namespace nbx::metal::kernels {
 using namespace nbx::metal::msl;
 #include "metal/kernels/moe_gemm.metal"
+#include "metal/kernels/moe_order.metal"
 }  // namespace nbx::metal::kernels
 
 namespace nbx::metal::kernels_drop_barrier {
@@ -68,6 +69,43 @@ bool LaunchMoeGemm(const MoeGemmArgs& g, const std::vector<Buffer>& resources, b
                      });
   });
   if (!ok) *error = "nbx_moe_gemm read through an address no resident buffer or pin covers";
+  return ok;
+}
+
+bool LaunchOrderSlots(const int32_t* ids, int64_t S, int64_t E, int64_t pad, int32_t* count,
+                      int32_t* off, int32_t* row_slot, int32_t* slot_row, std::string* error) {
+  SimDevice* sim = ActiveSim();
+  if (sim == nullptr) {
+    *error = "the Metal kernels run off Apple only on the simulated device (JAX_NBX_METAL=sim)";
+    return false;
+  }
+  if (S > INT32_MAX || E < 1 || E > INT32_MAX || pad < 1) {
+    *error = "nbx_order_slots: sizes out of range";
+    return false;
+  }
+  const kernels::OrderParams p{static_cast<uint32_t>(S), static_cast<uint32_t>(E),
+                               static_cast<uint32_t>(pad)};
+  const msl::uint3 per_expert{static_cast<uint32_t>(E), 1, 1};
+  auto none = [](uint64_t, int64_t) -> void* { return nullptr; };
+  bool ok = true;
+  sim->Submit({}, [&] {
+    ok = msl::Launch(per_expert, 128, 128, none,
+                     [&](msl::uint3 g, uint32_t t, uint32_t sg, uint32_t ts, float* tg) {
+                       kernels::nbx_count_experts(ids, count, p, reinterpret_cast<int*>(tg), g, t,
+                                                  sg, ts);
+                     }) &&
+         msl::Launch(msl::uint3{1, 1, 1}, 32, 1, none,
+                     [&](msl::uint3 g, uint32_t t, uint32_t sg, uint32_t ts, float* tg) {
+                       kernels::nbx_expert_offsets(count, off, p, reinterpret_cast<int*>(tg), g, t,
+                                                   sg, ts);
+                     }) &&
+         msl::Launch(per_expert, 128, 128, none,
+                     [&](msl::uint3 g, uint32_t t, uint32_t sg, uint32_t ts, float* tg) {
+                       kernels::nbx_scatter_slots(ids, off, row_slot, slot_row, p,
+                                                  reinterpret_cast<int*>(tg), g, t, sg, ts);
+                     });
+  });
+  if (!ok) *error = "nbx_order_slots failed";
   return ok;
 }
 

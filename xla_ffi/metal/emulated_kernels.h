@@ -32,4 +32,11 @@ struct MoeGemmArgs {
 bool LaunchMoeGemm(const MoeGemmArgs& g, const std::vector<Buffer>& resources, bool drop_barrier,
                    std::string* error);
 
+// The slot ordering (moe_order.metal) on the simulated device: count per
+// expert, padded offsets (off [E + 1]), then row_slot [off[E]] (-1 for
+// padding) and slot_row [S] (the caller sets it to -1 first: slots whose id
+// is outside [0, E) keep it).  row_slot must hold MaxPaddedRows(S, E, pad).
+bool LaunchOrderSlots(const int32_t* ids, int64_t S, int64_t E, int64_t pad, int32_t* count,
+                      int32_t* off, int32_t* row_slot, int32_t* slot_row, std::string* error);
+
 }  // namespace nbx::metal

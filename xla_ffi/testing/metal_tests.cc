@@ -16,6 +16,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "metal/emulated_kernels.h"
+#include "cpu/slots.h"
 #include "metal/pins.h"
 #include "metal/runtime.h"
 #include "metal/sim_device.h"
@@ -160,6 +161,18 @@ void BindMetalTests(nb::module_& m) {
         },
         "nbx_moe_gemm (moe_gemm.metal) through the MSL emulation on the simulated device; numpy "
         "arrays by address, the weights through the table's GPU addresses.");
+  m.def("metal_order_slots", [](const std::vector<int32_t>& ids, int64_t E, int64_t pad) {
+    const int64_t S = static_cast<int64_t>(ids.size());
+    std::vector<int32_t> count(static_cast<size_t>(E), -7), off(static_cast<size_t>(E) + 1, -7);
+    std::vector<int32_t> row_slot(static_cast<size_t>(MaxPaddedRows(S, E, pad)), -7);
+    std::vector<int32_t> slot_row(static_cast<size_t>(S), -1);
+    std::string err;
+    if (!metal::LaunchOrderSlots(ids.data(), S, E, pad, count.data(), off.data(), row_slot.data(),
+                                 slot_row.data(), &err))
+      throw nb::value_error(err.c_str());
+    row_slot.resize(static_cast<size_t>(off[static_cast<size_t>(E)]));
+    return nb::make_tuple(count, off, row_slot, slot_row);
+  }, "moe_order.metal's three kernels through the emulation: (count, off, row_slot, slot_row).");
   m.def("metal_table", [](const Ranges& ranges, bool cache) {
     std::shared_ptr<metal::Table> t;
     std::string err;
