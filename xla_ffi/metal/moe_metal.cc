@@ -32,9 +32,8 @@ struct Band {
   int32_t* tile_expert;  // [P / 32]
   float* row_w;          // [P] routed weight, 0 for padding
   int32_t* slot_row;     // [S] row of each slot, -1 when skipped
-  int64_t* expert_off;   // [E + 1], real_end [E], seen [E]: OrderSlots' plan
-  int64_t* real_end;
-  int64_t* seen;
+  int32_t* count;        // [E] slots per expert (the ordering kernels')
+  int32_t* off;          // [E + 1] padded row offsets, off[E] = P
   float* h;  // [P][I]
   float* o;  // [P][H]
 };
@@ -49,9 +48,8 @@ size_t CarveBand(void* base, int64_t tokens, int64_t k, int64_t E, int64_t H, in
   b->tile_expert = cv.Take<int32_t>(P / kTileRows + 1);
   b->row_w = cv.Take<float>(P);
   b->slot_row = cv.Take<int32_t>(S);
-  b->expert_off = cv.Take<int64_t>(E + 1);
-  b->real_end = cv.Take<int64_t>(E);
-  b->seen = cv.Take<int64_t>(E);
+  b->count = cv.Take<int32_t>(E);
+  b->off = cv.Take<int32_t>(E + 1);
   b->h = cv.Take<float>(P, I);
   b->o = cv.Take<float>(P, H);
   return cv.used();
@@ -121,9 +119,13 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
     const int64_t t1 = std::min(T, t0 + band), n = t1 - t0, S = n * k;
     CarveBand(ws.buffer().host, n, k, E, H, I, &b);
     std::memcpy(b.x, xs + t0 * H, static_cast<size_t>(n * H) * sizeof(float));  // staged
-    // slots ordered by expert (stable in (t, j)), each expert padded to a tile
-    const SlotPlan plan{b.expert_off, b.real_end, b.seen, b.row_slot, b.slot_row};
-    const int64_t P = OrderSlots(ids + t0 * k, 0, S, E, kTileRows, ExpertWindow{}, plan);
+    // slots ordered by expert (stable in (t, j)), each expert padded to a tile: the ordering
+    // kernels (moe_order.metal); slots outside [0, E) (skip_outside) keep slot_row -1
+    std::memset(b.slot_row, 0xFF, static_cast<size_t>(S) * sizeof(int32_t));
+    if (!metal::LaunchOrderSlots(ids + t0 * k, S, E, kTileRows, b.count, b.off, b.row_slot,
+                                 b.slot_row, &err))
+      return ffi::Error::Internal(err);
+    const int64_t P = b.off[E];
     for (int64_t r = 0; r < P; ++r) {
       const int32_t s = b.row_slot[r];
       b.row_tok[r] = s < 0 ? -1 : static_cast<int32_t>(s / k);
@@ -131,7 +133,7 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
       b.row_w[r] = s < 0 ? 0.0f : wts[t0 * k + s];
     }
     for (int64_t e = 0; e < E; ++e)
-      for (int64_t r = b.expert_off[e]; r < b.expert_off[e + 1]; r += kTileRows)
+      for (int64_t r = b.off[e]; r < b.off[e + 1]; r += kTileRows)
         b.tile_expert[r / kTileRows] = static_cast<int32_t>(e);
     if (P == 0) continue;
     const uint32_t act = static_cast<uint32_t>(activation);

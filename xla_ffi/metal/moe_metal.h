@@ -2,8 +2,9 @@
 // platform "cpu"): JAX's CPU client owns the buffers, the handler runs the
 // MoE block on the active Metal device.  So far: float32 x and dense float32
 // weights, on the simulated device only (the kernels' dispatch on Apple is
-// not written); the slots are ordered and combined on the host, the expert
-// GEMMs run as Metal kernels (kernels/moe_gemm.metal).
+// not written); the slots are ordered (kernels/moe_order.metal) and the
+// expert GEMMs run (kernels/moe_gemm.metal) as Metal kernels, the combine on
+// the host.
 #pragma once
 
 #include <cstddef>
