@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
-from . import _abi, _registry, memory
+from . import _abi, _registry, memory, metal
 from .cpu import planned_workers
 from .experts import FLOAT_DTYPES, Experts
 from .quant import QuantizedWeight, is_quantized, quant_format, weight_groups
@@ -201,9 +201,9 @@ def _resolve_implementation(implementation: str | None) -> str:
         if platform != "cpu":
             raise ValueError(f"implementation='metal' runs under JAX's CPU client; the default "
                              f"backend is {platform!r}")
-        if _registry.ffi_module().metal_info() is None:
+        if not metal.available():
             raise ValueError("implementation='metal': no Metal device is active "
-                             f"({_registry.METAL_UNAVAILABLE or 'jax_nbx.metal.use'})")
+                             f"({metal.unavailable_reason()})")
         return implementation
     if implementation is None:  # (the Metal path is never the default yet: see the README)
         return "ffi" if has_handler else "xla"

@@ -239,12 +239,8 @@ bool Workspace::Allocate(const Device& d, size_t bytes, const char* tag,
                          std::string* error) {
   out->Release();
   if (bytes == 0) return true;
-  // Sizes past int64 (a saturated layout, `Carver`) are refused as the whole
-  // int64 range: larger than any budget, never wrapped to a small request.
-  const int64_t request = bytes > static_cast<size_t>(INT64_MAX) ? INT64_MAX
-                                                                  : static_cast<int64_t>(bytes);
   void* p = nullptr;
-  if (!Account::Get().Reserve(d, request, tag, shape, error, &p))
+  if (!Account::Get().Reserve(d, SaturatedBytes(bytes), tag, shape, error, &p))
     return false;
   constexpr size_t kAlign = 64;
   if (p == nullptr) p = std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);

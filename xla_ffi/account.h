@@ -57,6 +57,13 @@ struct Refusal {
   std::string message;  // the full text the handler returned
 };
 
+// A size in bytes as the account counts it: past int64 (a saturated layout,
+// SIZE_MAX) it is the whole int64 range, larger than any budget, never a
+// wrapped small number.
+inline int64_t SaturatedBytes(size_t bytes) {
+  return bytes > static_cast<size_t>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(bytes);
+}
+
 // "1.5 GB", "300.0 MB", "12.0 kB", "512 bytes" (decimal units).
 std::string FormatBytes(double bytes);
 

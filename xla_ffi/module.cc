@@ -59,11 +59,6 @@ void CheckFormulaArgs(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I
                            " slots exceed the handlers' limit of " +
                            std::to_string(nbx::abi::kMaxSlots)).c_str());
 }
-
-// A layout's bytes (SIZE_MAX when it overflowed) as int64, saturated.
-int64_t SaturatedInt64(size_t bytes) {
-  return bytes > static_cast<size_t>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(bytes);
-}
 }  // namespace
 
 NB_MODULE(_ffi, m) {
@@ -84,13 +79,13 @@ NB_MODULE(_ffi, m) {
   m.def("forward_workspace_bytes", [](int64_t tokens, int64_t k, int64_t E, int64_t H,
                                       int64_t I, int workers) {
     CheckFormulaArgs(tokens, k, E, H, I, workers);
-    return SaturatedInt64(nbx::ForwardWorkspaceBytes(tokens, k, E, H, I, workers));
+    return nbx::SaturatedBytes(nbx::ForwardWorkspaceBytes(tokens, k, E, H, I, workers));
   }, nb::arg("tokens"), nb::arg("k"), nb::arg("E"), nb::arg("H"), nb::arg("I"),
      nb::arg("workers"), "Workspace bytes of one CPU forward band of `tokens` tokens.");
   m.def("backward_workspace_bytes", [](int64_t tokens, int64_t k, int64_t E, int64_t H,
                                        int64_t I, int workers) {
     CheckFormulaArgs(tokens, k, E, H, I, workers);
-    return SaturatedInt64(nbx::BackwardWorkspaceBytes(tokens, k, E, H, I, workers));
+    return nbx::SaturatedBytes(nbx::BackwardWorkspaceBytes(tokens, k, E, H, I, workers));
   }, nb::arg("tokens"), nb::arg("k"), nb::arg("E"), nb::arg("H"), nb::arg("I"),
      nb::arg("workers"), "Workspace bytes of one CPU backward band of `tokens` tokens.");
 
@@ -203,7 +198,7 @@ NB_MODULE(_ffi, m) {
   m.def("metal_forward_workspace_bytes", [](int64_t tokens, int64_t k, int64_t E, int64_t H,
                                             int64_t I) {
     CheckFormulaArgs(tokens, k, E, H, I, 1);
-    return SaturatedInt64(nbx::MetalForwardWorkspaceBytes(tokens, k, E, H, I));
+    return nbx::SaturatedBytes(nbx::MetalForwardWorkspaceBytes(tokens, k, E, H, I));
   }, "metal:0 workspace bytes of one Metal forward band of `tokens` tokens.");
   m.def("metal_release_pinned", []() { return nbx::metal::Tables::Get().ReleasePinned(); });
   m.def("metal_table_set_capacity", [](int64_t n) { nbx::metal::Tables::Get().SetCapacity(n); });
