@@ -9,6 +9,7 @@ from __future__ import annotations
 import pathlib
 import re
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -24,9 +25,9 @@ KERNELS = pathlib.Path(__file__).resolve().parent.parent / "xla_ffi" / "metal" /
 pytestmark = pytest.mark.usefixtures("metal_sim")  # conftest.py: the simulated device
 
 
-def ptr(a: np.ndarray) -> int:
+def region(a: np.ndarray) -> tuple[int, int]:
     assert a.flags.c_contiguous
-    return int(a.ctypes.data)
+    return int(a.ctypes.data), int(a.nbytes)
 
 
 def order_slots(ids: np.ndarray, E: int):
@@ -44,12 +45,16 @@ def order_slots(ids: np.ndarray, E: int):
     return np.asarray(rows, np.int32), np.asarray(tiles, np.int32)
 
 
-def problem(seed, T, E, k, H, I):
+WDTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
+
+
+def problem(seed, T, E, k, H, I, wtype="f32"):
     rng = np.random.default_rng(seed)
+    wd = WDTYPES[wtype]
     x = rng.standard_normal((T, H)).astype(np.float32)
-    gate = (rng.standard_normal((E, H, I)) / np.sqrt(H)).astype(np.float32)
-    up = (rng.standard_normal((E, H, I)) / np.sqrt(H)).astype(np.float32)
-    down = (rng.standard_normal((E, I, H)) / np.sqrt(I)).astype(np.float32)
+    gate = (rng.standard_normal((E, H, I)) / np.sqrt(H)).astype(wd)
+    up = (rng.standard_normal((E, H, I)) / np.sqrt(H)).astype(wd)
+    down = (rng.standard_normal((E, I, H)) / np.sqrt(I)).astype(wd)
     ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
     w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
     return x, gate, up, down, ids, w
@@ -57,12 +62,20 @@ def problem(seed, T, E, k, H, I):
 
 def table_of(gate, up, down):
     E = gate.shape[0]
-    ranges = [(ptr(m) + e * m[e].nbytes, m[e].nbytes) for m in (gate, up, down) for e in range(E)]
+    ranges = [(int(m.ctypes.data) + e * m[e].nbytes, m[e].nbytes) for m in (gate, up, down) for e in range(E)]
     return F.metal_table(ranges)
 
 
-def run_moe(x, gate, up, down, ids, w, activation="swiglu", drop_barrier=False, resident=True):
-    """The MoE block through the two kernel launches (the combine in numpy)."""
+def gemm(kind, a, row_src, experts, table, row_w, out, K, N, E, mode, act, rows, tile0=0, wtype="f32",
+         drop_barrier=False, resident=True):
+    F.metal_run_gemm(kind, [region(a), region(row_src), region(experts), region(row_w), region(out)], table,
+                     (K, N, E, mode, act, a.shape[1], tile0), rows, wtype, drop_barrier, resident)
+
+
+def run_moe(x, gate, up, down, ids, w, activation="swiglu", drop_barrier=False, resident=True, wtype="f32",
+            tiles_per_dispatch=None):
+    """The MoE block through the two GEMM dispatches (the combine in numpy);
+    `tiles_per_dispatch`: the row tiles in several dispatches (tile0 ranges)."""
     T, H = x.shape
     E, _, I = gate.shape
     k = ids.shape[1]
@@ -72,19 +85,45 @@ def run_moe(x, gate, up, down, ids, w, activation="swiglu", drop_barrier=False, 
     table = table_of(gate, up, down)
     act = 0 if activation == "swiglu" else 1
     h = np.full((P, I), np.nan, np.float32)
-    zero_w = np.zeros(P, np.float32)
-    F.metal_run_moe_gemm(ptr(x), ptr(row_tok), ptr(tile_expert), table, ptr(zero_w), ptr(h),
-                         H, I, E, 0, act, H, P, drop_barrier, resident)
     row_self = np.where(row_slot >= 0, np.arange(P), -1).astype(np.int32)
     row_w = np.where(row_slot >= 0, w.reshape(-1)[np.maximum(row_slot, 0)], 0).astype(np.float32)
     o = np.full((P, H), np.nan, np.float32)
-    F.metal_run_moe_gemm(ptr(h), ptr(row_self), ptr(tile_expert), table, ptr(row_w), ptr(o),
-                         I, H, E, 1, act, I, P, drop_barrier, resident)
+    step = tiles_per_dispatch or P // BM
+    for t0 in range(0, P // BM, step):  # each range reads and writes its own rows only
+        n = min(step, P // BM - t0)
+        gemm("gemm", x, row_tok, tile_expert, table, row_w, h, H, I, E, 0, act, n, t0, wtype, drop_barrier,
+             resident)
+        gemm("gemm", h, row_self, tile_expert, table, row_w, o, I, H, E, 1, act, n, t0, wtype, drop_barrier,
+             resident)
     valid = row_slot >= 0
     assert np.all(np.isfinite(h[valid])) and np.all(np.isfinite(o[valid])), "unwritten rows"
     assert np.all(np.isnan(o[~valid])), "padding rows were stored"
     y = np.zeros((T, H), np.float64)
     np.add.at(y, row_tok[valid], o[valid].astype(np.float64))
+    return y
+
+
+def run_decode(x, gate, up, down, ids, w, activation="swiglu", wtype="f32"):
+    """The decode path: the GEMV dispatches on the slots as they come, then the combine kernel."""
+    T, H = x.shape
+    E, _, I = gate.shape
+    k = ids.shape[1]
+    S = T * k
+    flat = ids.reshape(-1).astype(np.int32)
+    inside = (flat >= 0) & (flat < E)
+    row_tok = np.where(inside, np.arange(S) // k, -1).astype(np.int32)
+    row_self = np.where(inside, np.arange(S), -1).astype(np.int32)
+    row_e = np.where(inside, flat, -1).astype(np.int32)
+    row_w = w.reshape(-1).astype(np.float32)
+    table = table_of(gate, up, down)
+    act = 0 if activation == "swiglu" else 1
+    h = np.full((S, I), np.nan, np.float32)
+    o = np.full((S, H), np.nan, np.float32)
+    gemm("gemv", x, row_tok, row_e, table, row_w, h, H, I, E, 0, act, S, 0, wtype)
+    gemm("gemv", h, row_self, row_e, table, row_w, o, I, H, E, 1, act, S, 0, wtype)
+    assert np.all(np.isfinite(o[inside])) and np.all(np.isnan(o[~inside])), "rows unwritten or skipped rows stored"
+    y = np.full((T, H), np.nan, np.float32)
+    F.metal_run_combine([region(o), region(row_self), region(y)], H, k, T)
     return y
 
 
@@ -96,7 +135,8 @@ def reference(x, gate, up, down, ids, w, activation="swiglu"):
     for t in range(ids.shape[0]):
         for j in range(ids.shape[1]):
             e = ids[t, j]
-            y[t] += w[t, j] * ((act(x[t] @ gate[e]) * (x[t] @ up[e])) @ down[e])
+            if 0 <= e < gate.shape[0]:  # outside: skipped
+                y[t] += w[t, j] * ((act(x[t] @ gate[e]) * (x[t] @ up[e])) @ down[e])
     return y
 
 
@@ -109,6 +149,77 @@ def test_expert_gemms_match_float64(T, E, k, H, I, activation):
     ref = reference(x, gate, up, down, ids, w, activation)
     assert np.max(np.abs(y - ref)) / np.max(np.abs(ref)) < 1e-5
     assert F.metal_sim_take_violations() == []
+
+
+@pytest.mark.parametrize("wtype", ["f16", "bf16"])
+@pytest.mark.parametrize("T,E,k,H,I", [(1, 1, 1, 17, 9), (33, 4, 2, 45, 70), (40, 6, 2, 33, 129)])
+def test_16_bit_weights_match_float64(T, E, k, H, I, wtype):
+    """nbx_moe_gemm_f16 / _bf16: the weights widened exactly as they are loaded,
+    float32 accumulation: the float64 reference of the same (rounded) weights."""
+    x, gate, up, down, ids, w = problem(T + H + len(wtype), T, E, k, H, I, wtype)
+    y = run_moe(x, gate, up, down, ids, w, wtype=wtype)
+    ref = reference(x, gate, up, down, ids, w)
+    assert np.max(np.abs(y - ref)) / np.max(np.abs(ref)) < 1e-5
+
+
+def test_gemms_in_ranges_of_tiles_are_bit_identical():
+    """A problem dispatched as several ranges of row tiles (tile0: how the
+    handler keeps each command buffer short) gives the very same bits."""
+    x, gate, up, down, ids, w = problem(5, 150, 3, 2, 33, 40)
+    whole = run_moe(x, gate, up, down, ids, w)
+    np.testing.assert_array_equal(run_moe(x, gate, up, down, ids, w, tiles_per_dispatch=1), whole)
+    np.testing.assert_array_equal(run_moe(x, gate, up, down, ids, w, tiles_per_dispatch=2), whole)
+
+
+@pytest.mark.parametrize("wtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("T,E,k,H,I", [(1, 1, 1, 17, 9), (1, 8, 2, 33, 129), (2, 4, 4, 40, 70),
+                                       (3, 5, 3, 129, 31)])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_decode_gemv_and_combine_match_float64(T, E, k, H, I, wtype, activation):
+    """The decode path (nbx_moe_gemv_*: K split over 4 simdgroups, then
+    nbx_moe_combine), the last slot's id out of range: skipped, nothing stored."""
+    x, gate, up, down, ids, w = problem(T * 7 + I, T, E, k, H, I, wtype)
+    if ids.size > 1:
+        ids[-1, -1] = E  # outside [0, E): a skipped slot
+    y = run_decode(x, gate, up, down, ids, w, activation, wtype)
+    ref = reference(x, gate, up, down, ids, w, activation)
+    assert np.all(np.isfinite(y))
+    assert np.max(np.abs(y - ref)) / np.max(np.abs(ref)) < 1e-5
+
+
+def test_combine_sums_each_token_in_slot_order():
+    """y[t] = ((o[r0] + o[r1]) + o[r2]) in float32, j in order, skipped rows
+    left out: bit for bit, whatever order the rows lie in."""
+    rng = np.random.default_rng(3)
+    T, k, H = 9, 3, 130
+    o = (rng.standard_normal((T * k, H)) * 10.0 ** rng.integers(-4, 5, (T * k, 1))).astype(np.float32)
+    slot_row = rng.permutation(T * k).astype(np.int32)
+    slot_row[[4, 10, 11]] = -1  # skipped slots (token 3 keeps two, token 1 one)
+    y = np.full((T, H), np.nan, np.float32)
+    F.metal_run_combine([region(o), region(slot_row), region(y)], H, k, T)
+    ref = np.zeros((T, H), np.float32)
+    for t in range(T):
+        for j in range(k):
+            r = slot_row[t * k + j]
+            if r >= 0:
+                ref[t] = ref[t] + o[r]
+    np.testing.assert_array_equal(y, ref)
+
+
+@pytest.mark.parametrize("kernel,threads,tg,blocks,match", [
+    ("nbx_no_such_kernel", 128, 0, [0], "has no kernel 'nbx_no_such_kernel'"),
+    ("nbx_moe_combine", 128, 4, [0, 0, 0], "takes 4 buffer arguments; got 3"),
+    ("nbx_moe_combine", 128, 4, [0, 0, 0, 8], "parameter block of 12 bytes; got 8"),
+    ("nbx_moe_combine", 128, 4, [0, 0, 12, 12], "argument 2 must be a live buffer"),
+    ("nbx_moe_combine", 100, 4, [0, 0, 0, 12], "multiple of 32"),
+    ("nbx_moe_combine", 128, 65536, [0, 0, 0, 12], "at most 32 KiB"),
+])
+def test_dispatches_that_do_not_fit_the_kernel_are_refused(kernel, threads, tg, blocks, match):
+    """What Metal checks when it encodes, the simulated device refuses before anything runs."""
+    before = F.metal_command_buffers()
+    with pytest.raises(ValueError, match=match):
+        F.metal_commit(kernel, threads, tg, blocks)
+    assert F.metal_command_buffers() == before
 
 
 def test_a_missing_barrier_shows_as_a_wrong_result():
@@ -158,6 +269,33 @@ def test_kernel_sources_keep_to_the_emulated_subset():
             assert not re.search(pat, text), f"{path.name}: {pat} is outside the emulated subset"
         for m in re.finditer(r"kernel void \w+\((.*?)\)\s*\{", text, re.S):
             params = m.group(1)
+            assert params.count("NBX_THREADGROUP(0)") == 1, f"{path.name}: one threadgroup parameter"
             builtins = re.findall(r"\[\[(\w+)\]\]", params)
             assert builtins[-4:] == ["threadgroup_position_in_grid", "thread_index_in_threadgroup",
                                      "simdgroup_index_in_threadgroup", "thread_index_in_simdgroup"]
+
+
+def kernel_names_in_sources() -> set[str]:
+    names = set()
+    for path in KERNELS.glob("*.metal"):
+        text = path.read_text()
+        macros = set(re.findall(r"#define (\w+)\(NAME, WT\)", text))
+        names |= {n for n in re.findall(r"kernel void (\w+)\(", text) if n != "NAME"}
+        for mac in macros:
+            names |= set(re.findall(rf"^{mac}\((\w+),", text, re.M))
+    return names
+
+
+def test_the_emulated_library_is_the_metal_sources():
+    """Every kernel in kernels/*.metal is in the emulated library, and nothing
+    else (but the test-only variant without a barrier); the Apple library
+    source CMake embeds lists the same files (prelude.metal names the order)."""
+    names = set(F.metal_kernel_names())
+    assert {n for n in names if "__" not in n} == kernel_names_in_sources()
+    assert names - kernel_names_in_sources() == {"nbx_moe_gemm_f32__drop_barrier"}
+    order = re.search(r"CMake embeds\s+//\s*(.*?) in that order", (KERNELS / "prelude.metal").read_text(), re.S)
+    listed = re.findall(r"[\w.]+\.(?:metal|h)", order.group(1))
+    emulated = re.findall(r'#include "metal/kernels/([\w.]+)"',
+                          (KERNELS.parent / "emulated_kernels.cc").read_text().split("kernels_drop_barrier")[0])
+    assert listed == ["params.h"] + [f for f in emulated if f.endswith(".metal")]
+    assert set(listed) == {"params.h"} | {p.name for p in KERNELS.glob("*.metal")}

@@ -201,6 +201,9 @@ NB_MODULE(_ffi, m) {
     return nbx::SaturatedBytes(nbx::MetalForwardWorkspaceBytes(tokens, k, E, H, I));
   }, "metal:0 workspace bytes of one Metal forward band of `tokens` tokens.");
   m.def("metal_release_pinned", []() { return nbx::metal::Tables::Get().ReleasePinned(); });
+  m.def("metal_command_buffer_flops", []() { return nbx::metal::CommandBufferFlops(); });
+  m.def("metal_set_command_buffer_flops", [](int64_t f) { nbx::metal::SetCommandBufferFlops(f); },
+        "The bound on one Metal command buffer's GEMM flops (<= 0: the default).");
   m.def("metal_table_set_capacity", [](int64_t n) { nbx::metal::Tables::Get().SetCapacity(n); });
 
   nbx::BindKernelTests(m);

@@ -88,6 +88,21 @@ inline void StoreRowAs(xla::ffi::DataType t, const float* src, int64_t H, void* 
   }
 }
 
+// dst[i] = src[i] widened to float32, for n elements of dtype t (F32, BF16 or F16).
+inline void LoadAsFloat(xla::ffi::DataType t, const void* src, int64_t n, float* dst) {
+  switch (t) {
+    case xla::ffi::DataType::F32:
+      std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+      break;
+    case xla::ffi::DataType::BF16:
+      for (int64_t i = 0; i < n; ++i) dst[i] = ToFloat(static_cast<const bf16*>(src)[i]);
+      break;
+    default:
+      for (int64_t i = 0; i < n; ++i) dst[i] = ToFloat(static_cast<const f16*>(src)[i]);
+      break;
+  }
+}
+
 // Tokens [t0, t1): out[t] = the sum over j in order of O[rows[(t-t0)*k + j]]
 // ([*, H] float32 rows, summed in place into the first), stored in dtype
 // `type`; a row is -1 for a skipped slot, and a token whose slots were all

@@ -18,6 +18,8 @@
 
 namespace nbx::metal {
 
+struct Dispatch;  // dispatch.h
+
 // Apple silicon's page: no-copy wraps start and end on it (not the host's
 // 4 KiB pages on x86 Linux).
 inline constexpr int64_t kPageBytes = 16384;
@@ -82,6 +84,18 @@ class Device {
   virtual void Submit(const std::vector<Buffer>& resources, Work work) = 0;
   // Waits for every committed command buffer to complete.
   virtual void Synchronize() = 0;
+
+  // One command buffer running `dispatches` in order (each sees the writes of
+  // the ones before it), `resources` resident for all of them.  False when it
+  // cannot be encoded (a kernel the library lacks, arguments that do not fit
+  // it); what fails while it runs is reported by Wait.
+  virtual bool Commit(const std::vector<Buffer>& resources, const std::vector<Dispatch>& dispatches,
+                      std::string* error) = 0;
+  // Synchronize, then whether every command buffer committed since the last
+  // Wait completed without error (else the first error, and the rest counted).
+  virtual bool Wait(std::string* error) = 0;
+  // Command buffers committed by Commit since the device was made.
+  virtual int64_t command_buffers() const = 0;
 };
 
 // Page-aligned host memory for staging and tests (kPageBytes alignment).

@@ -3,7 +3,13 @@
 // (`device`, `thread`, ...) are for the .metal sources below only.
 #include "metal/emulated_kernels.h"
 
-#include "metal/runtime.h"
+#include <cstddef>
+#include <functional>
+#include <map>
+#include <type_traits>
+#include <utility>
+
+#include "metal/kernels/params.h"
 #include "metal/sim_device.h"
 // -- after this line: the emulation and the kernels, nothing else --
 #include "metal/msl_emulation.h"
@@ -17,18 +23,32 @@
 #endif
 #define NBX_MSL_EMULATION 1
 
+// The library in the order CMake embeds it for Apple (prelude.metal says which).
 namespace nbx::metal::kernels {
 using namespace nbx::metal::msl;
+using namespace nbx::metal::params;
+#include "metal/kernels/prelude.metal"
 #include "metal/kernels/moe_gemm.metal"
+#include "metal/kernels/moe_gemv.metal"
 #include "metal/kernels/moe_order.metal"
+#include "metal/kernels/moe_combine.metal"
 }  // namespace nbx::metal::kernels
 
 namespace nbx::metal::kernels_drop_barrier {
 using namespace nbx::metal::msl;
+using namespace nbx::metal::params;
 #define NBX_TEST_DROP_BARRIER 1
+#include "metal/kernels/prelude.metal"
 #include "metal/kernels/moe_gemm.metal"
 #undef NBX_TEST_DROP_BARRIER
 }  // namespace nbx::metal::kernels_drop_barrier
+
+// the MSL spellings end with the kernels
+#undef kernel
+#undef device
+#undef constant
+#undef thread
+#undef threadgroup
 
 #if defined(__clang__)
 #pragma clang diagnostic pop
@@ -37,75 +57,146 @@ using namespace nbx::metal::msl;
 #endif
 
 namespace nbx::metal {
+namespace {
 
-bool LaunchMoeGemm(const MoeGemmArgs& g, const std::vector<Buffer>& resources, bool drop_barrier,
-                   std::string* error) {
-  SimDevice* sim = ActiveSim();
-  if (sim == nullptr) {
-    *error = "the Metal kernels run off Apple only on the simulated device (JAX_NBX_METAL=sim)";
-    return false;
-  }
-  if (g.P % 32 != 0) {
-    *error = "nbx_moe_gemm: P must be a multiple of 32";
-    return false;
-  }
-  const msl::uint3 grid{(g.N + 31) / 32, static_cast<uint32_t>(g.P / 32), 1};
-  const int64_t tg_floats = 32 * 8 + 2 * 8 * 32 + 32 * 32;  // As, Bs0, Bs1, Cs
-  auto resolve = [sim](uint64_t a, int64_t bytes) -> void* { return sim->Resolve(a, bytes); };
-  bool ok = true;
-  sim->Submit(resources, [&] {
-    ok = msl::Launch(grid, 128, tg_floats, resolve,
-                     [&](msl::uint3 tgpig, uint32_t tiitg, uint32_t sgitg, uint32_t tiisg, float* tg) {
-                       const kernels::GemmParams p{g.K, g.N, g.E, g.mode, g.act, g.lda};
-                       if (drop_barrier) {
-                         const kernels_drop_barrier::GemmParams q{g.K, g.N, g.E, g.mode, g.act, g.lda};
-                         kernels_drop_barrier::nbx_moe_gemm(g.a, g.row_src, g.tile_expert, g.table,
-                                                            g.row_weight, g.out, q, tg, tgpig, tiitg,
-                                                            sgitg, tiisg);
-                       } else {
-                         kernels::nbx_moe_gemm(g.a, g.row_src, g.tile_expert, g.table, g.row_weight,
-                                               g.out, p, tg, tgpig, tiitg, sgitg, tiisg);
-                       }
-                     });
-  });
-  if (!ok) *error = "nbx_moe_gemm read through an address no resident buffer or pin covers";
-  return ok;
+// What one emulated thread hands its kernel: the resolved arguments, the
+// threadgroup memory and the thread-position built-ins.
+struct Ctx {
+  const std::vector<void*>* args;
+  float* tg;
+  msl::uint3 tgpig;
+  uint32_t tiitg, sgitg, tiisg;
+};
+
+// Every kernel's parameters are: buffer arguments, one threadgroup pointer,
+// then tgpig, tiitg, sgitg, tiisg (the subset msl_emulation.h documents).
+constexpr size_t kTrailing = 5;
+
+template <typename T, size_t I, size_t N>
+T Pick(const Ctx& c) {
+  if constexpr (I + 1 == N) return c.tiisg;
+  else if constexpr (I + 2 == N) return c.sgitg;
+  else if constexpr (I + 3 == N) return c.tiitg;
+  else if constexpr (I + 4 == N) return c.tgpig;
+  else if constexpr (I + 5 == N) return reinterpret_cast<T>(c.tg);
+  else if constexpr (std::is_pointer_v<T>) return static_cast<T>((*c.args)[I]);
+  else return *static_cast<std::remove_reference_t<T>*>((*c.args)[I]);  // a parameter block
 }
 
-bool LaunchOrderSlots(const int32_t* ids, int64_t S, int64_t E, int64_t pad, int32_t* count,
-                      int32_t* off, int32_t* row_slot, int32_t* slot_row, std::string* error) {
-  SimDevice* sim = ActiveSim();
-  if (sim == nullptr) {
-    *error = "the Metal kernels run off Apple only on the simulated device (JAX_NBX_METAL=sim)";
+template <typename... A, size_t... I>
+void CallWith(void (*f)(A...), const Ctx& c, std::index_sequence<I...>) {
+  f(Pick<A, I, sizeof...(A)>(c)...);
+}
+
+// A parameter's kind: 0 for a buffer (a pointer), else its block's size.
+template <typename T>
+size_t BlockBytes() {
+  if constexpr (std::is_pointer_v<T>) return 0;
+  else return sizeof(std::remove_cv_t<std::remove_reference_t<T>>);
+}
+
+struct Entry {
+  std::vector<size_t> params;  // per buffer argument: 0 (buffer) or a block's bytes
+  std::function<void(const Ctx&)> call;
+};
+
+template <typename... A>
+Entry Make(void (*f)(A...)) {
+  static_assert(sizeof...(A) >= kTrailing, "a kernel ends in a threadgroup pointer and 4 built-ins");
+  Entry e;
+  size_t i = 0;
+  ((i++ < sizeof...(A) - kTrailing ? e.params.push_back(BlockBytes<A>()) : void()), ...);
+  e.call = [f](const Ctx& c) { CallWith(f, c, std::index_sequence_for<A...>{}); };
+  return e;
+}
+
+const std::map<std::string, Entry>& Library() {
+  static const std::map<std::string, Entry> lib = [] {
+    namespace k = kernels;
+    std::map<std::string, Entry> m;
+    m["nbx_moe_gemm_f32"] = Make(&k::nbx_moe_gemm_f32);
+    m["nbx_moe_gemm_f16"] = Make(&k::nbx_moe_gemm_f16);
+    m["nbx_moe_gemm_bf16"] = Make(&k::nbx_moe_gemm_bf16);
+    m["nbx_moe_gemv_f32"] = Make(&k::nbx_moe_gemv_f32);
+    m["nbx_moe_gemv_f16"] = Make(&k::nbx_moe_gemv_f16);
+    m["nbx_moe_gemv_bf16"] = Make(&k::nbx_moe_gemv_bf16);
+    m["nbx_count_experts"] = Make(&k::nbx_count_experts);
+    m["nbx_expert_offsets"] = Make(&k::nbx_expert_offsets);
+    m["nbx_scatter_slots"] = Make(&k::nbx_scatter_slots);
+    m["nbx_moe_combine"] = Make(&k::nbx_moe_combine);
+    m["nbx_moe_gemm_f32__drop_barrier"] = Make(&kernels_drop_barrier::nbx_moe_gemm_f32);
+    return m;
+  }();
+  return lib;
+}
+
+}  // namespace
+
+std::vector<std::string> EmulatedKernelNames() {
+  std::vector<std::string> names;
+  for (const auto& [name, e] : Library()) names.push_back(name);
+  return names;
+}
+
+bool CheckEmulated(const Dispatch& d, std::string* error) {
+  auto it = Library().find(d.kernel);
+  if (it == Library().end()) {
+    *error = "the Metal library has no kernel '" + d.kernel + "'";
     return false;
   }
-  if (S > INT32_MAX || E < 1 || E > INT32_MAX || pad < 1) {
-    *error = "nbx_order_slots: sizes out of range";
+  const std::vector<size_t>& params = it->second.params;
+  if (d.args.size() != params.size()) {
+    *error = d.kernel + " takes " + std::to_string(params.size()) + " buffer arguments; got " +
+             std::to_string(d.args.size());
     return false;
   }
-  const kernels::OrderParams p{static_cast<uint32_t>(S), static_cast<uint32_t>(E),
-                               static_cast<uint32_t>(pad)};
-  const msl::uint3 per_expert{static_cast<uint32_t>(E), 1, 1};
-  auto none = [](uint64_t, int64_t) -> void* { return nullptr; };
-  bool ok = true;
-  sim->Submit({}, [&] {
-    ok = msl::Launch(per_expert, 128, 128, none,
-                     [&](msl::uint3 g, uint32_t t, uint32_t sg, uint32_t ts, float* tg) {
-                       kernels::nbx_count_experts(ids, count, p, reinterpret_cast<int*>(tg), g, t,
-                                                  sg, ts);
-                     }) &&
-         msl::Launch(msl::uint3{1, 1, 1}, 32, 1, none,
-                     [&](msl::uint3 g, uint32_t t, uint32_t sg, uint32_t ts, float* tg) {
-                       kernels::nbx_expert_offsets(count, off, p, reinterpret_cast<int*>(tg), g, t,
-                                                   sg, ts);
-                     }) &&
-         msl::Launch(per_expert, 128, 128, none,
-                     [&](msl::uint3 g, uint32_t t, uint32_t sg, uint32_t ts, float* tg) {
-                       kernels::nbx_scatter_slots(ids, off, row_slot, slot_row, p,
-                                                  reinterpret_cast<int*>(tg), g, t, sg, ts);
-                     });
-  });
-  if (!ok) *error = "nbx_order_slots failed";
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Arg& a = d.args[i];
+    if (params[i] == 0 && (!a.bytes.empty() || !a.buffer || a.offset < 0 ||
+                           a.offset > a.buffer.length)) {
+      *error = d.kernel + " argument " + std::to_string(i) + " must be a live buffer and an offset in it";
+      return false;
+    }
+    if (params[i] != 0 && a.bytes.size() != params[i]) {
+      *error = d.kernel + " argument " + std::to_string(i) + " is a parameter block of " +
+               std::to_string(params[i]) + " bytes; got " + std::to_string(a.bytes.size());
+      return false;
+    }
+  }
+  if (d.threads == 0 || d.threads % 32 != 0 || d.threads > 1024 || d.threadgroup_bytes < 0 ||
+      d.threadgroup_bytes > 32768) {
+    *error = d.kernel + ": threads per threadgroup must be a multiple of 32 up to 1024 and "
+             "threadgroup memory at most 32 KiB";
+    return false;
+  }
+  return true;
+}
+
+bool RunEmulated(SimDevice& sim, const Dispatch& d, std::string* error) {
+  if (!CheckEmulated(d, error)) return false;
+  if (d.grid[0] == 0 || d.grid[1] == 0 || d.grid[2] == 0) return true;  // nothing to run
+  const Entry& entry = Library().at(d.kernel);
+  std::vector<void*> args(d.args.size());
+  for (size_t i = 0; i < d.args.size(); ++i) {
+    const Arg& a = d.args[i];
+    if (!a.bytes.empty()) {
+      args[i] = const_cast<unsigned char*>(a.bytes.data());  // a copy, as setBytes makes
+      continue;
+    }
+    args[i] = sim.Resolve(a.buffer.gpu + static_cast<uint64_t>(a.offset),
+                          std::max<int64_t>(a.buffer.length - a.offset, 1));
+    if (args[i] == nullptr) {
+      *error = d.kernel + " argument " + std::to_string(i) + ": a buffer that is not live or not resident";
+      return false;
+    }
+  }
+  auto resolve = [&sim](uint64_t a, int64_t bytes) -> void* { return sim.Resolve(a, bytes); };
+  const msl::uint3 grid{d.grid[0], d.grid[1], d.grid[2]};
+  const int64_t tg_floats = (d.threadgroup_bytes + 3) / 4;
+  const bool ok = msl::Launch(grid, static_cast<int>(d.threads), tg_floats, resolve,
+                              [&](msl::uint3 tgpig, uint32_t tiitg, uint32_t sgitg, uint32_t tiisg,
+                                  float* tg) { entry.call(Ctx{&args, tg, tgpig, tiitg, sgitg, tiisg}); });
+  if (!ok) *error = d.kernel + " read through an address no resident buffer or pin covers";
   return ok;
 }
 

@@ -1,42 +1,34 @@
 // The Metal kernels (xla_ffi/metal/kernels/*.metal) run on the simulated
 // device through the MSL emulation (msl_emulation.h): their arithmetic and
-// indexing are tested on Linux; on Apple the same source is compiled by Metal.
+// indexing are tested on Linux; on Apple the same source is compiled by Metal
+// and the same dispatches (dispatch.h) are encoded by apple_device.mm.
 #pragma once
 
-#include <cstdint>
 #include <string>
 #include <vector>
 
-#include "metal/device.h"
+#include "metal/dispatch.h"
 
 namespace nbx::metal {
 
-// nbx_moe_gemm's arguments (moe_gemm.metal): P padded rows (a multiple of
-// 32) ordered by expert, tiles of 32 rows.
-struct MoeGemmArgs {
-  const float* a;              // [*, lda] x (mode 0) or activations (mode 1)
-  const int32_t* row_src;      // [P] row of a, -1 for padding
-  const int32_t* tile_expert;  // [P / 32] expert of each row tile, -1: padding only
-  const uint64_t* table;       // [3][E] GPU addresses (gate, up, down)
-  const float* row_weight;     // [P] routed weights (mode 1)
-  float* out;                  // [P, N]
-  uint32_t K, N, E, mode, act, lda;
-  int64_t P;
-};
+class SimDevice;
 
-// One command buffer on the simulated device, `resources` resident (the
-// pins of the table's weights), running nbx_moe_gemm over its grid.  False
-// when the kernel read through an address no resident pin covers (the
-// device's violations say which).  `drop_barrier`: the same source compiled
-// without its first barrier (tests: the emulation must show the race).
-bool LaunchMoeGemm(const MoeGemmArgs& g, const std::vector<Buffer>& resources, bool drop_barrier,
-                   std::string* error);
+// Whether the emulated library has d.kernel and d's arguments fit its
+// parameters (how many, which are buffers and which parameter blocks of
+// which size), its threadgroup size is a positive multiple of 32 (at most
+// 1024) and its grid is not empty: what Metal checks when it encodes.
+bool CheckEmulated(const Dispatch& d, std::string* error);
 
-// The slot ordering (moe_order.metal) on the simulated device: count per
-// expert, padded offsets (off [E + 1]), then row_slot [off[E]] (-1 for
-// padding) and slot_row [S] (the caller sets it to -1 first: slots whose id
-// is outside [0, E) keep it).  row_slot must hold MaxPaddedRows(S, E, pad).
-bool LaunchOrderSlots(const int32_t* ids, int64_t S, int64_t E, int64_t pad, int32_t* count,
-                      int32_t* off, int32_t* row_slot, int32_t* slot_row, std::string* error);
+// Runs d on the simulated device (inside one of its command buffers): every
+// buffer argument is resolved through the device, which checks that it is
+// live and resident; the kernel's threadgroups run one after another, the
+// threads of each concurrently.  False (and why) when an argument or an
+// address the kernel took from a table is not live and resident.
+bool RunEmulated(SimDevice& sim, const Dispatch& d, std::string* error);
+
+// The kernels the emulated library holds (their names), tests' variants
+// included (a suffix "__drop_barrier": nbx_moe_gemm_f32 compiled without its
+// first barrier, to show that the emulation catches the race).
+std::vector<std::string> EmulatedKernelNames();
 
 }  // namespace nbx::metal

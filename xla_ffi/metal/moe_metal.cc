@@ -12,9 +12,8 @@
 #include "cpu/moe_forward.h"  // NBX_FORWARD_BINDING: the same inputs and attributes
 #include "cpu/slots.h"
 #include "cpu/weights.h"
-#include "metal/emulated_kernels.h"
+#include "metal/kernel_calls.h"
 #include "metal/runtime.h"
-#include "metal/sim_device.h"
 #include "metal/tables.h"
 
 namespace ffi = xla::ffi;
@@ -22,40 +21,74 @@ namespace ffi = xla::ffi;
 namespace nbx {
 namespace {
 
-constexpr int64_t kTileRows = 32;  // moe_gemm.metal's NBX_BM
+constexpr int64_t kTileRows = metal::kGemmTileRows;
 
+// One band's workspace in metal:0 (one shared-storage buffer): what the
+// kernels read and write, and the staged inputs (XLA's CPU buffers are not
+// Metal buffers: x, the ids and the routed weights are copied in, y out).
 struct Band {
-  float* x;              // [tokens][H] staged activations
+  float* x;              // [tokens][H] staged activations (float32)
+  int32_t* ids;          // [S] staged expert ids
+  float* wts;            // [S] staged routed weights
   int32_t* row_slot;     // [P] slot of each padded row, -1 for padding
   int32_t* row_tok;      // [P] token of each row (band-relative), -1
   int32_t* row_self;     // [P] the row itself, -1 for padding (GEMM2 reads h by row)
-  int32_t* tile_expert;  // [P / 32]
+  int32_t* tile_expert;  // [P / 32 + 1] (GEMM) or [S] expert of each row (GEMV)
   float* row_w;          // [P] routed weight, 0 for padding
   int32_t* slot_row;     // [S] row of each slot, -1 when skipped
   int32_t* count;        // [E] slots per expert (the ordering kernels')
   int32_t* off;          // [E + 1] padded row offsets, off[E] = P
-  float* h;  // [P][I]
-  float* o;  // [P][H]
+  float* h;              // [P][I]
+  float* o;              // [P][H]
+  float* y;              // [tokens][H] the combine's float32 result
 };
 
 size_t CarveBand(void* base, int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I, Band* b) {
   const int64_t S = tokens * k, P = MaxPaddedRows(S, E, kTileRows);
   Carver cv(base);
   b->x = cv.Take<float>(tokens, H);
+  b->ids = cv.Take<int32_t>(S);
+  b->wts = cv.Take<float>(S);
   b->row_slot = cv.Take<int32_t>(P);
   b->row_tok = cv.Take<int32_t>(P);
   b->row_self = cv.Take<int32_t>(P);
-  b->tile_expert = cv.Take<int32_t>(P / kTileRows + 1);
+  b->tile_expert = cv.Take<int32_t>(std::max(P / kTileRows + 1, S));
   b->row_w = cv.Take<float>(P);
   b->slot_row = cv.Take<int32_t>(S);
   b->count = cv.Take<int32_t>(E);
   b->off = cv.Take<int32_t>(E + 1);
   b->h = cv.Take<float>(P, I);
   b->o = cv.Take<float>(P, H);
+  b->y = cv.Take<float>(tokens, H);
   return cv.used();
 }
 
 ffi::Error Fail(const std::string& why) { return ffi::Error::InvalidArgument(why); }
+
+bool WeightTypeOf(ffi::DataType t, metal::WeightType* w) {
+  switch (t) {
+    case ffi::DataType::F32: *w = metal::WeightType::kF32; return true;
+    case ffi::DataType::F16: *w = metal::WeightType::kF16; return true;
+    case ffi::DataType::BF16: *w = metal::WeightType::kBF16; return true;
+    default: return false;
+  }
+}
+
+// Commits `cb` (one command buffer) unless empty.
+ffi::Error CommitOne(metal::Device* dev, const std::vector<metal::Buffer>& resident,
+                     std::vector<metal::Dispatch>* cb) {
+  if (cb->empty()) return ffi::Error::Success();
+  std::string err;
+  const bool ok = dev->Commit(resident, *cb, &err);
+  cb->clear();
+  return ok ? ffi::Error::Success() : ffi::Error::Internal("Metal: " + err);
+}
+
+ffi::Error WaitAll(metal::Device* dev) {
+  std::string err;
+  if (!dev->Wait(&err)) return ffi::Error::Internal("Metal: " + err);
+  return ffi::Error::Success();
+}
 
 ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> topk_w,
                             ffi::Buffer<ffi::S32> topk_ids, ffi::RemainingArgs weights,
@@ -66,34 +99,36 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
   if (ffi::Error e = CheckActivation(activation); e.failure()) return e;
   if (format != abi::WeightFormat::kDense)
     return Fail("quantized experts are not supported on the Metal path yet");
-  if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32)
-    return Fail("the Metal path takes float32 x and weights only so far");
+  if (!IsFloatType(x.element_type()) || y->element_type() != x.element_type())
+    return Fail("the Metal path takes x and y of one dtype: float32, bfloat16 or float16");
   ExpertWeights w;
   if (ffi::Error e = DecodeWeights(weights, 0, weights.size(), num_experts, H, format, stacked,
                                    group_size, &w);
       e.failure())
     return e;
-  if (w.dtype != ffi::DataType::F32)
-    return Fail("the Metal path takes float32 x and weights only so far");
+  metal::WeightType wt;
+  if (!WeightTypeOf(w.dtype, &wt))
+    return Fail("the Metal path takes float32, bfloat16 or float16 weights");
   const int32_t* ids = topk_ids.typed_data();
   if (ffi::Error e = CheckIds(ids, T, k, w.E, skip_outside); e.failure()) return e;
   if (ffi::Error e = CheckSlots(T, k, w.E, kTileRows); e.failure()) return e;
-  if (metal::Active() == nullptr) return Fail("no Metal device is active (jax_nbx.metal)");
-  if (metal::ActiveSim() == nullptr)
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      "the Metal kernels are dispatched only on the simulated device so far");
-  float* out = static_cast<float*>(y->untyped_data());
+  metal::Device* dev = metal::Active();
+  if (dev == nullptr) return Fail("no Metal device is active (jax_nbx.metal)");
+  const ffi::DataType xt = x.element_type();
   if (T == 0 || H == 0) return ffi::Error::Success();
   const int64_t E = w.E, I = w.I;
-  std::memset(out, 0, static_cast<size_t>(T * H) * sizeof(float));
-  if (I == 0 || k == 0) return ffi::Error::Success();
+  const size_t row_bytes = static_cast<size_t>(H) * ffi::ByteWidth(xt);
+  if (I == 0 || k == 0) {
+    std::memset(y->untyped_data(), 0, static_cast<size_t>(T) * row_bytes);
+    return ffi::Error::Success();
+  }
 
   // The weights, read in place through one GPU-address table ([gate][up][down] x E).
+  const int64_t matrix_bytes = H * I * static_cast<int64_t>(ffi::ByteWidth(w.dtype));
   std::vector<metal::HostRange> ranges;
   for (int pj = 0; pj < 3; ++pj)
     for (int64_t e = 0; e < E; ++e)
-      ranges.push_back({static_cast<const char*>(w.table[pj * E + e]),
-                        static_cast<int64_t>(H * I * sizeof(float))});
+      ranges.push_back({static_cast<const char*>(w.table[pj * E + e]), matrix_bytes});
   std::shared_ptr<metal::Table> table;
   std::string err;
   if (!metal::Tables::Get().Lookup(ranges, true, &table, &err))
@@ -102,8 +137,6 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
                       err);
 
   const int64_t band = band_tokens <= 0 ? T : std::min(band_tokens, T);
-  const float* xs = static_cast<const float*>(x.untyped_data());
-  const float* wts = topk_w.typed_data();
   metal::DeviceBuffer ws;  // one band's workspace, reused for every band
   Band b;
   const size_t bytes = CarveBand(nullptr, band, k, E, H, I, &b);
@@ -114,48 +147,89 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, err);
   std::vector<metal::Buffer> resident = table->pins.resources();
   resident.push_back(ws.buffer());
-  const uint64_t* gpu_table = reinterpret_cast<const uint64_t*>(table->addresses.buffer().host);
+  resident.push_back(table->addresses.buffer());
+  const metal::Buffer& wsb = ws.buffer();
+  auto at = [&wsb](const void* p) {
+    return metal::View{wsb, static_cast<const char*>(p) - wsb.host};
+  };
+  const metal::View tab{table->addresses.buffer(), 0};
+  const uint32_t act = static_cast<uint32_t>(activation);
+  const int64_t flops_limit = metal::CommandBufferFlops();
+  const char* xs = static_cast<const char*>(x.untyped_data());
+  const float* wts = topk_w.typed_data();
+  char* out = static_cast<char*>(y->untyped_data());
+  std::vector<metal::Dispatch> cb;
+  // decode (the GEMV kernels) by the call's slots, not the band's: every band of a call runs
+  // the same kernels, so banded = unbanded bit for bit
+  const bool decode = T * k <= metal::kDecodeSlots;
+
   for (int64_t t0 = 0; t0 < T; t0 += band) {
     const int64_t t1 = std::min(T, t0 + band), n = t1 - t0, S = n * k;
-    CarveBand(ws.buffer().host, n, k, E, H, I, &b);
-    std::memcpy(b.x, xs + t0 * H, static_cast<size_t>(n * H) * sizeof(float));  // staged
-    // slots ordered by expert (stable in (t, j)), each expert padded to a tile: the ordering
-    // kernels (moe_order.metal); slots outside [0, E) (skip_outside) keep slot_row -1
-    std::memset(b.slot_row, 0xFF, static_cast<size_t>(S) * sizeof(int32_t));
-    if (!metal::LaunchOrderSlots(ids + t0 * k, S, E, kTileRows, b.count, b.off, b.row_slot,
-                                 b.slot_row, &err))
-      return ffi::Error::Internal(err);
-    const int64_t P = b.off[E];
-    for (int64_t r = 0; r < P; ++r) {
-      const int32_t s = b.row_slot[r];
-      b.row_tok[r] = s < 0 ? -1 : static_cast<int32_t>(s / k);
-      b.row_self[r] = s < 0 ? -1 : static_cast<int32_t>(r);
-      b.row_w[r] = s < 0 ? 0.0f : wts[t0 * k + s];
-    }
-    for (int64_t e = 0; e < E; ++e)
-      for (int64_t r = b.off[e]; r < b.off[e + 1]; r += kTileRows)
-        b.tile_expert[r / kTileRows] = static_cast<int32_t>(e);
-    if (P == 0) continue;
-    const uint32_t act = static_cast<uint32_t>(activation);
-    metal::MoeGemmArgs g1{b.x, b.row_tok, b.tile_expert, gpu_table, b.row_w, b.h,
-                          static_cast<uint32_t>(H), static_cast<uint32_t>(I),
-                          static_cast<uint32_t>(E), 0, act, static_cast<uint32_t>(H), P};
-    metal::MoeGemmArgs g2{b.h, b.row_self, b.tile_expert, gpu_table, b.row_w, b.o,
-                          static_cast<uint32_t>(I), static_cast<uint32_t>(H),
-                          static_cast<uint32_t>(E), 1, act, static_cast<uint32_t>(I), P};
-    if (!metal::LaunchMoeGemm(g1, resident, false, &err) ||
-        !metal::LaunchMoeGemm(g2, resident, false, &err))
-      return ffi::Error::Internal(err);
-    // the ordered combine: y[t] = sum over j in order of its slots' rows
-    for (int64_t t = 0; t < n; ++t) {
-      float* yt = out + (t0 + t) * H;
-      for (int64_t j = 0; j < k; ++j) {
-        const int32_t r = b.slot_row[t * k + j];
-        if (r < 0) continue;
-        const float* src = b.o + static_cast<int64_t>(r) * H;
-        for (int64_t c = 0; c < H; ++c) yt[c] += src[c];
+    CarveBand(wsb.host, n, k, E, H, I, &b);
+    LoadAsFloat(xt, xs + t0 * row_bytes, n * H, b.x);  // staged (and widened)
+    std::memcpy(b.ids, ids + t0 * k, static_cast<size_t>(S) * sizeof(int32_t));
+    std::memcpy(b.wts, wts + t0 * k, static_cast<size_t>(S) * sizeof(float));
+    int64_t P = 0;
+    metal::params::GemmParams g1{static_cast<uint32_t>(H), static_cast<uint32_t>(I),
+                                 static_cast<uint32_t>(E), 0, act, static_cast<uint32_t>(H), 0};
+    metal::params::GemmParams g2{static_cast<uint32_t>(I), static_cast<uint32_t>(H),
+                                 static_cast<uint32_t>(E), 1, act, static_cast<uint32_t>(I), 0};
+    if (decode) {
+      // decode: the GEMV kernels on the slots as they come (row = slot), no ordering
+      for (int64_t s = 0; s < S; ++s) {
+        const bool in = b.ids[s] >= 0 && b.ids[s] < E;  // outside: skipped (skip_outside)
+        b.row_tok[s] = in ? static_cast<int32_t>(s / k) : -1;
+        b.row_self[s] = in ? static_cast<int32_t>(s) : -1;
+        b.tile_expert[s] = in ? b.ids[s] : -1;
+        b.row_w[s] = b.wts[s];
+        b.slot_row[s] = in ? static_cast<int32_t>(s) : -1;
+      }
+      const uint32_t rows = static_cast<uint32_t>(S);
+      cb.push_back(metal::MoeGemv(wt, g1, rows, at(b.x), at(b.row_tok), at(b.tile_expert), tab,
+                                  at(b.row_w), at(b.h)));
+      cb.push_back(metal::MoeGemv(wt, g2, rows, at(b.h), at(b.row_self), at(b.tile_expert), tab,
+                                  at(b.row_w), at(b.o)));
+    } else {
+      // slots ordered by expert (stable in (t, j)), each expert padded to a tile: the ordering
+      // kernels; slots outside [0, E) (skip_outside) keep slot_row -1
+      std::memset(b.slot_row, 0xFF, static_cast<size_t>(S) * sizeof(int32_t));
+      const metal::params::OrderParams op{static_cast<uint32_t>(S), static_cast<uint32_t>(E),
+                                          static_cast<uint32_t>(kTileRows)};
+      cb = metal::OrderSlots(op, at(b.ids), at(b.count), at(b.off), at(b.row_slot), at(b.slot_row));
+      if (ffi::Error e = CommitOne(dev, resident, &cb); e.failure()) return e;
+      if (ffi::Error e = WaitAll(dev); e.failure()) return e;  // the host reads P = off[E]
+      P = b.off[E];
+      for (int64_t r = 0; r < P; ++r) {
+        const int32_t s = b.row_slot[r];
+        b.row_tok[r] = s < 0 ? -1 : static_cast<int32_t>(s / k);
+        b.row_self[r] = s < 0 ? -1 : static_cast<int32_t>(r);
+        b.row_w[r] = s < 0 ? 0.0f : b.wts[s];
+      }
+      for (int64_t e = 0; e < E; ++e)
+        for (int64_t r = b.off[e]; r < b.off[e + 1]; r += kTileRows)
+          b.tile_expert[r / kTileRows] = static_cast<int32_t>(e);
+      // the GEMMs in ranges of row tiles, each range's command buffer under the flops bound
+      const int64_t tiles = P / kTileRows;
+      const int64_t step = std::min(metal::TilesPerCommandBuffer(g1, flops_limit),
+                                    metal::TilesPerCommandBuffer(g2, flops_limit));
+      for (int64_t r0 = 0; r0 < tiles; r0 += step) {
+        const uint32_t cnt = static_cast<uint32_t>(std::min(step, tiles - r0));
+        g1.tile0 = g2.tile0 = static_cast<uint32_t>(r0);
+        cb.push_back(metal::MoeGemm(wt, g1, cnt, at(b.x), at(b.row_tok), at(b.tile_expert), tab,
+                                    at(b.row_w), at(b.h)));
+        cb.push_back(metal::MoeGemm(wt, g2, cnt, at(b.h), at(b.row_self), at(b.tile_expert), tab,
+                                    at(b.row_w), at(b.o)));
+        if (r0 + step < tiles)
+          if (ffi::Error e = CommitOne(dev, resident, &cb); e.failure()) return e;
       }
     }
+    // the ordered combine: y[t] = sum over j in order of its slots' rows (in the last command buffer)
+    const metal::params::CombineParams cp{static_cast<uint32_t>(H), static_cast<uint32_t>(k),
+                                          static_cast<uint32_t>(n)};
+    cb.push_back(metal::Combine(cp, at(b.o), at(b.slot_row), at(b.y)));
+    if (ffi::Error e = CommitOne(dev, resident, &cb); e.failure()) return e;
+    if (ffi::Error e = WaitAll(dev); e.failure()) return e;
+    for (int64_t t = 0; t < n; ++t) StoreRowAs(xt, b.y + t * H, H, out, t0 + t);
   }
   return ffi::Error::Success();
 }

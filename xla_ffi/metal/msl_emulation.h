@@ -17,6 +17,12 @@
 //   - `threadgroup_barrier(mem_flags::mem_threadgroup)`;
 //   - `simdgroup_float8x8`, `simdgroup_load/store` (with an element stride),
 //     `simdgroup_multiply_accumulate`, `make_filled_simdgroup_matrix`;
+//   - `half` and `bfloat` (MSL 3.1) read from memory and widened with
+//     `float(v)` (nothing else: no arithmetic in 16 bits);
+//   - every kernel has exactly one threadgroup-memory parameter (index 0),
+//     used or not, so that one launcher fits every kernel;
+//   - helper functions (`inline`, templates over the weight type) with
+//     address-space-qualified pointer parameters;
 //   - addresses taken from a table become pointers only through
 //     `nbx_device_ptr<T>(address, count)`: a cast in Metal, a checked
 //     translation from the simulated GPU range here (an address outside a
@@ -46,6 +52,32 @@ namespace nbx::metal::msl {
 
 using uint = uint32_t;
 using ulong = uint64_t;
+
+// IEEE binary16 as stored; widened exactly (subnormals, inf and NaN included).
+struct half {
+  uint16_t bits;
+  operator float() const {
+    const uint32_t sign = bits >> 15, exp = (bits >> 10) & 0x1F, man = bits & 0x3FF;
+    float v;
+    if (exp == 0) v = std::ldexp(static_cast<float>(man), -24);
+    else if (exp == 31) v = man == 0 ? INFINITY : NAN;
+    else v = std::ldexp(static_cast<float>(man | 0x400), static_cast<int>(exp) - 25);
+    return sign ? -v : v;
+  }
+};
+static_assert(sizeof(half) == 2, "half is 2 bytes");
+// bfloat16 as stored: the high half of a float32.
+struct bfloat {
+  uint16_t bits;
+  operator float() const {
+    const uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float v;
+    std::memcpy(&v, &u, sizeof v);
+    return v;
+  }
+};
+static_assert(sizeof(bfloat) == 2, "bfloat is 2 bytes");
+
 struct uint3 {
   uint32_t x = 0, y = 0, z = 0;
 };

@@ -1,6 +1,8 @@
 // The active Metal device and account-counted buffers (see runtime.h).
 #include "metal/runtime.h"
 
+#include <atomic>
+
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -45,6 +47,15 @@ bool HasAppleImplementation() {
 }
 
 int DeviceCount() { return Active() != nullptr ? 1 : 0; }
+
+namespace {
+std::atomic<int64_t> g_command_buffer_flops{kDefaultCommandBufferFlops};
+}  // namespace
+
+int64_t CommandBufferFlops() { return g_command_buffer_flops.load(); }
+void SetCommandBufferFlops(int64_t flops) {
+  g_command_buffer_flops.store(flops > 0 ? flops : kDefaultCommandBufferFlops);
+}
 
 std::string Activate(const std::string& which) {
   std::lock_guard<std::mutex> lock(S().mu);

@@ -33,6 +33,16 @@ bool HasAppleImplementation();
 // Devices of this machine's Metal: 1 when one is active (Apple silicon has one GPU).
 int DeviceCount();
 
+// The bound on one command buffer's work, in floating-point operations of
+// the expert GEMMs (macOS kills a command buffer that keeps the GPU busy too
+// long: the GPU watchdog, on the order of seconds).  The handler splits a
+// band's GEMMs into ranges of row tiles, one command buffer each, under it.
+// Default kDefaultCommandBufferFlops (2^36: well under a second even at a
+// tenth of the smallest Apple GPU's peak).
+inline constexpr int64_t kDefaultCommandBufferFlops = int64_t{1} << 36;
+int64_t CommandBufferFlops();
+void SetCommandBufferFlops(int64_t flops);  // <= 0: the default
+
 // A shared-storage buffer counted in the account (metal:0) under `tag`.
 class DeviceBuffer {
  public:

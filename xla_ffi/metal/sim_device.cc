@@ -1,6 +1,9 @@
 // The simulated Metal device (see sim_device.h).
 #include "metal/sim_device.h"
 
+#include "metal/dispatch.h"
+#include "metal/emulated_kernels.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -242,6 +245,47 @@ void SimDevice::Submit(const std::vector<Buffer>& resources, Work work) {
   std::lock_guard<std::mutex> lock(mu_);
   in_command_ = false;
   resident_.clear();
+}
+
+bool SimDevice::Commit(const std::vector<Buffer>& resources, const std::vector<Dispatch>& dispatches,
+                       std::string* error) {
+  for (const Dispatch& d : dispatches)
+    if (!CheckEmulated(d, error)) return false;  // what encoding would refuse
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++command_buffers_;
+    failures_.try_emplace(std::this_thread::get_id());
+  }
+  const std::thread::id committer = std::this_thread::get_id();
+  Submit(resources, [this, dispatches, committer] {
+    for (const Dispatch& d : dispatches) {
+      std::string why;
+      if (!RunEmulated(*this, d, &why)) {  // the rest of the command buffer does not run
+        std::lock_guard<std::mutex> lock(mu_);
+        failures_[committer].push_back(why);
+        return;
+      }
+    }
+  });
+  return true;
+}
+
+bool SimDevice::Wait(std::string* error) {
+  Synchronize();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = failures_.find(std::this_thread::get_id());
+  if (it == failures_.end()) return true;
+  std::vector<std::string> f = std::move(it->second);
+  failures_.erase(it);
+  if (f.empty()) return true;
+  *error = f.front();
+  if (f.size() > 1) *error += " (and " + std::to_string(f.size() - 1) + " more failed command buffers)";
+  return false;
+}
+
+int64_t SimDevice::command_buffers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return command_buffers_;
 }
 
 void SimDevice::CompleteHeld() {

@@ -21,6 +21,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "metal/device.h"
@@ -49,6 +50,12 @@ class SimDevice final : public Device {
   void Memcpy(const Buffer& dst, int64_t dst_off, const void* src, int64_t bytes) override;
   void Submit(const std::vector<Buffer>& resources, Work work) override;
   void Synchronize() override;
+  // Runs the dispatches through the MSL emulation (emulated_kernels.h); a
+  // failure while running is kept for the committing thread's next Wait.
+  bool Commit(const std::vector<Buffer>& resources, const std::vector<Dispatch>& dispatches,
+              std::string* error) override;
+  bool Wait(std::string* error) override;
+  int64_t command_buffers() const override;
 
   // ---- the simulation's own controls (tests)
   void Configure(Config c);
@@ -103,6 +110,8 @@ class SimDevice final : public Device {
   uint64_t next_id_ = 1, next_gpu_ = uint64_t{1} << 52, generation_ = 1;
   int64_t wraps_ = 0, wraps_made_ = 0;
   std::vector<std::string> violations_;
+  int64_t command_buffers_ = 0;
+  std::map<std::thread::id, std::vector<std::string>> failures_;  // by committing thread
 };
 
 }  // namespace nbx::metal

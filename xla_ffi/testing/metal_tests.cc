@@ -2,6 +2,7 @@
 // passed as (address, bytes) pairs of numpy arrays the test keeps alive.
 #include "testing/metal_tests.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -15,8 +16,9 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include "metal/emulated_kernels.h"
 #include "cpu/slots.h"
+#include "metal/emulated_kernels.h"
+#include "metal/kernel_calls.h"
 #include "metal/pins.h"
 #include "metal/runtime.h"
 #include "metal/sim_device.h"
@@ -59,6 +61,41 @@ std::vector<int64_t> RunReads(const std::vector<metal::Buffer>& resources,
     }
   });
   return *out;
+}
+// Host regions copied into one metal:0 buffer (each 64-byte aligned), as the
+// handler stages XLA's buffers.
+struct Staged {
+  metal::DeviceBuffer buf;
+  std::vector<std::tuple<char*, int64_t, int64_t>> regions;  // host, bytes, offset in buf
+  metal::View at(size_t i) const { return metal::View{buf.buffer(), std::get<2>(regions[i])}; }
+};
+
+Staged Stage(const Ranges& regions) {
+  Staged st;
+  int64_t total = 0;
+  for (const auto& [p, n] : regions) {
+    st.regions.emplace_back(reinterpret_cast<char*>(static_cast<uintptr_t>(p)), n, total);
+    total += (n + 63) / 64 * 64;
+  }
+  std::string err;
+  if (!metal::DeviceBuffer::Allocate(std::max<int64_t>(total, 64), "test", WorkShape{1, 1, 0},
+                                     &st.buf, &err))
+    throw nb::value_error(err.c_str());
+  for (const auto& [host, n, off] : st.regions)
+    if (n > 0) std::memcpy(st.buf.buffer().host + off, host, static_cast<size_t>(n));
+  return st;
+}
+
+// One command buffer of `ds`, waited for; then the regions `back` copied out.
+void RunAndUnstage(const std::vector<metal::Buffer>& resident, const std::vector<metal::Dispatch>& ds,
+                   const Staged& st, const std::vector<size_t>& back) {
+  std::string err;
+  if (!metal::Active()->Commit(resident, ds, &err) || !metal::Active()->Wait(&err))
+    throw nb::value_error(err.c_str());
+  for (size_t i : back) {
+    const auto& [host, n, off] = st.regions[i];
+    if (n > 0) std::memcpy(host, st.buf.buffer().host + off, static_cast<size_t>(n));
+  }
 }
 }  // namespace
 
@@ -143,36 +180,82 @@ void BindMetalTests(nb::module_& m) {
       .def("read", [](const metal::Table& t, const std::vector<std::tuple<uint64_t, int64_t>>& reads) {
         return RunReads(t.pins.resources(), reads);
       });
-  m.def("metal_run_moe_gemm",
-        [](int64_t a, int64_t row_src, int64_t tile_expert, const metal::Table& table,
-           int64_t row_weight, int64_t out, uint32_t K, uint32_t N, uint32_t E, uint32_t mode,
-           uint32_t act, uint32_t lda, int64_t P, bool drop_barrier, bool resident) {
-          auto at = [](int64_t v) { return reinterpret_cast<void*>(static_cast<uintptr_t>(v)); };
-          const metal::MoeGemmArgs g{static_cast<const float*>(at(a)),
-                                     static_cast<const int32_t*>(at(row_src)),
-                                     static_cast<const int32_t*>(at(tile_expert)),
-                                     reinterpret_cast<const uint64_t*>(table.addresses.buffer().host),
-                                     static_cast<const float*>(at(row_weight)),
-                                     static_cast<float*>(at(out)), K, N, E, mode, act, lda, P};
-          std::string err;
-          if (!metal::LaunchMoeGemm(g, resident ? table.pins.resources() : std::vector<metal::Buffer>{},
-                                    drop_barrier, &err))
-            throw nb::value_error(err.c_str());
+  m.def("metal_run_gemm",
+        [](const std::string& kind, const Ranges& regions, const metal::Table& table,
+           const std::tuple<uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t>& gp,
+           uint32_t rows, const std::string& wtype, bool drop_barrier, bool resident) {
+          // regions: a, row_src, tile_expert (or row_expert), row_weight, out (copied back)
+          if (regions.size() != 5) throw nb::value_error("5 regions: a, row_src, experts, row_weight, out");
+          Staged st = Stage(regions);
+          const auto& [K, N, E, mode, act, lda, tile0] = gp;
+          const metal::params::GemmParams p{K, N, E, mode, act, lda, tile0};
+          const metal::WeightType w = wtype == "f16"    ? metal::WeightType::kF16
+                                      : wtype == "bf16" ? metal::WeightType::kBF16
+                                                        : metal::WeightType::kF32;
+          const metal::View tab{table.addresses.buffer(), 0};
+          metal::Dispatch d =
+              kind == "gemv" ? metal::MoeGemv(w, p, rows, st.at(0), st.at(1), st.at(2), tab, st.at(3), st.at(4))
+                             : metal::MoeGemm(w, p, rows, st.at(0), st.at(1), st.at(2), tab, st.at(3), st.at(4));
+          if (drop_barrier) d.kernel += "__drop_barrier";
+          std::vector<metal::Buffer> res{st.buf.buffer(), table.addresses.buffer()};
+          if (resident)
+            for (const metal::Buffer& b : table.pins.resources()) res.push_back(b);
+          RunAndUnstage(res, {d}, st, {4});
         },
-        "nbx_moe_gemm (moe_gemm.metal) through the MSL emulation on the simulated device; numpy "
-        "arrays by address, the weights through the table's GPU addresses.");
+        "nbx_moe_gemm_* / nbx_moe_gemv_* (kind 'gemm' or 'gemv') through the MSL emulation on "
+        "the simulated device: the host regions staged into one metal:0 buffer, the weights "
+        "read through the table's GPU addresses; `out` copied back.  gp: (K, N, E, mode, act, "
+        "lda, tile0); rows: row tiles (gemm) or rows (gemv).");
   m.def("metal_order_slots", [](const std::vector<int32_t>& ids, int64_t E, int64_t pad) {
     const int64_t S = static_cast<int64_t>(ids.size());
+    if (S > INT32_MAX || E < 1 || E > INT32_MAX || pad < 1) throw nb::value_error("sizes out of range");
     std::vector<int32_t> count(static_cast<size_t>(E), -7), off(static_cast<size_t>(E) + 1, -7);
     std::vector<int32_t> row_slot(static_cast<size_t>(MaxPaddedRows(S, E, pad)), -7);
     std::vector<int32_t> slot_row(static_cast<size_t>(S), -1);
-    std::string err;
-    if (!metal::LaunchOrderSlots(ids.data(), S, E, pad, count.data(), off.data(), row_slot.data(),
-                                 slot_row.data(), &err))
-      throw nb::value_error(err.c_str());
+    auto region = [](auto& v) {
+      return std::tuple<int64_t, int64_t>(reinterpret_cast<intptr_t>(v.data()),
+                                          static_cast<int64_t>(v.size() * sizeof(v[0])));
+    };
+    std::vector<int32_t> ids_copy = ids;
+    Staged st = Stage({region(ids_copy), region(count), region(off), region(row_slot), region(slot_row)});
+    const metal::params::OrderParams p{static_cast<uint32_t>(S), static_cast<uint32_t>(E),
+                                       static_cast<uint32_t>(pad)};
+    RunAndUnstage({st.buf.buffer()}, metal::OrderSlots(p, st.at(0), st.at(1), st.at(2), st.at(3), st.at(4)),
+                  st, {1, 2, 3, 4});
     row_slot.resize(static_cast<size_t>(off[static_cast<size_t>(E)]));
     return nb::make_tuple(count, off, row_slot, slot_row);
   }, "moe_order.metal's three kernels through the emulation: (count, off, row_slot, slot_row).");
+  m.def("metal_run_combine", [](const Ranges& regions, uint32_t H, uint32_t k, uint32_t tokens) {
+    // regions: o, slot_row, y (copied back)
+    if (regions.size() != 3) throw nb::value_error("3 regions: o, slot_row, y");
+    Staged st = Stage(regions);
+    const metal::params::CombineParams p{H, k, tokens};
+    RunAndUnstage({st.buf.buffer()}, {metal::Combine(p, st.at(0), st.at(1), st.at(2))}, st, {2});
+  }, "nbx_moe_combine through the emulation.");
+  m.def("metal_commit", [](const std::string& kernel, uint32_t threads, int64_t tg_bytes,
+                           const std::vector<int64_t>& block_sizes) {
+    // a dispatch of `kernel` whose arguments are parameter blocks of the given sizes
+    // (0: a one-page buffer): what Commit refuses before anything runs
+    metal::DeviceBuffer b;
+    std::string err;
+    if (!metal::DeviceBuffer::Allocate(4096, "test", WorkShape{1, 1, 0}, &b, &err))
+      throw nb::value_error(err.c_str());
+    metal::Dispatch d;
+    d.kernel = kernel;
+    d.threads = threads;
+    d.threadgroup_bytes = tg_bytes;
+    for (int64_t n : block_sizes) {
+      metal::Arg a;
+      if (n == 0) a = metal::BufferArg(b.buffer());
+      else a.bytes.assign(static_cast<size_t>(n), 0);
+      d.args.push_back(a);
+    }
+    if (!metal::Active()->Commit({b.buffer()}, {d}, &err)) throw nb::value_error(err.c_str());
+    if (!metal::Active()->Wait(&err)) throw nb::value_error(err.c_str());
+  }, "Commits one dispatch (tests of what encoding refuses).");
+  m.def("metal_kernel_names", &metal::EmulatedKernelNames);
+  m.def("metal_command_buffers", []() { return Sim().command_buffers(); },
+        "Command buffers committed on the simulated device so far.");
   m.def("metal_table", [](const Ranges& ranges, bool cache) {
     std::shared_ptr<metal::Table> t;
     std::string err;

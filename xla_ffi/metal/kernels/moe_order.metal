@@ -9,17 +9,6 @@
 //                      slot at its row; rows past the count are padding (-1).
 // slot_row of a slot whose id is outside [0, E) is left to the caller's -1.
 // Keeps to the subset of metal/msl_emulation.h.
-#ifndef NBX_MSL_EMULATION
-#include <metal_stdlib>
-using namespace metal;
-#define NBX_THREADGROUP(n) [[threadgroup(n)]]
-#endif
-
-struct OrderParams {
-  uint S;    // slots
-  uint E;    // experts
-  uint pad;  // rows per tile (32)
-};
 
 kernel void nbx_count_experts(device const int* ids [[buffer(0)]],
                               device int* count [[buffer(1)]],

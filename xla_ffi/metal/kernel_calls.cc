@@ -1,0 +1,93 @@
+// The dispatches of the Metal kernels (see kernel_calls.h).
+#include "metal/kernel_calls.h"
+
+#include <algorithm>
+#include <string>
+
+namespace nbx::metal {
+namespace {
+
+const char* Suffix(WeightType w) {
+  switch (w) {
+    case WeightType::kF16: return "_f16";
+    case WeightType::kBF16: return "_bf16";
+    case WeightType::kF32: break;
+  }
+  return "_f32";
+}
+
+Arg A(const View& v) { return BufferArg(v.buffer, v.offset); }
+
+uint32_t CeilDiv(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+Dispatch MoeGemm(WeightType w, const params::GemmParams& p, uint32_t tiles, View a, View row_src,
+                 View tile_expert, View table, View row_weight, View out) {
+  Dispatch d;
+  d.kernel = std::string("nbx_moe_gemm") + Suffix(w);
+  d.grid[0] = CeilDiv(p.N, kGemmTileRows);
+  d.grid[1] = tiles;
+  d.threads = 128;
+  // As [32][8], Bs0 and Bs1 [8][32], Cs [32][32] floats (moe_gemm.metal)
+  d.threadgroup_bytes = (32 * 8 + 2 * 8 * 32 + 32 * 32) * 4;
+  d.args = {A(a), A(row_src), A(tile_expert), A(table), A(row_weight), A(out), BytesArg(p)};
+  return d;
+}
+
+Dispatch MoeGemv(WeightType w, const params::GemmParams& p, uint32_t rows, View a, View row_src,
+                 View row_expert, View table, View row_weight, View out) {
+  Dispatch d;
+  d.kernel = std::string("nbx_moe_gemv") + Suffix(w);
+  d.grid[0] = CeilDiv(p.N, 32);
+  d.grid[1] = rows;
+  d.threads = 128;
+  d.threadgroup_bytes = 2 * 4 * 32 * 4;  // two [4][32] float partial sums (moe_gemv.metal)
+  d.args = {A(a), A(row_src), A(row_expert), A(table), A(row_weight), A(out), BytesArg(p)};
+  return d;
+}
+
+std::vector<Dispatch> OrderSlots(const params::OrderParams& p, View ids, View count, View off,
+                                 View row_slot, View slot_row) {
+  Dispatch c;
+  c.kernel = "nbx_count_experts";
+  c.grid[0] = p.E;
+  c.threads = 128;
+  c.threadgroup_bytes = 128 * 4;
+  c.args = {A(ids), A(count), BytesArg(p)};
+  Dispatch o;
+  o.kernel = "nbx_expert_offsets";
+  o.threads = 32;
+  o.threadgroup_bytes = 4;
+  o.args = {A(count), A(off), BytesArg(p)};
+  Dispatch s;
+  s.kernel = "nbx_scatter_slots";
+  s.grid[0] = p.E;
+  s.threads = 128;
+  s.threadgroup_bytes = 128 * 4;
+  s.args = {A(ids), A(off), A(row_slot), A(slot_row), BytesArg(p)};
+  return {c, o, s};
+}
+
+Dispatch Combine(const params::CombineParams& p, View o, View slot_row, View y) {
+  Dispatch d;
+  d.kernel = "nbx_moe_combine";
+  d.grid[0] = CeilDiv(p.H, 128);
+  d.grid[1] = p.tokens;
+  d.threads = 128;
+  d.threadgroup_bytes = 4;
+  d.args = {A(o), A(slot_row), A(y), BytesArg(p)};
+  return d;
+}
+
+int64_t GemmTileFlops(const params::GemmParams& p) {
+  const int64_t projections = p.mode == 0 ? 2 : 1;
+  return 2 * int64_t{kGemmTileRows} * p.K * p.N * projections;
+}
+
+int64_t TilesPerCommandBuffer(const params::GemmParams& p, int64_t limit) {
+  const int64_t per_tile = std::max<int64_t>(GemmTileFlops(p), 1);
+  return std::max<int64_t>(limit / per_tile, 1);
+}
+
+}  // namespace nbx::metal

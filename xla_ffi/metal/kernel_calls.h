@@ -1,0 +1,46 @@
+// The host side of the Metal kernels: the dispatches (dispatch.h) of each
+// kernel in kernels/*.metal, with their grids, threadgroup sizes and memory,
+// and parameter blocks (kernels/params.h).  Device-agnostic: the Metal
+// handler and the tests build their command buffers from these, and either
+// device runs them.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "metal/dispatch.h"
+#include "metal/kernels/params.h"
+
+namespace nbx::metal {
+
+// A place in a buffer: the argument a kernel reads or writes from.
+struct View {
+  Buffer buffer;
+  int64_t offset = 0;
+};
+
+// The weights' element type: the kernel variant (_f32, _f16, _bf16).
+enum class WeightType { kF32, kF16, kBF16 };
+
+inline constexpr uint32_t kGemmTileRows = 32;  // moe_gemm.metal's NBX_BM (and NBX_BN)
+inline constexpr int64_t kDecodeSlots = 16;    // at most this many slots: the GEMV kernels
+
+// nbx_moe_gemm_*: row tiles [p.tile0, p.tile0 + tiles) of the padded rows.
+Dispatch MoeGemm(WeightType w, const params::GemmParams& p, uint32_t tiles, View a, View row_src,
+                 View tile_expert, View table, View row_weight, View out);
+// nbx_moe_gemv_*: rows [p.tile0, p.tile0 + rows).
+Dispatch MoeGemv(WeightType w, const params::GemmParams& p, uint32_t rows, View a, View row_src,
+                 View row_expert, View table, View row_weight, View out);
+// The three ordering kernels (count, offsets, scatter), in order.
+std::vector<Dispatch> OrderSlots(const params::OrderParams& p, View ids, View count, View off,
+                                 View row_slot, View slot_row);
+// nbx_moe_combine over p.tokens tokens.
+Dispatch Combine(const params::CombineParams& p, View o, View slot_row, View y);
+
+// Floating-point operations of one row tile (all N columns) of a GEMM: what
+// the command-buffer bound (runtime.h CommandBufferFlops) divides.
+int64_t GemmTileFlops(const params::GemmParams& p);
+// Row tiles per command buffer under `limit` flops (at least 1).
+int64_t TilesPerCommandBuffer(const params::GemmParams& p, int64_t limit);
+
+}  // namespace nbx::metal

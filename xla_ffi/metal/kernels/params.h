@@ -1,0 +1,45 @@
+// The Metal kernels' parameter blocks (`constant` buffers, set with setBytes):
+// the one definition that the MSL sources, the MSL emulation and the host
+// code that encodes the dispatches (metal/kernel_calls.cc) all compile.  For
+// Apple's compiler it is the first part of the library source (CMake embeds
+// params.h followed by every kernels/*.metal: newLibraryWithSource has no
+// include path); in C++ it is included before the kernels.  Only `uint`
+// fields: the same layout in MSL and C++ (4 bytes each, no padding).
+#ifndef NBX_METAL_KERNEL_PARAMS_H_
+#define NBX_METAL_KERNEL_PARAMS_H_
+
+#ifndef __METAL_VERSION__
+#include <cstdint>
+namespace nbx::metal::params {
+using uint = uint32_t;
+#endif
+
+// The tiled expert GEMMs (moe_gemm.metal) and the decode GEMVs (moe_gemv.metal).
+struct GemmParams {
+  uint K;      // reduction length (H for GEMM1, I for GEMM2)
+  uint N;      // output columns (I for GEMM1, H for GEMM2)
+  uint E;      // experts (table rows of one projection)
+  uint mode;   // 0: gate|up + activation; 1: down x routed weight
+  uint act;    // the activation code (abi.h Activation: 0 SwiGLU, 1 GeGLU tanh)
+  uint lda;    // elements between rows of A
+  uint tile0;  // first row tile (GEMM) or row (GEMV) of this dispatch: grid.y counts from it
+};
+
+// Ordering the slots by expert (moe_order.metal).
+struct OrderParams {
+  uint S;    // slots
+  uint E;    // experts
+  uint pad;  // rows per tile (32)
+};
+
+// The ordered combine (moe_combine.metal): y[t] = sum over j in order of o[slot_row[t k + j]].
+struct CombineParams {
+  uint H;       // columns
+  uint k;       // slots per token
+  uint tokens;  // rows of y
+};
+
+#ifndef __METAL_VERSION__
+}  // namespace nbx::metal::params
+#endif
+#endif  // NBX_METAL_KERNEL_PARAMS_H_
