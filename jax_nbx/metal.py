@@ -21,7 +21,8 @@ from __future__ import annotations
 from . import _registry
 
 __all__ = ["available", "implementation", "info", "name", "working_set_size",
-           "max_buffer_length", "unavailable_reason", "use"]
+           "max_buffer_length", "unavailable_reason", "use", "command_buffer_flops",
+           "set_command_buffer_flops", "is_default"]
 
 
 def info() -> dict | None:
@@ -73,3 +74,31 @@ def use(which: str) -> None:
     if why:
         raise ValueError(f"jax_nbx.metal.use({which!r}): {why}")
     _registry.METAL_UNAVAILABLE = "" if which != "none" else "jax_nbx.metal.use('none')"
+
+
+def command_buffer_flops() -> int:
+    """The bound on one command buffer's GEMM work, in floating-point
+    operations.  macOS stops a command buffer that keeps the GPU busy too long
+    (the GPU watchdog), so the Metal handler dispatches a band's expert GEMMs
+    in ranges of 32-row tiles, one command buffer per range, each under this
+    bound (default 2**36; one row tile is never split)."""
+    return int(_registry.ffi_module().metal_command_buffer_flops())
+
+
+def set_command_buffer_flops(flops: int | None) -> None:
+    """Sets `command_buffer_flops` (``None`` or ``<= 0``: the default).  Results
+    do not depend on it: every range computes its own rows."""
+    if flops is not None and (isinstance(flops, bool) or not isinstance(flops, int)):
+        raise TypeError(f"flops must be an int or None; got {flops!r}")
+    _registry.ffi_module().metal_set_command_buffer_flops(0 if flops is None else int(flops))
+
+
+def is_default() -> bool:
+    """Whether ``fused_moe(implementation=None)`` picks the Metal path: on
+    macOS on Apple silicon, when Metal itself (not the simulated device) is
+    active.  Elsewhere the CPU handler stays the default."""
+    import platform
+    import sys
+
+    return (sys.platform == "darwin" and platform.machine() == "arm64"
+            and implementation() == "apple")

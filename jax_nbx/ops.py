@@ -192,7 +192,7 @@ def _as_runtime_error(err: BaseException) -> BaseException:
     return err
 
 
-def _resolve_implementation(implementation: str | None) -> str:
+def _resolve_implementation(implementation: str | None, quantized: bool = False) -> str:
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None; got {implementation!r}")
     platform = jax.default_backend()
@@ -205,7 +205,9 @@ def _resolve_implementation(implementation: str | None) -> str:
             raise ValueError("implementation='metal': no Metal device is active "
                              f"({metal.unavailable_reason()})")
         return implementation
-    if implementation is None:  # (the Metal path is never the default yet: see the README)
+    if implementation is None:
+        if platform == "cpu" and not quantized and metal.is_default():  # macOS on Apple silicon
+            return "metal"
         return "ffi" if has_handler else "xla"
     if implementation == "ffi" and not has_handler:
         raise ValueError(f"implementation='ffi': jax_nbx has no handler for platform {platform!r} "
@@ -386,11 +388,14 @@ def fused_moe(
       implementation: ``"ffi"`` (jax_nbx's handler for the current platform:
         the CPU handler, or on a CUDA GPU the Triton kernels launched by the
         CUDA handler), ``"xla"`` (the pure-JAX reference, every platform), or
-        ``None``: ``"ffi"`` where a handler exists for ``jax.default_backend()``,
-        else ``"xla"``.  ``"metal"``: the Metal handler on the active Metal
-        device (`jax_nbx.metal`; so far float32 only, and only the simulated
-        device dispatches: never the default yet; gradients from the
-        reference's VJP).  On CUDA, 16-bit weights run on tensor cores: x and
+        ``None``: ``"metal"`` on macOS on Apple silicon when Metal is active
+        (`jax_nbx.metal.is_default`; dense experts), else ``"ffi"`` where a
+        handler exists for ``jax.default_backend()``, else ``"xla"``.
+        ``"metal"``: the Metal handler on the active Metal device
+        (`jax_nbx.metal`: Metal kernels for the expert GEMMs, a decode variant
+        for T*k <= 16 slots, float32/bfloat16/float16 x and dense weights;
+        gradients from the reference's VJP until a Metal backward exists; on
+        Linux only the simulated device, ``JAX_NBX_METAL=sim``).  On CUDA, 16-bit weights run on tensor cores: x and
         the intermediate are rounded to the weights' dtype before each
         product (float32 accumulation).
       max_workspace_bytes: cap on the handler's workspace for this call
@@ -437,7 +442,7 @@ def fused_moe(
     if ids_outside not in ("error", "skip"):
         raise ValueError(f"ids_outside must be 'error' or 'skip'; got {ids_outside!r}")
     E, H, I, k = _validate(x, topk_weights, topk_ids, experts, activation, ids_outside == "skip")
-    impl = _resolve_implementation(implementation)
+    impl = _resolve_implementation(implementation, is_quantized(experts))
 
     lead = x.shape[:-1]
     T = int(np.prod(lead, dtype=np.int64))

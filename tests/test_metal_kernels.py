@@ -299,3 +299,15 @@ def test_the_emulated_library_is_the_metal_sources():
                           (KERNELS.parent / "emulated_kernels.cc").read_text().split("kernels_drop_barrier")[0])
     assert listed == ["params.h"] + [f for f in emulated if f.endswith(".metal")]
     assert set(listed) == {"params.h"} | {p.name for p in KERNELS.glob("*.metal")}
+
+
+def test_the_embedded_library_source_is_the_kernel_files_in_order():
+    """What the Apple device hands newLibraryWithSource: params.h and the
+    .metal files, byte for byte, in prelude.metal's order."""
+    src = F.metal_library_source()
+    parts = re.split(r"^// ---- ([\w.]+)\n", src, flags=re.M)
+    assert parts[0] == ""
+    names, texts = parts[1::2], parts[2::2]
+    assert names[0] == "params.h" and set(names) == {"params.h"} | {p.name for p in KERNELS.glob("*.metal")}
+    for name, text in zip(names, texts, strict=True):
+        assert text == (KERNELS / name).read_text(), name

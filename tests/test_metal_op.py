@@ -28,7 +28,7 @@ def metal(x, w, ids, ex, **kw):
 
 @pytest.mark.parametrize("T,E,k,H,I,routing", [
     (1, 1, 1, 17, 9, "topk"), (3, 4, 4, 8, 16, "topk"), (33, 4, 2, 45, 70, "draws"),
-    (33, 6, 3, 129, 17, "one"), (222, 8, 2, 33, 40, "topk")])
+    (33, 6, 3, 129, 17, "one"), (222, 8, 2, 33, 40, "topk"), (3, 2, 2, 257, 33, "draws")])
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 def test_matches_float64(T, E, k, H, I, routing, activation):
     x, w, ids, ex = make_problem(T + E + H, T, E, k, H, I, routing=routing)
@@ -79,13 +79,81 @@ def test_a_budget_too_small_is_refused_with_advice():
         metal(x, w, ids, ex, max_workspace_bytes=whole)  # the cap trusted, the account holds the line
 
 
+@pytest.mark.parametrize("x_dtype,w_dtype", [("float32", "bfloat16"), ("float32", "float16"),
+                                             ("bfloat16", "bfloat16"), ("float16", "float32")])
+@pytest.mark.parametrize("T,E,k,H,I", [(1, 4, 2, 33, 17), (33, 4, 2, 45, 70), (222, 8, 2, 33, 40)])
+def test_16_bit_dtypes_match_float64(T, E, k, H, I, x_dtype, w_dtype):
+    """x of any float dtype (staged widened to float32, y rounded back) and
+    16-bit weights (the f16/bf16 kernels): the float64 reference of the same
+    rounded inputs, to y's dtype's rounding."""
+    x, w, ids, ex = make_problem(T + H, T, E, k, H, I, x_dtype=getattr(jnp, x_dtype),
+                                 w_dtype=getattr(jnp, w_dtype))
+    y = metal(x, w, ids, ex)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    tol = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}[x_dtype]
+    assert rel_err(y, np_moe(x, w, ids, ex)) < tol
+
+
+@pytest.mark.parametrize("T,k", [(1, 1), (1, 8), (2, 8), (16, 1)])
+def test_decode_shapes_take_the_gemv_kernels(T, k):
+    """T*k <= 16 slots: the decode kernels (no ordering); matches float64 and
+    runs in one command buffer."""
+    x, w, ids, ex = make_problem(T * 10 + k, T, 8, k, 40, 129, routing="draws")
+    before = F.metal_command_buffers()
+    y = metal(x, w, ids, ex)
+    assert rel_err(y, np_moe(x, w, ids, ex)) < 1e-5
+    assert F.metal_command_buffers() - before == 1
+
+
+def test_long_problems_are_split_into_bounded_command_buffers():
+    """Each command buffer's GEMM work stays under the bound (macOS's GPU
+    watchdog): with a small bound the same call runs in more command buffers,
+    bit for bit the same."""
+    x, w, ids, ex = make_problem(13, 200, 4, 2, 48, 40)
+    before = F.metal_command_buffers()
+    whole = np.asarray(metal(x, w, ids, ex))
+    n_default = F.metal_command_buffers() - before
+    assert n_default == 2  # the ordering, then the GEMMs and the combine
+    tile_flops = 2 * 32 * 48 * 40 * 2  # one row tile of GEMM1 (gate and up)
+    nbx.metal.set_command_buffer_flops(tile_flops)  # one row tile per command buffer
+    try:
+        before = F.metal_command_buffers()
+        split = np.asarray(metal(x, w, ids, ex))
+        n_split = F.metal_command_buffers() - before
+    finally:
+        nbx.metal.set_command_buffer_flops(None)
+    tiles = sum(-(-int(np.sum(np.asarray(ids) == e)) // 32) for e in range(4))
+    assert n_split == 1 + tiles
+    np.testing.assert_array_equal(split, whole)
+    assert rel_err(whole, np_moe(x, w, ids, ex)) < 1e-5
+
+
 def test_what_the_metal_path_does_not_take_yet_is_refused_by_name():
     x, w, ids, ex = make_problem(11, 4, 4, 2, 16, 24)
-    with pytest.raises(TypeError, match="float32 x and weights only so far"):
-        metal(x.astype(jnp.bfloat16), w, ids, ex)
     with pytest.raises(ValueError, match="quantized experts are not supported on the Metal path yet"):
         metal(x, w, ids, nbx.quantize(ex, "int8"))
     assert metal(x[:0], w[:0], ids[:0], ex).shape == (0, 16)
+
+
+def test_the_default_stays_the_cpu_handler_off_apple(monkeypatch):
+    """implementation=None picks "metal" only on macOS arm64 with Metal itself
+    active (never the simulated device): here the CPU handler stays."""
+    assert not nbx.metal.is_default()
+    from jax_nbx import ops
+
+    assert ops._resolve_implementation(None) == "ffi"
+    monkeypatch.setattr(nbx.metal, "is_default", lambda: True)  # as on a Mac with Metal
+    assert ops._resolve_implementation(None) == "metal"
+    assert ops._resolve_implementation(None, quantized=True) == "ffi"  # not on Metal yet
+
+
+def test_command_buffer_bound_is_validated():
+    with pytest.raises(TypeError, match="flops must be an int or None"):
+        nbx.metal.set_command_buffer_flops(1.5)
+    nbx.metal.set_command_buffer_flops(12345)
+    assert nbx.metal.command_buffer_flops() == 12345
+    nbx.metal.set_command_buffer_flops(None)
+    assert nbx.metal.command_buffer_flops() == 2**36
 
 
 def test_without_a_metal_device_the_implementation_is_refused():

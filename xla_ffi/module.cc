@@ -9,6 +9,7 @@
 #include "cpu/kernel_table.h"
 #include "cpu/moe_backward.h"
 #include "cpu/moe_forward.h"
+#include "metal/library_source.h"
 #include "metal/moe_metal.h"
 #include "metal/runtime.h"
 #include "metal/tables.h"
@@ -201,6 +202,8 @@ NB_MODULE(_ffi, m) {
     return nbx::SaturatedBytes(nbx::MetalForwardWorkspaceBytes(tokens, k, E, H, I));
   }, "metal:0 workspace bytes of one Metal forward band of `tokens` tokens.");
   m.def("metal_release_pinned", []() { return nbx::metal::Tables::Get().ReleasePinned(); });
+  m.def("metal_library_source", []() { return std::string(nbx::metal::LibrarySource()); },
+        "The Metal kernels' library source as the Apple device compiles it.");
   m.def("metal_command_buffer_flops", []() { return nbx::metal::CommandBufferFlops(); });
   m.def("metal_set_command_buffer_flops", [](int64_t f) { nbx::metal::SetCommandBufferFlops(f); },
         "The bound on one Metal command buffer's GEMM flops (<= 0: the default).");

@@ -11,8 +11,12 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "metal/device.h"
+#include "metal/dispatch.h"
+#include "metal/library_source.h"
 
 namespace nbx::metal {
 namespace {
@@ -34,7 +38,7 @@ class AppleDevice final : public Device {
       return false;
     }
     return p == "malloc" || p == "free" || p == "memset" || p == "memcpy" || p == "host_alloc" ||
-           p == "map_host" || p == "residency" || p == "submit";
+           p == "map_host" || p == "residency" || p == "submit" || p == "dispatch";
   }
 
   bool NewBuffer(int64_t bytes, Buffer* out, std::string* error) override {
@@ -106,8 +110,7 @@ class AppleDevice final : public Device {
     std::memcpy(dst.host + off, src, static_cast<size_t>(bytes));
   }
   void Submit(const std::vector<Buffer>& resources, Work work) override {
-    // Part 1 has no kernels: `work` encodes nothing yet; the residency of every
-    // resource is what part 2's encoders declare with useResources.
+    // Host work on the GPU timeline (part 1's primitive; the kernels go through Commit).
     (void)resources;
     if (work) work();
   }
@@ -117,7 +120,148 @@ class AppleDevice final : public Device {
     [cb waitUntilCompleted];
   }
 
+  bool Commit(const std::vector<Buffer>& resources, const std::vector<Dispatch>& dispatches,
+              std::string* error) override {
+    // everything that can be refused is looked up before encoding starts
+    std::vector<id<MTLComputePipelineState>> pipes;
+    for (const Dispatch& d : dispatches) {
+      id<MTLComputePipelineState> p = Pipeline(d.kernel, error);
+      if (p == nil) return false;
+      if (d.threads == 0 || d.threads > [p maxTotalThreadsPerThreadgroup] ||
+          d.threadgroup_bytes > static_cast<int64_t>([dev_ maxThreadgroupMemoryLength])) {
+        *error = d.kernel + ": threadgroup size or memory beyond what the pipeline allows";
+        return false;
+      }
+      pipes.push_back(p);
+    }
+    std::vector<id<MTLBuffer>> used;
+    std::vector<std::vector<id<MTLBuffer>>> bound(dispatches.size());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const Buffer& b : resources) {
+        auto it = live_.find(b.id);
+        if (it == live_.end()) {
+          *error = "a resource of the command buffer is not a live buffer";
+          return false;
+        }
+        used.push_back(it->second);
+      }
+      for (size_t i = 0; i < dispatches.size(); ++i)
+        for (const Arg& a : dispatches[i].args) {
+          id<MTLBuffer> mb = nil;
+          if (a.bytes.empty()) {
+            auto it = live_.find(a.buffer.id);
+            if (it == live_.end()) {
+              *error = dispatches[i].kernel + ": an argument is not a live buffer";
+              return false;
+            }
+            mb = it->second;
+          }
+          bound[i].push_back(mb);
+        }
+    }
+    id<MTLCommandBuffer> cb = [queue_ commandBuffer];
+    id<MTLComputeCommandEncoder> enc = [cb computeCommandEncoder];  // serial: in order
+    for (id<MTLBuffer> b : used)  // the pins' wraps the kernels reach through table addresses
+      [enc useResource:b usage:(MTLResourceUsageRead | MTLResourceUsageWrite)];
+    for (size_t i = 0; i < dispatches.size(); ++i) {
+      const Dispatch& d = dispatches[i];
+      if (d.grid[0] == 0 || d.grid[1] == 0 || d.grid[2] == 0) continue;
+      [enc setComputePipelineState:pipes[i]];
+      for (size_t j = 0; j < d.args.size(); ++j) {
+        const Arg& a = d.args[j];
+        if (!a.bytes.empty())
+          [enc setBytes:a.bytes.data() length:a.bytes.size() atIndex:j];
+        else
+          [enc setBuffer:bound[i][j] offset:static_cast<NSUInteger>(a.offset) atIndex:j];
+      }
+      if (d.threadgroup_bytes > 0)  // a multiple of 16 bytes
+        [enc setThreadgroupMemoryLength:static_cast<NSUInteger>((d.threadgroup_bytes + 15) / 16 * 16)
+                                atIndex:0];
+      [enc dispatchThreadgroups:MTLSizeMake(d.grid[0], d.grid[1], d.grid[2])
+          threadsPerThreadgroup:MTLSizeMake(d.threads, 1, 1)];
+    }
+    [enc endEncoding];
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_[std::this_thread::get_id()].push_back(cb);
+      ++command_buffers_;
+    }
+    [cb commit];
+    return true;
+  }
+
+  bool Wait(std::string* error) override {
+    std::vector<id<MTLCommandBuffer>> cbs;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = pending_.find(std::this_thread::get_id());
+      if (it != pending_.end()) {
+        cbs = std::move(it->second);
+        pending_.erase(it);
+      }
+    }
+    int failed = 0;
+    for (id<MTLCommandBuffer> cb : cbs) {
+      [cb waitUntilCompleted];
+      if ([cb status] == MTLCommandBufferStatusError) {
+        if (failed++ == 0) {
+          NSError* e = [cb error];
+          *error = std::string("command buffer failed: ") +
+                   (e != nil ? [[e localizedDescription] UTF8String] : "unknown error");
+        }
+      }
+    }
+    if (failed > 1) *error += " (and " + std::to_string(failed - 1) + " more)";
+    return failed == 0;
+  }
+
+  int64_t command_buffers() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return command_buffers_;
+  }
+
  private:
+  // The pipeline of a kernel of the library (LibrarySource(), compiled once at first use).
+  id<MTLComputePipelineState> Pipeline(const std::string& name, std::string* error) {
+    std::lock_guard<std::mutex> lock(lib_mu_);
+    auto it = pipes_.find(name);
+    if (it != pipes_.end()) return it->second;
+    if (lib_ == nil) {
+      MTLCompileOptions* opts = [MTLCompileOptions new];
+      if (@available(macOS 14.0, *)) {
+        opts.languageVersion = MTLLanguageVersion3_1;  // bfloat
+      } else {
+        *error = "the Metal kernels need macOS 14 or later (Metal Shading Language 3.1)";
+        return nil;
+      }
+      opts.fastMathEnabled = NO;  // exp and tanh as the emulation computes them
+      NSError* err = nil;
+      lib_ = [dev_ newLibraryWithSource:[NSString stringWithUTF8String:LibrarySource()]
+                                options:opts
+                                  error:&err];
+      if (lib_ == nil) {
+        *error = std::string("compiling the Metal kernels failed: ") +
+                 (err != nil ? [[err localizedDescription] UTF8String] : "unknown error");
+        return nil;
+      }
+    }
+    id<MTLFunction> f = [lib_ newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]];
+    if (f == nil) {
+      *error = "the Metal library has no kernel '" + name + "'";
+      return nil;
+    }
+    NSError* err = nil;
+    id<MTLComputePipelineState> p = [dev_ newComputePipelineStateWithFunction:f error:&err];
+    if (p == nil) {
+      *error = "pipeline of " + name + ": " +
+               (err != nil ? std::string([[err localizedDescription] UTF8String]) : "unknown error");
+      return nil;
+    }
+    pipes_[name] = p;
+    return p;
+  }
+
   bool Keep(id<MTLBuffer> b, int64_t length, bool wrap, char* host, Buffer* out) {
     std::lock_guard<std::mutex> lock(mu_);
     uint64_t gpu = 0;
@@ -135,6 +279,11 @@ class AppleDevice final : public Device {
   uint64_t next_id_ = 1;
   int64_t wraps_ = 0;
   int64_t max_wraps_ = 256;
+  int64_t command_buffers_ = 0;
+  std::map<std::thread::id, std::vector<id<MTLCommandBuffer>>> pending_;  // by committing thread
+  std::mutex lib_mu_;
+  id<MTLLibrary> lib_ = nil;
+  std::map<std::string, id<MTLComputePipelineState>> pipes_;
 };
 
 }  // namespace
