@@ -237,20 +237,35 @@ def test_weights_not_made_resident_fail_the_launch():
     assert any("not made resident" in v for v in F.metal_sim_take_violations())
 
 
-@pytest.mark.parametrize("S,E", [(1, 1), (7, 3), (66, 4), (300, 8), (1000, 5)])
-def test_ordering_kernels_match_the_cpu_planner(S, E):
+@pytest.mark.parametrize("S,E,k", [(1, 1, 1), (7, 3, 7), (66, 4, 2), (300, 8, 3), (1000, 5, 8)])
+def test_ordering_kernels_match_the_cpu_planner(S, E, k):
     """moe_order.metal (count, offsets, scatter: no atomics) gives exactly the
     CPU planner's order (cpu/slots.h OrderSlots): by expert, stable in slot,
-    each expert padded to 32 rows; ids outside [0, E) left out."""
+    each expert padded to 32 rows; ids outside [0, E) left out.  Then
+    nbx_prepare_rows, over the bound on the rows (the host never reads P):
+    each row's token, itself and weight, and each tile's expert, -1 / 0 past
+    the rows in use."""
     rng = np.random.default_rng(S + E)
     ids = rng.integers(-1, E + 1, S).astype(np.int32)       # some outside [0, E)
     ids[: S // 3] = E - 1                                      # skew
-    count, off, row_slot, slot_row = F.metal_order_slots(ids.tolist(), E, BM)
+    wts = rng.uniform(0.1, 1.0, S).astype(np.float32)
+    count, off, row_slot, slot_row, row_tok, row_self, row_w, tile_expert = F.metal_order_slots(
+        ids.tolist(), E, BM, k, wts.tolist())
     expert_off, real_end, ref_rows, ref_slot_row = F.plan_slots(ids.tolist(), 0, S, E, BM)
     assert count == [int(np.sum(ids == e)) for e in range(E)]
     assert off == list(expert_off)
     assert row_slot == list(ref_rows) and -7 not in row_slot   # every row written
     assert slot_row == list(ref_slot_row)
+    P, rows = off[E], len(row_tok)
+    assert rows % BM == 0 and P <= rows
+    ref_slot = np.full(rows, -1)
+    ref_slot[:P] = row_slot
+    assert row_tok == [s // k if s >= 0 else -1 for s in ref_slot]
+    assert row_self == [r if s >= 0 else -1 for r, s in enumerate(ref_slot)]
+    np.testing.assert_array_equal(np.asarray(row_w, np.float32), np.where(ref_slot >= 0, wts[ref_slot], 0))
+    ref_tiles = [next(e for e in range(E) if off[e] <= t * BM < off[e + 1]) if t * BM < P else -1
+                 for t in range(rows // BM)]
+    assert tile_expert == ref_tiles
 
 
 def test_kernel_sources_keep_to_the_emulated_subset():

@@ -123,6 +123,7 @@ const std::map<std::string, Entry>& Library() {
     m["nbx_count_experts"] = Make(&k::nbx_count_experts);
     m["nbx_expert_offsets"] = Make(&k::nbx_expert_offsets);
     m["nbx_scatter_slots"] = Make(&k::nbx_scatter_slots);
+    m["nbx_prepare_rows"] = Make(&k::nbx_prepare_rows);
     m["nbx_moe_combine"] = Make(&k::nbx_moe_combine);
     m["nbx_moe_gemm_f32__drop_barrier"] = Make(&kernels_drop_barrier::nbx_moe_gemm_f32);
     return m;

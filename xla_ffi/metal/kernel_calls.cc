@@ -69,6 +69,17 @@ std::vector<Dispatch> OrderSlots(const params::OrderParams& p, View ids, View co
   return {c, o, s};
 }
 
+Dispatch PrepareRows(const params::OrderParams& p, View off, View row_slot, View wts, View row_tok,
+                     View row_self, View row_w, View tile_expert) {
+  Dispatch d;
+  d.kernel = "nbx_prepare_rows";
+  d.grid[0] = CeilDiv(p.rows, 128);
+  d.threads = 128;
+  d.threadgroup_bytes = 4;
+  d.args = {A(off), A(row_slot), A(wts), A(row_tok), A(row_self), A(row_w), A(tile_expert), BytesArg(p)};
+  return d;
+}
+
 Dispatch Combine(const params::CombineParams& p, View o, View slot_row, View y) {
   Dispatch d;
   d.kernel = "nbx_moe_combine";

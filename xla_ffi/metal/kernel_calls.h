@@ -34,6 +34,9 @@ Dispatch MoeGemv(WeightType w, const params::GemmParams& p, uint32_t rows, View 
 // The three ordering kernels (count, offsets, scatter), in order.
 std::vector<Dispatch> OrderSlots(const params::OrderParams& p, View ids, View count, View off,
                                  View row_slot, View slot_row);
+// nbx_prepare_rows over p.rows rows (after OrderSlots, in the same command buffer).
+Dispatch PrepareRows(const params::OrderParams& p, View off, View row_slot, View wts, View row_tok,
+                     View row_self, View row_w, View tile_expert);
 // nbx_moe_combine over p.tokens tokens.
 Dispatch Combine(const params::CombineParams& p, View o, View slot_row, View y);
 

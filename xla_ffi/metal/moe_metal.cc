@@ -30,14 +30,14 @@ struct Band {
   float* x;              // [tokens][H] staged activations (float32)
   int32_t* ids;          // [S] staged expert ids
   float* wts;            // [S] staged routed weights
-  int32_t* row_slot;     // [P] slot of each padded row, -1 for padding
+  int32_t* row_slot;     // [P] slot of each padded row, -1 for padding (P: MaxPaddedRows)
   int32_t* row_tok;      // [P] token of each row (band-relative), -1
   int32_t* row_self;     // [P] the row itself, -1 for padding (GEMM2 reads h by row)
-  int32_t* tile_expert;  // [P / 32 + 1] (GEMM) or [S] expert of each row (GEMV)
+  int32_t* tile_expert;  // [P / 32] expert of each row tile (GEMM) or [S] of each row (GEMV)
   float* row_w;          // [P] routed weight, 0 for padding
   int32_t* slot_row;     // [S] row of each slot, -1 when skipped
   int32_t* count;        // [E] slots per expert (the ordering kernels')
-  int32_t* off;          // [E + 1] padded row offsets, off[E] = P
+  int32_t* off;          // [E + 1] padded row offsets; off[E]: the rows in use (<= P)
   float* h;              // [P][I]
   float* o;              // [P][H]
   float* y;              // [tokens][H] the combine's float32 result
@@ -52,7 +52,7 @@ size_t CarveBand(void* base, int64_t tokens, int64_t k, int64_t E, int64_t H, in
   b->row_slot = cv.Take<int32_t>(P);
   b->row_tok = cv.Take<int32_t>(P);
   b->row_self = cv.Take<int32_t>(P);
-  b->tile_expert = cv.Take<int32_t>(std::max(P / kTileRows + 1, S));
+  b->tile_expert = cv.Take<int32_t>(std::max(P / kTileRows, S));
   b->row_w = cv.Take<float>(P);
   b->slot_row = cv.Take<int32_t>(S);
   b->count = cv.Take<int32_t>(E);
@@ -169,7 +169,6 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
     LoadAsFloat(xt, xs + t0 * row_bytes, n * H, b.x);  // staged (and widened)
     std::memcpy(b.ids, ids + t0 * k, static_cast<size_t>(S) * sizeof(int32_t));
     std::memcpy(b.wts, wts + t0 * k, static_cast<size_t>(S) * sizeof(float));
-    int64_t P = 0;
     metal::params::GemmParams g1{static_cast<uint32_t>(H), static_cast<uint32_t>(I),
                                  static_cast<uint32_t>(E), 0, act, static_cast<uint32_t>(H), 0};
     metal::params::GemmParams g2{static_cast<uint32_t>(I), static_cast<uint32_t>(H),
@@ -191,25 +190,19 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
                                   at(b.row_w), at(b.o)));
     } else {
       // slots ordered by expert (stable in (t, j)), each expert padded to a tile: the ordering
-      // kernels; slots outside [0, E) (skip_outside) keep slot_row -1
+      // kernels; slots outside [0, E) (skip_outside) keep slot_row -1.  The padded rows P =
+      // off[E] are known on the GPU only: every later kernel runs over the bound on P (a
+      // multiple of 32 at most MaxPaddedRows), tiles past P doing nothing, so the host never
+      // waits between the ordering and the GEMMs.
       std::memset(b.slot_row, 0xFF, static_cast<size_t>(S) * sizeof(int32_t));
+      const int64_t tiles = MaxPaddedRows(S, E, kTileRows) / kTileRows;
       const metal::params::OrderParams op{static_cast<uint32_t>(S), static_cast<uint32_t>(E),
-                                          static_cast<uint32_t>(kTileRows)};
+                                          static_cast<uint32_t>(kTileRows), static_cast<uint32_t>(k),
+                                          static_cast<uint32_t>(tiles * kTileRows)};
       cb = metal::OrderSlots(op, at(b.ids), at(b.count), at(b.off), at(b.row_slot), at(b.slot_row));
-      if (ffi::Error e = CommitOne(dev, resident, &cb); e.failure()) return e;
-      if (ffi::Error e = WaitAll(dev); e.failure()) return e;  // the host reads P = off[E]
-      P = b.off[E];
-      for (int64_t r = 0; r < P; ++r) {
-        const int32_t s = b.row_slot[r];
-        b.row_tok[r] = s < 0 ? -1 : static_cast<int32_t>(s / k);
-        b.row_self[r] = s < 0 ? -1 : static_cast<int32_t>(r);
-        b.row_w[r] = s < 0 ? 0.0f : b.wts[s];
-      }
-      for (int64_t e = 0; e < E; ++e)
-        for (int64_t r = b.off[e]; r < b.off[e + 1]; r += kTileRows)
-          b.tile_expert[r / kTileRows] = static_cast<int32_t>(e);
+      cb.push_back(metal::PrepareRows(op, at(b.off), at(b.row_slot), at(b.wts), at(b.row_tok),
+                                      at(b.row_self), at(b.row_w), at(b.tile_expert)));
       // the GEMMs in ranges of row tiles, each range's command buffer under the flops bound
-      const int64_t tiles = P / kTileRows;
       const int64_t step = std::min(metal::TilesPerCommandBuffer(g1, flops_limit),
                                     metal::TilesPerCommandBuffer(g2, flops_limit));
       for (int64_t r0 = 0; r0 < tiles; r0 += step) {

@@ -206,25 +206,38 @@ void BindMetalTests(nb::module_& m) {
         "the simulated device: the host regions staged into one metal:0 buffer, the weights "
         "read through the table's GPU addresses; `out` copied back.  gp: (K, N, E, mode, act, "
         "lda, tile0); rows: row tiles (gemm) or rows (gemv).");
-  m.def("metal_order_slots", [](const std::vector<int32_t>& ids, int64_t E, int64_t pad) {
+  m.def("metal_order_slots", [](const std::vector<int32_t>& ids, int64_t E, int64_t pad, int64_t k,
+                                 const std::vector<float>& wts) {
     const int64_t S = static_cast<int64_t>(ids.size());
-    if (S > INT32_MAX || E < 1 || E > INT32_MAX || pad < 1) throw nb::value_error("sizes out of range");
+    if (S > INT32_MAX || E < 1 || E > INT32_MAX || pad < 1 || k < 1 || wts.size() != ids.size())
+      throw nb::value_error("sizes out of range");
+    const int64_t tiles = MaxPaddedRows(S, E, pad) / pad, rows = tiles * pad;
     std::vector<int32_t> count(static_cast<size_t>(E), -7), off(static_cast<size_t>(E) + 1, -7);
     std::vector<int32_t> row_slot(static_cast<size_t>(MaxPaddedRows(S, E, pad)), -7);
     std::vector<int32_t> slot_row(static_cast<size_t>(S), -1);
+    std::vector<int32_t> row_tok(static_cast<size_t>(rows), -7), row_self(static_cast<size_t>(rows), -7);
+    std::vector<float> row_w(static_cast<size_t>(rows), -7.0f);
+    std::vector<int32_t> tile_expert(static_cast<size_t>(tiles), -7);
     auto region = [](auto& v) {
       return std::tuple<int64_t, int64_t>(reinterpret_cast<intptr_t>(v.data()),
                                           static_cast<int64_t>(v.size() * sizeof(v[0])));
     };
     std::vector<int32_t> ids_copy = ids;
-    Staged st = Stage({region(ids_copy), region(count), region(off), region(row_slot), region(slot_row)});
+    std::vector<float> wts_copy = wts;
+    Staged st = Stage({region(ids_copy), region(count), region(off), region(row_slot), region(slot_row),
+                       region(wts_copy), region(row_tok), region(row_self), region(row_w),
+                       region(tile_expert)});
     const metal::params::OrderParams p{static_cast<uint32_t>(S), static_cast<uint32_t>(E),
-                                       static_cast<uint32_t>(pad)};
-    RunAndUnstage({st.buf.buffer()}, metal::OrderSlots(p, st.at(0), st.at(1), st.at(2), st.at(3), st.at(4)),
-                  st, {1, 2, 3, 4});
+                                       static_cast<uint32_t>(pad), static_cast<uint32_t>(k),
+                                       static_cast<uint32_t>(rows)};
+    std::vector<metal::Dispatch> ds = metal::OrderSlots(p, st.at(0), st.at(1), st.at(2), st.at(3), st.at(4));
+    ds.push_back(metal::PrepareRows(p, st.at(2), st.at(3), st.at(5), st.at(6), st.at(7), st.at(8), st.at(9)));
+    RunAndUnstage({st.buf.buffer()}, ds, st, {1, 2, 3, 4, 6, 7, 8, 9});
     row_slot.resize(static_cast<size_t>(off[static_cast<size_t>(E)]));
-    return nb::make_tuple(count, off, row_slot, slot_row);
-  }, "moe_order.metal's three kernels through the emulation: (count, off, row_slot, slot_row).");
+    return nb::make_tuple(count, off, row_slot, slot_row, row_tok, row_self, row_w, tile_expert);
+  }, "moe_order.metal's kernels through the emulation, in one command buffer: (count, off, row_slot, "
+     "slot_row) of the ordering, then nbx_prepare_rows' (row_tok, row_self, row_w, tile_expert) over "
+     "the bound on the rows.");
   m.def("metal_run_combine", [](const Ranges& regions, uint32_t H, uint32_t k, uint32_t tokens) {
     // regions: o, slot_row, y (copied back)
     if (regions.size() != 3) throw nb::value_error("3 regions: o, slot_row, y");

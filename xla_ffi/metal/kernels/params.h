@@ -27,9 +27,11 @@ struct GemmParams {
 
 // Ordering the slots by expert (moe_order.metal).
 struct OrderParams {
-  uint S;    // slots
-  uint E;    // experts
-  uint pad;  // rows per tile (32)
+  uint S;     // slots
+  uint E;     // experts
+  uint pad;   // rows per tile (32)
+  uint k;     // slots per token (nbx_prepare_rows: token = slot / k)
+  uint rows;  // the padded rows' bound MaxPaddedRows(S, E, pad) (nbx_prepare_rows' grid)
 };
 
 // The ordered combine (moe_combine.metal): y[t] = sum over j in order of o[slot_row[t k + j]].
