@@ -135,6 +135,30 @@ def test_what_the_metal_path_does_not_take_yet_is_refused_by_name():
     assert metal(x[:0], w[:0], ids[:0], ex).shape == (0, 16)
 
 
+def test_unpinnable_weights_and_refused_staging_are_told_apart():
+    """A weight array Metal cannot map is INVALID_ARGUMENT; weights that must
+    be staged (Metal will not wrap their memory) into a budget that cannot
+    hold them are the account's RESOURCE_EXHAUSTED, raised eagerly as
+    DeviceOOMError (the table lookup reports which, no message matching); the
+    copies are one request, so the call never waits on copies it holds."""
+    x, w, ids, ex = make_problem(14, 4, 8, 2, 64, 128)
+    F.metal_sim_configure(2**30, 16384, 512)  # maxBufferLength below one expert's 32 KiB
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"INVALID_ARGUMENT: an array of .* maxBufferLength"):
+        metal(x, w, ids, ex)
+    F.metal_sim_configure(2**30, 2**30, 512)
+    gate = jnp.array(ex.gate, copy=True)  # XLA memory the simulated device is told it cannot wrap
+    where = gate.unsafe_buffer_pointer()
+    F.metal_sim_track_host(where, gate.nbytes, False)
+    try:
+        budget = int(F.metal_forward_workspace_bytes(4, 2, 8, 64, 128)) + 4096
+        F.metal_sim_configure(budget, 2**30, 512)  # the plan fits; a staged copy (256 KiB) cannot
+        with pytest.raises(nbx.DeviceOOMError, match=r"jax_nbx account \(metal:0\) refused .* of staging"):
+            metal(x, w, ids, nbx.Experts(gate, ex.up, ex.down))
+    finally:
+        F.metal_sim_forget_host(where)
+    assert memory.stats()["metal:0"]["live"] == 0
+
+
 def test_the_default_stays_the_cpu_handler_off_apple(monkeypatch):
     """implementation=None picks "metal" only on macOS arm64 with Metal itself
     active (never the simulated device): here the CPU handler stays."""

@@ -131,9 +131,9 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
       ranges.push_back({static_cast<const char*>(w.table[pj * E + e]), matrix_bytes});
   std::shared_ptr<metal::Table> table;
   std::string err;
-  if (!metal::Tables::Get().Lookup(ranges, true, &table, &err))
-    return ffi::Error(err.find("jax_nbx account") != std::string::npos
-                          ? ffi::ErrorCode::kResourceExhausted : ffi::ErrorCode::kInvalidArgument,
+  bool exhausted = false;
+  if (!metal::Tables::Get().Lookup(ranges, true, &table, &err, &exhausted))
+    return ffi::Error(exhausted ? ffi::ErrorCode::kResourceExhausted : ffi::ErrorCode::kInvalidArgument,
                       err);
 
   const int64_t band = band_tokens <= 0 ? T : std::min(band_tokens, T);

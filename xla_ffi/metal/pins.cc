@@ -62,11 +62,14 @@ PinnedScope& PinnedScope::operator=(PinnedScope&& o) noexcept {
     Unpin();
     views_ = std::exchange(o.views_, {});
     staging_ = std::exchange(o.staging_, {});
+    staging_buf_ = std::move(o.staging_buf_);
   }
   return *this;
 }
 
-bool PinnedScope::Pin(const std::vector<HostRange>& ranges, PinnedScope* out, std::string* error) {
+bool PinnedScope::Pin(const std::vector<HostRange>& ranges, PinnedScope* out, std::string* error,
+                      bool* exhausted) {
+  if (exhausted != nullptr) *exhausted = false;
   out->Unpin();
   metal::Device* d = Active();
   if (d == nullptr) {
@@ -75,6 +78,7 @@ bool PinnedScope::Pin(const std::vector<HostRange>& ranges, PinnedScope* out, st
   }
   const int64_t max_len = PageFloor(d->info().max_buffer_length);
   PinnedScope scope;
+  int64_t staged_bytes = 0;  // the staged copies' extent in the one staging buffer
   for (const Span& s : Spans(*d, ranges)) {
     // Views of at most max_len bytes stepping so that every array lies inside one.
     if (s.longest > max_len) {
@@ -116,17 +120,25 @@ bool PinnedScope::Pin(const std::vector<HostRange>& ranges, PinnedScope* out, st
       if (lo + len >= s.hi) break;
       lo += step;
     }
-    if (refused) {  // this allocation cannot be wrapped: its arrays are copied instead
+    if (refused) {  // this allocation cannot be wrapped: its arrays are copied instead (below)
       for (size_t v = first_view; v < scope.views_.size(); ++v) d->Release(scope.views_[v].wrap);
       scope.views_.resize(first_view);
       for (size_t i : s.arrays) {
-        Staged st{ranges[i].ptr, ranges[i].bytes, DeviceBuffer()};
-        if (!DeviceBuffer::Allocate(ranges[i].bytes, "staging", WorkShape{}, &st.copy, error))
-          return false;
-        d->Memcpy(st.copy.buffer(), 0, ranges[i].ptr, ranges[i].bytes);
-        scope.staging_.push_back(std::move(st));
+        scope.staging_.push_back(Staged{ranges[i].ptr, ranges[i].bytes, staged_bytes});
+        staged_bytes = (scope.staging_.back().offset + ranges[i].bytes + 63) / 64 * 64;
       }
     }
+  }
+  if (!scope.staging_.empty()) {
+    // one request for every copy: a call never waits on copies it holds itself
+    const Staged& last = scope.staging_.back();
+    if (!DeviceBuffer::Allocate(last.offset + last.bytes, "staging", WorkShape{}, &scope.staging_buf_,
+                                error)) {
+      if (exhausted != nullptr) *exhausted = true;
+      return false;
+    }
+    for (const Staged& st : scope.staging_)
+      d->Memcpy(scope.staging_buf_.buffer(), st.offset, st.host, st.bytes);
   }
   *out = std::move(scope);
   return true;
@@ -135,7 +147,8 @@ bool PinnedScope::Pin(const std::vector<HostRange>& ranges, PinnedScope* out, st
 uint64_t PinnedScope::GpuAddress(const void* p, int64_t bytes) const {
   const char* c = static_cast<const char*>(p);
   for (const Staged& s : staging_)
-    if (c >= s.host && c + bytes <= s.host + s.bytes) return s.copy.buffer().gpu + (c - s.host);
+    if (c >= s.host && c + bytes <= s.host + s.bytes)
+      return staging_buf_.buffer().gpu + static_cast<uint64_t>(s.offset + (c - s.host));
   for (const View& v : views_)
     if (c >= v.host && c + bytes <= v.host + v.wrap.length) return v.wrap.gpu + (c - v.host);
   return 0;
@@ -144,7 +157,7 @@ uint64_t PinnedScope::GpuAddress(const void* p, int64_t bytes) const {
 std::vector<Buffer> PinnedScope::resources() const {
   std::vector<Buffer> out;
   for (const View& v : views_) out.push_back(v.wrap);
-  for (const Staged& s : staging_) out.push_back(s.copy.buffer());
+  if (!staging_.empty()) out.push_back(staging_buf_.buffer());
   return out;
 }
 
@@ -160,7 +173,8 @@ void PinnedScope::Unpin() {
   if (metal::Device* d = Active())
     for (const View& v : views_) d->Release(v.wrap);
   views_.clear();
-  staging_.clear();  // each DeviceBuffer returns its bytes
+  staging_.clear();
+  staging_buf_.Reset();  // the account counts its bytes free
 }
 
 }  // namespace nbx::metal

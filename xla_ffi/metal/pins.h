@@ -38,7 +38,10 @@ class PinnedScope {
   PinnedScope& operator=(const PinnedScope&) = delete;
 
   // Pins `ranges` on the active device; false and why (nothing stays pinned).
-  static bool Pin(const std::vector<HostRange>& ranges, PinnedScope* out, std::string* error);
+  // *exhausted (when given) says whether the account refused a staging copy
+  // (RESOURCE_EXHAUSTED) rather than the ranges being unpinnable.
+  static bool Pin(const std::vector<HostRange>& ranges, PinnedScope* out, std::string* error,
+                  bool* exhausted = nullptr);
 
   // The GPU address of [p, p + bytes), which must lie inside a pinned range;
   // 0 when it does not.
@@ -60,10 +63,11 @@ class PinnedScope {
   struct Staged {
     const char* host;  // the array's host pointer
     int64_t bytes;
-    DeviceBuffer copy;
+    int64_t offset;    // of its copy in staging_buf_
   };
   std::vector<View> views_;
   std::vector<Staged> staging_;
+  DeviceBuffer staging_buf_;  // every staged copy of the scope: one request to the account
 };
 
 }  // namespace nbx::metal

@@ -11,7 +11,10 @@ Tables& Tables::Get() {
 }
 
 bool Tables::Lookup(const std::vector<HostRange>& arrays, bool cache, std::shared_ptr<Table>* out,
-                    std::string* error) {
+                    std::string* error, bool* exhausted) {
+  bool refused = false;
+  if (exhausted == nullptr) exhausted = &refused;
+  *exhausted = false;
   std::vector<int64_t> key;
   key.reserve(2 * arrays.size());
   for (const HostRange& r : arrays) {
@@ -30,7 +33,7 @@ bool Tables::Lookup(const std::vector<HostRange>& arrays, bool cache, std::share
     }
   }
   auto t = std::make_shared<Table>();
-  if (!PinnedScope::Pin(arrays, &t->pins, error)) return false;
+  if (!PinnedScope::Pin(arrays, &t->pins, error, exhausted)) return false;
   t->n = static_cast<int64_t>(arrays.size());
   std::vector<int64_t> gpu(arrays.size());
   for (size_t i = 0; i < arrays.size(); ++i) {
@@ -42,7 +45,10 @@ bool Tables::Lookup(const std::vector<HostRange>& arrays, bool cache, std::share
   }
   if (!gpu.empty()) {
     const int64_t bytes = static_cast<int64_t>(gpu.size() * sizeof(int64_t));
-    if (!DeviceBuffer::Allocate(bytes, "tables", WorkShape{}, &t->addresses, error)) return false;
+    if (!DeviceBuffer::Allocate(bytes, "tables", WorkShape{}, &t->addresses, error)) {
+      *exhausted = true;
+      return false;
+    }
     Active()->Memcpy(t->addresses.buffer(), 0, gpu.data(), bytes);
   }
   t->cached = cache && t->pins.staged() == 0;  // staged copies are snapshots: this call only

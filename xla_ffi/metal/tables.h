@@ -38,8 +38,10 @@ class Tables {
   static Tables& Get();
   // The table of `arrays` (their GPU addresses in that order).  `cache`:
   // look it up in and add it to the LRU; else a table for this call only.
+  // *exhausted (when given): the failure is the account's refusal (of a
+  // staging copy or of the table's buffer), not arrays that cannot be pinned.
   bool Lookup(const std::vector<HostRange>& arrays, bool cache, std::shared_ptr<Table>* out,
-              std::string* error);
+              std::string* error, bool* exhausted = nullptr);
   // Drops every cached table and the pins it holds; returns how many.
   int64_t ReleasePinned();
   void SetCapacity(int64_t n);
