@@ -186,3 +186,20 @@ def test_without_a_metal_device_the_implementation_is_refused():
     with pytest.raises(ValueError, match="implementation='metal': no Metal device is active"):
         metal(x, w, ids, ex)
     nbx.metal.use("sim")
+
+
+@pytest.mark.parametrize("T", [1, 33])  # the decode kernels, then the tiled GEMMs
+def test_nan_propagates_like_the_reference(T):
+    """A NaN in x poisons its token only; a NaN weight the tokens routed to its
+    expert, nothing else (padding rows and other experts' tiles stay clean)."""
+    x, w, ids, ex = make_problem(4, T, 8, 2, 65, 33)
+    x = x.at[T // 2, 5].set(jnp.nan)
+    e_bad = int(np.asarray(ids)[-1, 0])
+    ex = nbx.Experts(ex.gate.at[e_bad, 0, 7].set(jnp.nan), ex.up, ex.down)
+    ref = np_moe(x, w, ids, ex)
+    y = np.asarray(metal(x, w, ids, ex))
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
+    ok = ~np.isnan(ref)
+    if ok.any():
+        assert np.max(np.abs(y[ok] - ref[ok])) / np.max(np.abs(ref[ok])) < 1e-5
+    assert np.isnan(ref[T // 2]).all() and np.isnan(ref[-1]).all()
