@@ -5,7 +5,8 @@
     w, ids = nbx.route(logits, k=2)
     y = nbx.fused_moe(x, w, ids, experts)
 """
-from . import _registry, cpu, memory, metal, tables  # noqa: F401  (_registry registers the handlers)
+from . import _registry, activations, cpu, memory, metal, tables  # noqa: F401  (_registry registers the handlers)
+from .activations import Activation
 from .experts import Experts
 from .memory import DeviceOOMError
 from .models import MODELS, ModelShape
@@ -17,6 +18,6 @@ from .sharding import sharded_moe
 
 __version__ = "0.1.0"
 
-__all__ = ["Experts", "route", "fused_moe", "moe_reference", "IMPLEMENTATIONS", "MODELS",
+__all__ = ["Experts", "Activation", "activations", "route", "fused_moe", "moe_reference", "IMPLEMENTATIONS", "MODELS",
            "ModelShape", "DeviceOOMError", "quantize", "dequantize", "QuantizedWeight", "sharded_moe",
            "memory", "cpu", "metal", "tables", "__version__"]

@@ -28,6 +28,11 @@ ACT_SWIGLU: int = ACTIVATION_CODES["swiglu"]
 ACT_GEGLU: int = ACTIVATION_CODES["geglu"]
 GELU_C: float = _d["gelu_c"]
 GELU_B: float = _d["gelu_b"]
+INV_SQRT2: float = _d["inv_sqrt2"]
+ACT_SWIGLU_CLAMPED: int = ACTIVATION_CODES["swiglu_clamped"]
+ACT_GEGLU_ERF: int = ACTIVATION_CODES["geglu_erf"]
+CLAMPED_SWIGLU_ALPHA: float = _d["clamped_swiglu_alpha"]
+CLAMPED_SWIGLU_LIMIT: float = _d["clamped_swiglu_limit"]
 
 # weight formats: name -> code (the enum attribute "format", int32); None = dense
 WEIGHT_FORMATS: tuple[str, ...] = tuple(_d["weight_formats"])

@@ -80,7 +80,7 @@ def check_ids_enabled() -> bool:
     return _env.cuda_check_ids()
 
 
-def forward(x, w, ids, *weights, activation: int, band_tokens: int, lists: bool = False,
+def forward(x, w, ids, *weights, activation, band_tokens: int, lists: bool = False,
             skip_outside: bool = False):
     """The raw CUDA FFI call on 2-D inputs (x [T, H], w f32 [T, k], ids i32 [T, k]).
 

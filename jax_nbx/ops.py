@@ -10,10 +10,11 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 
 from . import _abi, _registry, memory, metal
+from .activations import Activation, as_activation
 from .cpu import planned_workers
 from .experts import FLOAT_DTYPES, Experts
 from .quant import QuantizedWeight, is_quantized, quant_format, weight_groups
-from .reference import ACTIVATIONS, moe_reference
+from .reference import moe_reference
 
 __all__ = ["fused_moe", "IMPLEMENTATIONS"]
 
@@ -108,14 +109,13 @@ def _validate_experts(experts: Experts) -> tuple[int, int, int]:
     return int(E), int(H), int(I)
 
 
-def _validate(x, topk_weights, topk_ids, experts: Experts, activation: str,
+def _validate(x, topk_weights, topk_ids, experts: Experts, activation: str | Activation,
               local_experts: bool = False) -> tuple[int, int, int, int]:
     """Trace-time checks; returns (E, H, I, k).  ``local_experts``: the
     experts are one shard of more (ids outside are skipped), so k may exceed E."""
     if not isinstance(experts, Experts):
         raise TypeError(f"experts must be a jax_nbx.Experts; got {type(experts).__name__}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+    as_activation(activation)  # names the bad name or parameter
     if x.ndim < 1:
         raise ValueError(f"x must have shape [..., H]; got shape {x.shape}")
     if np.dtype(x.dtype) not in FLOAT_DTYPES:
@@ -238,7 +238,7 @@ def _poisoned_call(target: str, outs, operands, attrs):
     return call(*operands, *twins, **attrs)
 
 
-def _ffi_forward(x, w, ids, *weights, activation: str, band_tokens: int,
+def _ffi_forward(x, w, ids, *weights, activation: str | Activation, band_tokens: int,
                  poison: bool = False, platform: str = "cpu", lists: bool = False,
                  skip_outside: bool = False):
     """The raw FFI call on 2-D inputs (no batching rule, no derivative).
@@ -254,16 +254,17 @@ def _ffi_forward(x, w, ids, *weights, activation: str, band_tokens: int,
     ``skip_outside``: slots whose id is outside ``[0, E)`` are skipped, not an error.
     """
     _check_slots(*ids.shape)  # (a vmapped batch folds into the tokens: checked again here)
+    activation = as_activation(activation)
     if platform == "metal" and poison:
         raise ValueError("the Metal path has no poisoned test twin")
     if platform == "gpu":
         from . import _cuda
 
-        return _cuda.forward(x, w, ids, *weights, activation=_abi.ACTIVATION_CODES[activation],
+        return _cuda.forward(x, w, ids, *weights, activation=activation,
                              band_tokens=band_tokens, lists=lists, skip_outside=skip_outside)
     groups, E, _, quant, _, _ = weight_groups(weights, lists)
     bufs = [b for g in groups for b in (g if lists else g[:1])]
-    attrs = dict(activation=np.int32(_abi.ACTIVATION_CODES[activation]),
+    attrs = dict(**activation.attrs(),
                  band_tokens=np.int64(band_tokens), max_workers=np.int64(planned_workers()),
                  skip_outside=bool(skip_outside), num_experts=np.int64(E),
                  format=np.int32(_abi.FORMAT_CODES[quant[0] if quant else None]),
@@ -277,16 +278,17 @@ def _ffi_forward(x, w, ids, *weights, activation: str, band_tokens: int,
     return call(x, w, ids, *bufs, **attrs)
 
 
-def _ffi_backward(dy, x, w, ids, *weights, activation: str, band_tokens: int,
+def _ffi_backward(dy, x, w, ids, *weights, activation: str | Activation, band_tokens: int,
                   lists: bool = False, skip_outside: bool = False, poison: bool = False):
     """The CPU backward handler on 2-D inputs: returns ``(dx, dw, dweights)``
     with ``dweights`` in ``weights``' order (`Experts.flat`) and dtypes.  The
     handler accumulates the weight gradients in float32 (cast here once).
     ``poison=True`` (tests): every result buffer starts NaN-filled."""
+    activation = as_activation(activation)
     E = len(weights) // 3 if lists else int(weights[0].shape[0])
     outs = ([jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32)]
             + [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in weights])
-    attrs = dict(activation=np.int32(_abi.ACTIVATION_CODES[activation]),
+    attrs = dict(**activation.attrs(),
                  band_tokens=np.int64(band_tokens), max_workers=np.int64(planned_workers()),
                  skip_outside=bool(skip_outside), num_experts=np.int64(E), stacked=not lists)
     operands = [dy.astype(x.dtype), x, w, ids, *weights]
@@ -299,7 +301,7 @@ def _ffi_backward(dy, x, w, ids, *weights, activation: str, band_tokens: int,
 
 
 @functools.cache
-def _ffi_op(activation: str, band_tokens: int, platform: str = "cpu", lists: bool = False,
+def _ffi_op(activation: Activation, band_tokens: int, platform: str = "cpu", lists: bool = False,
             skip_outside: bool = False, max_workspace_bytes: int | str | None = None):
     """The FFI op on 2-D inputs with a batching rule and a derivative (on the
     CPU the backward is its own handler; elsewhere the reference's VJP)."""
@@ -361,7 +363,7 @@ def fused_moe(
     topk_ids: jax.Array,
     experts: Experts,
     *,
-    activation: Literal["swiglu", "geglu"] = "swiglu",
+    activation: Literal["swiglu", "geglu", "geglu_erf", "swiglu_clamped"] | Activation = "swiglu",
     implementation: Literal["ffi", "xla", "metal"] | None = None,
     max_workspace_bytes: int | str | None = None,
     ids_outside: Literal["error", "skip"] = "error",
@@ -384,7 +386,10 @@ def fused_moe(
         or lists of E per-expert arrays (read in place, never stacked), dense
         or quantized (`jax_nbx.quantize`: int8, int4 in groups; quantized
         weights are frozen: no gradient flows to them).
-      activation: ``"swiglu"`` (silu gate) or ``"geglu"`` (tanh-approximated gelu gate).
+      activation: the experts' gated unit (`jax_nbx.activations`): ``"swiglu"``
+        (silu gate), ``"geglu"`` (tanh-approximated gelu gate), ``"geglu_erf"``
+        (exact gelu gate), ``"swiglu_clamped"`` (gpt-oss), or an
+        ``Activation("swiglu_clamped", alpha=..., limit=...)`` with its parameters.
       implementation: ``"ffi"`` (jax_nbx's handler for the current platform:
         the CPU handler, or on a CUDA GPU the Triton kernels launched by the
         CUDA handler), ``"xla"`` (the pure-JAX reference, every platform), or
@@ -442,6 +447,7 @@ def fused_moe(
     if ids_outside not in ("error", "skip"):
         raise ValueError(f"ids_outside must be 'error' or 'skip'; got {ids_outside!r}")
     E, H, I, k = _validate(x, topk_weights, topk_ids, experts, activation, ids_outside == "skip")
+    activation = as_activation(activation)
     impl = _resolve_implementation(implementation, is_quantized(experts))
 
     lead = x.shape[:-1]

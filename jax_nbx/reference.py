@@ -12,19 +12,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ._abi import ACTIVATIONS
+from .activations import ACTIVATIONS, Activation, as_activation
 from .experts import Experts
 
-__all__ = ["moe_reference", "activation_fn", "ACTIVATIONS"]
-
-
-def activation_fn(name: str):
-    """The gate nonlinearity of a gated MLP: silu (swiglu) or tanh-gelu (geglu)."""
-    if name == "swiglu":
-        return jax.nn.silu
-    if name == "geglu":
-        return lambda g: jax.nn.gelu(g, approximate=True)
-    raise ValueError(f"activation must be one of {ACTIVATIONS}; got {name!r}")
+__all__ = ["moe_reference", "ACTIVATIONS"]
 
 
 def block_rows(slots: int, num_experts: int) -> int:
@@ -34,14 +25,14 @@ def block_rows(slots: int, num_experts: int) -> int:
 
 
 def moe_reference(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array,
-                  experts: Experts, activation: str = "swiglu") -> jax.Array:
+                  experts: Experts, activation: str | Activation = "swiglu") -> jax.Array:
     """MoE forward on 2-D inputs: x ``[T, H]``, weights/ids ``[T, k]``.
 
     Accumulates in float32 and returns ``x.dtype``.  Slots whose id lies
     outside ``[0, E)`` contribute nothing (this path cannot raise at run time;
     the FFI path reports them).
     """
-    act = activation_fn(activation)
+    glu = as_activation(activation)
     experts = experts.stacked()  # per-expert lists: stacked here (a copy; this is the reference)
     from .quant import dequantize, is_quantized
 
@@ -88,7 +79,7 @@ def moe_reference(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array,
             xf = xb.astype(jnp.float32)
             g = jnp.dot(xf, experts.gate[e].astype(jnp.float32), precision=hi)
             u = jnp.dot(xf, experts.up[e].astype(jnp.float32), precision=hi)
-            o = jnp.dot(act(g) * u, experts.down[e].astype(jnp.float32), precision=hi)
+            o = jnp.dot(glu(g, u), experts.down[e].astype(jnp.float32), precision=hi)
             return o * wb[:, None]
 
         return jax.lax.cond(use, compute, lambda _: jnp.zeros((B, H), jnp.float32), None)

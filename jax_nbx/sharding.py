@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from .activations import Activation
 from .experts import Experts
 from .ops import _narrow_ids, _resolve_implementation, fused_moe
 
@@ -44,7 +45,7 @@ __all__ = ["sharded_moe"]
 
 def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, experts: Experts,
                 mesh: Mesh, *, expert_axis: str = "expert", data_axis: str | None = "data",
-                activation: Literal["swiglu", "geglu"] = "swiglu",
+                activation: Literal["swiglu", "geglu", "geglu_erf", "swiglu_clamped"] | Activation = "swiglu",
                 implementation: Literal["ffi", "xla"] | None = None,
                 dispatch: Literal["psum", "all_to_all"] = "psum",
                 capacity_factor: float | None = None,

@@ -1,6 +1,8 @@
 """Shared helpers: random MoE problems and a float64 numpy reference."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +27,28 @@ def np_gelu_tanh(g):
 
 
 NP_ACT = {"swiglu": np_silu, "geglu": np_gelu_tanh}
+_np_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def np_glu(g, u, activation="swiglu"):
+    """(glu(g, u), d glu/dg, d glu/du) in float64, jax_nbx.activations' table
+    written out: swiglu_clamped from transformers' modeling_gpt_oss.py
+    (GptOssExperts.forward: gate.clamp(max=limit), up.clamp(-limit, limit),
+    gate * sigmoid(gate * alpha) * (up + 1)); a clamp passes the gradient
+    inside its range only (torch.clamp)."""
+    a = nbx.activations.as_activation(activation)
+    if a.name == "swiglu_clamped":
+        L, al = a.limit, a.alpha
+        gc, uc = np.minimum(g, L), np.clip(u, -L, L)
+        s = 1.0 / (1.0 + np.exp(-al * gc))
+        f, df = gc * s, s * (1.0 + al * gc * (1.0 - s))
+        return f * (uc + 1.0), np.where(g <= L, df * (uc + 1.0), 0.0), np.where(np.abs(u) <= L, f, 0.0)
+    if a.name == "geglu_erf":
+        cdf = 0.5 * (1.0 + _np_erf(g / np.sqrt(2.0)))
+        f, df = g * cdf, cdf + g * np.exp(-0.5 * g * g) / np.sqrt(2.0 * np.pi)
+    else:
+        f, df = np_act_grad(g, a.name)
+    return f * u, df * u, f
 
 
 def f64(a) -> np.ndarray:
@@ -37,13 +61,12 @@ def np_moe(x, w, ids, experts: nbx.Experts, activation="swiglu") -> np.ndarray:
     gate, up, down = f64(experts.gate), f64(experts.up), f64(experts.down)
     T, H = x.shape
     y = np.zeros((T, H))
-    act = NP_ACT[activation]
     for e in range(gate.shape[0]):
         t_idx, j_idx = np.nonzero(ids == e)
         if t_idx.size == 0:
             continue
         a = x[t_idx]
-        h = act(a @ gate[e]) * (a @ up[e])
+        h = np_glu(a @ gate[e], a @ up[e], activation)[0]
         np.add.at(y, t_idx, w[t_idx, j_idx][:, None] * (h @ down[e]))
     return y
 
@@ -71,15 +94,14 @@ def np_moe_grads(x, w, ids, experts: nbx.Experts, ct, activation="swiglu"):
             continue
         a, c, wt = x[t_idx], ct[t_idx], w[t_idx, j_idx][:, None]
         g, u = a @ G[e], a @ U[e]
-        f, df = np_act_grad(g, activation)
-        h = f * u
+        h, dh_dg, dh_du = np_glu(g, u, activation)
         o = h @ D[e]
         np.add.at(dw, (t_idx, j_idx), np.sum(o * c, axis=1))
         do = wt * c
         dD[e] += h.T @ do
         dh = do @ D[e].T
-        dg = dh * u * df
-        du = dh * f
+        dg = dh * dh_dg
+        du = dh * dh_du
         dG[e] += a.T @ dg
         dU[e] += a.T @ du
         np.add.at(dx, t_idx, dg @ G[e].T + du @ U[e].T)

@@ -55,6 +55,18 @@ def test_backward_matches_float64(isa, T, E, k, H, I, routing, activation):
     _check(_grads(x, w, ids, ex, ct, activation), ref, TOL["f32"])
 
 
+@pytest.mark.parametrize("T,E,k,H,I", [(1, 4, 2, 16, 8), (33, 8, 2, 65, 99)])
+@pytest.mark.parametrize("activation", ["geglu_erf", nbx.Activation("swiglu_clamped", alpha=1.702, limit=0.8)], ids=str)
+def test_backward_of_the_model_activations(isa, T, E, k, H, I, activation):
+    """The exact-GELU GeGLU and gpt-oss's clamped SwiGLU (limit 0.8: the clamps
+    bite; no gradient through a clamped gate or up) in the fused backward."""
+    x, w, ids, ex = make_problem(T + 3 * E, T, E, k, H, I, routing="random")
+    ct = _ct(x.shape)
+    ref = np_moe_grads(x, w, ids, ex, ct, activation)
+    _check(_grads(x, w, ids, ex, ct, activation), ref, TOL["f32"])
+    _check(_grads(x, w, ids, ex, ct, activation, impl="xla"), ref, TOL["f32"])  # the reference's VJP too
+
+
 @pytest.mark.parametrize("xd,wd", [("bf16", "bf16"), ("f32", "bf16"), ("f16", "f16"), ("bf16", "f32")])
 def test_backward_16bit(xd, wd):
     dt = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}

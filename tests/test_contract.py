@@ -3,6 +3,8 @@ every consumer on the CPU side agrees with it.  (The CUDA launch program and
 the Triton kernels: tests/test_program_decoder.py.)"""
 from __future__ import annotations
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ import jax_nbx as nbx
 from jax_nbx import _abi, _registry, quant, reference
 from jax_nbx.ops import _ffi_forward
 
-from conftest import TOL, make_problem, np_moe, rel_err
+from conftest import TOL, make_problem, np_glu, np_moe, rel_err
 
 ffi = _registry.ffi_module()
 pytestmark = pytest.mark.fast
@@ -30,19 +32,34 @@ def test_target_names_are_the_abis():
 
 
 def test_activations_are_the_abis_and_the_reference_has_each():
-    assert reference.ACTIVATIONS == _abi.ACTIVATIONS == ("swiglu", "geglu")
-    g = jnp.linspace(-6.0, 6.0, 101, dtype=jnp.float32)
+    assert reference.ACTIVATIONS == _abi.ACTIVATIONS == ("swiglu", "geglu", "swiglu_clamped", "geglu_erf")
+    g = jnp.linspace(-9.0, 9.0, 101, dtype=jnp.float32)
+    u = jnp.linspace(9.0, -9.0, 101, dtype=jnp.float32)
     for name in _abi.ACTIVATIONS:
-        assert reference.activation_fn(name)(g).shape == g.shape
+        got = np.asarray(nbx.Activation(name)(g, u), np.float64)
+        np.testing.assert_allclose(got, np_glu(np.asarray(g, np.float64), np.asarray(u, np.float64), name)[0],
+                                   rtol=2e-6, atol=2e-6)
     # the reference's tanh-GELU uses the contract's constants
     g64 = np.linspace(-6.0, 6.0, 101)
     mine = 0.5 * g64 * (1.0 + np.tanh(_abi.GELU_C * (g64 + _abi.GELU_B * g64 ** 3)))
-    np.testing.assert_allclose(np.asarray(reference.activation_fn("geglu")(g), np.float64), mine,
-                               rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(nbx.Activation("geglu")(jnp.asarray(g64, jnp.float32), 1.0)),
+                               mine, rtol=2e-6, atol=2e-6)
     assert _abi.GELU_C == pytest.approx(np.sqrt(2.0 / np.pi), rel=1e-15)
+    assert _abi.INV_SQRT2 == pytest.approx(np.sqrt(0.5), rel=1e-15)
+    assert (_abi.CLAMPED_SWIGLU_ALPHA, _abi.CLAMPED_SWIGLU_LIMIT) == (1.702, 7.0)  # gpt-oss's
 
 
-@pytest.mark.parametrize("activation", _abi.ACTIVATIONS)
+def test_the_metal_kernels_spell_the_contracts_activation_constants():
+    """prelude.metal cannot include abi.h (newLibraryWithSource has no include
+    path): its codes and constants are checked against the contract here."""
+    src = (pathlib.Path(__file__).resolve().parent.parent / "xla_ffi" / "metal" / "kernels"
+           / "prelude.metal").read_text()
+    assert f"{_abi.GELU_C:.16g}f" in src and f"{_abi.GELU_B}f" in src and f"{_abi.INV_SQRT2:.16g}f" in src
+    for name in ("geglu", "swiglu_clamped", "geglu_erf"):
+        assert f"p.act == {_abi.ACTIVATION_CODES[name]}" in src, name
+
+
+@pytest.mark.parametrize("activation", list(_abi.ACTIVATIONS) + [nbx.Activation("swiglu_clamped", 1.1, 0.6)])
 def test_handler_reads_each_activation_code_as_the_reference_does(activation):
     x, w, ids, ex = make_problem(1, 9, 4, 2, 33, 20)
     y = nbx.fused_moe(x, w, ids, ex, activation=activation, implementation="ffi")
@@ -63,7 +80,8 @@ def test_weight_groups_follow_the_abis_order():
 
 
 def _raw_forward(x, w, ids, ex, **overrides):
-    attrs = dict(activation=np.int32(0), band_tokens=np.int64(0), max_workers=np.int64(2),
+    attrs = dict(activation=np.int32(0), act_alpha=np.float32(1.702), act_limit=np.float32(7.0),
+                 band_tokens=np.int64(0), max_workers=np.int64(2),
                  skip_outside=False, num_experts=np.int64(ex.num_experts),
                  format=np.int32(_abi.FORMAT_CODES["dense"]), stacked=True, group_size=np.int64(0))
     attrs.update(overrides)
@@ -76,6 +94,11 @@ def test_enum_attributes_out_of_range_are_refused_by_name():
     x, w, ids, ex = make_problem(3, 5, 4, 2, 16, 8)
     with pytest.raises(jax.errors.JaxRuntimeError, match="unknown activation code 7"):
         jax.block_until_ready(_raw_forward(x, w, ids, ex, activation=np.int32(7)))
+    clamped = np.int32(_abi.ACT_SWIGLU_CLAMPED)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="act_limit > 0; got act_alpha=1.702.*act_limit=0"):
+        jax.block_until_ready(_raw_forward(x, w, ids, ex, activation=clamped, act_limit=np.float32(0)))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="finite act_alpha"):
+        jax.block_until_ready(_raw_forward(x, w, ids, ex, activation=clamped, act_alpha=np.float32(np.nan)))
     with pytest.raises(jax.errors.JaxRuntimeError, match="unknown weight format code 5"):
         jax.block_until_ready(_raw_forward(x, w, ids, ex, format=np.int32(5)))
     # an int64 where the contract says int32 is refused by XLA's decoder, not misread
@@ -91,7 +114,8 @@ def test_weight_buffers_are_checked_against_the_format():
         call = jax.ffi.ffi_call(_abi.TARGET_FORWARD, jax.ShapeDtypeStruct(x.shape, x.dtype),
                                 vmap_method="sequential")
         jax.block_until_ready(call(x, w, ids, ex.gate, jnp.zeros((4, 16, 9)), ex.down,
-                                   activation=np.int32(0), band_tokens=np.int64(0),
+                                   activation=np.int32(0), act_alpha=np.float32(1.702),
+                                   act_limit=np.float32(7.0), band_tokens=np.int64(0),
                                    max_workers=np.int64(2), skip_outside=False,
                                    num_experts=np.int64(4), format=np.int32(0), stacked=True,
                                    group_size=np.int64(0)))
@@ -101,7 +125,8 @@ def test_weight_buffers_are_checked_against_the_format():
         call = jax.ffi.ffi_call(_abi.TARGET_FORWARD, jax.ShapeDtypeStruct(x.shape, x.dtype),
                                 vmap_method="sequential")
         jax.block_until_ready(call(x, w, ids, *[g[0] for g in quant.weight_groups(q.flat(), False)[0]],
-                                   activation=np.int32(0), band_tokens=np.int64(0),
+                                   activation=np.int32(0), act_alpha=np.float32(1.702),
+                                   act_limit=np.float32(7.0), band_tokens=np.int64(0),
                                    max_workers=np.int64(2), skip_outside=False,
                                    num_experts=np.int64(4), format=np.int32(0), stacked=True,
                                    group_size=np.int64(0)))

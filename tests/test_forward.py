@@ -75,7 +75,9 @@ def test_xla_matches_float64_reference(case, xd, wd):
     assert rel_err(y, np_moe(x, w, ids, experts)) < TOL[xd]
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+# swiglu_clamped with a limit of 0.8: the clamps of gate and up both bite at these scales
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "geglu_erf", "swiglu_clamped",
+                                        nbx.Activation("swiglu_clamped", alpha=1.702, limit=0.8)], ids=str)
 @pytest.mark.parametrize("impl", ["ffi", "xla"])
 def test_activations(activation, impl, isa):
     x, w, ids, experts = make_problem(7, 33, 8, 2, 129, 511)

@@ -4,6 +4,7 @@ grids, arguments, pointer tables of absolute addresses) the CUDA handler
 executes, checked against the float64 reference with the output poisoned."""
 from __future__ import annotations
 
+import math
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -25,10 +26,16 @@ F32, F16 = np.dtype("float32"), np.dtype("float16")
 TOL = {F32: 1e-5, BF16: 1.5e-2, F16: 3e-3}
 
 
-def _act(g, act):
+def _glu(g, u, act):
+    """glu(g, u) of the activation code (swiglu_clamped with gpt-oss's alpha 1.702, limit 7)."""
     if act == 1:
-        return 0.5 * g * (1.0 + np.tanh(0.7978845608028654 * (g + 0.044715 * g ** 3)))
-    return g / (1.0 + np.exp(-g))
+        return 0.5 * g * (1.0 + np.tanh(0.7978845608028654 * (g + 0.044715 * g ** 3))) * u
+    if act == 3:
+        return 0.5 * g * (1.0 + np.vectorize(math.erf)(g / np.sqrt(2.0))) * u
+    if act == 2:
+        gc, uc = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+        return gc / (1.0 + np.exp(-1.702 * gc)) * (uc + 1.0)
+    return g / (1.0 + np.exp(-g)) * u
 
 
 def np_moe64(x, w, ids, gate, up, down, act=0):
@@ -40,7 +47,7 @@ def np_moe64(x, w, ids, gate, up, down, act=0):
             e = ids[t, j]
             g = x64[t] @ gate[e].astype(np.float64)
             u = x64[t] @ up[e].astype(np.float64)
-            y[t] += w[t, j] * ((_act(g, act) * u) @ down[e].astype(np.float64))
+            y[t] += w[t, j] * (_glu(g, u, act) @ down[e].astype(np.float64))
     return y
 
 
@@ -74,7 +81,7 @@ def rel_err(y, ref):
     return float(np.max(np.abs(y.astype(np.float64) - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
-CASES = [  # T, E, k, H, I, x dtype, w dtype, activation (0 swiglu, 1 geglu)
+CASES = [  # T, E, k, H, I, x dtype, w dtype, activation (0 swiglu, 1 geglu, 2 swiglu_clamped, 3 geglu_erf)
     (1, 4, 2, 33, 20, F32, F32, 0),          # decode path, odd H
     (1, 8, 8, 64, 48, BF16, BF16, 1),        # decode, k = E
     (1, 8, 2, 300, 200, F32, F32, 0),        # decode with the K axis split into chunks
@@ -86,6 +93,8 @@ CASES = [  # T, E, k, H, I, x dtype, w dtype, activation (0 swiglu, 1 geglu)
     (22, 3, 1, 17, 9, F16, F16, 0),
     (222, 8, 2, 32, 16, BF16, BF16, 0),      # T = 222
     (70, 1, 1, 32, 16, F32, F32, 0),         # E = 1
+    (1, 4, 2, 33, 20, F32, F32, 2),          # decode, gpt-oss's clamped swiglu
+    (33, 6, 2, 40, 24, F32, F32, 3),         # prefill, exact-erf geglu
 ]
 
 

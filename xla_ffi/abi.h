@@ -32,13 +32,27 @@ inline constexpr const char* kTargetForwardPoisoned = "nbx_testing_fused_moe_fwd
 inline constexpr const char* kTargetBackwardPoisoned = "nbx_testing_fused_moe_bwd_poisoned";
 
 // ---------------------------------------------------------------- activations
-// act(gate) * up, then @ down.  Decoded as a typed enum attribute.
-enum class Activation : int32_t { kSwiGLU = 0, kGeGLU = 1 };
-inline constexpr int32_t kNumActivations = 2;
-inline constexpr const char* kActivationNames[kNumActivations] = {"swiglu", "geglu"};
+// The gated unit glu(gate, up), then @ down.  Decoded as a typed enum
+// attribute, with two float attributes `act_alpha` and `act_limit` that only
+// kClampedSwiGLU reads (the others ignore them):
+//   kSwiGLU        silu(g) * u
+//   kGeGLU         gelu_tanh(g) * u
+//   kClampedSwiGLU gpt-oss (transformers modeling_gpt_oss.py GptOssExperts):
+//                  g' = min(g, limit), u' = clamp(u, -limit, limit),
+//                  g' * sigmoid(alpha g') * (u' + 1)
+//   kGeGLUErf      gelu(g) * u with the exact erf GELU: 0.5 g (1 + erf(g / sqrt 2))
+enum class Activation : int32_t { kSwiGLU = 0, kGeGLU = 1, kClampedSwiGLU = 2, kGeGLUErf = 3 };
+inline constexpr int32_t kNumActivations = 4;
+inline constexpr const char* kActivationNames[kNumActivations] = {"swiglu", "geglu",
+                                                                  "swiglu_clamped", "geglu_erf"};
 // GELU, tanh approximation: 0.5 g (1 + tanh(kGeluC (g + kGeluB g^3))).
 inline constexpr double kGeluC = 0.7978845608028654;  // sqrt(2 / pi)
 inline constexpr double kGeluB = 0.044715;
+// 1 / sqrt(2): the exact GELU's erf argument scale.
+inline constexpr double kInvSqrt2 = 0.7071067811865476;
+// kClampedSwiGLU's defaults (gpt-oss: GptOssExperts.alpha, config.swiglu_limit).
+inline constexpr double kClampedSwiGLUAlpha = 1.702;
+inline constexpr double kClampedSwiGLULimit = 7.0;
 
 // ---------------------------------------------------------------- weight formats
 // Dense (float32/bfloat16/float16), int8 (per output column), int4 (groups

@@ -36,6 +36,9 @@ nb::dict AbiDict() {
   d["activations"] = Names(abi::kActivationNames);
   d["gelu_c"] = abi::kGeluC;
   d["gelu_b"] = abi::kGeluB;
+  d["inv_sqrt2"] = abi::kInvSqrt2;
+  d["clamped_swiglu_alpha"] = abi::kClampedSwiGLUAlpha;
+  d["clamped_swiglu_limit"] = abi::kClampedSwiGLULimit;
 
   d["weight_formats"] = Names(abi::kWeightFormatNames);
   d["projections"] = Names(abi::kProjectionNames);

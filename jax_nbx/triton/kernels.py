@@ -46,18 +46,28 @@ from .. import _abi
 
 ERR_NONE = tl.constexpr(_abi.ERR_NONE)
 ACT_GEGLU = tl.constexpr(_abi.ACT_GEGLU)  # any other ACT: swiglu
+ACT_GEGLU_ERF = tl.constexpr(_abi.ACT_GEGLU_ERF)
+ACT_SWIGLU_CLAMPED = tl.constexpr(_abi.ACT_SWIGLU_CLAMPED)
 GELU_C = tl.constexpr(_abi.GELU_C)
 GELU_B = tl.constexpr(_abi.GELU_B)
+INV_SQRT2 = tl.constexpr(_abi.INV_SQRT2)
 QUANT_DENSE = tl.constexpr(_abi.FORMAT_CODES["dense"])
 QUANT_INT8 = tl.constexpr(_abi.FORMAT_CODES["int8"])  # any other QUANT: int4
 
 
 @triton.jit
-def _act(g, ACT: tl.constexpr):
+def _glu(g, u, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """glu(g, u) (abi.h Activation; ALPHA and LIMIT: swiglu_clamped's)."""
     if ACT == ACT_GEGLU:  # gelu, tanh approximation; tanh(z) = 2*sigmoid(2z) - 1
         z = GELU_C * (g + GELU_B * g * g * g)
-        return 0.5 * g * (2.0 * tl.sigmoid(2.0 * z))
-    return g * tl.sigmoid(g)  # silu
+        return 0.5 * g * (2.0 * tl.sigmoid(2.0 * z)) * u
+    if ACT == ACT_GEGLU_ERF:  # gelu, exact
+        return 0.5 * g * (1.0 + tl.math.erf(g * INV_SQRT2)) * u
+    if ACT == ACT_SWIGLU_CLAMPED:  # gpt-oss
+        gc = tl.minimum(g, LIMIT)
+        uc = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        return gc * tl.sigmoid(ALPHA * gc) * (uc + 1.0)
+    return g * tl.sigmoid(g) * u  # silu
 
 
 @triton.jit
@@ -180,9 +190,10 @@ def _block(block_expert, sorted_slots, BM: tl.constexpr):
 def gemm1(x, sorted_slots, block_expert, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl,
           wref, sref, h,
           H: tl.constexpr, I: tl.constexpr, K_TOP: tl.constexpr, ACT: tl.constexpr,
-          W_ALIGNED: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr, GS: tl.constexpr,
+          ALPHA: tl.constexpr, LIMIT: tl.constexpr, W_ALIGNED: tl.constexpr, IEEE: tl.constexpr,
+          QUANT: tl.constexpr, GS: tl.constexpr,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """h[row, n] = act(x[tok] @ gate[e])[n] * (x[tok] @ up[e])[n] for the BM
+    """h[row, n] = glu(x[tok] @ gate[e], x[tok] @ up[e])[n] for the BM
     rows of one block (one expert) and BN columns.  The products run in
     sref's dtype (the weights' for dense experts, the scales' for quantized
     ones, whose tiles are dequantized in registers: `_wtile`)."""
@@ -220,7 +231,7 @@ def gemm1(x, sorted_slots, block_expert, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tb
         else:
             acc_g = tl.dot(a, bg, acc_g)
             acc_u = tl.dot(a, bu, acc_u)
-    out = _act(acc_g, ACT) * acc_u
+    out = _glu(acc_g, acc_u, ACT, ALPHA, LIMIT)
     tl.store(h + rows[:, None].to(tl.int64) * I + offs_n[None, :], out.to(h.dtype.element_ty),
              mask=nmask[None, :])
 
@@ -300,8 +311,9 @@ def decode1(x, ids, slot0, err, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl
 
 
 @triton.jit
-def decode_act(part, h, I: tl.constexpr, S: tl.constexpr, ACT: tl.constexpr, BN: tl.constexpr):
-    """h[slot, n] = act(sum of gate partials) * (sum of up partials), chunks in order."""
+def decode_act(part, h, I: tl.constexpr, S: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr,
+               LIMIT: tl.constexpr, BN: tl.constexpr):
+    """h[slot, n] = glu(sum of gate partials, sum of up partials), chunks in order."""
     s = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = offs_n < I
@@ -311,7 +323,7 @@ def decode_act(part, h, I: tl.constexpr, S: tl.constexpr, ACT: tl.constexpr, BN:
         src = part + ((s * S + c) * 2).to(tl.int64) * I + offs_n
         g += tl.load(src, mask=nmask, other=0.0)
         u += tl.load(src + I, mask=nmask, other=0.0)
-    tl.store(h + s.to(tl.int64) * I + offs_n, _act(g, ACT) * u, mask=nmask)
+    tl.store(h + s.to(tl.int64) * I + offs_n, _glu(g, u, ACT, ALPHA, LIMIT), mask=nmask)
 
 
 @triton.jit

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .. import _abi, _env
+from ..activations import Activation
 
 # Argument kinds (abi::ArgKind).
 ARG_INPUT, ARG_OUTPUT, ARG_WORKSPACE, ARG_TABLE, ARG_I32 = (
@@ -207,7 +208,8 @@ def band_workspace(tokens: int, k: int, E: int, H: int, I: int, wdtype, device_n
                   layout_only=True, quant=quant).workspace_bytes
 
 
-def build(T: int, band: int, k: int, E: int, H: int, I: int, xdtype, wdtype, activation: int,
+def build(T: int, band: int, k: int, E: int, H: int, I: int, xdtype, wdtype,
+          activation: int | Activation,
           device_name: str | None = None, w_aligned: bool = True,
           quant: tuple | None = None) -> Program:
     """The program of one fused_moe call: T tokens in bands of ``band``.
@@ -223,6 +225,8 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
            w_aligned=True, layout_only=False, quant=None) -> Program:
     band = max(1, min(int(band) or T, T)) if T else 1
     xdtype, wdtype = np.dtype(xdtype), np.dtype(wdtype)
+    a = Activation(_abi.ACTIVATIONS[activation]) if isinstance(activation, int) else activation
+    act = (("ACT", a.code), ("ALPHA", float(a.alpha)), ("LIMIT", float(a.limit)))
     kind, gsize = quant if quant else (None, 0)
     QUANT = QUANT_CODES[kind]
     xs = "*" + _tl_name(xdtype)
@@ -271,7 +275,7 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         out_off = lay.take(n * S2 * H * 4)
         d1 = Kernel("decode1", common + (("E", E), ("K_TOP", k), ("W_ALIGNED", w_aligned)) + qc
                     + (("KCH", KCH1), ("S", S1), ("BN", BN), ("BK", BK)), 4, 1)
-        da = Kernel("decode_act", (("I", I), ("S", S1), ("ACT", activation), ("BN", 256)), 4, 1)
+        da = Kernel("decode_act", (("I", I), ("S", S1)) + act + (("BN", 256),), 4, 1)
         d2 = Kernel("decode2", common + (("E", E), ("W_ALIGNED", w_aligned)) + qc
                     + (("KCH", KCH2), ("S", S2), ("BN", BN), ("BK", BK)), 4, 1)
     else:
@@ -291,7 +295,7 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         out_off = lay.take(n * H * 4)
         kc = Kernel("count", (("E", E), ("EP", EP), ("BLOCK", COUNT_BLOCK)), 4, 1)
         ks = Kernel("scatter", (("E", E), ("BLOCK", COUNT_BLOCK)), 4, 1)
-        g1 = Kernel("gemm1", common + (("K_TOP", k), ("ACT", activation), ("W_ALIGNED", w_aligned),
+        g1 = Kernel("gemm1", common + (("K_TOP", k),) + act + (("W_ALIGNED", w_aligned),
                                        ("IEEE", ieee)) + qc + (("BM", BM), ("BN", c1.BN), ("BK", c1.BK)),
                     c1.num_warps, c1.num_stages)
         g2 = Kernel("gemm2", common + (("W_ALIGNED", w_aligned), ("IEEE", ieee)) + qc

@@ -10,6 +10,7 @@
 #include <ctime>
 #include <cstddef>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -39,10 +40,16 @@ inline xla::ffi::Error AllocateWorkspace(size_t bytes, size_t fixed, int64_t tok
 }
 
 // An activation code inside abi.h's range, else an error naming it.
-inline xla::ffi::Error CheckActivation(abi::Activation a) {
+// kClampedSwiGLU's parameters: a finite alpha and a finite limit > 0.
+inline xla::ffi::Error CheckActivation(abi::Activation a, float alpha, float limit) {
   const int32_t c = static_cast<int32_t>(a);
   if (c < 0 || c >= abi::kNumActivations)
     return xla::ffi::Error::InvalidArgument("unknown activation code " + std::to_string(c));
+  if (a == abi::Activation::kClampedSwiGLU &&
+      (!std::isfinite(alpha) || !std::isfinite(limit) || !(limit > 0.0f)))
+    return xla::ffi::Error::InvalidArgument(
+        "swiglu_clamped needs a finite act_alpha and a finite act_limit > 0; got act_alpha=" +
+        std::to_string(alpha) + ", act_limit=" + std::to_string(limit));
   return xla::ffi::Error::Success();
 }
 

@@ -7,6 +7,15 @@
 
 namespace nbx {
 
+// The gated unit of the experts (codes, formulas and constants: abi.h
+// Activation): its code and kClampedSwiGLU's two parameters (the FFI
+// attributes act_alpha, act_limit).  The kernels' epilogues apply it.
+struct Glu {
+  int act;
+  float alpha;
+  float limit;
+};
+
 // Flags of the packed kernels: one call covers one K-block of the sum.
 enum PartialFlags : int {
   kLoadPartial = 1,   // start from the partial sums in c, not from 0
@@ -54,7 +63,7 @@ struct KernelTable {
   // r < rows, c < cols <= vl; `c` holds mr * 2vl partial sums (PartialFlags).
   // `scale` (int8 experts, else null): the vl gate then vl up column scales,
   // applied to the sums before the activation.
-  void (*gemm1)(const float* a, const float* b, int64_t K, int act, int rows, int cols,
+  void (*gemm1)(const float* a, const float* b, int64_t K, const Glu& act, int rows, int cols,
                 float* out, int64_t rs, int64_t cs, float* c, int flags, const float* scale);
   // GEMM2, packed, one K-block: out[r*rs + c] = w[r] * (a@down), r < rows,
   // c < cols <= 2*vl; partial sums as gemm1; `scale`: 2vl column scales or null.
@@ -63,7 +72,7 @@ struct KernelTable {
   // Streaming (decode), rows <= 6 rows a[kk*as + r], weights read in place
   // ([0] float32, [1] bfloat16 bits), `acc` scratch of 2 * rows * ncols floats.
   void (*stream1[2])(const float* a, int64_t as, int rows, const void* wg, const void* wu,
-                     int64_t ld, int64_t K, int ncols, int act, float* acc, float* out,
+                     int64_t ld, int64_t K, int ncols, const Glu& act, float* acc, float* out,
                      int64_t rs, int64_t cs);
   void (*stream2[2])(const float* a, int64_t as, int rows, const void* wd, int64_t ld,
                      int64_t K, int ncols, const float* w, float* acc, float* out,
@@ -71,7 +80,7 @@ struct KernelTable {
   // Quantized experts.  Streaming: as stream1/stream2, the weights being the
   // columns [n0, n0+ncols) of quantized matrices, dequantized in registers.
   void (*qstream1)(const float* a, int64_t as, int rows, const QuantMatrix* wg,
-                   const QuantMatrix* wu, int64_t n0, int64_t K, int ncols, int act,
+                   const QuantMatrix* wu, int64_t n0, int64_t K, int ncols, const Glu& act,
                    float* acc, float* out, int64_t rs, int64_t cs);
   void (*qstream2)(const float* a, int64_t as, int rows, const QuantMatrix* wd, int64_t n0,
                    int64_t K, int ncols, const float* w, float* acc, float* out, int64_t rs);

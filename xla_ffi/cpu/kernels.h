@@ -13,7 +13,7 @@
 // (tile columns) and CP (m-panels per chunk) of KernelTable.
 #define NBX_STREAM(NAME, FN, T)                                                           \
   void NAME##1(const float* a, int64_t as, int rows, const void* wg, const void* wu,      \
-               int64_t ld, int64_t K, int ncols, int act, float* acc, float* out,         \
+               int64_t ld, int64_t K, int ncols, const Glu& act, float* acc, float* out,  \
                int64_t rs, int64_t cs) {                                                  \
     Gemm1Stream<FN>(a, as, rows, static_cast<const T*>(wg), static_cast<const T*>(wu),    \
                     ld, K, ncols, act, acc, out, rs, cs);                                 \
@@ -27,7 +27,7 @@
 #define NBX_DEFINE_KERNELS(FN, NAME, VL, MR, KC, NC, CP)                                  \
   namespace nbx {                                                                         \
   namespace {                                                                             \
-  void G1(const float* a, const float* b, int64_t K, int act, int rows, int cols,         \
+  void G1(const float* a, const float* b, int64_t K, const Glu& act, int rows, int cols,  \
           float* out, int64_t rs, int64_t cs, float* c, int flags, const float* s) {      \
     Gemm1Packed<VL, MR>(a, b, K, act, rows, cols, out, rs, cs, c, flags, s);              \
   }                                                                                       \

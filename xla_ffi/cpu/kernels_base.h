@@ -60,13 +60,22 @@ NBX_AI typename VecT<VL>::type LoadBf16(const uint16_t* p) {
   return v;
 }
 
-// The gate nonlinearity (codes and constants: abi.h).
-NBX_AI float Act(int act, float g) {
-  if (act == static_cast<int>(abi::Activation::kGeGLU)) {  // gelu, tanh approximation
-    constexpr float c = static_cast<float>(abi::kGeluC), b = static_cast<float>(abi::kGeluB);
-    return 0.5f * g * (1.0f + tanhf(c * (g + b * g * g * g)));
+// glu(g, u): the value GEMM1 stores for gate g and up u.
+NBX_AI float GluOf(const Glu& p, float g, float u) {
+  switch (p.act) {
+    case static_cast<int>(abi::Activation::kGeGLU): {  // gelu, tanh approximation
+      constexpr float c = static_cast<float>(abi::kGeluC), b = static_cast<float>(abi::kGeluB);
+      return 0.5f * g * (1.0f + tanhf(c * (g + b * g * g * g))) * u;
+    }
+    case static_cast<int>(abi::Activation::kGeGLUErf):  // gelu, exact
+      return 0.5f * g * (1.0f + erff(g * static_cast<float>(abi::kInvSqrt2))) * u;
+    case static_cast<int>(abi::Activation::kClampedSwiGLU): {  // gpt-oss
+      const float gc = fminf(g, p.limit), uc = fminf(fmaxf(u, -p.limit), p.limit);
+      return gc / (1.0f + expf(-p.alpha * gc)) * (uc + 1.0f);
+    }
+    default:
+      return g / (1.0f + expf(-g)) * u;  // silu
   }
-  return g / (1.0f + expf(-g));  // silu
 }
 
 // f(RowsC<R>{}) with R = rows as a compile-time constant, 1..kMaxStreamRows

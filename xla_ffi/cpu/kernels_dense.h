@@ -57,7 +57,7 @@ NBX_AI void StorePartial(const typename VecT<VL>::type (&lo)[MR],
 // `scale` (int8 weights, packed unscaled): g and u are first multiplied by
 // their column's scale, scale[c] (gate) and scale[VL + c] (up).
 template <int VL, int MR>
-NBX_AI void Gemm1Packed(const float* a, const float* b, int64_t K, int act,
+NBX_AI void Gemm1Packed(const float* a, const float* b, int64_t K, const Glu& act,
                         int rows, int cols, float* out, int64_t rs, int64_t cs,
                         float* c, int flags, const float* scale) {
   typename VecT<VL>::type g[MR], u[MR];
@@ -69,11 +69,11 @@ NBX_AI void Gemm1Packed(const float* a, const float* b, int64_t K, int act,
   if (scale != nullptr) {
     for (int r = 0; r < rows; ++r)
       for (int j = 0; j < cols; ++j)
-        out[r * rs + j * cs] = Act(act, g[r][j] * scale[j]) * (u[r][j] * scale[VL + j]);
+        out[r * rs + j * cs] = GluOf(act, g[r][j] * scale[j], u[r][j] * scale[VL + j]);
     return;
   }
   for (int r = 0; r < rows; ++r)
-    for (int j = 0; j < cols; ++j) out[r * rs + j * cs] = Act(act, g[r][j]) * u[r][j];
+    for (int j = 0; j < cols; ++j) out[r * rs + j * cs] = GluOf(act, g[r][j], u[r][j]);
 }
 
 // GEMM2 on one packed m-panel (b: 2VL columns of down per row), one K-block
@@ -243,14 +243,14 @@ NBX_AI void AccumulateRowsW(const float* a, int64_t as, int rows, const W* w, in
 
 template <int VL, typename W>
 NBX_AI void Gemm1Stream(const float* a, int64_t as, int rows, const W* wg, const W* wu,
-                        int64_t ld, int64_t K, int ncols, int act, float* acc, float* out,
+                        int64_t ld, int64_t K, int ncols, const Glu& act, float* acc, float* out,
                         int64_t rs, int64_t cs) {
   AccumulateRowsW<VL>(a, as, rows, wg, ld, K, ncols, acc);
   float* accu = acc + rows * ncols;
   AccumulateRowsW<VL>(a, as, rows, wu, ld, K, ncols, accu);
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < ncols; ++c)
-      out[r * rs + c * cs] = Act(act, acc[r * ncols + c]) * accu[r * ncols + c];
+      out[r * rs + c * cs] = GluOf(act, acc[r * ncols + c], accu[r * ncols + c]);
 }
 
 template <int VL, typename W>

@@ -268,14 +268,14 @@ void AccumulateRowsQuant(const float* a, int64_t as, int rows, const QuantMatrix
 
 template <int VL>
 void Gemm1StreamQuant(const float* a, int64_t as, int rows, const QuantMatrix* wg,
-                      const QuantMatrix* wu, int64_t n0, int64_t K, int ncols, int act,
+                      const QuantMatrix* wu, int64_t n0, int64_t K, int ncols, const Glu& act,
                       float* acc, float* out, int64_t rs, int64_t cs) {
   AccumulateRowsQuant<VL>(a, as, rows, *wg, n0, K, ncols, acc);
   float* accu = acc + rows * ncols;
   AccumulateRowsQuant<VL>(a, as, rows, *wu, n0, K, ncols, accu);
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < ncols; ++c)
-      out[r * rs + c * cs] = Act(act, acc[r * ncols + c]) * accu[r * ncols + c];
+      out[r * rs + c * cs] = GluOf(act, acc[r * ncols + c], accu[r * ncols + c]);
 }
 
 template <int VL>

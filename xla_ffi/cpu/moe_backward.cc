@@ -4,7 +4,7 @@
 //   g = x_t G_e, u = x_t U_e, a = act(g) * u, y_t += w_s * a D_e
 // Backward, given dy:
 //   da_raw = dy_t D_e^T                       dw_s = da_raw . a
-//   da = w_s da_raw, dg = da * u * act'(g), du = da * act(g)
+//   da = w_s da_raw; dg, du = da * the partials of glu(g, u) (GluGrad)
 //   dD_e += a^T (w_s dy_t)      dG_e += x_t^T dg      dU_e += x_t^T du
 //   dx_t += dg G_e^T + du U_e^T
 //
@@ -191,18 +191,43 @@ void GemmTile(const KernelTable& kt, MatA a, MatB<W> b, MatC c, int64_t m0, int6
       });
 }
 
-// act(g) and act'(g), float32 (the forward's formulas).
-inline void ActGrad(int act, float g, float* f, float* df) {
-  if (act == static_cast<int>(abi::Activation::kGeGLU)) {
-    constexpr float c = static_cast<float>(abi::kGeluC), b = static_cast<float>(abi::kGeluB);
-    const float th = tanhf(c * (g + b * g * g * g));
-    *f = 0.5f * g * (1.0f + th);
-    *df = 0.5f * (1.0f + th) + 0.5f * g * (1.0f - th * th) * c * (1.0f + 3.0f * b * g * g);
-    return;
+// a = glu(g, u) and its partial derivatives, float32 (the forward's
+// formulas, abi.h Activation).  A clamp passes the gradient inside its range
+// (bounds included) and none outside, as torch.clamp's does.
+inline void GluGrad(const Glu& p, float g, float u, float* a, float* da_dg, float* da_du) {
+  switch (p.act) {
+    case static_cast<int>(abi::Activation::kGeGLU): {
+      constexpr float c = static_cast<float>(abi::kGeluC), b = static_cast<float>(abi::kGeluB);
+      const float th = tanhf(c * (g + b * g * g * g));
+      const float f = 0.5f * g * (1.0f + th);
+      const float df = 0.5f * (1.0f + th) + 0.5f * g * (1.0f - th * th) * c * (1.0f + 3.0f * b * g * g);
+      *a = f * u, *da_dg = df * u, *da_du = f;
+      return;
+    }
+    case static_cast<int>(abi::Activation::kGeGLUErf): {
+      constexpr float r = static_cast<float>(abi::kInvSqrt2);
+      constexpr float inv_sqrt_2pi = 0.3989422804014327f;
+      const float cdf = 0.5f * (1.0f + erff(g * r));
+      const float f = g * cdf, df = cdf + g * inv_sqrt_2pi * expf(-0.5f * g * g);
+      *a = f * u, *da_dg = df * u, *da_du = f;
+      return;
+    }
+    case static_cast<int>(abi::Activation::kClampedSwiGLU): {
+      const bool g_in = g <= p.limit, u_in = u >= -p.limit && u <= p.limit;
+      const float gc = g_in ? g : p.limit, uc = u_in ? u : (u > 0.0f ? p.limit : -p.limit);
+      const float s = 1.0f / (1.0f + expf(-p.alpha * gc));
+      const float f = gc * s, df = s * (1.0f + p.alpha * gc * (1.0f - s));
+      *a = f * (uc + 1.0f);
+      *da_dg = g_in ? df * (uc + 1.0f) : 0.0f;
+      *da_du = u_in ? f : 0.0f;
+      return;
+    }
+    default: {
+      const float s = 1.0f / (1.0f + expf(-g));
+      const float f = g * s, df = s * (1.0f + g * (1.0f - s));
+      *a = f * u, *da_dg = df * u, *da_du = f;
+    }
   }
-  const float s = 1.0f / (1.0f + expf(-g));
-  *f = g * s;
-  *df = s * (1.0f + g * (1.0f - s));
 }
 
 struct Band {
@@ -269,7 +294,7 @@ struct Problem {
   float* const* dgate;  // E float32 [H, I] gradients (stacked slices or per-expert outputs)
   float* const* dup;
   float* const* ddown;  // E float32 [I, H]
-  int activation;
+  Glu glu;
   uint8_t* written;  // [E]: the expert's gradients hold a partial sum (else unwritten)
 };
 
@@ -338,7 +363,7 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
   stages.Mark("gemm_da");
 
   // Per row: a = act(g) u; dw = da_raw . a; dg, du; A; dY *= w.
-  const int act = p.activation;
+  const Glu glu = p.glu;
   ParallelFor(pool, workers, (R + 15) / 16, [&](int64_t it, int) {
     for (int64_t r = it * 16; r < std::min(R, it * 16 + 16); ++r) {
       const int64_t slot = b.plan.row_slot[r];
@@ -347,15 +372,13 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
       float* da = b.DA + r * I;
       float dot = 0.0f;
       for (int64_t i = 0; i < I; ++i) {
-        float f, df;
-        const float g = gu[i], u = gu[I + i];
-        ActGrad(act, g, &f, &df);
-        const float a = f * u;
+        float a, da_dg, da_du;
+        GluGrad(glu, gu[i], gu[I + i], &a, &da_dg, &da_du);
         const float d = da[i];
         dot += d * a;
         const float dw_a = w * d;
-        gu[i] = dw_a * u * df;  // dg
-        gu[I + i] = dw_a * f;   // du
+        gu[i] = dw_a * da_dg;      // dg
+        gu[I + i] = dw_a * da_du;  // du
         da[i] = a;
       }
       p.dw[slot] = dot;
@@ -449,7 +472,7 @@ ffi::Error FusedMoeBackward(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   if (dx->element_type() != x.element_type() || dx->element_count() != x.element_count() ||
       dw->element_count() != topk_w.element_count())
     return ffi::Error::InvalidArgument("dx must be like x and dw like topk_weights");
-  if (ffi::Error e = CheckActivation(a.activation); e.failure()) return e;
+  if (ffi::Error e = CheckActivation(a.activation, a.act_alpha, a.act_limit); e.failure()) return e;
   if (weights.size() < trailing)
     return ffi::Error::InvalidArgument("fewer inputs than the aliased outputs");
 
@@ -491,7 +514,8 @@ ffi::Error FusedMoeBackward(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   Problem p{T, H, I, E, k, dy.untyped_data(), x.untyped_data(), x.element_type(),
             topk_w.typed_data(), ids, w.gate(), w.up(), w.down(),
             dx->untyped_data(), dw->typed_data(), gtables.data(), gtables.data() + E,
-            gtables.data() + 2 * E, static_cast<int>(a.activation), written.data()};
+            gtables.data() + 2 * E,
+            Glu{static_cast<int>(a.activation), a.act_alpha, a.act_limit}, written.data()};
   const int64_t band = (a.band_tokens <= 0) ? T : std::min(a.band_tokens, T);
   const int workers = static_cast<int>(std::clamp<int64_t>(a.max_workers, 1, MaxWorkers(pool)));
   const KernelTable& kt = *ActiveKernels();

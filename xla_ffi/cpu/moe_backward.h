@@ -14,6 +14,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeBackwardCpu);
 
 struct BackwardAttrs {
   abi::Activation activation;
+  float act_alpha, act_limit;  // kClampedSwiGLU's parameters (abi.h)
   int64_t band_tokens;
   int64_t max_workers;
   bool skip_outside;
@@ -51,6 +52,8 @@ size_t BackwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, i
       .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>() /* dw [T, k] */     \
       .RemainingRets()                            /* weight gradients */ \
       .Attr<::nbx::abi::Activation>("activation")                     \
+      .Attr<float>("act_alpha")                                       \
+      .Attr<float>("act_limit")                                       \
       .Attr<int64_t>("band_tokens")                                   \
       .Attr<int64_t>("max_workers")                                   \
       .Attr<bool>("skip_outside")                                     \
@@ -58,7 +61,10 @@ size_t BackwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, i
       .Attr<bool>("stacked")
 
 #define NBX_BACKWARD_ATTR_PARAMS                                                    \
-  ::nbx::abi::Activation activation, int64_t band_tokens, int64_t max_workers,      \
-      bool skip_outside, int64_t num_experts, bool stacked
+  ::nbx::abi::Activation activation, float act_alpha, float act_limit, int64_t band_tokens, \
+      int64_t max_workers, bool skip_outside, int64_t num_experts, bool stacked
 #define NBX_BACKWARD_ATTRS \
-  ::nbx::BackwardAttrs { activation, band_tokens, max_workers, skip_outside, num_experts, stacked }
+  ::nbx::BackwardAttrs {                                                              \
+    activation, act_alpha, act_limit, band_tokens, max_workers, skip_outside, num_experts, \
+        stacked                                                                         \
+  }

@@ -128,7 +128,7 @@ struct Problem {
   const int32_t* topk_ids;
   const ExpertWeights* w;  // every expert's matrices, read in place
   void* y;
-  int act;
+  Glu act;
 };
 
 template <typename W>
@@ -404,7 +404,7 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
   if (y->element_type() != x.element_type() || y->dimensions().size() != 2 ||
       y->dimensions()[0] != T || y->dimensions()[1] != H)
     return ffi::Error::InvalidArgument("y must have x's shape and dtype");
-  if (ffi::Error e = CheckActivation(a.activation); e.failure()) return e;
+  if (ffi::Error e = CheckActivation(a.activation, a.act_alpha, a.act_limit); e.failure()) return e;
   if (weights.size() < trailing)
     return ffi::Error::InvalidArgument("fewer inputs than the aliased outputs");
   ExpertWeights w;
@@ -421,7 +421,8 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
     return ffi::Error::Success();
   }
   const Problem p{T, H, w.I, w.E, k, x.untyped_data(), x.element_type(), topk_w.typed_data(),
-                  ids, &w, y->untyped_data(), static_cast<int>(a.activation)};
+                  ids, &w, y->untyped_data(),
+                  Glu{static_cast<int>(a.activation), a.act_alpha, a.act_limit}};
   const int64_t band = (a.band_tokens <= 0) ? T : std::min(a.band_tokens, T);
   // The plan counted scratch for max_workers; never use more.
   const int workers = static_cast<int>(std::clamp<int64_t>(a.max_workers, 1, MaxWorkers(pool)));

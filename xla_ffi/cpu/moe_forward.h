@@ -14,6 +14,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardCpu);
 // The forward's static attributes (one FFI attribute each, same names).
 struct ForwardAttrs {
   abi::Activation activation;
+  float act_alpha, act_limit;  // kClampedSwiGLU's parameters (abi.h)
   int64_t band_tokens;  // tokens per band; <= 0: one band
   int64_t max_workers;  // the plan counted scratch for this many workers
   bool skip_outside;    // ids outside [0, E) are skipped (expert parallelism), not an error
@@ -51,6 +52,8 @@ size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, in
       .RemainingArgs()                             /* weights */    \
       .Ret<::xla::ffi::AnyBuffer>()                /* y [T, H] */   \
       .Attr<::nbx::abi::Activation>("activation")                   \
+      .Attr<float>("act_alpha")                                     \
+      .Attr<float>("act_limit")                                     \
       .Attr<int64_t>("band_tokens")                                 \
       .Attr<int64_t>("max_workers")                                 \
       .Attr<bool>("skip_outside")                                   \
@@ -61,11 +64,11 @@ size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, in
 
 // Forwards the binding's attributes as a ForwardAttrs.
 #define NBX_FORWARD_ATTR_PARAMS                                                         \
-  ::nbx::abi::Activation activation, int64_t band_tokens, int64_t max_workers,          \
-      bool skip_outside, int64_t num_experts, ::nbx::abi::WeightFormat format, bool stacked, \
-      int64_t group_size
+  ::nbx::abi::Activation activation, float act_alpha, float act_limit, int64_t band_tokens, \
+      int64_t max_workers, bool skip_outside, int64_t num_experts, ::nbx::abi::WeightFormat format, \
+      bool stacked, int64_t group_size
 #define NBX_FORWARD_ATTRS                                                              \
   ::nbx::ForwardAttrs {                                                                \
-    activation, band_tokens, max_workers, skip_outside, num_experts, format, stacked, \
-        group_size                                                                     \
+    activation, act_alpha, act_limit, band_tokens, max_workers, skip_outside, num_experts, \
+        format, stacked, group_size                                                    \
   }

@@ -133,6 +133,8 @@ const std::map<std::string, Entry>& Library() {
 
 }  // namespace
 
+float EmulatedErf(float x) { return kernels::nbx_erf(x); }
+
 std::vector<std::string> EmulatedKernelNames() {
   std::vector<std::string> names;
   for (const auto& [name, e] : Library()) names.push_back(name);

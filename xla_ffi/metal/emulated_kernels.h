@@ -31,4 +31,7 @@ bool RunEmulated(SimDevice& sim, const Dispatch& d, std::string* error);
 // first barrier, to show that the emulation catches the race).
 std::vector<std::string> EmulatedKernelNames();
 
+// prelude.metal's nbx_erf (Metal has no erf) compiled through the emulation (tests).
+float EmulatedErf(float x);
+
 }  // namespace nbx::metal

@@ -96,7 +96,7 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
   (void)max_workers;
   int64_t T, H, k;
   if (ffi::Error e = CheckRouting(x, topk_w, topk_ids, &T, &H, &k); e.failure()) return e;
-  if (ffi::Error e = CheckActivation(activation); e.failure()) return e;
+  if (ffi::Error e = CheckActivation(activation, act_alpha, act_limit); e.failure()) return e;
   if (format != abi::WeightFormat::kDense)
     return Fail("quantized experts are not supported on the Metal path yet");
   if (!IsFloatType(x.element_type()) || y->element_type() != x.element_type())
@@ -170,9 +170,11 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
     std::memcpy(b.ids, ids + t0 * k, static_cast<size_t>(S) * sizeof(int32_t));
     std::memcpy(b.wts, wts + t0 * k, static_cast<size_t>(S) * sizeof(float));
     metal::params::GemmParams g1{static_cast<uint32_t>(H), static_cast<uint32_t>(I),
-                                 static_cast<uint32_t>(E), 0, act, static_cast<uint32_t>(H), 0};
+                                 static_cast<uint32_t>(E), 0, act, static_cast<uint32_t>(H), 0,
+                                 act_alpha, act_limit};
     metal::params::GemmParams g2{static_cast<uint32_t>(I), static_cast<uint32_t>(H),
-                                 static_cast<uint32_t>(E), 1, act, static_cast<uint32_t>(I), 0};
+                                 static_cast<uint32_t>(E), 1, act, static_cast<uint32_t>(I), 0,
+                                 act_alpha, act_limit};
     if (decode) {
       // decode: the GEMV kernels on the slots as they come (row = slot), no ordering
       for (int64_t s = 0; s < S; ++s) {

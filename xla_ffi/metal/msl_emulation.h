@@ -19,6 +19,8 @@
 //     `simdgroup_multiply_accumulate`, `make_filled_simdgroup_matrix`;
 //   - `half` and `bfloat` (MSL 3.1) read from memory and widened with
 //     `float(v)` (nothing else: no arithmetic in 16 bits);
+//   - float math: exp, tanh, fabs, fma, min, max, clamp (Metal has no erf:
+//     prelude.metal defines nbx_erf);
 //   - every kernel has exactly one threadgroup-memory parameter (index 0),
 //     used or not, so that one launcher fits every kernel;
 //   - helper functions (`inline`, templates over the weight type) with
@@ -161,8 +163,17 @@ void simdgroup_multiply_accumulate(simdgroup_matrix8<T>& d, const simdgroup_matr
   d = out;
 }
 
+// Metal's float math on float arguments (the float overloads, not C's double ones).
 using std::exp;
+using std::fabs;
+using std::fma;
+using std::max;
+using std::min;
 using std::tanh;
+template <typename T>
+T clamp(T x, T lo, T hi) {
+  return std::min(std::max(x, lo), hi);
+}
 
 // An address from a table as a pointer to `count` elements (see above).
 template <typename T>

@@ -76,11 +76,28 @@ class Report {
   std::vector<std::string> lines_;
 };
 
-const char* ActName(int act) { return act == 1 ? "gelu" : "silu"; }
+const char* ActName(int act) { return abi::kActivationNames[act]; }
 
-double RefAct(int act, double g) {
-  if (act == 1) return 0.5 * g * (1.0 + std::tanh(abi::kGeluC * (g + abi::kGeluB * g * g * g)));
-  return g / (1.0 + std::exp(-g));
+// The kernels' Glu of an activation code, kClampedSwiGLU with abi.h's defaults.
+Glu TestGlu(int act) {
+  return Glu{act, static_cast<float>(abi::kClampedSwiGLUAlpha),
+             static_cast<float>(abi::kClampedSwiGLULimit)};
+}
+
+// glu(g, u) in float64 (abi.h Activation).
+double RefGlu(int act, double g, double u) {
+  switch (act) {
+    case static_cast<int>(abi::Activation::kGeGLU):
+      return 0.5 * g * (1.0 + std::tanh(abi::kGeluC * (g + abi::kGeluB * g * g * g))) * u;
+    case static_cast<int>(abi::Activation::kGeGLUErf):
+      return 0.5 * g * (1.0 + std::erf(g * abi::kInvSqrt2)) * u;
+    case static_cast<int>(abi::Activation::kClampedSwiGLU): {
+      const double L = abi::kClampedSwiGLULimit, gc = std::min(g, L), uc = std::clamp(u, -L, L);
+      return gc / (1.0 + std::exp(-abi::kClampedSwiGLUAlpha * gc)) * (uc + 1.0);
+    }
+    default:
+      return g / (1.0 + std::exp(-g)) * u;
+  }
 }
 
 // The kernels' parameter values (XNNPACK-style edges: 0, 1, odd, one past a
@@ -96,7 +113,11 @@ std::vector<int> StreamCols(int vl) {
   return v;
 }
 
-std::vector<int> Acts(bool down) { return down ? std::vector<int>{0} : std::vector<int>{0, 1}; }
+std::vector<int> Acts(bool down) {
+  std::vector<int> all;
+  for (int a = 0; a < abi::kNumActivations; ++a) all.push_back(a);
+  return down ? std::vector<int>{0} : all;
+}
 
 // ---------------------------------------------------------------- reference
 
@@ -147,13 +168,16 @@ std::string Compare(float got, double want, double tol) {
   return Fmt("got %.9g, want %.9g (|diff| %.3g > tol %.3g)", got, want, diff, tol);
 }
 
-// act(g) * u: the errors of g and u carried through (|act'| < 1.2 for both
-// activations), plus the float32 activation's own (1e-6 (|g| + |act(g)|)).
+// glu(g, u): the errors of g and u carried through (|d glu / dg| < 1.2 |u'|
+// and |d glu / du| <= |act(g)| for every activation, u' = u (+ 1 clamped)),
+// plus the float32 activation's own (1e-6 (|g| + |act(g)|) |u'|).
 std::string CheckGlu(int act, const Dot& g, const Dot& u, float got) {
-  const double tg = Tol(g), tu = Tol(u), f = RefAct(act, g.sum);
-  const double tol = 1.2 * tg * (std::fabs(u.sum) + tu) + std::fabs(f) * tu +
-                     1e-6 * (std::fabs(g.sum) + std::fabs(f)) * std::fabs(u.sum) + 1e-30;
-  return Compare(got, f * u.sum, tol);
+  const double tg = Tol(g), tu = Tol(u), want = RefGlu(act, g.sum, u.sum);
+  const bool clamped = act == static_cast<int>(abi::Activation::kClampedSwiGLU);
+  const double ue = std::fabs(u.sum) + (clamped ? 1.0 : 0.0);  // |u'|
+  const double f = std::fabs(RefGlu(act, g.sum, clamped ? 0.0 : 1.0));  // |act(g)|
+  const double tol = 1.2 * tg * (ue + tu) + f * tu + 1e-6 * (std::fabs(g.sum) + f) * ue + 1e-30;
+  return Compare(got, want, tol);
 }
 
 std::string CheckDown(float w, const Dot& d, float got) {
@@ -511,7 +535,7 @@ struct PackedCall {
     const float* ak = a + k0 * t.mr;
     const float* bk = b + k0 * 2 * t.vl;
     if (down) t.gemm2(ak, bk, kc, w, rows, cols, out, rs, c, flags, scale);
-    else t.gemm1(ak, bk, kc, act, rows, cols, out, rs, cs, c, flags, scale);
+    else t.gemm1(ak, bk, kc, TestGlu(act), rows, cols, out, rs, cs, c, flags, scale);
   }
   const KernelTable& t;
   bool down;

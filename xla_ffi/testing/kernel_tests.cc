@@ -188,7 +188,7 @@ struct DenseStreamTester {
                      t.stream2[wi](a, s.as, s.rows, first.Data(), ld, s.K, s.ncols, w, acc, out, rs);
                    else
                      t.stream1[wi](a, s.as, s.rows, first.Data(), second->Data(), ld, s.K, s.ncols,
-                                   s.act, acc, out, rs, cs);
+                                   TestGlu(s.act), acc, out, rs, cs);
                  },
                  rng, issues);
     report.Add(Describe(), issues);
@@ -222,7 +222,7 @@ struct QuantStreamTester {
     TestStreamed(t, s, first, second ? &*second : nullptr,
                  [&](const float* a, const float* w, float* acc, float* out, int64_t rs, int64_t cs) {
                    if (s.down) t.qstream2(a, s.as, s.rows, &m1, n0, s.K, s.ncols, w, acc, out, rs);
-                   else t.qstream1(a, s.as, s.rows, &m1, &m2, n0, s.K, s.ncols, s.act, acc, out, rs, cs);
+                   else t.qstream1(a, s.as, s.rows, &m1, &m2, n0, s.K, s.ncols, TestGlu(s.act), acc, out, rs, cs);
                  },
                  rng, issues);
     report.Add(Describe(), issues);

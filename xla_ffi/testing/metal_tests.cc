@@ -182,13 +182,14 @@ void BindMetalTests(nb::module_& m) {
       });
   m.def("metal_run_gemm",
         [](const std::string& kind, const Ranges& regions, const metal::Table& table,
-           const std::tuple<uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t>& gp,
+           const std::tuple<uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, float,
+                            float>& gp,
            uint32_t rows, const std::string& wtype, bool drop_barrier, bool resident) {
           // regions: a, row_src, tile_expert (or row_expert), row_weight, out (copied back)
           if (regions.size() != 5) throw nb::value_error("5 regions: a, row_src, experts, row_weight, out");
           Staged st = Stage(regions);
-          const auto& [K, N, E, mode, act, lda, tile0] = gp;
-          const metal::params::GemmParams p{K, N, E, mode, act, lda, tile0};
+          const auto& [K, N, E, mode, act, lda, tile0, alpha, limit] = gp;
+          const metal::params::GemmParams p{K, N, E, mode, act, lda, tile0, alpha, limit};
           const metal::WeightType w = wtype == "f16"    ? metal::WeightType::kF16
                                       : wtype == "bf16" ? metal::WeightType::kBF16
                                                         : metal::WeightType::kF32;
@@ -205,7 +206,7 @@ void BindMetalTests(nb::module_& m) {
         "nbx_moe_gemm_* / nbx_moe_gemv_* (kind 'gemm' or 'gemv') through the MSL emulation on "
         "the simulated device: the host regions staged into one metal:0 buffer, the weights "
         "read through the table's GPU addresses; `out` copied back.  gp: (K, N, E, mode, act, "
-        "lda, tile0); rows: row tiles (gemm) or rows (gemv).");
+        "lda, tile0, alpha, limit); rows: row tiles (gemm) or rows (gemv).");
   m.def("metal_order_slots", [](const std::vector<int32_t>& ids, int64_t E, int64_t pad, int64_t k,
                                  const std::vector<float>& wts) {
     const int64_t S = static_cast<int64_t>(ids.size());
@@ -267,6 +268,11 @@ void BindMetalTests(nb::module_& m) {
     if (!metal::Active()->Wait(&err)) throw nb::value_error(err.c_str());
   }, "Commits one dispatch (tests of what encoding refuses).");
   m.def("metal_kernel_names", &metal::EmulatedKernelNames);
+  m.def("metal_erf", [](const std::vector<float>& xs) {
+    std::vector<float> out;
+    for (float x : xs) out.push_back(metal::EmulatedErf(x));
+    return out;
+  }, "prelude.metal's nbx_erf through the emulation.");
   m.def("metal_command_buffers", []() { return Sim().command_buffers(); },
         "Command buffers committed on the simulated device so far.");
   m.def("metal_table", [](const Ranges& ranges, bool cache) {

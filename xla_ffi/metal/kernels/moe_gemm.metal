@@ -86,7 +86,7 @@ inline void nbx_moe_gemm_body(device const float* a, device const int* row_src,
     if (row_src[r0 + r] < 0 || n0 + n >= p.N) continue;
     const float v = Cs[q];
     if (p.mode == 0) {
-      out[(ulong)(r0 + r) * p.N + n0 + n] = nbx_act(v, p.act);  // times up below
+      out[(ulong)(r0 + r) * p.N + n0 + n] = v;  // the gate: glu(gate, up) below
     } else {
       out[(ulong)(r0 + r) * p.N + n0 + n] = row_weight[r0 + r] * v;
     }
@@ -99,7 +99,8 @@ inline void nbx_moe_gemm_body(device const float* a, device const int* row_src,
     for (uint q = tiitg; q < NBX_BM * NBX_BN; q += 128) {
       const uint r = q / NBX_BN, n = q % NBX_BN;
       if (row_src[r0 + r] < 0 || n0 + n >= p.N) continue;
-      out[(ulong)(r0 + r) * p.N + n0 + n] *= Cs[q];
+      device float* h = out + (ulong)(r0 + r) * p.N + n0 + n;
+      *h = nbx_glu(*h, Cs[q], p);
     }
   }
 }

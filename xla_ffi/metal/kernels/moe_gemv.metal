@@ -10,7 +10,7 @@
 //   row_expert[r]: its expert; grid.y counts rows from p.tile0;
 //   mode 0: out[r, n] = act(a W_gate) * (a W_up);  mode 1: row_weight[r] * (a W_down).
 // Float32 accumulation; 16-bit weights widened as they are read.  One
-// kernel per weight type: nbx_moe_gemv_f32, _f16, _bf16.  Uses nbx_act and
+// kernel per weight type: nbx_moe_gemv_f32, _f16, _bf16.  Uses nbx_glu and
 // nbx_device_ptr from moe_gemm.metal (the library is one source).
 
 template <typename WT>
@@ -45,7 +45,7 @@ inline void nbx_moe_gemv_body(device const float* a, device const int* row_src,
   const float g = ((part0[tiisg] + part0[32 + tiisg]) + part0[64 + tiisg]) + part0[96 + tiisg];
   if (p.mode == 0) {
     const float u = ((part1[tiisg] + part1[32 + tiisg]) + part1[64 + tiisg]) + part1[96 + tiisg];
-    out[(ulong)r * p.N + n] = nbx_act(g, p.act) * u;
+    out[(ulong)r * p.N + n] = nbx_glu(g, u, p);
   } else {
     out[(ulong)r * p.N + n] = row_weight[r] * g;
   }

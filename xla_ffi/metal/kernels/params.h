@@ -3,8 +3,8 @@
 // code that encodes the dispatches (metal/kernel_calls.cc) all compile.  For
 // Apple's compiler it is the first part of the library source (CMake embeds
 // params.h followed by every kernels/*.metal: newLibraryWithSource has no
-// include path); in C++ it is included before the kernels.  Only `uint`
-// fields: the same layout in MSL and C++ (4 bytes each, no padding).
+// include path); in C++ it is included before the kernels.  Only `uint` and
+// `float` fields: the same layout in MSL and C++ (4 bytes each, no padding).
 #ifndef NBX_METAL_KERNEL_PARAMS_H_
 #define NBX_METAL_KERNEL_PARAMS_H_
 
@@ -20,9 +20,11 @@ struct GemmParams {
   uint N;      // output columns (I for GEMM1, H for GEMM2)
   uint E;      // experts (table rows of one projection)
   uint mode;   // 0: gate|up + activation; 1: down x routed weight
-  uint act;    // the activation code (abi.h Activation: 0 SwiGLU, 1 GeGLU tanh)
+  uint act;    // the activation code (abi.h Activation)
   uint lda;    // elements between rows of A
   uint tile0;  // first row tile (GEMM) or row (GEMV) of this dispatch: grid.y counts from it
+  float alpha;  // kClampedSwiGLU's parameters (the FFI attributes act_alpha, act_limit)
+  float limit;
 };
 
 // Ordering the slots by expert (moe_order.metal).
