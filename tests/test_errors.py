@@ -138,8 +138,15 @@ def test_dtype_errors_name_the_argument(prob, impl):
 
 def test_option_errors(prob):
     x, w, ids, experts = prob
-    with pytest.raises(ValueError, match=r"activation must be one of \('swiglu', 'geglu'\); got 'relu'"):
+    with pytest.raises(ValueError, match=r"activation must be one of \('swiglu', 'geglu', 'swiglu_clamped', "
+                                         r"'geglu_erf'\); got 'relu'"):
         nbx.fused_moe(x, w, ids, experts, activation="relu")
+    with pytest.raises(ValueError, match=r"Activation\('swiglu_clamped'\).limit must be > 0; got -1.0"):
+        nbx.fused_moe(x, w, ids, experts, activation=nbx.Activation("swiglu_clamped", limit=-1.0))
+    with pytest.raises(ValueError, match=r"Activation\('swiglu_clamped'\).alpha must be a finite number; got nan"):
+        nbx.fused_moe(x, w, ids, experts, activation=nbx.Activation("swiglu_clamped", alpha=float("nan")))
+    with pytest.raises(TypeError, match="activation must be a name in .* or a jax_nbx.Activation; got 3"):
+        nbx.fused_moe(x, w, ids, experts, activation=3)
     with pytest.raises(ValueError, match=r"implementation must be one of .*; got 'cuda'"):
         nbx.fused_moe(x, w, ids, experts, implementation="cuda")
     with pytest.raises(ValueError, match=r"k must be an int in \[1, E=8\].*got k=9"):
