@@ -354,8 +354,8 @@ def _mask(mask, lead: tuple, what: str) -> jax.Array:
     if mask is None:
         return jnp.ones(lead, jnp.float32)
     mask = jnp.asarray(mask)
-    if not (jnp.issubdtype(mask.dtype, jnp.bool_) or jnp.issubdtype(mask.dtype, jnp.number)):
-        raise TypeError(f"mask must be a bool or numeric array; got dtype {mask.dtype}")
+    if not any(jnp.issubdtype(mask.dtype, t) for t in (jnp.bool_, jnp.integer, jnp.floating)):
+        raise TypeError(f"mask must be a bool, integer or float array; got dtype {mask.dtype}")
     try:
         ok = np.broadcast_shapes(mask.shape, lead) == tuple(lead)
     except ValueError:
