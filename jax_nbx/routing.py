@@ -143,8 +143,8 @@ def route(logits: jax.Array, k: int, *, normalize: bool = True, n_group: int = 1
 
     - Mixtral (``modeling_mixtral.py``, ``MixtralSparseMoeBlock``; commit
       00d4b3d2): ``normalize=True``.
-    - Qwen2-MoE / Qwen3-MoE (``modeling_qwen3_moe.py``,
-      ``Qwen3MoeSparseMoeBlock``; commit 00d4b3d2): ``normalize=norm_topk_prob``.
+    - Qwen3-MoE (``modeling_qwen3_moe.py``, ``Qwen3MoeSparseMoeBlock``; commit
+      00d4b3d2) and Qwen2-MoE's router, the same rule: ``normalize=norm_topk_prob``.
     - OLMoE (``modeling_olmoe.py``, ``OlmoeSparseMoeBlock``; commit 00dcc6dd):
       ``normalize=False``.
     - DeepSeek-V2 (``modeling_deepseek_v2.py``,
@@ -311,7 +311,7 @@ def route_topk_sigmoid(logits: jax.Array, k: int, *, return_probs: bool = False)
     bias-free experts the same result comes from scaling the input yourself::
 
         w, ids = nbx.route_topk_sigmoid(logits, k=1)             # [T, 1]
-        y = nbx.fused_moe(x * w, jnp.ones_like(w), ids, experts)
+        y = nbx.fused_moe((x * w).astype(x.dtype), jnp.ones_like(w), ids, experts)
         # any k: one row per slot, then sum the k rows of each token
         xs = (x[:, None, :] * w[..., None]).reshape(-1, H)
         y = nbx.fused_moe(xs, jnp.ones((T * k, 1)), ids.reshape(-1, 1), experts).reshape(T, k, H).sum(1)
