@@ -340,7 +340,12 @@ def route_topk_sigmoid(logits: jax.Array, k: int, *, return_probs: bool = False)
 
 # ---------------------------------------------------------------- losses
 
-def _ids(topk_ids, name: str = "topk_ids") -> jax.Array:
+def _ids(topk_ids, E: int, name: str = "topk_ids") -> jax.Array:
+    dt = getattr(topk_ids, "dtype", None)
+    if isinstance(topk_ids, np.ndarray) and dt.kind in "iu" and dt.itemsize >= 4 and dt != np.int32:
+        # host ids wider than int32 (or unsigned): clamp to [-1, E] before JAX (x64 off) could wrap
+        # one into range; out-of-range ids stay out of range
+        topk_ids = np.clip(topk_ids, 0 if dt.kind == "u" else -1, E).astype(np.int32)
     topk_ids = jnp.asarray(topk_ids)
     if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array; got dtype {topk_ids.dtype}")
@@ -409,8 +414,8 @@ def load_balancing_loss(probs: jax.Array, topk_ids: jax.Array, *, mask: jax.Arra
       A float32 scalar.
     """
     probs = _logits(probs, "probs")
-    topk_ids = _ids(topk_ids)
     lead, E = probs.shape[:-1], probs.shape[-1]
+    topk_ids = _ids(topk_ids, E)
     if topk_ids.shape[:-1] != lead:
         raise ValueError(f"topk_ids of shape {topk_ids.shape} must have the token shape {lead} of probs "
                          f"(shape {probs.shape}) followed by k")
@@ -452,15 +457,17 @@ def expert_counts(topk_ids: jax.Array, num_experts: int, *, mask: jax.Array | No
     no gradient (an integer count). Cheap: one scatter-add, no one-hot.
 
     Args:
-      topk_ids: ``[..., k]`` expert ids, any integer dtype.
+      topk_ids: ``[..., k]`` expert ids, any integer dtype (NumPy int64/uint64
+        beyond int32 are clamped on the host first, so none wraps into range
+        when JAX's x64 is off).
       num_experts: E.
       mask: optional token mask broadcasting to ``topk_ids.shape[:-1]``
         (nonzero/True = count the token).
     """
-    topk_ids = _ids(topk_ids)
     if not _is_int(num_experts) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int; got num_experts={num_experts!r}")
     E = int(num_experts)
+    topk_ids = _ids(topk_ids, E)
     lead = topk_ids.shape[:-1]
     m = _mask(mask, lead, f"topk_ids (shape {topk_ids.shape})")
     return _slot_counts(topk_ids, E, (m != 0).astype(jnp.int32)).astype(jnp.int32)

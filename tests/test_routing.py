@@ -470,6 +470,12 @@ def test_expert_counts():
                                   np.bincount([1, 255], minlength=300))
     np.testing.assert_array_equal(np.asarray(nbx.expert_counts(np.array([[2, 200]], np.uint8), 4)),
                                   np.bincount([2], minlength=4))
+    wide = np.array([[2 ** 32 + 1, 2, -(2 ** 32) + 3]], np.int64)  # would wrap to 1 and 3 as int32
+    np.testing.assert_array_equal(np.asarray(nbx.expert_counts(wide, 4)), np.bincount([2], minlength=4))
+    np.testing.assert_array_equal(np.asarray(nbx.expert_counts(np.array([[2 ** 32 + 1, 3]], np.uint64), 4)),
+                                  np.bincount([3], minlength=4))
+    probs = jnp.full((1, 4), 0.25)
+    np.testing.assert_allclose(float(nbx.load_balancing_loss(probs, wide)), 4 * 0.25, rtol=1e-6)
     # jit and vmap (per row of a batch)
     np.testing.assert_array_equal(np.asarray(jax.jit(nbx.expert_counts, static_argnums=1)(ids, E)),
                                   np.bincount(ids.ravel(), minlength=E))
