@@ -13,11 +13,20 @@ from .models import MODELS, ModelShape
 from .ops import IMPLEMENTATIONS, fused_moe
 from .quant import QuantizedWeight, dequantize, quantize
 from .reference import moe_reference
-from .routing import route
+from .routing import (
+    expert_counts,
+    load_balancing_loss,
+    route,
+    route_sigmoid,
+    route_topk_sigmoid,
+    route_topk_softmax,
+    router_z_loss,
+)
 from .sharding import sharded_moe
 
 __version__ = "0.1.0"
 
-__all__ = ["Experts", "Activation", "activations", "route", "fused_moe", "moe_reference", "IMPLEMENTATIONS", "MODELS",
-           "ModelShape", "DeviceOOMError", "quantize", "dequantize", "QuantizedWeight", "sharded_moe",
+__all__ = ["Experts", "Activation", "activations", "route", "route_topk_softmax", "route_sigmoid",
+           "route_topk_sigmoid", "load_balancing_loss", "router_z_loss", "expert_counts", "fused_moe",
+           "moe_reference", "IMPLEMENTATIONS", "MODELS", "ModelShape", "DeviceOOMError", "quantize", "dequantize", "QuantizedWeight", "sharded_moe",
            "memory", "cpu", "metal", "tables", "__version__"]
