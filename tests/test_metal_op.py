@@ -217,3 +217,25 @@ def test_model_activations_match_float64(T, activation):
     ct = jnp.asarray(np.random.default_rng(T).standard_normal(x.shape), jnp.float32)
     dx = jax.grad(lambda x: jnp.sum(metal(x, w, ids, ex, activation=activation) * ct))(x)
     assert rel_err(dx, np_moe_grads(x, w, ids, ex, ct, activation)[0]) < 1e-5
+
+
+def test_the_workspace_buffer_is_pooled_and_gives_way():
+    """A workspace of 1 MiB or more goes back to the account's idle blocks
+    (counted as cached), and the next call of that size takes the same
+    shared-storage buffer instead of a new one; under budget pressure the
+    account frees it (the simulated device releases it)."""
+    T, E, k, H, I = 64, 2, 2, 1024, 40
+    ws = int(F.metal_forward_workspace_bytes(T, k, E, H, I))
+    assert ws >= 2**20
+    x, w, ids, ex = make_problem(21, T, E, k, H, I)
+    y1 = np.asarray(metal(x, w, ids, ex))
+    assert memory.stats()["metal:0"]["cached"] == ws
+    buffers = F.metal_sim_state()["live_buffers"]
+    y2 = np.asarray(metal(x, w, ids, ex))
+    assert F.metal_sim_state()["live_buffers"] == buffers  # the same buffer again, no new one
+    np.testing.assert_array_equal(y1, y2)
+    assert rel_err(y1, np_moe(x, w, ids, ex)) < 1e-5
+    live = memory.stats()["metal:0"]["live"]
+    memory.set_budget(live + ws - 1, "metal", 0)  # the idle block no longer fits: freed
+    assert memory.stats()["metal:0"]["cached"] == 0
+    assert F.metal_sim_state()["live_buffers"] == buffers - 1

@@ -14,12 +14,13 @@ namespace {
 struct DeviceState {
   DeviceStats stats;
   std::vector<std::pair<void*, int64_t>> idle;  // blocks kept for reuse
+  void (*free_block)(void*) = &std::free;         // how a block goes (Account::SetBlockFree)
   DeviceState() { stats.budget = Account::kUnlimited; }
 
   // Frees idle blocks (oldest first) until live + cached + need fits the budget.
   void EvictFor(int64_t need) {
     while (!idle.empty() && need > stats.budget - stats.live - stats.cached) {
-      std::free(idle.front().first);
+      free_block(idle.front().first);
       stats.cached -= idle.front().second;
       idle.erase(idle.begin());
     }
@@ -102,10 +103,15 @@ void Account::SetBudget(const Device& d, int64_t bytes) {
   L().returned.notify_all();
 }
 
+void Account::SetBlockFree(const Device& d, void (*free_block)(void*)) {
+  std::lock_guard<std::mutex> lock(L().mu);
+  L().devices[d.Name()].free_block = free_block != nullptr ? free_block : &std::free;
+}
+
 void Account::DropCached() {
   std::lock_guard<std::mutex> lock(L().mu);
   for (auto& [name, st] : L().devices) {
-    for (auto& [p, n] : st.idle) std::free(p);
+    for (auto& [p, n] : st.idle) st.free_block(p);
     st.idle.clear();
     st.stats.cached = 0;
   }
@@ -191,7 +197,7 @@ bool Account::Reserve(const Device& d, int64_t bytes, const char* tag,
     *error = r.message;
     l.last_refusal = std::move(r);
     if (*reuse != nullptr) {
-      std::free(*reuse);
+      st.free_block(*reuse);
       *reuse = nullptr;
     }
     return false;
@@ -215,7 +221,7 @@ void Account::Release(const Device& d, int64_t bytes, const char* tag, void* ptr
       st.idle.emplace_back(ptr, bytes);
       s.cached += bytes;
     } else {
-      std::free(ptr);
+      st.free_block(ptr);
     }
   }
   L().returned.notify_all();

@@ -96,6 +96,10 @@ class Account {
   void Release(const Device& d, int64_t bytes, const char* tag, void* ptr);
   // Frees every idle block.
   void DropCached();
+  // How d's blocks are freed (default std::free: Workspace's aligned_alloc).
+  // The Metal ledger's blocks are shared-storage buffers (metal/runtime.cc);
+  // it is called with the account's lock held.
+  void SetBlockFree(const Device& d, void (*free_block)(void*));
 
   static constexpr int kIdleBlocks = 4;
   static constexpr int64_t kMinIdleBytes = 1 << 20;

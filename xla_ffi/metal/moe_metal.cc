@@ -84,6 +84,17 @@ ffi::Error CommitOne(metal::Device* dev, const std::vector<metal::Buffer>& resid
   return ok ? ffi::Error::Success() : ffi::Error::Internal("Metal: " + err);
 }
 
+// Waits for this thread's command buffers when it goes out of scope (declared
+// after the workspace: a return on any path waits before the workspace goes
+// back to the account, which may hand it to the next call at once).
+struct WaitOnExit {
+  metal::Device* dev;
+  ~WaitOnExit() {
+    std::string ignored;
+    dev->Wait(&ignored);
+  }
+};
+
 ffi::Error WaitAll(metal::Device* dev) {
   std::string err;
   if (!dev->Wait(&err)) return ffi::Error::Internal("Metal: " + err);
@@ -145,6 +156,7 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
                                          CarveBand(nullptr, 0, k, E, H, I, &b))},
                                      &ws, &err))
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, err);
+  const WaitOnExit wait_on_exit{dev};
   std::vector<metal::Buffer> resident = table->pins.resources();
   resident.push_back(ws.buffer());
   resident.push_back(table->addresses.buffer());

@@ -4,6 +4,7 @@
 #include <atomic>
 
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -52,6 +53,36 @@ namespace {
 std::atomic<int64_t> g_command_buffer_flops{kDefaultCommandBufferFlops};
 }  // namespace
 
+namespace {
+// Buffers whose bytes the account keeps idle for reuse (its cache of blocks,
+// by host address): a call's workspace of the same size comes back without a
+// new allocation (no fresh pages to fault in).  The account frees them under
+// budget pressure, on DropCached and when the device is switched.
+std::mutex g_pool_mu;
+std::map<const void*, Buffer> g_pooled;
+
+void FreePooled(void* host) {  // the account's block free for metal:0 (its lock held)
+  Buffer b;
+  {
+    std::lock_guard<std::mutex> lock(g_pool_mu);
+    auto it = g_pooled.find(host);
+    if (it == g_pooled.end()) return;
+    b = it->second;
+    g_pooled.erase(it);
+  }
+  if (metal::Device* d = Active()) d->Release(b);
+}
+
+Buffer TakePooled(const void* host) {
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  auto it = g_pooled.find(host);
+  if (it == g_pooled.end()) return Buffer{};
+  Buffer b = it->second;
+  g_pooled.erase(it);
+  return b;
+}
+}  // namespace
+
 int64_t CommandBufferFlops() { return g_command_buffer_flops.load(); }
 void SetCommandBufferFlops(int64_t flops) {
   g_command_buffer_flops.store(flops > 0 ? flops : kDefaultCommandBufferFlops);
@@ -78,6 +109,8 @@ std::string Activate(const std::string& which) {
     return "unknown Metal device '" + which + "' (expected 'apple', 'sim' or 'none')";
   }
   if (S().device != nullptr) S().device->Synchronize();
+  Account::Get().SetBlockFree(Ledger(), &FreePooled);
+  Account::Get().DropCached();  // pooled buffers go with the device that made them
   S().device = std::move(next);
   if (S().device != nullptr) Account::Get().SetBudget(Ledger(), S().device->info().working_set);
   return "";
@@ -100,10 +133,10 @@ bool DeviceBuffer::Allocate(int64_t bytes, const char* tag, const WorkShape& sha
     *error = "no Metal device is active";
     return false;
   }
-  void* unused = nullptr;
-  if (!Account::Get().Reserve(Ledger(), bytes, tag, shape, error, &unused)) return false;
-  Buffer b;
-  if (!d->NewBuffer(bytes, &b, error)) {
+  void* reuse = nullptr;
+  if (!Account::Get().Reserve(Ledger(), bytes, tag, shape, error, &reuse)) return false;
+  Buffer b = reuse != nullptr ? TakePooled(reuse) : Buffer{};
+  if (!b && !d->NewBuffer(bytes, &b, error)) {
     Account::Get().Release(Ledger(), bytes, tag, nullptr);
     return false;
   }
@@ -114,8 +147,13 @@ bool DeviceBuffer::Allocate(int64_t bytes, const char* tag, const WorkShape& sha
 
 void DeviceBuffer::Reset() {
   if (!b_) return;
-  Account::Get().Release(Ledger(), b_.length, tag_, nullptr);  // counted free now
-  if (metal::Device* d = Active()) d->Release(b_);             // gone after its work completes
+  {
+    std::lock_guard<std::mutex> lock(g_pool_mu);
+    g_pooled[b_.host] = b_;
+  }
+  // counted free now; the account keeps it idle for reuse or frees it (FreePooled: the device
+  // releases it after its work completes)
+  Account::Get().Release(Ledger(), b_.length, tag_, b_.host);
   b_ = Buffer{};
 }
 
