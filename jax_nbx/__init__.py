@@ -28,5 +28,6 @@ __version__ = "0.1.0"
 
 __all__ = ["Experts", "Activation", "activations", "route", "route_topk_softmax", "route_sigmoid",
            "route_topk_sigmoid", "load_balancing_loss", "router_z_loss", "expert_counts", "fused_moe",
-           "moe_reference", "IMPLEMENTATIONS", "MODELS", "ModelShape", "DeviceOOMError", "quantize", "dequantize", "QuantizedWeight", "sharded_moe",
-           "memory", "cpu", "metal", "tables", "__version__"]
+           "moe_reference", "IMPLEMENTATIONS", "MODELS", "ModelShape", "DeviceOOMError", "quantize",
+           "dequantize", "QuantizedWeight", "sharded_moe", "memory", "cpu", "metal", "tables",
+           "__version__"]
