@@ -50,33 +50,22 @@
 #include <type_traits>
 #include <vector>
 
+#include "dtypes.h"
+
 namespace nbx::metal::msl {
 
 using uint = uint32_t;
 using ulong = uint64_t;
 
-// IEEE binary16 as stored; widened exactly (subnormals, inf and NaN included).
+// IEEE binary16 and bfloat16 as stored, widened exactly by dtypes.h's conversions.
 struct half {
   uint16_t bits;
-  operator float() const {
-    const uint32_t sign = bits >> 15, exp = (bits >> 10) & 0x1F, man = bits & 0x3FF;
-    float v;
-    if (exp == 0) v = std::ldexp(static_cast<float>(man), -24);
-    else if (exp == 31) v = man == 0 ? INFINITY : NAN;
-    else v = std::ldexp(static_cast<float>(man | 0x400), static_cast<int>(exp) - 25);
-    return sign ? -v : v;
-  }
+  operator float() const { return ToFloat(f16{bits}); }
 };
 static_assert(sizeof(half) == 2, "half is 2 bytes");
-// bfloat16 as stored: the high half of a float32.
 struct bfloat {
   uint16_t bits;
-  operator float() const {
-    const uint32_t u = static_cast<uint32_t>(bits) << 16;
-    float v;
-    std::memcpy(&v, &u, sizeof v);
-    return v;
-  }
+  operator float() const { return ToFloat(bf16{bits}); }
 };
 static_assert(sizeof(bfloat) == 2, "bfloat is 2 bytes");
 
