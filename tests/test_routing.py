@@ -595,8 +595,9 @@ def _block_granite(rng, E, k):
 
 def _block_gpt_oss_router(rng, E, k):
     """GptOssTopKRouter (modeling_gpt_oss.py @00d4b3d2): F.linear(x, weight,
-    bias), top-k, softmax over the k. Its experts (biases, clamped SwiGLU,
-    interleaved gate/up) are not in fused_moe yet: SwiGLU experts here."""
+    bias), top-k, softmax over the k. Its experts' biases and interleaved
+    gate/up are not in fused_moe yet (its clamped SwiGLU is: tests/test_forward.py):
+    SwiGLU experts here."""
     W = _rand(rng, E, H, scale=H ** -0.5)
     b = _rand(rng, E)
     g, u, d = _rand(rng, E, H, I, scale=H ** -0.5), _rand(rng, E, H, I, scale=H ** -0.5), \
