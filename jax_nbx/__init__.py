@@ -7,7 +7,7 @@
 """
 from . import _registry, activations, cpu, memory, metal, tables  # noqa: F401  (_registry registers the handlers)
 from .activations import Activation
-from .experts import Experts
+from .experts import Experts, SharedExperts
 from .memory import DeviceOOMError
 from .models import MODELS, ModelShape
 from .ops import IMPLEMENTATIONS, fused_moe
@@ -26,7 +26,7 @@ from .sharding import sharded_moe
 
 __version__ = "0.1.0"
 
-__all__ = ["Experts", "Activation", "activations", "route", "route_topk_softmax", "route_sigmoid",
+__all__ = ["Experts", "SharedExperts", "Activation", "activations", "route", "route_topk_softmax", "route_sigmoid",
            "route_topk_sigmoid", "load_balancing_loss", "router_z_loss", "expert_counts", "fused_moe",
            "moe_reference", "IMPLEMENTATIONS", "MODELS", "ModelShape", "DeviceOOMError", "quantize",
            "dequantize", "QuantizedWeight", "sharded_moe", "memory", "cpu", "metal", "tables",

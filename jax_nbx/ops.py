@@ -12,7 +12,8 @@ from jax.custom_batching import custom_vmap
 from . import _abi, _registry, memory, metal
 from .activations import Activation, as_activation
 from .cpu import planned_workers
-from .experts import FLOAT_DTYPES, Experts
+from .experts import _CHILDREN as _EXPERT_CHILDREN
+from .experts import FLOAT_DTYPES, Experts, SharedExperts, WeightLayout
 from .quant import QuantizedWeight, is_quantized, quant_format, weight_groups
 from .reference import moe_reference
 
@@ -55,58 +56,93 @@ def _validate_quantized(experts: Experts, names) -> None:
                                      "projection alike")
 
 
+def _per_expert_shapes(experts: Experts, E: int, H: int, I: int) -> dict[str, tuple[int, ...]]:
+    """Each weight and bias attribute's per-expert shape in the experts' layout."""
+    t = experts.layout == "out_in"
+    shapes = {"down": (H, I) if t else (I, H)}
+    if experts.is_fused:
+        shapes["gate_up"] = (2 * I, H) if t else (H, 2 * I)
+        shapes["gate_up_bias"] = (2 * I,)
+    else:
+        shapes["gate"] = shapes["up"] = (I, H) if t else (H, I)
+        shapes["gate_bias"] = shapes["up_bias"] = (I,)
+    shapes["down_bias"] = (H,)
+    return shapes
+
+
+def _layout_desc(experts: Experts) -> str:
+    return (f"layout={experts.layout!r}" + (f", fusion={experts.fusion!r}" if experts.is_fused else ""))
+
+
 def _validate_experts(experts: Experts) -> tuple[int, int, int]:
-    """Shapes and dtypes of stacked or per-expert weights; returns (E, H, I)."""
-    names = ("gate", "up", "down")
+    """Shapes and dtypes of stacked or per-expert weights (and biases) in the
+    experts' layout; returns (E, H, I)."""
+    names = experts.weight_names()
+    if not experts.is_plain:
+        for n in names:
+            if isinstance(_first(getattr(experts, n)), QuantizedWeight):
+                raise TypeError(f"quantized experts take the plain layout only (gate, up [E, H, I], "
+                                f"down [E, I, H], no biases); got {_layout_desc(experts)}"
+                                f"{', with biases' if experts.has_bias else ''}")
     _validate_quantized(experts, names)
     is_list = [isinstance(getattr(experts, n), (list, tuple)) for n in names]
     if any(is_list) and not all(is_list):
         kinds = ", ".join(f"{n}: {'list' if b else 'array'}" for n, b in zip(names, is_list))
-        raise TypeError("experts.gate, experts.up and experts.down must all be stacked arrays or all "
+        raise TypeError(f"experts.{', experts.'.join(names)} must all be stacked arrays or all "
                         f"lists of per-expert arrays; got {kinds}")
-    if all(is_list):
-        E = len(experts.gate)
+    lists = all(is_list)
+    down = experts.down
+    if lists:
+        E = len(down)
         if E == 0:
-            raise ValueError("experts.gate is an empty list; expected one array per expert")
-        for n in names[1:]:
-            if len(getattr(experts, n)) != E:
-                raise ValueError(f"experts.{n} has {len(getattr(experts, n))} experts; experts.gate has {E}")
-        for n in names:
-            lst = getattr(experts, n)
-            a0 = lst[0]
-            if getattr(a0, "ndim", None) != 2:
-                raise ValueError(f"experts.{n}[0] must be a 2-D array; got shape {getattr(a0, 'shape', None)}")
-            if np.dtype(a0.dtype) not in FLOAT_DTYPES:
-                raise TypeError(f"experts.{n}[0] has dtype {a0.dtype}; expected one of {_dtype_names()}")
-            for e, a in enumerate(lst):
-                if tuple(a.shape) != tuple(a0.shape):
-                    raise ValueError(f"{n} expert {e} has shape {tuple(a.shape)}, expert 0 {tuple(a0.shape)}")
-                if a.dtype != a0.dtype:
-                    raise TypeError(f"{n} expert {e} has dtype {a.dtype}, expert 0 {a0.dtype}")
-        H, I = experts.gate[0].shape
-        if tuple(experts.up[0].shape) != (H, I):
-            raise ValueError(f"experts.up[0] has shape {tuple(experts.up[0].shape)}; expected gate's {(H, I)} [H, I]")
-        if tuple(experts.down[0].shape) != (I, H):
-            raise ValueError(f"experts.down[0] has shape {tuple(experts.down[0].shape)}; expected {(I, H)} [I, H]")
-        g, u, d = (np.dtype(getattr(experts, n)[0].dtype) for n in names)
-        if not g == u == d:
-            raise TypeError(f"experts.gate, experts.up and experts.down must share one dtype; got {g}, {u}, {d}")
-        return E, H, I
-    for name in names:
-        a = getattr(experts, name)
-        if getattr(a, "ndim", None) != 3:
-            raise ValueError(f"experts.{name} must be a 3-D array; got shape {getattr(a, 'shape', None)}")
-        if np.dtype(a.dtype) not in FLOAT_DTYPES:
-            raise TypeError(f"experts.{name} has dtype {a.dtype}; expected one of {_dtype_names()}")
-    E, H, I = experts.gate.shape
-    if experts.up.shape != (E, H, I):
-        raise ValueError(f"experts.up has shape {experts.up.shape}; expected gate's shape {(E, H, I)} [E, H, I]")
-    if experts.down.shape != (E, I, H):
-        raise ValueError(f"experts.down has shape {experts.down.shape}; expected {(E, I, H)} [E, I, H]")
-    if experts.up.dtype != experts.gate.dtype or experts.down.dtype != experts.gate.dtype:
-        raise TypeError("experts.gate, experts.up and experts.down must share one dtype; got "
-                        f"{experts.gate.dtype}, {experts.up.dtype}, {experts.down.dtype}")
-    return int(E), int(H), int(I)
+            raise ValueError("experts.down is an empty list; expected one array per expert")
+    else:
+        if getattr(down, "ndim", None) != 3:
+            raise ValueError(f"experts.down must be a 3-D array; got shape {getattr(down, 'shape', None)}")
+        E = int(down.shape[0])
+    mshape = tuple((down[0] if lists else down).shape[(0 if lists else 1):])
+    if len(mshape) != 2:
+        raise ValueError(f"experts.down{'[0]' if lists else ''} must be a 2-D matrix per expert; got "
+                         f"shape {mshape}")
+    I, H = mshape if experts.layout == "in_out" else mshape[::-1]
+    want = _per_expert_shapes(experts, E, H, I)
+    dtype = None
+    for n in names + tuple(b for b in ("gate_bias", "up_bias", "down_bias", "gate_up_bias") if b in want):
+        a = getattr(experts, n)
+        if a is None:
+            continue
+        bias = n.endswith("_bias")
+        items = list(enumerate(a)) if isinstance(a, (list, tuple)) else None
+        if items is not None:
+            if bias and not lists:
+                raise TypeError(f"experts.{n} is a list but the weights are stacked; give [E, ...] arrays")
+            if len(items) != E:
+                raise ValueError(f"experts.{n} has {len(items)} experts; experts.down has {E}")
+            arrays = items
+        else:
+            if not bias and lists:
+                raise TypeError(f"experts.{n} is an array but the other weights are lists")
+            arrays = [(None, a)]
+        for e, arr in arrays:
+            where = f"experts.{n}" if e is None else f"experts.{n}[{e}]"
+            shape = tuple(arr.shape)
+            expect = want[n] if e is not None else (E,) + want[n]
+            if shape != expect:
+                role = (f"[{'E, ' if e is None else ''}{', '.join(map(str, want[n]))}]")
+                raise ValueError(f"{where} has shape {shape}; expected {expect} {role} for E={E}, H={H}, "
+                                 f"I={I} ({_layout_desc(experts)})")
+            dt = np.dtype(arr.dtype)
+            if dt not in FLOAT_DTYPES:
+                raise TypeError(f"{where} has dtype {arr.dtype}; expected one of {_dtype_names()}")
+            if not bias:
+                if dtype is not None and dt != dtype:
+                    raise TypeError(f"the expert weights must share one dtype; {where} is {dt}, others {dtype}")
+                dtype = dt
+    return E, H, I
+
+
+def _first(a):
+    return a[0] if isinstance(a, (list, tuple)) and len(a) else a
 
 
 def _validate(x, topk_weights, topk_ids, experts: Experts, activation: str | Activation,
@@ -238,16 +274,40 @@ def _poisoned_call(target: str, outs, operands, attrs):
     return call(*operands, *twins, **attrs)
 
 
-def _ffi_forward(x, w, ids, *weights, activation: str | Activation, band_tokens: int,
+def _native_layout(weights, lists: bool) -> WeightLayout:
+    """The views of plain (gate, up, down) weights, from the arrays."""
+    g = weights[0]
+    d = weights[2 * (len(weights) // 3) if lists else 2]
+    I, H = int(g.shape[-1]), int(d.shape[-1])
+    return WeightLayout((0, I, 1, 0, I, 1, 0, H, 1), I, False, False)
+
+
+def _split_arrays(arrays, layout: WeightLayout, lists: bool):
+    """(weights, biases) of the handlers' operands: the weight groups (2 when
+    fused, else 3; one array or E each), then 3 biases when ``layout.bias``."""
+    nb = 3 if layout.bias else 0
+    weights = arrays[:len(arrays) - nb]
+    return weights, arrays[len(arrays) - nb:]
+
+
+def _num_experts(weights, layout: WeightLayout, lists: bool) -> int:
+    groups = 2 if layout.fused else 3
+    return len(weights) // groups if lists else int(weights[0].shape[0])
+
+
+def _ffi_forward(x, w, ids, *arrays, activation: str | Activation, band_tokens: int,
                  poison: bool = False, platform: str = "cpu", lists: bool = False,
-                 skip_outside: bool = False):
+                 skip_outside: bool = False, layout: WeightLayout | None = None):
     """The raw FFI call on 2-D inputs (no batching rule, no derivative).
 
-    ``weights``: (gate, up, down) stacked, or with ``lists=True`` the E gate
-    arrays, then the E up, then the E down arrays (`Experts.flat`); each dense
-    or a `QuantizedWeight`.  They reach the handler as the contract's buffer
-    groups (`jax_nbx._abi`: gate, up, down, then scales, then zeros), each one
-    stacked buffer or E per-expert buffers, read in place.
+    ``arrays``: the weights as `Experts.flat` gives them (groups gate, up,
+    down, or gate_up, down when ``layout.fused``; each one stacked array or,
+    with ``lists=True``, E per-expert arrays; dense or `QuantizedWeight`),
+    then with ``layout.bias`` the three float32 biases of
+    `Experts.handler_biases`.  ``layout`` (`WeightLayout`; None: the plain
+    layout read off the arrays) says how the handler reads each expert's
+    matrices in place.  They reach the handler as the contract's buffer groups
+    (`jax_nbx._abi`: weights, then scales, then zeros), read in place.
     ``band_tokens`` > 0 cuts the tokens into bands of that many (0: one band).
     ``poison=True`` (tests, CPU) hands the handler an output buffer filled with
     NaN, so any row it fails to write shows.  ``platform="gpu"``: the CUDA handler.
@@ -255,16 +315,26 @@ def _ffi_forward(x, w, ids, *weights, activation: str | Activation, band_tokens:
     """
     _check_slots(*ids.shape)  # (a vmapped batch folds into the tokens: checked again here)
     activation = as_activation(activation)
+    if layout is None:
+        layout = _native_layout(arrays, lists)
     if platform == "metal" and poison:
         raise ValueError("the Metal path has no poisoned test twin")
+    if platform in ("gpu", "metal") and not layout.native:
+        raise ValueError(f"the {platform} handler reads the plain layout only (no biases, no fused or "
+                         "transposed weights)")
     if platform == "gpu":
         from . import _cuda
 
-        return _cuda.forward(x, w, ids, *weights, activation=activation,
+        return _cuda.forward(x, w, ids, *arrays, activation=activation,
                              band_tokens=band_tokens, lists=lists, skip_outside=skip_outside)
-    groups, E, _, quant, _, _ = weight_groups(weights, lists)
-    bufs = [b for g in groups for b in (g if lists else g[:1])]
-    attrs = dict(**activation.attrs(),
+    weights, biases = _split_arrays(arrays, layout, lists)
+    if layout.native:
+        groups, E, _, quant, _, _ = weight_groups(weights, lists)
+        bufs = [b for g in groups for b in (g if lists else g[:1])]
+    else:
+        E, quant, bufs = _num_experts(weights, layout, lists), None, list(weights)
+    bufs += [b.astype(jnp.float32) for b in biases]
+    attrs = dict(**activation.attrs(), **layout.attrs(),
                  band_tokens=np.int64(band_tokens), max_workers=np.int64(planned_workers()),
                  skip_outside=bool(skip_outside), num_experts=np.int64(E),
                  format=np.int32(_abi.FORMAT_CODES[quant[0] if quant else None]),
@@ -278,35 +348,72 @@ def _ffi_forward(x, w, ids, *weights, activation: str | Activation, band_tokens:
     return call(x, w, ids, *bufs, **attrs)
 
 
-def _ffi_backward(dy, x, w, ids, *weights, activation: str | Activation, band_tokens: int,
-                  lists: bool = False, skip_outside: bool = False, poison: bool = False):
+def _ffi_backward(dy, x, w, ids, *arrays, activation: str | Activation, band_tokens: int,
+                  lists: bool = False, skip_outside: bool = False, poison: bool = False,
+                  layout: WeightLayout | None = None):
     """The CPU backward handler on 2-D inputs: returns ``(dx, dw, dweights)``
-    with ``dweights`` in ``weights``' order (`Experts.flat`) and dtypes.  The
-    handler accumulates the weight gradients in float32 (cast here once).
-    ``poison=True`` (tests): every result buffer starts NaN-filled."""
+    with ``dweights`` in ``arrays``' order (`_ffi_forward`'s operands: the
+    weights' gradients in their dtypes and layouts, then with ``layout.bias``
+    the three float32 bias gradients).  The handler accumulates in float32
+    (cast here once).  ``poison=True`` (tests): every result buffer starts
+    NaN-filled."""
     activation = as_activation(activation)
-    E = len(weights) // 3 if lists else int(weights[0].shape[0])
+    if layout is None:
+        layout = _native_layout(arrays, lists)
+    weights, biases = _split_arrays(arrays, layout, lists)
+    biases = [b.astype(jnp.float32) for b in biases]
+    E = _num_experts(weights, layout, lists)
     outs = ([jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32)]
-            + [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in weights])
-    attrs = dict(**activation.attrs(),
+            + [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (*weights, *biases)])
+    attrs = dict(**activation.attrs(), **layout.attrs(),
                  band_tokens=np.int64(band_tokens), max_workers=np.int64(planned_workers()),
                  skip_outside=bool(skip_outside), num_experts=np.int64(E), stacked=not lists)
-    operands = [dy.astype(x.dtype), x, w, ids, *weights]
+    operands = [dy.astype(x.dtype), x, w, ids, *weights, *biases]
     if poison:
         dx, dw, *dws = _poisoned_call(_abi.TARGET_BACKWARD_POISONED, outs, operands, attrs)
     else:
         call = jax.ffi.ffi_call(_abi.TARGET_BACKWARD, outs, vmap_method="sequential")
         dx, dw, *dws = call(*operands, **attrs)
-    return dx, dw, [d.astype(a.dtype) for d, a in zip(dws, weights)]
+    return dx, dw, [d.astype(a.dtype) for d, a in zip(dws, arrays)]
+
+
+def _weight_grads(experts: Experts, dws) -> Experts:
+    """The handlers' weight gradients (`Experts.flat` order) as an `Experts`
+    pytree like ``experts`` (bias leaves None)."""
+    per = experts.num_experts if experts.is_list else 1
+    names = experts.weight_names()
+    children = {n: (list(dws[i * per:(i + 1) * per]) if experts.is_list else dws[i])
+                for i, n in enumerate(names)}
+    return Experts.tree_unflatten((experts.layout, experts.fusion),
+                                  [children.get(n) for n in _EXPERT_CHILDREN])
+
+
+def _bias_grads(experts: Experts, dbiases) -> Experts | None:
+    """The handlers' float32 bias gradients mapped back through
+    `Experts.handler_biases` onto ``experts``' own bias leaves (fused, lists,
+    dtypes); weight leaves None."""
+    bias_names = [n for n in _EXPERT_CHILDREN if n.endswith("_bias")]
+    leaves = {n: getattr(experts, n) for n in bias_names}
+
+    def biases(b):
+        e = Experts.tree_unflatten((experts.layout, experts.fusion),
+                                   [b.get(n) if n in b else getattr(experts, n) for n in _EXPERT_CHILDREN])
+        return e.handler_biases()
+
+    present = {n: v for n, v in leaves.items() if v is not None}
+    _, vjp = jax.vjp(biases, present)
+    (d,) = vjp(tuple(dbiases))
+    return Experts.tree_unflatten((experts.layout, experts.fusion), [d.get(n) for n in _EXPERT_CHILDREN])
 
 
 @functools.cache
 def _ffi_op(activation: Activation, band_tokens: int, platform: str = "cpu", lists: bool = False,
-            skip_outside: bool = False, max_workspace_bytes: int | str | None = None):
+            skip_outside: bool = False, max_workspace_bytes: int | str | None = None,
+            layout: WeightLayout | None = None):
     """The FFI op on 2-D inputs with a batching rule and a derivative (on the
     CPU the backward is its own handler; elsewhere the reference's VJP)."""
     raw = functools.partial(_ffi_forward, activation=activation, band_tokens=band_tokens,
-                            platform=platform, lists=lists, skip_outside=skip_outside)
+                            platform=platform, lists=lists, skip_outside=skip_outside, layout=layout)
 
     @custom_vmap
     def forward(x, w, ids, *weights):
@@ -330,7 +437,7 @@ def _ffi_op(activation: Activation, band_tokens: int, platform: str = "cpu", lis
 
     @jax.custom_vjp
     def op(x, w, ids, experts):
-        return forward(x, w, ids, *experts.flat())
+        return forward(x, w, ids, *experts.flat(), *experts.handler_biases())
 
     def op_fwd(x, w, ids, experts):
         return op(x, w, ids, experts), (x, w, ids, experts)
@@ -345,11 +452,19 @@ def _ffi_op(activation: Activation, band_tokens: int, platform: str = "cpu", lis
             T, H = x.shape
             band = plan_band_tokens(T, ids.shape[1], experts.num_experts, H, experts.intermediate,
                                     max_workspace_bytes, backward=True)
-            dx, dw, dws = _ffi_backward(g, x, w, ids, *experts.flat(), activation=activation,
-                                        band_tokens=band, lists=lists, skip_outside=skip_outside)
-            return dx, dw, None, jax.tree.unflatten(jax.tree.structure(experts), dws)
-        _, vjp = jax.vjp(lambda x_, w_, e_: moe_reference(x_, w_, ids, e_.stacked(), activation),
-                         x, w, experts)
+            flat = experts.flat()
+            dx, dw, dws = _ffi_backward(g, x, w, ids, *flat, *experts.handler_biases(),
+                                        activation=activation, band_tokens=band, lists=lists,
+                                        skip_outside=skip_outside, layout=layout)
+            dexperts = _weight_grads(experts, dws[:len(flat)])
+            if experts.has_bias:
+                dbias = _bias_grads(experts, dws[len(flat):])
+                dexperts = Experts.tree_unflatten(
+                    (experts.layout, experts.fusion),
+                    [getattr(dexperts, n) if getattr(dexperts, n) is not None else getattr(dbias, n)
+                     for n in _EXPERT_CHILDREN])
+            return dx, dw, None, dexperts
+        _, vjp = jax.vjp(lambda x_, w_, e_: moe_reference(x_, w_, ids, e_, activation), x, w, experts)
         dx, dw, dexperts = vjp(g)
         return dx, dw, None, dexperts
 
@@ -367,6 +482,8 @@ def fused_moe(
     implementation: Literal["ffi", "xla", "metal"] | None = None,
     max_workspace_bytes: int | str | None = None,
     ids_outside: Literal["error", "skip"] = "error",
+    weights_on: Literal["output", "input"] = "output",
+    shared_experts: SharedExperts | None = None,
 ) -> jax.Array:
     """The MoE feed-forward block: route each token to its k experts, run each
     expert's gated MLP on the tokens it received, add the results back
@@ -383,7 +500,12 @@ def fused_moe(
         (``INVALID_ARGUMENT`` naming the position and the id); the "xla"
         path drops such slots.
       experts: `Experts` with ``gate, up [E, H, I]`` and ``down [E, I, H]``,
-        or lists of E per-expert arrays (read in place, never stacked), dense
+        or lists of E per-expert arrays (read in place, never stacked), or
+        in the checkpoint's layout (``layout="out_in"``, `Experts.fused`
+        gate||up concatenated or interleaved; read in place by the CPU
+        handler, never transposed into a copy) with optional gate, up and
+        down biases (the CPU handler and the "xla" path; the CUDA and Metal
+        handlers take the plain layout without biases and say so), dense
         or quantized (`jax_nbx.quantize`: int8, int4 in groups; quantized
         weights are frozen: no gradient flows to them).
       activation: the experts' gated unit (`jax_nbx.activations`): ``"swiglu"``
@@ -414,6 +536,14 @@ def fused_moe(
         slot contributes nothing: expert parallelism, where ids of experts
         held elsewhere are out of the local range; `jax_nbx.sharded_moe`).
         The "xla" path always skips them.
+
+      weights_on: where the routed weight applies: ``"output"`` (default:
+        ``w * mlp(x)``) or ``"input"`` (Llama-4: ``mlp(w * x)``; the op runs
+        on one scaled row per slot, ``T*k`` rows of x's size, every path).
+      shared_experts: `SharedExperts` run on every token in the same call
+        and added (DeepSeek, Qwen2-MoE with its sigmoid gate, Llama-4); they
+        take the same ``activation`` and ``implementation``, and run as one
+        more pass of the same handler over the tokens (its own experts, E=S).
 
     Returns:
       ``y`` with x's shape and dtype; accumulation is float32.
@@ -446,28 +576,82 @@ def fused_moe(
         experts = jax.tree.map(jnp.asarray, experts)
     if ids_outside not in ("error", "skip"):
         raise ValueError(f"ids_outside must be 'error' or 'skip'; got {ids_outside!r}")
+    if weights_on not in ("output", "input"):
+        raise ValueError(f"weights_on must be 'output' or 'input'; got {weights_on!r}")
+    if shared_experts is not None and not isinstance(shared_experts, SharedExperts):
+        raise TypeError("shared_experts must be a jax_nbx.SharedExperts or None; got "
+                        f"{type(shared_experts).__name__}")
     E, H, I, k = _validate(x, topk_weights, topk_ids, experts, activation, ids_outside == "skip")
     activation = as_activation(activation)
     impl = _resolve_implementation(implementation, is_quantized(experts))
+    run = functools.partial(_routed, activation=activation, implementation=implementation,
+                            max_workspace_bytes=max_workspace_bytes, ids_outside=ids_outside)
 
     lead = x.shape[:-1]
     T = int(np.prod(lead, dtype=np.int64))
     if T == 0:
         return jnp.zeros(x.shape, x.dtype)
+    x2 = x.reshape(T, H)
+    w2 = topk_weights.reshape(T, k).astype(jnp.float32)
+    ids2 = _ids_as_int32(topk_ids, E).reshape(T, k)
+    if weights_on == "input":  # one row per slot, scaled by its weight; unit weights
+        xs = (x2[:, None, :].astype(jnp.float32) * w2[:, :, None]).astype(x.dtype).reshape(T * k, H)
+        y = run(xs, jnp.ones((T * k, 1), jnp.float32), ids2.reshape(T * k, 1), experts, impl, E, H, I, 1)
+        y = y.reshape(T, k, H).astype(jnp.float32).sum(axis=1).astype(x.dtype)
+    else:
+        y = run(x2, w2, ids2, experts, impl, E, H, I, k)
+    if shared_experts is not None:
+        y = y.astype(jnp.float32) + _shared(x2, shared_experts, run, activation, implementation)
+        y = y.astype(x.dtype)
+    return y.reshape(x.shape)
+
+
+def _shared(x2, shared: SharedExperts, run, activation: Activation, implementation) -> jax.Array:
+    """The shared experts' float32 output on 2-D x: every token to each of the
+    S experts with weight 1, or Qwen2-MoE's ``sigmoid(x @ gate.T)``."""
+    ex = shared.experts
+    if not isinstance(ex, Experts):
+        raise TypeError(f"shared_experts.experts must be a jax_nbx.Experts; got {type(ex).__name__}")
+    ex = jax.tree.map(jnp.asarray, ex)
+    T, H = x2.shape
+    try:
+        S, Hs, Is = _validate_experts(ex)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"shared_experts: {e}") from None
+    if Hs != H:
+        raise ValueError(f"shared_experts have hidden size {Hs}; x's is {H}")
+    w = jnp.ones((T, S), jnp.float32)
+    if shared.gate is not None:
+        g = jnp.asarray(shared.gate)
+        if g.shape not in ((H,), (1, H)):
+            raise ValueError(f"shared_experts.gate has shape {g.shape}; expected (1, {H}) (nn.Linear(H, 1)) "
+                             f"or ({H},)")
+        w = w * jax.nn.sigmoid(x2.astype(jnp.float32) @ g.reshape(H).astype(jnp.float32))[:, None]
+    ids = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (T, S))
+    impl = _resolve_implementation(implementation, is_quantized(ex))
+    return run(x2, w, ids, ex, impl, S, H, Is, S).astype(jnp.float32)
+
+
+def _routed(x2, w2, ids2, experts: Experts, impl: str, E: int, H: int, I: int, k: int, *,
+            activation: Activation, implementation, max_workspace_bytes, ids_outside: str) -> jax.Array:
+    """One pass of the chosen implementation on 2-D inputs (validated)."""
+    T = x2.shape[0]
     if impl != "xla":
         _check_slots(T, k)
     if impl == "metal" and is_quantized(experts):  # (the handler checks again at run time)
         raise ValueError("quantized experts are not supported on the Metal path yet")
-    x2 = x.reshape(T, H)
-    w2 = topk_weights.reshape(T, k).astype(jnp.float32)
-    ids2 = _ids_as_int32(topk_ids, E).reshape(T, k)
-
     if impl == "xla":
-        y = moe_reference(x2, w2, ids2, experts.stacked(), activation)
-        return y.reshape(x.shape)
+        return moe_reference(x2, w2, ids2, experts, activation)
     platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
     if impl == "metal":
         platform = "metal"
+    if platform != "cpu" and not experts.is_plain:
+        what = [w for w, on in (("biases", experts.has_bias), (f"layout={experts.layout!r}", experts.layout != "in_out"),
+                                (f"fusion={experts.fusion!r}", experts.is_fused)) if on]
+        raise ValueError(f"the {'Metal' if platform == 'metal' else 'CUDA'} handler takes plain experts "
+                         f"(gate, up [E, H, I], down [E, I, H], no biases); these have {', '.join(what)}: "
+                         "use implementation='xla' or the CPU handler")
+    if impl == "metal":
         band = memory.plan_bands(
             lambda t: int(_registry.ffi_module().metal_forward_workspace_bytes(t, k, E, H, I)),
             T, H, "metal", max_workspace_bytes, f"(Metal, E={E} k={k} H={H} I={I})")
@@ -478,9 +662,10 @@ def fused_moe(
                                       quant_format(experts))
     else:
         band = plan_band_tokens(T, k, E, H, I, max_workspace_bytes)
+    layout = experts.weight_layout()
     try:
         y = _ffi_op(activation, band, platform, experts.is_list, ids_outside == "skip",
-                    max_workspace_bytes)(x2, w2, ids2, experts)
+                    max_workspace_bytes, layout)(x2, w2, ids2, experts)
         if not isinstance(y, jax.core.Tracer):  # eager: surface a refusal here
             y.block_until_ready()
     except (jax.errors.JaxRuntimeError, ValueError) as e:  # eager errors may arrive as either
@@ -488,4 +673,4 @@ def fused_moe(
         if err is e:
             raise
         raise err from None
-    return y.reshape(x.shape)
+    return y

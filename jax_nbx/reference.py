@@ -26,14 +26,17 @@ def block_rows(slots: int, num_experts: int) -> int:
 
 def moe_reference(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array,
                   experts: Experts, activation: str | Activation = "swiglu") -> jax.Array:
-    """MoE forward on 2-D inputs: x ``[T, H]``, weights/ids ``[T, k]``.
+    """MoE forward on 2-D inputs: x ``[T, H]``, weights/ids ``[T, k]``;
+    experts in any layout, with or without biases (`Experts`).
 
     Accumulates in float32 and returns ``x.dtype``.  Slots whose id lies
     outside ``[0, E)`` contribute nothing (this path cannot raise at run time;
     the FFI path reports them).
     """
     glu = as_activation(activation)
-    experts = experts.stacked()  # per-expert lists: stacked here (a copy; this is the reference)
+    # stacked, transposed, de-interleaved copies in the plain layout (this is
+    # the reference; the handlers read every layout in place), biases float32
+    experts, biases = experts.canonical()
     from .quant import dequantize, is_quantized
 
     if is_quantized(experts):
@@ -79,7 +82,11 @@ def moe_reference(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array,
             xf = xb.astype(jnp.float32)
             g = jnp.dot(xf, experts.gate[e].astype(jnp.float32), precision=hi)
             u = jnp.dot(xf, experts.up[e].astype(jnp.float32), precision=hi)
+            if biases:
+                g, u = g + biases[0][e], u + biases[1][e]
             o = jnp.dot(glu(g, u), experts.down[e].astype(jnp.float32), precision=hi)
+            if biases:
+                o = o + biases[2][e]
             return o * wb[:, None]
 
         return jax.lax.cond(use, compute, lambda _: jnp.zeros((B, H), jnp.float32), None)

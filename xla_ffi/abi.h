@@ -76,6 +76,26 @@ inline constexpr int32_t GroupIndex(int32_t part, int32_t proj) {
   return part * kNumProjections + proj;
 }
 
+// ---------------------------------------------------------------- weight views
+// The CPU handlers read dense weights in the checkpoint's own layout, in
+// place, through views (jax_nbx/experts.py turns a named layout into them):
+//   attribute "views" int64[kNumViewFields * kNumProjections]: per projection
+//     (gate, up, down) offset, stride_k, stride_n in elements of one expert's
+//     array: element (k, n) of its logical matrix (gate and up [H, I], down
+//     [I, H]) lies at offset + k*stride_k + n*stride_n.  Gate and up share
+//     their strides.  Quantized formats take the plain views only
+//     (gate, up (0, I, 1), down (0, H, 1)).
+//   attribute "intermediate" int64: I.
+//   attribute "fused_gate_up" bool: gate and up are one array; the weight
+//     groups are then gate_up, down (the up view indexes the gate_up buffer)
+//     and the backward returns one gradient group for both.
+//   attribute "has_bias" bool: after the weight groups, three stacked float32
+//     buffers gate_bias [E, I], up_bias [E, I], down_bias [E, H]:
+//     mlp(x) = glu(x G + bg, x U + bu) D + bd, weighted after the down bias;
+//     the backward returns their float32 gradients after the weights'.
+inline constexpr int32_t kNumViewFields = 3;  // offset, stride_k, stride_n
+inline constexpr int32_t kNumBiases = 3;      // gate, up, down
+
 // ---------------------------------------------------------------- limits
 // Slots (T * k routed pairs) of one call.  The handlers and kernels index
 // slots, and the rows they are padded to, with int32: 2^30 slots leave room

@@ -117,20 +117,70 @@ void PackRows(const W* const* m, int64_t ld, int64_t k0, int kc, int64_t n0, int
   }
 }
 
-// The same block of a matrix stored by columns (B[k, n] = p[n*ld + k], a
-// transposed weight): one column at a time.
-template <typename W>
-void PackColumns(const W* p, int64_t ld, int64_t k0, int kc, int64_t n0, int nc, int vl,
+// The same block of NS matrices stored by columns (B[k, n] = m[s][n*ld + k],
+// a transposed weight: nn.Linear's [out, in]): one column at a time, each a
+// contiguous run of kc values.
+template <int NS, typename W>
+void PackColumns(const W* const* m, int64_t ld, int64_t k0, int kc, int64_t n0, int nc, int vl,
                  float* dst) {
-  const int w = 2 * vl, nsub = (nc + w - 1) / w;
-  for (int c = 0; c < nsub * w; ++c) {
-    float* d = dst + (c / w) * kc * w + c % w;
-    if (c >= nc) {
-      for (int i = 0; i < kc; ++i) d[i * w] = 0.0f;
-      continue;
+  const int w = 2 * vl, C = w / NS, nsub = (nc + C - 1) / C;
+  for (int s = 0; s < NS; ++s)
+    for (int c = 0; c < nsub * C; ++c) {
+      float* d = dst + (c / C) * kc * w + s * C + c % C;
+      if (c >= nc) {
+        for (int i = 0; i < kc; ++i) d[i * w] = 0.0f;
+        continue;
+      }
+      const W* col = m[s] + (n0 + c) * ld + k0;
+      for (int i = 0; i < kc; ++i) d[i * w] = ToFloat(col[i]);
     }
-    const W* col = p + (n0 + c) * ld + k0;
-    for (int i = 0; i < kc; ++i) d[i * w] = ToFloat(col[i]);
+}
+
+// The same block of NS matrices with any strides (B[k, n] = m[s][k*sk + n*sn]:
+// gpt-oss's interleaved gate||up, sn = 2), element by element, row by row.
+template <int NS, typename W>
+void PackStrided(const W* const* m, int64_t sk, int64_t sn, int64_t k0, int kc, int64_t n0,
+                 int nc, int vl, float* dst) {
+  const int w = 2 * vl, C = w / NS, nsub = (nc + C - 1) / C;
+  for (int i = 0; i < kc; ++i)
+    for (int q = 0; q < nsub; ++q)
+      for (int s = 0; s < NS; ++s) {
+        const W* row = m[s] + (k0 + i) * sk + n0 * sn;
+        float* d = dst + q * kc * w + i * w + s * C;
+        for (int j = 0; j < C; ++j) {
+          const int c = q * C + j;
+          d[j] = c < nc ? ToFloat(row[c * sn]) : 0.0f;
+        }
+      }
+}
+
+// A K-block of NS matrices read through a view (B[k, n] = m[s][k*sk + n*sn]),
+// packed by the fastest of the three packers that fits the strides.
+template <int NS, typename W>
+void PackView(const W* const* m, int64_t sk, int64_t sn, int64_t k0, int kc, int64_t n0, int nc,
+              int vl, float* dst) {
+  if (sn == 1)
+    PackRows<NS>(m, sk, k0, kc, n0, nc, vl, dst);
+  else if (sk == 1)
+    PackColumns<NS>(m, sn, k0, kc, n0, nc, vl, dst);
+  else
+    PackStrided<NS>(m, sk, sn, k0, kc, n0, nc, vl, dst);
+}
+
+// Prefetch of a view's block [k0, k0+kc) x [n0, n0+nc) in a and b (b may be
+// null): rows of it (sn == 1, or any sk > 1: a row's run spans nc*sn
+// elements) or columns (sk == 1).
+template <typename W>
+void StartViewPrefetch(Prefetcher& pf, const W* a, const W* b, int64_t sk, int64_t sn, int64_t k0,
+                       int64_t kc, int64_t n0, int64_t nc) {
+  constexpr int64_t es = static_cast<int64_t>(sizeof(W));
+  if (sn == 1) {
+    StartPrefetch(pf, a, b, sk, k0, kc, n0, nc);
+  } else if (sk == 1) {
+    pf.Start(a + n0 * sn + k0, b ? b + n0 * sn + k0 : nullptr, sn * es, nc, kc * es);
+  } else {
+    pf.Start(a + k0 * sk + n0 * sn, b ? b + k0 * sk + n0 * sn : nullptr, sk * es, kc,
+             ((nc - 1) * sn + 1) * es);
   }
 }
 

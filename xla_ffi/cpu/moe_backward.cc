@@ -89,10 +89,12 @@ struct MatB {
   const W* p;
   int64_t sk, sn;
 };
-// C[m, n] = p[m*ld + n] (float32).
+// C[m, n] = p[m*ld + n*sn] (float32; sn != 1: a weight gradient in a
+// transposed or interleaved view, written through a tile buffer).
 struct MatC {
   float* p;
   int64_t ld;
+  int64_t sn = 1;
 };
 
 // Rows [m, m+rows) of A, columns [k0, k0+kc), as one m-panel [kc][mr].
@@ -118,6 +120,7 @@ struct TileScratch {
   float* packed_b;
   float* packed_a;
   float* tile;
+  float* ctile;  // the micro-tile's results when C has column stride sn != 1
   float* ones;
   int64_t kc;  // K-block rows the scratch holds (the bits do not depend on it)
 };
@@ -125,24 +128,14 @@ struct TileScratch {
 // GemmTile's scratch floats for K-blocks of at most kc rows and tiles of at
 // most nc columns (CarveBand sizes them to the problem).
 int64_t TileScratchFloats(int64_t kc, int64_t nc, int mr, int vl) {
-  return kc * nc + kc * mr + mr * 2 * vl + mr;
+  return kc * nc + kc * mr + 2 * mr * 2 * vl + mr;
 }
 TileScratch CarveTileScratch(float* base, int64_t kc, int64_t nc, int mr, int vl) {
-  TileScratch s{base, base + kc * nc, nullptr, nullptr, kc};
+  TileScratch s{base, base + kc * nc, nullptr, nullptr, nullptr, kc};
   s.tile = s.packed_a + kc * mr;
-  s.ones = s.tile + mr * 2 * vl;
+  s.ctile = s.tile + mr * 2 * vl;
+  s.ones = s.ctile + mr * 2 * vl;
   return s;
-}
-
-// Prefetches B's block [k0, k0+kc) x [n0, n0+nc) (rows of B, or columns of a
-// transposed B).
-template <typename W>
-void StartBlock(Prefetcher& pf, MatB<W> b, int64_t k0, int64_t kc, int64_t n0, int64_t nc) {
-  if (b.sn == 1)
-    StartPrefetch(pf, b.p, static_cast<const W*>(nullptr), b.sk, k0, kc, n0, nc);
-  else if (b.sk == 1)
-    pf.Start(b.p + n0 * b.sn + k0, nullptr, b.sn * static_cast<int64_t>(sizeof(W)), nc,
-             kc * static_cast<int64_t>(sizeof(W)));
 }
 
 // C[m0:m1, n0:n0+nc] = (accumulate ? C : 0) + A[m0:m1, 0:K] B[0:K, n0:n0+nc],
@@ -155,21 +148,20 @@ void GemmTile(const KernelTable& kt, MatA a, MatB<W> b, MatC c, int64_t m0, int6
   std::fill(s.tile, s.tile + mr * w, 0.0f);
   if (K == 0) {
     if (!accumulate)
-      for (int64_t m = m0; m < m1; ++m) std::fill(c.p + m * c.ld + n0, c.p + m * c.ld + n0 + nc, 0.0f);
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t n = n0; n < n0 + nc; ++n) c.p[m * c.ld + n * c.sn] = 0.0f;
     return;
   }
   const int nsub = (nc + w - 1) / w;
   const int64_t panels = (m1 - m0 + mr - 1) / mr;
   RunKBlocks(
       K, s.kc,
-      [&](Prefetcher& pf, int64_t k0, int64_t kc) { StartBlock(pf, b, k0, kc, n0, nc); },
+      [&](Prefetcher& pf, int64_t k0, int64_t kc) {
+        StartViewPrefetch(pf, b.p, static_cast<const W*>(nullptr), b.sk, b.sn, k0, kc, n0, nc);
+      },
       [&](int64_t k0, int kc) {
-        if (b.sn == 1) {
-          const W* m[1] = {b.p};
-          PackRows<1>(m, b.sk, k0, kc, n0, nc, vl, s.packed_b);
-        } else {
-          PackColumns(b.p, b.sn, k0, kc, n0, nc, vl, s.packed_b);
-        }
+        const W* m[1] = {b.p};
+        PackView<1>(m, b.sk, b.sn, k0, kc, n0, nc, vl, s.packed_b);
       },
       [&](int64_t k0, int kc, Prefetcher& pf) {
         const int64_t per_call = pf.PerCall(nsub * panels);
@@ -179,12 +171,22 @@ void GemmTile(const KernelTable& kt, MatA a, MatB<W> b, MatC c, int64_t m0, int6
           PackA(a, m, rows, k0, kc, mr, s.packed_a);
           for (int q = 0; q < nsub; ++q) {
             const int cols = std::min(w, nc - q * w);
-            float* cp = c.p + m * c.ld + n0 + q * w;
-            if (load)
+            float* cp = c.p + m * c.ld + (n0 + q * w) * c.sn;
+            if (c.sn == 1) {
+              if (load)
+                for (int r = 0; r < rows; ++r)
+                  std::memcpy(s.tile + r * w, cp + r * c.ld, sizeof(float) * cols);
+              kt.gemm2(s.packed_a, s.packed_b + q * kc * w, kc, s.ones, rows, cols, cp, c.ld,
+                       s.tile, load ? kLoadPartial : 0, /*scale=*/nullptr);
+            } else {  // through ctile: gathered from C, computed, scattered back
+              if (load)
+                for (int r = 0; r < rows; ++r)
+                  for (int j = 0; j < cols; ++j) s.tile[r * w + j] = cp[r * c.ld + j * c.sn];
+              kt.gemm2(s.packed_a, s.packed_b + q * kc * w, kc, s.ones, rows, cols, s.ctile, w,
+                       s.tile, load ? kLoadPartial : 0, /*scale=*/nullptr);
               for (int r = 0; r < rows; ++r)
-                std::memcpy(s.tile + r * w, cp + r * c.ld, sizeof(float) * cols);
-            kt.gemm2(s.packed_a, s.packed_b + q * kc * w, kc, s.ones, rows, cols, cp, c.ld, s.tile,
-                     load ? kLoadPartial : 0, /*scale=*/nullptr);
+                for (int j = 0; j < cols; ++j) cp[r * c.ld + j * c.sn] = s.ctile[r * w + j];
+            }
             pf.Step(per_call);
           }
         }
@@ -289,11 +291,15 @@ struct Problem {
   const void* const* gate;  // E addresses per projection, read in place
   const void* const* up;
   const void* const* down;
+  const int64_t* sk;  // [3] the views' strides (weights.h ExpertWeights)
+  const int64_t* sn;
+  const float* const* bias;  // [3] float32 gate, up [E, I], down [E, H] biases, or null
   void* dx;
   float* dw;
-  float* const* dgate;  // E float32 [H, I] gradients (stacked slices or per-expert outputs)
-  float* const* dup;
-  float* const* ddown;  // E float32 [I, H]
+  float* const* dgate;  // E float32 gradients in the weights' views (stacked slices or
+  float* const* dup;    // per-expert outputs; gate and up one buffer when fused)
+  float* const* ddown;
+  float* const* dbias;  // [3] their gradients, or null
   Glu glu;
   uint8_t* written;  // [E]: the expert's gradients hold a partial sum (else unwritten)
 };
@@ -345,9 +351,13 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     const int64_t n0 = (it % tilesI) * tc;
     const int64_t e = b.chunks.expert[c];
     const W* wt = static_cast<const W*>(which == 0 ? p.gate[e] : p.up[e]);
-    GemmTile<W>(kt, MatA{b.Xg, H, 1}, MatB<W>{wt, I, 1}, MatC{b.GU + which * I, 2 * I},
-                b.chunks.begin[c], b.chunks.end[c], n0, static_cast<int>(std::min(tc, I - n0)),
-                H, false, b.Scratch(worker));
+    const int nc = static_cast<int>(std::min(tc, I - n0));
+    const float* bias = p.bias[which];
+    if (bias)  // the sums start from the bias
+      for (int64_t r = b.chunks.begin[c]; r < b.chunks.end[c]; ++r)
+        std::memcpy(b.GU + r * 2 * I + which * I + n0, bias + e * I + n0, sizeof(float) * nc);
+    GemmTile<W>(kt, MatA{b.Xg, H, 1}, MatB<W>{wt, p.sk[0], p.sn[0]}, MatC{b.GU + which * I, 2 * I},
+                b.chunks.begin[c], b.chunks.end[c], n0, nc, H, bias != nullptr, b.Scratch(worker));
   });
   stages.Mark("recompute_gu");
 
@@ -355,7 +365,7 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
   ParallelFor(pool, workers, chunks * tilesI, [&](int64_t it, int worker) {
     const int64_t c = it / tilesI, n0 = (it % tilesI) * tc;
     const int64_t e = b.chunks.expert[c];
-    GemmTile<W>(kt, MatA{b.dY, H, 1}, MatB<W>{static_cast<const W*>(p.down[e]), 1, H},
+    GemmTile<W>(kt, MatA{b.dY, H, 1}, MatB<W>{static_cast<const W*>(p.down[e]), p.sn[2], p.sk[2]},
                 MatC{b.DA, I}, b.chunks.begin[c], b.chunks.end[c], n0,
                 static_cast<int>(std::min(tc, I - n0)), H, false,
                 b.Scratch(worker));
@@ -381,8 +391,12 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
         gu[I + i] = dw_a * da_du;  // du
         da[i] = a;
       }
-      p.dw[slot] = dot;
       float* dy = b.dY + r * H;
+      if (p.bias[2]) {  // the output is a D + bd: d(weight) also gets dy . bd
+        const float* bd = p.bias[2] + static_cast<int64_t>(p.topk_ids[slot]) * H;
+        for (int64_t h = 0; h < H; ++h) dot += dy[h] * bd[h];
+      }
+      p.dw[slot] = dot;
       for (int64_t h = 0; h < H; ++h) dy[h] *= w;
     }
   });
@@ -410,17 +424,39 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
       const int64_t m0 = (j / tilesI) * kChunkRows, n0 = (j % tilesI) * tc;
       float* out = which == 0 ? p.dgate[e] : p.dup[e];
       GemmTile<float>(kt, MatA{b.Xg + r0 * H, 1, H},
-                      MatB<float>{b.GU + r0 * 2 * I + which * I, 2 * I, 1}, MatC{out, I}, m0,
+                      MatB<float>{b.GU + r0 * 2 * I + which * I, 2 * I, 1},
+                      MatC{out, p.sk[0], p.sn[0]}, m0,
                       std::min(H, m0 + kChunkRows), n0,
                       static_cast<int>(std::min(tc, I - n0)), rows, acc, scratch);
     } else {
       j -= 2 * per_gu;
       const int64_t m0 = (j / tilesH) * kChunkRows, n0 = (j % tilesH) * tc;
       GemmTile<float>(kt, MatA{b.DA + r0 * I, 1, I}, MatB<float>{b.dY + r0 * H, H, 1},
-                      MatC{p.ddown[e], H}, m0, std::min(I, m0 + kChunkRows), n0,
+                      MatC{p.ddown[e], p.sk[2], p.sn[2]}, m0, std::min(I, m0 + kChunkRows), n0,
                       static_cast<int>(std::min(tc, H - n0)), rows, acc, scratch);
     }
   });
+  if (p.dbias[0]) {  // bias gradients: column sums of dg, du, w*dy over the expert's rows
+    ParallelFor(pool, workers, static_cast<int64_t>(active.size()), [&](int64_t it, int) {
+      const int64_t e = active[it];
+      const int64_t r0 = b.plan.expert_off[e], r1 = b.plan.expert_off[e + 1];
+      const bool acc = p.written[e] != 0;
+      float* dg = p.dbias[0] + e * I;
+      float* du = p.dbias[1] + e * I;
+      float* dd = p.dbias[2] + e * H;
+      if (!acc) {
+        std::fill(dg, dg + I, 0.0f);
+        std::fill(du, du + I, 0.0f);
+        std::fill(dd, dd + H, 0.0f);
+      }
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* gu = b.GU + r * 2 * I;
+        for (int64_t i = 0; i < I; ++i) dg[i] += gu[i], du[i] += gu[I + i];
+        const float* dy = b.dY + r * H;
+        for (int64_t h = 0; h < H; ++h) dd[h] += dy[h];
+      }
+    });
+  }
   for (int64_t e : active) p.written[e] = 1;
   stages.Mark("gemm_dw");
 
@@ -430,9 +466,11 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     const int nc = static_cast<int>(std::min(tc, H - n0));
     const int64_t e = b.chunks.expert[c];
     const TileScratch scratch = b.Scratch(worker);
-    GemmTile<W>(kt, MatA{b.GU, 2 * I, 1}, MatB<W>{static_cast<const W*>(p.gate[e]), 1, I},
-                MatC{b.dY, H}, b.chunks.begin[c], b.chunks.end[c], n0, nc, I, false, scratch);
-    GemmTile<W>(kt, MatA{b.GU + I, 2 * I, 1}, MatB<W>{static_cast<const W*>(p.up[e]), 1, I},
+    GemmTile<W>(kt, MatA{b.GU, 2 * I, 1},
+                MatB<W>{static_cast<const W*>(p.gate[e]), p.sn[0], p.sk[0]}, MatC{b.dY, H},
+                b.chunks.begin[c], b.chunks.end[c], n0, nc, I, false, scratch);
+    GemmTile<W>(kt, MatA{b.GU + I, 2 * I, 1},
+                MatB<W>{static_cast<const W*>(p.up[e]), p.sn[1], p.sk[1]},
                 MatC{b.dY, H}, b.chunks.begin[c], b.chunks.end[c], n0, nc, I, true, scratch);
   });
   stages.Mark("gemm_dx");
@@ -479,18 +517,12 @@ ffi::Error FusedMoeBackward(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   // Weights and their gradient buffers: E addresses per projection.
   ExpertWeights w;
   if (ffi::Error e = DecodeWeights(weights, 0, weights.size() - trailing, a.num_experts, H,
-                                   abi::WeightFormat::kDense, a.stacked, 0, &w);
+                                   abi::WeightFormat::kDense, a.stacked, 0, a.views, &w);
       e.failure())
     return e;
-  std::vector<float*> gtables;
-  std::vector<std::pair<void*, size_t>> gbuffers;
-  if (ffi::Error e = DecodeGradients(grads, 0, w, a.stacked, &gtables, &gbuffers); e.failure())
-    return e;
-  if (grads.size() != gbuffers.size())
-    return ffi::Error::InvalidArgument("expected " + std::to_string(gbuffers.size()) +
-                                       " weight-gradient results; got " +
-                                       std::to_string(grads.size()));
-  for (const auto& [ptr, bytes] : gbuffers) AdviseHugePages(ptr, bytes);
+  GradientTable gt;
+  if (ffi::Error e = DecodeGradients(grads, 0, w, a.stacked, &gt); e.failure()) return e;
+  for (const auto& [ptr, bytes] : gt.buffers) AdviseHugePages(ptr, bytes);
   const int64_t E = w.E, I = w.I;
 
   const int32_t* ids = topk_ids.typed_data();
@@ -499,10 +531,18 @@ ffi::Error FusedMoeBackward(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   // Gradients of experts that receive no rows are zero: written at the end
   // (the others are written by their first band's GEMMs, never zeroed first).
   std::vector<uint8_t> written(E, 0);
-  auto zero_unwritten = [&]() {
-    for (int pj = 0; pj < 3; ++pj)
+  auto zero_unwritten = [&]() {  // each expert's whole arrays (every view inside them)
+    for (int grp = 0; grp < w.groups(); ++grp)
       for (int64_t e = 0; e < E; ++e)
-        if (!written[e]) std::fill(gtables[pj * E + e], gtables[pj * E + e] + H * I, 0.0f);
+        if (!written[e])
+          std::fill(gt.group_base[grp * E + e], gt.group_base[grp * E + e] + w.group_elems[grp],
+                    0.0f);
+    for (int j = 0; j < 3; ++j)
+      if (gt.bias[j])
+        for (int64_t e = 0; e < E; ++e) {
+          const int64_t n = j < 2 ? I : H;
+          if (!written[e]) std::fill(gt.bias[j] + e * n, gt.bias[j] + (e + 1) * n, 0.0f);
+        }
   };
   if (T == 0 || H == 0 || I == 0 || k == 0) {
     std::memset(dx->untyped_data(), 0, dx->size_bytes());
@@ -512,9 +552,9 @@ ffi::Error FusedMoeBackward(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   }
 
   Problem p{T, H, I, E, k, dy.untyped_data(), x.untyped_data(), x.element_type(),
-            topk_w.typed_data(), ids, w.gate(), w.up(), w.down(),
-            dx->untyped_data(), dw->typed_data(), gtables.data(), gtables.data() + E,
-            gtables.data() + 2 * E,
+            topk_w.typed_data(), ids, w.gate(), w.up(), w.down(), w.sk, w.sn, w.bias,
+            dx->untyped_data(), dw->typed_data(), gt.table.data(), gt.table.data() + E,
+            gt.table.data() + 2 * E, gt.bias,
             Glu{static_cast<int>(a.activation), a.act_alpha, a.act_limit}, written.data()};
   const int64_t band = (a.band_tokens <= 0) ? T : std::min(a.band_tokens, T);
   const int workers = static_cast<int>(std::clamp<int64_t>(a.max_workers, 1, MaxWorkers(pool)));

@@ -5,6 +5,7 @@
 
 #include "abi.h"
 #include "cpu/handler_common.h"  // the enum attributes' decoding
+#include "cpu/weights.h"         // WeightViewAttrs
 #include "xla/ffi/api/ffi.h"
 
 namespace nbx {
@@ -20,6 +21,7 @@ struct BackwardAttrs {
   bool skip_outside;
   int64_t num_experts;
   bool stacked;
+  WeightViewAttrs views;  // abi.h "weight views"
 };
 
 // The backward on dy, x, topk_weights, topk_ids and the dense weight buffers
@@ -58,13 +60,18 @@ size_t BackwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, i
       .Attr<int64_t>("max_workers")                                   \
       .Attr<bool>("skip_outside")                                     \
       .Attr<int64_t>("num_experts")                                   \
-      .Attr<bool>("stacked")
+      .Attr<bool>("stacked")                                          \
+      .Attr<::xla::ffi::Span<const int64_t>>("views")                 \
+      .Attr<int64_t>("intermediate")                                  \
+      .Attr<bool>("fused_gate_up")                                    \
+      .Attr<bool>("has_bias")
 
 #define NBX_BACKWARD_ATTR_PARAMS                                                    \
   ::nbx::abi::Activation activation, float act_alpha, float act_limit, int64_t band_tokens, \
-      int64_t max_workers, bool skip_outside, int64_t num_experts, bool stacked
+      int64_t max_workers, bool skip_outside, int64_t num_experts, bool stacked,           \
+      ::xla::ffi::Span<const int64_t> views, int64_t intermediate, bool fused_gate_up, bool has_bias
 #define NBX_BACKWARD_ATTRS \
   ::nbx::BackwardAttrs {                                                              \
     activation, act_alpha, act_limit, band_tokens, max_workers, skip_outside, num_experts, \
-        stacked                                                                         \
+        stacked, ::nbx::WeightViewAttrs{views, intermediate, fused_gate_up, has_bias}   \
   }

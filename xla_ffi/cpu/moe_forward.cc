@@ -69,8 +69,8 @@ ScratchLayout LayOutScratch(int64_t H, int64_t I, const KernelTable& kt) {
   const int64_t cols2 = RoundUp(std::min<int64_t>(kt.nc, H), 2 * vl);  // down
   const int64_t packed =
       std::max(std::min<int64_t>(kt.kc, H) * cols1, std::min<int64_t>(kt.kc, I) * cols2);
-  const int64_t part =
-      kt.chunk_panels * mr * std::max(H > kt.kc ? cols1 : 0, I > kt.kc ? cols2 : 0);
+  // (GEMM1's partial sums are always room for: with biases they start the sums)
+  const int64_t part = kt.chunk_panels * mr * std::max(cols1, I > kt.kc ? cols2 : 0);
   const int64_t rows = std::min(kStreamRows, mr);
   const int64_t stream = rows * std::max(2 * std::min(kStreamCols, I), std::min(kStreamCols, H));
   return {packed, RoundUp(packed + std::max(part, stream) + std::max(cols1, cols2), 1024)};
@@ -164,6 +164,29 @@ void GatherPanel(const XT* x, int64_t H, const int32_t* row_token, int mr, float
   }
 }
 
+// GEMM1's partial sums of one m-panel before its first K-block: each row
+// starts from the gate bias (VL columns from col0, `cols` of them real) and
+// the up bias (the next VL).
+inline void FillBiasPartial(const float* bg, const float* bu, int64_t col0, int cols, int mr,
+                            int vl, float* pp) {
+  for (int r = 0; r < mr; ++r)
+    for (int j = 0; j < vl; ++j) {
+      pp[r * 2 * vl + j] = j < cols ? bg[col0 + j] : 0.0f;
+      pp[r * 2 * vl + vl + j] = j < cols ? bu[col0 + j] : 0.0f;
+    }
+}
+
+// GEMM2's down bias, weighted like the rows: O[m, n0+c] += w[m] * bd[n0+c]
+// for rows [m0, m1) (padding rows have weight 0), c < cols.
+inline void AddDownBias(const float* bd, const float* row_weight, int64_t m0, int64_t m1,
+                        int64_t n0, int cols, float* O, int64_t H) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const float w = row_weight[m];
+    float* o = O + m * H + n0;
+    for (int c = 0; c < cols; ++c) o[c] += w * bd[n0 + c];
+  }
+}
+
 // Plans the rows of `window` among slots [s0, s1) (slots.h) and the per-row
 // token and weight; returns (rows P, chunks).
 // (A group spans the whole call: its slots get no slot_row, which holds a band's.)
@@ -199,7 +222,15 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
   const float* A = first ? b.XO : b.A2;        // packed panels [K][MR]
   float* O = b.XO;                             // GEMM2's rows (x is no longer needed)
   // dense: f32 and bf16 weights stream (f16 ones always pack); quantized: all
-  const bool can_stream = WS::kQuant || sizeof(W) == 4 || p.w->dtype == ffi::DataType::BF16;
+  // (and only weights stored in rows, stride_n 1; and GEMM1 only without
+  // biases: the packed path starts its sums from them)
+  const int proj = first ? 0 : 2;
+  const int64_t sk = p.w->sk[proj], sn = p.w->sn[proj];
+  const float* const bias_g = p.w->bias[0];
+  const float* const bias_u = p.w->bias[1];
+  const float* const bias_d = p.w->bias[2];
+  const bool can_stream = (WS::kQuant || sizeof(W) == 4 || p.w->dtype == ffi::DataType::BF16) &&
+                          sn == 1 && !(first && bias_g != nullptr);
   const int w_index = sizeof(W) == 4 ? 0 : 1;
   const int64_t stream_rows = std::min<int64_t>(kStreamRows, mr);
   const int64_t tiles = (N + kt.nc - 1) / kt.nc;
@@ -224,15 +255,16 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
         if constexpr (WS::kQuant)
           kt.qstream1(a, mr, rows, mats[0], mats[1], n0, K, cols, p.act, scratch, out, 1, mr);
         else
-          kt.stream1[w_index](a, mr, rows, mats[0] + n0, mats[1] + n0, N, K, cols, p.act,
+          kt.stream1[w_index](a, mr, rows, mats[0] + n0, mats[1] + n0, sk, K, cols, p.act,
                               scratch, out, 1, mr);
       } else {
         float* out = O + m0 * H + n0;
         if constexpr (WS::kQuant)
           kt.qstream2(a, mr, rows, mats[0], n0, K, cols, b.row_weight + m0, scratch, out, H);
         else
-          kt.stream2[w_index](a, mr, rows, mats[0] + n0, N, K, cols, b.row_weight + m0, scratch,
+          kt.stream2[w_index](a, mr, rows, mats[0] + n0, sk, K, cols, b.row_weight + m0, scratch,
                               out, H);
+        if (bias_d) AddDownBias(bias_d + e * H, b.row_weight, m0, m1, n0, cols, O, H);
       }
       return;
     }
@@ -260,21 +292,26 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     RunKBlocks(
         K, kt.kc,
         [&](Prefetcher& pf, int64_t k0, int64_t kc) {
-          StartPrefetch(pf, mats[0], mats[1], N, k0, kc, n0, nc);
+          if constexpr (WS::kQuant)
+            StartPrefetch(pf, mats[0], mats[1], N, k0, kc, n0, nc);
+          else
+            StartViewPrefetch(pf, mats[0], mats[1], sk, sn, k0, kc, n0, nc);
         },
         [&](int64_t k0, int kc) {
           if constexpr (WS::kQuant) {
             for (int s = 0; s < ns; ++s)
               kt.qpack(mats[s], k0, kc, n0, nc, width, packed + s * width, 2 * vl, kc * 2 * vl);
           } else if constexpr (first) {
-            PackRows<2>(mats, N, k0, kc, n0, nc, vl, packed);
+            PackView<2>(mats, sk, sn, k0, kc, n0, nc, vl, packed);
           } else {
-            PackRows<1>(mats, N, k0, kc, n0, nc, vl, packed);
+            PackView<1>(mats, sk, sn, k0, kc, n0, nc, vl, packed);
           }
         },
         [&](int64_t k0, int kc, Prefetcher& pf) {
           const int64_t per_call = pf.PerCall(nsub * panels);
-          const int flags = BlockFlags(k0, kc, K);
+          int flags = BlockFlags(k0, kc, K);
+          const bool start_from_bias = first && bias_g != nullptr && k0 == 0;
+          if (start_from_bias) flags |= kLoadPartial;
           for (int q = 0; q < nsub; ++q) {
             const int cols = std::min(width, nc - q * width);
             const float* bq = packed + q * kc * 2 * vl;
@@ -284,6 +321,8 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
               const int rows = static_cast<int>(std::min<int64_t>(mr, m1 - m));
               const float* a = A + panel * K * mr + k0 * mr;
               float* pp = part + (pi * nsub + q) * mr * 2 * vl;
+              if (start_from_bias)  // the sums start from the gate and up biases
+                FillBiasPartial(bias_g + e * I, bias_u + e * I, n0 + q * vl, cols, mr, vl, pp);
               if constexpr (first)
                 kt.gemm1(a, bq, kc, p.act, rows, cols, b.A2 + panel * I * mr + (n0 + q * vl) * mr,
                          1, mr, pp, flags, sq);
@@ -294,6 +333,8 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
             }
           }
         });
+    if constexpr (!first)
+      if (bias_d) AddDownBias(bias_d + e * H, b.row_weight, m0, m1, n0, nc, O, H);
   });
 }
 
@@ -409,7 +450,7 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
     return ffi::Error::InvalidArgument("fewer inputs than the aliased outputs");
   ExpertWeights w;
   if (ffi::Error e = DecodeWeights(weights, 0, weights.size() - trailing, a.num_experts, H,
-                                   a.format, a.stacked, a.group_size, &w);
+                                   a.format, a.stacked, a.group_size, a.views, &w);
       e.failure())
     return e;
   const int32_t* ids = topk_ids.typed_data();

@@ -5,6 +5,7 @@
 
 #include "abi.h"
 #include "cpu/handler_common.h"  // the enum attributes' decoding
+#include "cpu/weights.h"         // WeightViewAttrs
 #include "xla/ffi/api/ffi.h"
 
 namespace nbx {
@@ -22,6 +23,7 @@ struct ForwardAttrs {
   abi::WeightFormat format;
   bool stacked;  // one [E, ...] buffer per group, else E per-expert buffers
   int64_t group_size;  // int4: rows of K per group
+  WeightViewAttrs views;  // abi.h "weight views"
 };
 
 // The forward on x [T, H], topk_weights/topk_ids [T, k] and the weight
@@ -60,15 +62,21 @@ size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, in
       .Attr<int64_t>("num_experts")                                 \
       .Attr<::nbx::abi::WeightFormat>("format")                     \
       .Attr<bool>("stacked")                                        \
-      .Attr<int64_t>("group_size")
+      .Attr<int64_t>("group_size")                                  \
+      .Attr<::xla::ffi::Span<const int64_t>>("views")               \
+      .Attr<int64_t>("intermediate")                                \
+      .Attr<bool>("fused_gate_up")                                  \
+      .Attr<bool>("has_bias")
 
 // Forwards the binding's attributes as a ForwardAttrs.
 #define NBX_FORWARD_ATTR_PARAMS                                                         \
   ::nbx::abi::Activation activation, float act_alpha, float act_limit, int64_t band_tokens, \
       int64_t max_workers, bool skip_outside, int64_t num_experts, ::nbx::abi::WeightFormat format, \
-      bool stacked, int64_t group_size
+      bool stacked, int64_t group_size, ::xla::ffi::Span<const int64_t> views, int64_t intermediate, \
+      bool fused_gate_up, bool has_bias
 #define NBX_FORWARD_ATTRS                                                              \
   ::nbx::ForwardAttrs {                                                                \
     activation, act_alpha, act_limit, band_tokens, max_workers, skip_outside, num_experts, \
-        format, stacked, group_size                                                    \
+        format, stacked, group_size,                                                   \
+        ::nbx::WeightViewAttrs{views, intermediate, fused_gate_up, has_bias}           \
   }

@@ -45,24 +45,49 @@ std::string Where(int proj, int part, WeightFormat f, bool stacked, int64_t expe
 
 ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, int64_t E,
                          int64_t H, WeightFormat format, bool stacked, int64_t group_size,
-                         ExpertWeights* out) {
+                         const WeightViewAttrs& v, ExpertWeights* out) {
   const int32_t fcode = static_cast<int32_t>(format);
   if (fcode < 0 || fcode >= abi::kNumWeightFormats)
     return ffi::Error::InvalidArgument("unknown weight format code " + std::to_string(fcode));
+  const bool plain_call = v.intermediate < 0;  // no views given: plain, I from gate's shape
+  if (!plain_call && v.views.size() != abi::kNumViewFields * abi::kNumProjections)
+    return ffi::Error::InvalidArgument("views must hold " +
+                                       std::to_string(abi::kNumViewFields * abi::kNumProjections) +
+                                       " values; got " + std::to_string(v.views.size()));
+  if (format != WeightFormat::kDense && (v.fused_gate_up || v.has_bias))
+    return ffi::Error::InvalidArgument(
+        "quantized weights take the plain layout only (no fused gate_up, no biases)");
   const int parts = abi::PartsOf(format);
+  const int nproj_groups = v.fused_gate_up ? 2 : abi::kNumProjections;
   const int64_t per = stacked ? 1 : E;
-  const int64_t want = abi::GroupsOf(format) * per;
+  const int64_t nbias = v.has_bias ? abi::kNumBiases : 0;
+  const int64_t want = parts * nproj_groups * per + nbias;
   if (E < 1 || static_cast<int64_t>(count) != want || first + count > args.size())
     return ffi::Error::InvalidArgument(
         "expected " + std::to_string(want) + " " + abi::kWeightFormatNames[fcode] +
-        " weight buffers (" + std::to_string(abi::GroupsOf(format)) + " groups of " +
-        std::to_string(per) + "); got " + std::to_string(count));
-  // I from gate's first buffer: its last axis.
+        " weight buffers (" + std::to_string(parts * nproj_groups) + " groups of " +
+        std::to_string(per) + (nbias ? ", then 3 biases" : "") + "); got " +
+        std::to_string(count));
   auto g0 = args.get<ffi::AnyBuffer>(first);
   if (g0.has_error()) return g0.error();
   if (g0->dimensions().size() < 1)
     return ffi::Error::InvalidArgument("gate must have at least one axis");
-  const int64_t I = g0->dimensions().back();
+  const int64_t I = plain_call ? g0->dimensions().back() : v.intermediate;
+  // The views, and whether they are the plain ones (then shapes are checked exactly).
+  int64_t view[abi::kNumProjections][abi::kNumViewFields];
+  bool plain = !v.fused_gate_up;
+  for (int proj = 0; proj < abi::kNumProjections; ++proj) {
+    const int64_t N = proj < 2 ? I : H;
+    const int64_t pv[3] = {0, N, 1};
+    for (int f = 0; f < abi::kNumViewFields; ++f) {
+      view[proj][f] = plain_call ? pv[f] : v.views[proj * abi::kNumViewFields + f];
+      plain = plain && view[proj][f] == pv[f];
+    }
+  }
+  if (format != WeightFormat::kDense && !plain)
+    return ffi::Error::InvalidArgument("quantized weights take the plain views only");
+  if (view[0][1] != view[1][1] || view[0][2] != view[1][2])
+    return ffi::Error::InvalidArgument("gate and up views must share their strides");
   if (format == WeightFormat::kInt4 &&
       (group_size <= 0 || group_size % 2 || H % group_size || I % group_size))
     return ffi::Error::InvalidArgument("int4 group size " + std::to_string(group_size) +
@@ -72,24 +97,40 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
   out->H = H;
   out->I = I;
   out->format = format;
+  out->fused = v.fused_gate_up;
+  for (int proj = 0; proj < abi::kNumProjections; ++proj) {
+    out->off[proj] = view[proj][0];
+    out->sk[proj] = view[proj][1];
+    out->sn[proj] = view[proj][2];
+  }
   out->table.assign(abi::kNumProjections * E, nullptr);
   out->quant.assign(format == WeightFormat::kDense ? 0 : abi::kNumProjections * E, QuantMatrix{});
   ffi::DataType dense_type = ffi::DataType::INVALID;
   for (int part = 0; part < parts; ++part) {
-    for (int proj = 0; proj < abi::kNumProjections; ++proj) {
+    for (int grp = 0; grp < nproj_groups; ++grp) {
+      // the projections this group's buffers hold (-1: none)
+      const int proj = v.fused_gate_up && grp == 1 ? 2 : grp;
+      const int projs[2] = {proj, v.fused_gate_up && grp == 0 ? 1 : -1};
       const int64_t K = proj < 2 ? H : I, N = proj < 2 ? I : H;
       std::vector<int64_t> shape = PartShape(format, part, K, N, group_size);
       if (stacked) shape.insert(shape.begin(), E);
       for (int64_t i = 0; i < per; ++i) {
-        auto b = args.get<ffi::AnyBuffer>(first + abi::GroupIndex(part, proj) * per + i);
+        auto b = args.get<ffi::AnyBuffer>(first + (part * nproj_groups + grp) * per + i);
         if (b.has_error()) return b.error();
         const ffi::DataType t = b->element_type();
         auto d = b->dimensions();
         const std::vector<int64_t> got(d.begin(), d.end());
-        const std::string where = Where(proj, part, format, stacked, i);
-        if (got != shape)
+        const std::string where =
+            v.fused_gate_up && grp == 0 ? (stacked ? std::string("gate_up")
+                                                   : "gate_up expert " + std::to_string(i))
+                                        : Where(proj, part, format, stacked, i);
+        if (plain && got != shape)
           return ffi::Error::InvalidArgument(where + " has shape " + Dims(got) + "; expected " +
                                              Dims(shape));
+        if (!plain && (got.size() != (stacked ? 3u : 2u) || (stacked && got[0] != E)))
+          return ffi::Error::InvalidArgument(where + " has shape " + Dims(got) + "; expected " +
+                                             (stacked ? "[E=" + std::to_string(E) + ", rows, cols]"
+                                                      : std::string("[rows, cols]")));
         if (!PartTypeOk(format, part, t) ||
             (format == WeightFormat::kDense && dense_type != ffi::DataType::INVALID &&
              t != dense_type))
@@ -100,23 +141,39 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
         if (format == WeightFormat::kDense) dense_type = t;
         const size_t es = ffi::ByteWidth(t);
         const int64_t elems = static_cast<int64_t>(b->element_count()) / (stacked ? E : 1);
+        if (part == 0) out->group_elems[grp] = elems;
+        // every element of each view lies inside the expert's array
+        for (int pj : projs) {
+          if (pj < 0 || format != WeightFormat::kDense) continue;
+          const int64_t Kp = pj < 2 ? H : I, Np = pj < 2 ? I : H;
+          const int64_t off = view[pj][0], sk = view[pj][1], sn = view[pj][2];
+          if (off < 0 || sk < 0 || sn < 0 ||
+              (Kp > 0 && Np > 0 && off + (Kp - 1) * sk + (Np - 1) * sn >= elems))
+            return ffi::Error::InvalidArgument(
+                std::string("the ") + abi::kProjectionNames[pj] + " view (offset " +
+                std::to_string(off) + ", strides " + std::to_string(sk) + ", " +
+                std::to_string(sn) + ") of a [" + std::to_string(Kp) + ", " +
+                std::to_string(Np) + "] matrix leaves " + where + "'s " + std::to_string(elems) +
+                " elements per expert");
+        }
         for (int64_t e = stacked ? 0 : i; e < (stacked ? E : i + 1); ++e) {
-          const void* addr = static_cast<const char*>(b->untyped_data()) +
+          const char* base = static_cast<const char*>(b->untyped_data()) +
                              (stacked ? e * elems * static_cast<int64_t>(es) : 0);
           if (format == WeightFormat::kDense) {
-            out->table[proj * E + e] = addr;
+            for (int pj : projs)
+              if (pj >= 0) out->table[pj * E + e] = base + view[pj][0] * static_cast<int64_t>(es);
             continue;
           }
           QuantMatrix& m = out->quant[proj * E + e];
           m.N = N;
           m.group = format == WeightFormat::kInt4 ? group_size : K;
           m.int4 = format == WeightFormat::kInt4;
-          if (part == 0) m.q = addr;
+          if (part == 0) m.q = base;
           if (part == 1) {
-            m.scale = addr;
+            m.scale = base;
             m.bf16_scales = t == ffi::DataType::BF16;
           }
-          if (part == 2) m.zero = addr;
+          if (part == 2) m.zero = base;
         }
       }
     }
@@ -127,36 +184,67 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
     out->dtype = ffi::DataType::U8;
     for (int64_t i = 0; i < abi::kNumProjections * E; ++i) out->table[i] = &out->quant[i];
   }
+  for (int j = 0; j < nbias; ++j) {
+    const int64_t n = j < 2 ? I : H;
+    auto b = args.get<ffi::AnyBuffer>(first + count - nbias + j);
+    if (b.has_error()) return b.error();
+    auto d = b->dimensions();
+    if (b->element_type() != ffi::DataType::F32 || d.size() != 2 || d[0] != E || d[1] != n)
+      return ffi::Error::InvalidArgument(std::string("the ") + abi::kProjectionNames[j] +
+                                         " bias must be float32 [E=" + std::to_string(E) + ", " +
+                                         std::to_string(n) + "]");
+    out->bias[j] = static_cast<const float*>(b->untyped_data());
+  }
   return ffi::Error::Success();
 }
 
 ffi::Error DecodeGradients(ffi::RemainingRets rets, size_t first, const ExpertWeights& w,
-                           bool stacked, std::vector<float*>* table,
-                           std::vector<std::pair<void*, size_t>>* buffers) {
+                           bool stacked, GradientTable* out) {
   const int64_t E = w.E, per = stacked ? 1 : E;
   if (w.quantized())
     return ffi::Error::InvalidArgument("the CPU backward takes dense weights only");
-  if (static_cast<int64_t>(rets.size()) < static_cast<int64_t>(first) + 3 * per)
-    return ffi::Error::InvalidArgument("expected " + std::to_string(3 * per) +
+  const int groups = w.groups();
+  const int64_t nbias = w.bias[0] ? abi::kNumBiases : 0;
+  const int64_t want = groups * per + nbias;
+  if (static_cast<int64_t>(rets.size()) != static_cast<int64_t>(first) + want)
+    return ffi::Error::InvalidArgument("expected " + std::to_string(want) +
                                        " weight-gradient results; got " +
                                        std::to_string(rets.size() - first));
-  table->assign(3 * E, nullptr);
-  buffers->clear();
-  for (int proj = 0; proj < 3; ++proj) {
-    const int64_t rows = proj < 2 ? w.H : w.I, cols = proj < 2 ? w.I : w.H;
+  out->table.assign(abi::kNumProjections * E, nullptr);
+  out->group_base.assign(groups * E, nullptr);
+  out->buffers.clear();
+  for (int grp = 0; grp < groups; ++grp) {
+    const int64_t elems = w.group_elems[grp];
     for (int64_t i = 0; i < per; ++i) {
-      auto g = rets.get<ffi::AnyBuffer>(first + proj * per + i);
+      auto g = rets.get<ffi::AnyBuffer>(first + grp * per + i);
       if (g.has_error()) return g.error();
       if ((*g)->element_type() != ffi::DataType::F32 ||
-          static_cast<int64_t>((*g)->element_count()) != (stacked ? E : 1) * rows * cols)
-        return ffi::Error::InvalidArgument(std::string("the gradient of ") +
-                                           abi::kProjectionNames[proj] +
-                                           " must be float32 with the weight's shape");
+          static_cast<int64_t>((*g)->element_count()) != (stacked ? E : 1) * elems)
+        return ffi::Error::InvalidArgument(
+            std::string("the gradient of ") +
+            (w.fused && grp == 0 ? "gate_up" : abi::kProjectionNames[w.fused ? 2 : grp]) +
+            " must be float32 with the weight's shape");
       float* base = static_cast<float*>((*g)->untyped_data());
-      buffers->emplace_back(base, (*g)->size_bytes());
+      out->buffers.emplace_back(base, (*g)->size_bytes());
       for (int64_t e = stacked ? 0 : i; e < (stacked ? E : i + 1); ++e)
-        (*table)[proj * E + e] = base + (stacked ? e * rows * cols : 0);
+        out->group_base[grp * E + e] = base + (stacked ? e * elems : 0);
     }
+  }
+  // each projection's view inside its group's gradient, as in the weights' table
+  for (int proj = 0; proj < abi::kNumProjections; ++proj)
+    for (int64_t e = 0; e < E; ++e)
+      out->table[proj * E + e] = out->group_base[w.GroupOf(proj) * E + e] + w.off[proj];
+  for (int j = 0; j < nbias; ++j) {
+    const int64_t n = j < 2 ? w.I : w.H;
+    auto g = rets.get<ffi::AnyBuffer>(first + groups * per + j);
+    if (g.has_error()) return g.error();
+    if ((*g)->element_type() != ffi::DataType::F32 ||
+        static_cast<int64_t>((*g)->element_count()) != E * n)
+      return ffi::Error::InvalidArgument(std::string("the gradient of the ") +
+                                         abi::kProjectionNames[j] + " bias must be float32 [E, " +
+                                         std::to_string(n) + "]");
+    out->bias[j] = static_cast<float*>((*g)->untyped_data());
+    out->buffers.emplace_back(out->bias[j], (*g)->size_bytes());
   }
   return ffi::Error::Success();
 }

@@ -16,8 +16,25 @@
 
 namespace nbx {
 
+// The FFI attributes of abi.h's "weight views", as bound.
+struct WeightViewAttrs {
+  xla::ffi::Span<const int64_t> views;  // per projection: offset, stride_k, stride_n
+  int64_t intermediate;                 // I
+  bool fused_gate_up;                   // groups gate_up, down
+  bool has_bias;                        // three float32 bias buffers follow the weights
+};
+
 struct ExpertWeights {
   int64_t E = 0, H = 0, I = 0;
+  // Per projection (gate, up, down): element (k, n) of expert e's logical
+  // matrix (gate, up [H, I], down [I, H]) is table[proj*E + e][k*sk + n*sn]
+  // (the views' offsets `off` are folded into the table).  Gate and up share
+  // their strides.
+  int64_t off[3] = {0, 0, 0}, sk[3] = {0, 0, 0}, sn[3] = {0, 0, 0};
+  bool fused = false;          // gate and up are one buffer group
+  int64_t group_elems[3] = {0, 0, 0};  // elements of one expert's array per buffer group
+  // float32 biases [E, I], [E, I], [E, H], or all null.
+  const float* bias[3] = {nullptr, nullptr, nullptr};
   abi::WeightFormat format = abi::WeightFormat::kDense;
   // Dense: the weights' dtype.  Quantized: U8 (the tables hold QuantMatrix*).
   xla::ffi::DataType dtype = xla::ffi::DataType::INVALID;
@@ -30,6 +47,11 @@ struct ExpertWeights {
   const void* const* up() const { return table.data() + E; }
   const void* const* down() const { return table.data() + 2 * E; }
   bool quantized() const { return format != abi::WeightFormat::kDense; }
+  int groups() const { return fused ? 2 : 3; }  // dense weight buffer groups
+  int GroupOf(int proj) const { return fused ? (proj == 2 ? 1 : 0) : proj; }
+  // Whether gate/up are stored in rows of contiguous columns (stride_n 1;
+  // the streaming kernels' and PackRows' layout), with row stride sk.
+  bool RowMajor(int proj) const { return sn[proj] == 1; }
 };
 
 // The element type of quantized experts' tables (QuantMatrix*; the ISA's
@@ -66,16 +88,26 @@ void ForWeightType(xla::ffi::DataType t, F&& f) {
 // [E, ...] buffer (`stacked`) or E per-expert buffers.  H is x's hidden size;
 // I is read from gate's shape.  Every shape and dtype is checked before an
 // address is taken; errors name the projection, part and expert.
+// Dense weights may take any views (bounds checked per buffer), quantized
+// ones the plain views only; with `v.has_bias` the last three buffers of
+// the range are the float32 biases.
 xla::ffi::Error DecodeWeights(xla::ffi::RemainingArgs args, size_t first, size_t count,
                               int64_t E, int64_t H, abi::WeightFormat format, bool stacked,
-                              int64_t group_size, ExpertWeights* out);
+                              int64_t group_size, const WeightViewAttrs& v, ExpertWeights* out);
 
 // The float32 gradient results of dense weights, laid out as the weights
-// (3 stacked or 3E per-expert buffers from rets[first]): [projection][E]
-// addresses, and each buffer (address, bytes).  Checks each is float32 with
+// (their groups, stacked or per-expert, from rets[first]; then the three
+// bias gradients when the weights have biases): [projection][E] addresses
+// with the views' offsets folded in as in the weights' table, the bias
+// gradients, and each buffer (address, bytes).  Checks each is float32 with
 // its weight's shape.
+struct GradientTable {
+  std::vector<float*> table;       // [projection][E]
+  std::vector<float*> group_base;  // [group][E]: each expert's whole array (zeroing)
+  float* bias[3] = {nullptr, nullptr, nullptr};
+  std::vector<std::pair<void*, size_t>> buffers;
+};
 xla::ffi::Error DecodeGradients(xla::ffi::RemainingRets rets, size_t first,
-                                const ExpertWeights& w, bool stacked, std::vector<float*>* table,
-                                std::vector<std::pair<void*, size_t>>* buffers);
+                                const ExpertWeights& w, bool stacked, GradientTable* out);
 
 }  // namespace nbx

@@ -114,9 +114,15 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
     return Fail("the Metal path takes x and y of one dtype: float32, bfloat16 or float16");
   ExpertWeights w;
   if (ffi::Error e = DecodeWeights(weights, 0, weights.size(), num_experts, H, format, stacked,
-                                   group_size, &w);
+                                   group_size,
+                                   WeightViewAttrs{views, intermediate, fused_gate_up, has_bias}, &w);
       e.failure())
     return e;
+  // the plain layout only (jax_nbx refuses the others by name at trace time)
+  if (w.fused || w.bias[0] || w.off[1] != 0 || w.sk[0] != w.I || w.sn[0] != 1 ||
+      w.sk[2] != w.H || w.sn[2] != 1)
+    return Fail("the Metal path takes the plain layout only (gate, up [E, H, I], down [E, I, H], "
+                "no biases)");
   metal::WeightType wt;
   if (!WeightTypeOf(w.dtype, &wt))
     return Fail("the Metal path takes float32, bfloat16 or float16 weights");
