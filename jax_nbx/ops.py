@@ -646,7 +646,8 @@ def _routed(x2, w2, ids2, experts: Experts, impl: str, E: int, H: int, I: int, k
     if impl == "metal":
         platform = "metal"
     if platform != "cpu" and not experts.is_plain:
-        what = [w for w, on in (("biases", experts.has_bias), (f"layout={experts.layout!r}", experts.layout != "in_out"),
+        what = [w for w, on in (("biases", experts.has_bias),
+                                (f"layout={experts.layout!r}", experts.layout != "in_out"),
                                 (f"fusion={experts.fusion!r}", experts.is_fused)) if on]
         raise ValueError(f"the {'Metal' if platform == 'metal' else 'CUDA'} handler takes plain experts "
                          f"(gate, up [E, H, I], down [E, I, H], no biases); these have {', '.join(what)}: "

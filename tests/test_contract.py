@@ -83,7 +83,8 @@ def _raw_forward(x, w, ids, ex, **overrides):
     attrs = dict(activation=np.int32(0), act_alpha=np.float32(1.702), act_limit=np.float32(7.0),
                  band_tokens=np.int64(0), max_workers=np.int64(2),
                  skip_outside=False, num_experts=np.int64(ex.num_experts),
-                 format=np.int32(_abi.FORMAT_CODES["dense"]), stacked=True, group_size=np.int64(0))
+                 format=np.int32(_abi.FORMAT_CODES["dense"]), stacked=True, group_size=np.int64(0),
+                 **ex.weight_layout().attrs())
     attrs.update(overrides)
     call = jax.ffi.ffi_call(_abi.TARGET_FORWARD, jax.ShapeDtypeStruct(x.shape, x.dtype),
                             vmap_method="sequential")
@@ -118,7 +119,7 @@ def test_weight_buffers_are_checked_against_the_format():
                                    act_limit=np.float32(7.0), band_tokens=np.int64(0),
                                    max_workers=np.int64(2), skip_outside=False,
                                    num_experts=np.int64(4), format=np.int32(0), stacked=True,
-                                   group_size=np.int64(0)))
+                                   group_size=np.int64(0), **ex.weight_layout().attrs()))
     # int8 experts passed as dense: the decoder names the group count it expected
     q = nbx.quantize(ex, "int8")
     with pytest.raises(jax.errors.JaxRuntimeError, match="expected 3 dense weight buffers"):
@@ -129,7 +130,42 @@ def test_weight_buffers_are_checked_against_the_format():
                                    act_limit=np.float32(7.0), band_tokens=np.int64(0),
                                    max_workers=np.int64(2), skip_outside=False,
                                    num_experts=np.int64(4), format=np.int32(0), stacked=True,
-                                   group_size=np.int64(0)))
+                                   group_size=np.int64(0), **ex.weight_layout().attrs()))
+
+
+def test_views_and_biases_are_checked_by_the_handler():
+    """abi.h "weight views": a view reaching outside its buffer, views of the
+    wrong length, a bias of the wrong shape, quantized weights with views:
+    each refused by name at run time, before any read."""
+    x, w, ids, ex = make_problem(4, 5, 4, 2, 16, 8)
+    E, H, I = 4, 16, 8
+    plain = list(ex.weight_layout().views)
+    bad = plain.copy()
+    bad[6] = 1  # down offset 1: the last element falls outside [I, H]
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"the down view \(offset 1, strides 16, 1\)"):
+        jax.block_until_ready(_raw_forward(x, w, ids, ex, views=np.asarray(bad, np.int64)))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="views must hold 9 values; got 3"):
+        jax.block_until_ready(_raw_forward(x, w, ids, ex, views=np.asarray(plain[:3], np.int64)))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="gate and up views must share their strides"):
+        v = plain.copy()
+        v[4] = 1
+        jax.block_until_ready(_raw_forward(x, w, ids, ex, views=np.asarray(v, np.int64)))
+    call = jax.ffi.ffi_call(_abi.TARGET_FORWARD, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            vmap_method="sequential")
+    attrs = dict(activation=np.int32(0), act_alpha=np.float32(1.702), act_limit=np.float32(7.0),
+                 band_tokens=np.int64(0), max_workers=np.int64(2), skip_outside=False,
+                 num_experts=np.int64(E), format=np.int32(0), stacked=True, group_size=np.int64(0),
+                 **ex.weight_layout()._replace(bias=True).attrs())
+    biases = [jnp.zeros((E, I), jnp.float32), jnp.zeros((E, I), jnp.float32), jnp.zeros((E, H + 1), jnp.float32)]
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"the down bias must be float32 \[E=4, 16\]"):
+        jax.block_until_ready(call(x, w, ids, ex.gate, ex.up, ex.down, *biases, **attrs))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="then 3 biases"):
+        jax.block_until_ready(call(x, w, ids, ex.gate, ex.up, ex.down, **attrs))
+    q = nbx.quantize(ex, "int8")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="quantized weights take the plain"):
+        qa = dict(attrs, format=np.int32(_abi.FORMAT_CODES["int8"]))
+        jax.block_until_ready(call(x, w, ids, *[g[0] for g in quant.weight_groups(q.flat(), False)[0]],
+                                   *biases[:2], biases[1], **qa))
 
 
 @pytest.mark.parametrize("fmt", ["dense", "int8", "int4"])
