@@ -76,7 +76,8 @@ def _layout_desc(experts: Experts) -> str:
 
 def _validate_experts(experts: Experts) -> tuple[int, int, int]:
     """Shapes and dtypes of stacked or per-expert weights (and biases) in the
-    experts' layout; returns (E, H, I)."""
+    experts' layout; returns (E, H, I), read off the first weight (gate, or
+    gate_up when fused)."""
     names = experts.weight_names()
     if not experts.is_plain:
         for n in names:
@@ -91,53 +92,60 @@ def _validate_experts(experts: Experts) -> tuple[int, int, int]:
         raise TypeError(f"experts.{', experts.'.join(names)} must all be stacked arrays or all "
                         f"lists of per-expert arrays; got {kinds}")
     lists = all(is_list)
-    down = experts.down
-    if lists:
-        E = len(down)
-        if E == 0:
-            raise ValueError("experts.down is an empty list; expected one array per expert")
-    else:
-        if getattr(down, "ndim", None) != 3:
-            raise ValueError(f"experts.down must be a 3-D array; got shape {getattr(down, 'shape', None)}")
-        E = int(down.shape[0])
-    mshape = tuple((down[0] if lists else down).shape[(0 if lists else 1):])
-    if len(mshape) != 2:
-        raise ValueError(f"experts.down{'[0]' if lists else ''} must be a 2-D matrix per expert; got "
-                         f"shape {mshape}")
-    I, H = mshape if experts.layout == "in_out" else mshape[::-1]
+    for n in names:
+        a = getattr(experts, n)
+        if lists:
+            if len(a) == 0:
+                raise ValueError(f"experts.{n} is an empty list; expected one array per expert")
+            if getattr(a[0], "ndim", None) != 2:
+                raise ValueError(f"experts.{n}[0] must be a 2-D array; got shape {getattr(a[0], 'shape', None)}")
+        elif getattr(a, "ndim", None) != 3:
+            raise ValueError(f"experts.{n} must be a 3-D array; got shape {getattr(a, 'shape', None)}")
+        if np.dtype(_first(a).dtype) not in FLOAT_DTYPES:
+            raise TypeError(f"experts.{n}{'[0]' if lists else ''} has dtype {_first(a).dtype}; "
+                            f"expected one of {_dtype_names()}")
+    dtypes = [np.dtype(_first(getattr(experts, n)).dtype) for n in names]
+    if len(set(dtypes)) > 1:
+        raise TypeError(f"experts.{', experts.'.join(names)} must share one dtype; got "
+                        f"{', '.join(map(str, dtypes))}")
+    first = getattr(experts, names[0])
+    E = len(first) if lists else int(first.shape[0])
+    rows, cols = (int(d) for d in (first[0] if lists else first).shape[-2:])
+    if experts.layout == "out_in":
+        rows, cols = cols, rows  # [H, I] or [H, 2I] as x @ W
+    if experts.is_fused and cols % 2:
+        form = "[2I, H]" if experts.layout == "out_in" else "[H, 2I]"
+        raise ValueError(f"experts.gate_up has shape {tuple((first[0] if lists else first).shape)}; with "
+                         f"{_layout_desc(experts)} each expert's is {form}, whose 2I axis ({cols}) must be even")
+    H, I = rows, cols // 2 if experts.is_fused else cols
     want = _per_expert_shapes(experts, E, H, I)
-    dtype = None
-    for n in names + tuple(b for b in ("gate_bias", "up_bias", "down_bias", "gate_up_bias") if b in want):
+    for n in names + ("gate_bias", "up_bias", "down_bias", "gate_up_bias"):
         a = getattr(experts, n)
         if a is None:
             continue
+        if n not in want:
+            raise ValueError(f"experts.{n} does not belong to {_layout_desc(experts)} experts")
         bias = n.endswith("_bias")
-        items = list(enumerate(a)) if isinstance(a, (list, tuple)) else None
-        if items is not None:
-            if bias and not lists:
-                raise TypeError(f"experts.{n} is a list but the weights are stacked; give [E, ...] arrays")
-            if len(items) != E:
-                raise ValueError(f"experts.{n} has {len(items)} experts; experts.down has {E}")
-            arrays = items
+        if isinstance(a, (list, tuple)):
+            if len(a) != E:
+                raise ValueError(f"experts.{n} has {len(a)} experts; experts.{names[0]} has {E}")
+            arrays = list(enumerate(a))
         else:
-            if not bias and lists:
-                raise TypeError(f"experts.{n} is an array but the other weights are lists")
             arrays = [(None, a)]
         for e, arr in arrays:
-            where = f"experts.{n}" if e is None else f"experts.{n}[{e}]"
+            where = f"experts.{n}" if e is None else f"{n} expert {e}"
             shape = tuple(arr.shape)
             expect = want[n] if e is not None else (E,) + want[n]
+            if e is not None and shape != tuple(a[0].shape):
+                raise ValueError(f"{where} has shape {shape}, expert 0 {tuple(a[0].shape)}")
             if shape != expect:
-                role = (f"[{'E, ' if e is None else ''}{', '.join(map(str, want[n]))}]")
-                raise ValueError(f"{where} has shape {shape}; expected {expect} {role} for E={E}, H={H}, "
+                raise ValueError(f"{where} has shape {shape}; expected {expect} for E={E}, H={H}, "
                                  f"I={I} ({_layout_desc(experts)})")
             dt = np.dtype(arr.dtype)
             if dt not in FLOAT_DTYPES:
                 raise TypeError(f"{where} has dtype {arr.dtype}; expected one of {_dtype_names()}")
-            if not bias:
-                if dtype is not None and dt != dtype:
-                    raise TypeError(f"the expert weights must share one dtype; {where} is {dt}, others {dtype}")
-                dtype = dt
+            if not bias and dt != dtypes[0]:
+                raise TypeError(f"{where} has dtype {dt}, expert 0 {dtypes[0]}")
     return E, H, I
 
 

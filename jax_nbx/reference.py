@@ -83,10 +83,10 @@ def moe_reference(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array,
             g = jnp.dot(xf, experts.gate[e].astype(jnp.float32), precision=hi)
             u = jnp.dot(xf, experts.up[e].astype(jnp.float32), precision=hi)
             if biases:
-                g, u = g + biases[0][e], u + biases[1][e]
+                g, u = g + biases[0][e][None, :], u + biases[1][e][None, :]
             o = jnp.dot(glu(g, u), experts.down[e].astype(jnp.float32), precision=hi)
             if biases:
-                o = o + biases[2][e]
+                o = o + biases[2][e][None, :]
             return o * wb[:, None]
 
         return jax.lax.cond(use, compute, lambda _: jnp.zeros((B, H), jnp.float32), None)

@@ -1,0 +1,349 @@
+"""Checkpoint layouts read in place, expert biases, weights on the input and
+shared experts (issue #17), on the CPU handler (forward and fused backward)
+and the "xla" reference, against float64 numpy.
+
+The float64 side never sees jax_nbx's views: the stored arrays are built from
+canonical ``G, U [E, H, I]``, ``D [E, I, H]`` with numpy (transpose,
+concatenate, interleave: `stored`), the reference computes on the canonical
+ones, and its gradients are mapped into the stored layout the same way (the
+map is a permutation, so it carries gradients as it carries weights).
+Biases follow transformers' ``modeling_gpt_oss.py`` (``GptOssExperts``):
+``gate_up = x @ W + b`` split into gate and up, ``down(h) + b_down``, then
+the routing weight.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import f64, np_glu, rel_err
+
+import jax_nbx as nbx
+from jax_nbx.ops import _ffi_backward, _ffi_forward
+
+# name -> (fusion, layout)
+LAYOUTS = {
+    "plain": (None, "in_out"),
+    "out_in": (None, "out_in"),
+    "concat": ("concat", "in_out"),
+    "interleaved": ("interleaved", "in_out"),
+    "concat_out_in": ("concat", "out_in"),
+    "interleaved_out_in": ("interleaved", "out_in"),
+}
+
+
+def canonical(rng, E, H, I, bias):
+    """float32 G, U [E, H, I], D [E, I, H] and biases (None when bias is falsy)."""
+    r = lambda *s, sc=1.0: (rng.standard_normal(s) * sc).astype(np.float32)  # noqa: E731
+    G, U, D = r(E, H, I, sc=H ** -0.5), r(E, H, I, sc=H ** -0.5), r(E, I, H, sc=I ** -0.5)
+    B = (r(E, I, sc=0.5), r(E, I, sc=0.5), r(E, H, sc=0.5)) if bias else (None, None, None)
+    return (G, U, D) + B
+
+
+def stored(name, G, U, D, bg=None, bu=None, bd=None, lists=False, dtype=jnp.float32):
+    """An `Experts` holding (G, U, D, biases) in layout `name`, built with numpy."""
+    fusion, layout = LAYOUTS[name]
+    E, H, I = G.shape
+    t = (lambda a: np.swapaxes(a, -1, -2)) if layout == "out_in" else (lambda a: a)
+
+    def arr(a):
+        a = np.ascontiguousarray(a)
+        return [jnp.asarray(v, dtype) for v in a] if lists else jnp.asarray(a, dtype)
+
+    def bias(b):
+        if b is None:
+            return None
+        return [jnp.asarray(v) for v in b] if lists else jnp.asarray(b)
+
+    if fusion is None:
+        return nbx.Experts(arr(t(G)), arr(t(U)), arr(t(D)), gate_bias=bias(bg), up_bias=bias(bu),
+                           down_bias=bias(bd), layout=layout)
+    if fusion == "concat":
+        gu = np.concatenate([G, U], -1)
+        bgu = None if bg is None else np.concatenate([bg, bu], -1)
+    else:
+        gu = np.stack([G, U], -1).reshape(E, H, 2 * I)
+        bgu = None if bg is None else np.stack([bg, bu], -1).reshape(E, 2 * I)
+    return nbx.Experts.fused(arr(t(gu)), arr(t(D)), fusion=fusion, layout=layout,
+                             gate_up_bias=bias(bgu), down_bias=bias(bd))
+
+
+def np_block(x, w, ids, G, U, D, bg=None, bu=None, bd=None, act="swiglu", ct=None):
+    """float64 y (and with ``ct`` the gradients of sum(y * ct): dx, dw, dG,
+    dU, dD, dbg, dbu, dbd) of the biased MoE block on canonical weights."""
+    x, w, ids = f64(x), f64(w), np.asarray(ids)
+    G, U, D = (np.asarray(a, np.float64) for a in (G, U, D))
+    E, H, I = G.shape
+    z = lambda b, n: np.zeros((E, n)) if b is None else np.asarray(b, np.float64)  # noqa: E731
+    bg, bu, bd = z(bg, I), z(bu, I), z(bd, H)
+    y = np.zeros_like(x)
+    grads = [np.zeros_like(x), np.zeros_like(w), np.zeros_like(G), np.zeros_like(U), np.zeros_like(D),
+             np.zeros_like(bg), np.zeros_like(bu), np.zeros_like(bd)]
+    for e in range(E):
+        t_idx, j_idx = np.nonzero(ids == e)
+        if t_idx.size == 0:
+            continue
+        a, wt = x[t_idx], w[t_idx, j_idx][:, None]
+        g, u = a @ G[e] + bg[e], a @ U[e] + bu[e]
+        h, dh_dg, dh_du = np_glu(g, u, act)
+        o = h @ D[e] + bd[e]
+        np.add.at(y, t_idx, wt * o)
+        if ct is None:
+            continue
+        c = f64(ct)[t_idx]
+        dx, dw, dG, dU, dD, dbg, dbu, dbd = grads
+        np.add.at(dw, (t_idx, j_idx), np.sum(o * c, axis=1))
+        do = wt * c
+        dD[e] += h.T @ do
+        dbd[e] += do.sum(0)
+        dh = do @ D[e].T
+        dg, du = dh * dh_dg, dh * dh_du
+        dG[e] += a.T @ dg
+        dU[e] += a.T @ du
+        dbg[e] += dg.sum(0)
+        dbu[e] += du.sum(0)
+        np.add.at(dx, t_idx, dg @ G[e].T + du @ U[e].T)
+    return y if ct is None else (y, grads)
+
+
+def routing(rng, T, E, k):
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    return jnp.asarray(w), jnp.asarray(ids)
+
+
+def _seed(*parts) -> int:
+    return abs(hash(tuple(str(p) for p in parts))) % (2 ** 31)
+
+
+E, K, H, I = 6, 2, 45, 19  # H and I multiples of no block
+
+
+@pytest.mark.parametrize("T", [1, 33, 222])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_forward_reads_every_layout(name, bias, T):
+    """The CPU handler (NaN-poisoned output, bands of 16 tokens) and the
+    reference, on every layout with and without biases; T=1 takes the
+    streaming (decode) kernels where the layout allows them."""
+    rng = np.random.default_rng(_seed("fwd", name, bias, T))
+    G, U, D, bg, bu, bd = canonical(rng, E, H, I, bias)
+    ex = stored(name, G, U, D, bg, bu, bd)
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    w, ids = routing(rng, T, E, K)
+    ref = np_block(x, w, ids, G, U, D, bg, bu, bd)
+    y = _ffi_forward(x, w, ids, *ex.flat(), *ex.handler_biases(), activation="swiglu",
+                     band_tokens=16, poison=True, layout=ex.weight_layout())
+    assert rel_err(y, ref) <= 1e-5
+    y_op = nbx.fused_moe(x, w, ids, ex, implementation="ffi")
+    np.testing.assert_array_equal(np.asarray(y_op), np.asarray(y))  # bands change no bit
+    assert rel_err(nbx.fused_moe(x, w, ids, ex, implementation="xla"), ref) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["out_in", "interleaved", "concat_out_in"])
+@pytest.mark.parametrize("wdt", ["f32", "bf16"])
+def test_lists_and_bf16_weights_in_layout(name, wdt):
+    """Per-expert lists (a checkpoint's experts.{i}.*) and bfloat16 weights, biased."""
+    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[wdt]
+    rng = np.random.default_rng(_seed("lists", name, wdt))
+    G, U, D, bg, bu, bd = canonical(rng, E, H, I, True)
+    G, U, D = (f64(jnp.asarray(a, dtype)) for a in (G, U, D))  # the values the handler reads
+    ex = stored(name, G, U, D, bg, bu, bd, lists=True, dtype=dtype)
+    for T in (1, 33):
+        x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+        w, ids = routing(rng, T, E, K)
+        y = _ffi_forward(x, w, ids, *ex.flat(), *ex.handler_biases(), activation="swiglu",
+                         band_tokens=0, poison=True, lists=True, layout=ex.weight_layout())
+        assert rel_err(y, np_block(x, w, ids, G, U, D, bg, bu, bd)) <= 1e-5
+
+
+@pytest.mark.parametrize("act", ["swiglu_clamped", "geglu_erf"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_backward_in_every_layout(name, bias, act):
+    """The fused CPU backward (every result NaN-poisoned first, bands of 8
+    tokens) against float64: dx, d(weights), the weight gradients in the
+    stored layout and the bias gradients; and jax.grad through fused_moe
+    returns the same structure as the experts."""
+    T = 33
+    rng = np.random.default_rng(_seed("bwd", name, bias, act))
+    G, U, D, bg, bu, bd = canonical(rng, E, H, I, bias)
+    G, U = 3 * G, 3 * U  # reach the clamp of swiglu_clamped (limit 7)
+    ex = stored(name, G, U, D, bg, bu, bd)
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    w, ids = routing(rng, T, E, K)
+    ct = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    _, (dx, dw, dG, dU, dD, dbg, dbu, dbd) = np_block(x, w, ids, G, U, D, bg, bu, bd, act, ct=ct)
+    want = stored(name, dG, dU, dD, dbg if bias else None, dbu if bias else None, dbd if bias else None,
+                  dtype=jnp.float32)
+    got_dx, got_dw, dws = _ffi_backward(ct, x, w, ids, *ex.flat(), *ex.handler_biases(), activation=act,
+                                        band_tokens=8, poison=True, layout=ex.weight_layout())
+    assert rel_err(got_dx, dx) <= 1e-5 and rel_err(got_dw, dw) <= 1e-5
+    names = ex.weight_names()
+    for n, d in zip(names, dws[:len(names)]):
+        assert rel_err(d, f64(getattr(want, n))) <= 1e-5, n
+    if bias:
+        for d, r in zip(dws[len(names):], (dbg, dbu, dbd)):
+            assert rel_err(d, r) <= 1e-5
+    grads = jax.grad(lambda e: jnp.sum(nbx.fused_moe(x, w, ids, e, activation=act) * ct))(ex)
+    assert jax.tree.structure(grads) == jax.tree.structure(ex)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+        assert a.shape == b.shape and rel_err(a, f64(b)) <= 1e-5
+
+
+def test_bias_subsets_lists_and_dtypes():
+    """Any subset of biases, given as lists or in bfloat16: gradients come
+    back in the bias's own structure and dtype."""
+    rng = np.random.default_rng(7)
+    G, U, D, bg, bu, bd = canonical(rng, E, H, I, True)
+    T = 33
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    w, ids = routing(rng, T, E, K)
+    ct = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    ex = nbx.Experts(jnp.asarray(G), jnp.asarray(U), jnp.asarray(D), up_bias=jnp.asarray(bu, jnp.bfloat16),
+                     down_bias=[jnp.asarray(b) for b in bd])
+    bu16 = f64(jnp.asarray(bu, jnp.bfloat16))
+    y, grads = np_block(x, w, ids, G, U, D, None, bu16, bd, ct=ct)
+    assert rel_err(nbx.fused_moe(x, w, ids, ex), y) <= 1e-5
+    g = jax.grad(lambda e: jnp.sum(nbx.fused_moe(x, w, ids, e) * ct))(ex)
+    assert g.gate_bias is None and g.up_bias.dtype == jnp.bfloat16 and isinstance(g.down_bias, list)
+    assert rel_err(g.up_bias, grads[6]) <= 1e-2  # (rounded to bfloat16)
+    assert rel_err(jnp.stack(g.down_bias), grads[7]) <= 1e-5
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_weights_on_input(k):
+    """weights_on="input" (Llama-4, modeling_llama4.py Llama4TextMoe:
+    ``routed_in = hidden_states * router_scores``): y = sum_j mlp(w_j x)."""
+    rng = np.random.default_rng(_seed("input", k))
+    G, U, D, *_ = canonical(rng, E, H, I, False)
+    ex = stored("concat", G, U, D)
+    T = 33
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    w, ids = routing(rng, T, E, k)
+    ref = sum(np_block(f64(x) * f64(w)[:, j:j + 1], np.ones((T, 1)), ids[:, j:j + 1], G, U, D)
+              for j in range(k))
+    for impl in ("ffi", "xla"):
+        assert rel_err(nbx.fused_moe(x, w, ids, ex, weights_on="input", implementation=impl), ref) <= 1e-5
+    f = lambda impl: jax.grad(  # noqa: E731
+        lambda x_, w_, e_: jnp.sum(nbx.fused_moe(x_, w_, ids, e_, weights_on="input",
+                                                 implementation=impl) ** 2), argnums=(0, 1, 2))(x, w, ex)
+    for a, b in zip(jax.tree.leaves(f("ffi")), jax.tree.leaves(f("xla"))):
+        assert rel_err(a, f64(b)) <= 1e-5
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "qwen2_gate"])
+def test_shared_experts(gated):
+    """SharedExperts: S always-on experts of their own width (nn.Linear layout,
+    per-expert lists), optionally gated by Qwen2-MoE's sigmoid(x @ gate.T)
+    (modeling_qwen2_moe.py Qwen2MoeSparseMoeBlock), in the same call."""
+    rng = np.random.default_rng(_seed("shared", gated))
+    G, U, D, bg, bu, bd = canonical(rng, E, H, I, True)
+    ex = stored("interleaved", G, U, D, bg, bu, bd)
+    S, Is = 2, 2 * I + 3
+    sG, sU, sD, *_ = canonical(rng, S, H, Is, False)
+    shared_ex = stored("out_in", sG, sU, sD, lists=True)
+    gate = jnp.asarray(rng.standard_normal((1, H)) * H ** -0.5, jnp.float32) if gated else None
+    shared = nbx.SharedExperts(shared_ex, gate=gate)
+    T = 33
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    w, ids = routing(rng, T, E, K)
+    sw = np.ones((T, S))
+    if gated:
+        sw *= 1.0 / (1.0 + np.exp(-(f64(x) @ f64(gate)[0])))[:, None]
+    ref = np_block(x, w, ids, G, U, D, bg, bu, bd) + np_block(
+        x, sw, np.broadcast_to(np.arange(S), (T, S)), sG, sU, sD)
+    for impl in ("ffi", "xla"):
+        y = jax.jit(functools.partial(nbx.fused_moe, implementation=impl))(x, w, ids, ex, shared_experts=shared)
+        assert rel_err(y, ref) <= 1e-5
+    f = lambda impl: jax.grad(  # noqa: E731
+        lambda x_, sh: jnp.sum(nbx.fused_moe(x_, w, ids, ex, shared_experts=sh, implementation=impl) ** 2),
+        argnums=(0, 1))(x, shared)
+    got, want = f("ffi"), f("xla")
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_err(a, f64(b)) <= 1e-5
+
+
+def _temp_bytes(f, *args) -> int:
+    return int(jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
+@pytest.mark.parametrize("name", ["out_in", "interleaved", "concat_out_in"])
+def test_no_weight_sized_temporaries(name):
+    """The compiled program of the CPU handler's path (forward, and forward +
+    backward) holds no weight-sized temporary: the layout is read in place.
+    The reference path, which transposes, does (the check can fail)."""
+    rng = np.random.default_rng(3)
+    En, Hn, In = 8, 256, 128
+    G, U, D, bg, bu, bd = canonical(rng, En, Hn, In, True)
+    ex = stored(name, G, U, D, bg, bu, bd)
+    weight_bytes = G.nbytes  # one projection
+    x = jnp.asarray(rng.standard_normal((4, Hn)), jnp.float32)
+    w, ids = routing(rng, 4, En, 2)
+    fwd = lambda impl: lambda x_, e: nbx.fused_moe(x_, w, ids, e, implementation=impl)  # noqa: E731
+    assert _temp_bytes(fwd("ffi"), x, ex) < weight_bytes // 8
+    assert _temp_bytes(fwd("xla"), x, ex) >= weight_bytes  # the reference copies
+    grad = jax.grad(lambda x_, e: jnp.sum(nbx.fused_moe(x_, w, ids, e)), argnums=(0, 1))
+    # (the gradients are results, not temporaries: at most a bias-sized scratch besides)
+    assert _temp_bytes(grad, x, ex) < weight_bytes // 8
+
+
+def test_vmap_over_tokens_with_biased_fused_experts():
+    rng = np.random.default_rng(11)
+    G, U, D, bg, bu, bd = canonical(rng, E, H, I, True)
+    ex = stored("interleaved_out_in", G, U, D, bg, bu, bd)
+    xb = jnp.asarray(rng.standard_normal((3, 5, H)), jnp.float32)
+    w, ids = routing(rng, 15, E, K)
+    wb, ib = w.reshape(3, 5, K), ids.reshape(3, 5, K)
+    y = jax.vmap(lambda a, b, c: nbx.fused_moe(a, b, c, ex))(xb, wb, ib)
+    ref = np_block(xb.reshape(15, H), w, ids, G, U, D, bg, bu, bd).reshape(3, 5, H)
+    assert rel_err(y, ref) <= 1e-5
+
+
+def test_bad_layouts_biases_and_options_are_named():
+    rng = np.random.default_rng(5)
+    G, U, D, bg, bu, bd = canonical(rng, E, H, I, True)
+    x = jnp.asarray(rng.standard_normal((4, H)), jnp.float32)
+    w, ids = routing(rng, 4, E, K)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        nbx.Experts(G, U, D, layout="row_major")
+    with pytest.raises(ValueError, match="fusion must be one of"):
+        nbx.Experts.fused(np.concatenate([G, U], -1), D, fusion="zip")
+    with pytest.raises(ValueError, match=r"experts.gate_up has shape \(6, 45, 38\); with layout='out_in'.*\[2I, H\], whose 2I axis \(45\)"):
+        nbx.fused_moe(x, w, ids, nbx.Experts.fused(np.concatenate([G, U], -1), D.transpose(0, 2, 1),
+                                                   layout="out_in"))
+    with pytest.raises(ValueError, match=r"experts.down_bias has shape \(6, 19\); expected \(6, 45\)"):
+        nbx.fused_moe(x, w, ids, nbx.Experts(G, U, D, down_bias=bg))
+    with pytest.raises(TypeError, match="experts.gate_bias has dtype int32"):
+        nbx.fused_moe(x, w, ids, nbx.Experts(G, U, D, gate_bias=np.zeros((E, I), np.int32)))
+    with pytest.raises(TypeError, match="quantized experts take the plain layout only"):
+        q = nbx.quantize(nbx.Experts(jnp.asarray(G), jnp.asarray(U), jnp.asarray(D)), "int8")
+        nbx.fused_moe(x, w, ids, nbx.Experts(q.gate, q.up, q.down, down_bias=bd))
+    with pytest.raises(ValueError, match="weights_on must be 'output' or 'input'; got 'inputs'"):
+        nbx.fused_moe(x, w, ids, nbx.Experts(G, U, D), weights_on="inputs")
+    with pytest.raises(TypeError, match="shared_experts must be a jax_nbx.SharedExperts"):
+        nbx.fused_moe(x, w, ids, nbx.Experts(G, U, D), shared_experts=nbx.Experts(G, U, D))
+    with pytest.raises(ValueError, match=r"shared_experts.gate has shape \(2, 45\)"):
+        nbx.fused_moe(x, w, ids, nbx.Experts(G, U, D),
+                      shared_experts=nbx.SharedExperts(nbx.Experts(G, U, D), gate=np.zeros((2, H))))
+    with pytest.raises(ValueError, match=r"shared_experts: experts.up has shape"):
+        nbx.fused_moe(x, w, ids, nbx.Experts(G, U, D),
+                      shared_experts=nbx.SharedExperts(nbx.Experts(G, U[:, :, :3], D)))
+
+
+def test_metal_refuses_layouts_and_biases_by_name(metal_sim):
+    rng = np.random.default_rng(6)
+    G, U, D, bg, bu, bd = canonical(rng, E, H, I, True)
+    x = jnp.asarray(rng.standard_normal((4, H)), jnp.float32)
+    w, ids = routing(rng, 4, E, K)
+    for ex, what in ((stored("out_in", G, U, D), "layout='out_in'"),
+                     (stored("plain", G, U, D, bg, bu, bd), "biases"),
+                     (stored("interleaved", G, U, D), "fusion='interleaved'")):
+        with pytest.raises(ValueError, match=f"the Metal handler takes plain experts.*{what}"):
+            nbx.fused_moe(x, w, ids, ex, implementation="metal")
+    y = nbx.fused_moe(x, w, ids, stored("plain", G, U, D), implementation="metal")
+    assert rel_err(y, np_block(x, w, ids, G, U, D)) <= 1e-5
