@@ -19,10 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import f64, np_glu, rel_err
 
 import jax_nbx as nbx
 from jax_nbx.ops import _ffi_backward, _ffi_forward
+
+from conftest import f64, np_glu, rel_err
 
 # name -> (fusion, layout)
 LAYOUTS = {
@@ -313,7 +314,8 @@ def test_bad_layouts_biases_and_options_are_named():
         nbx.Experts(G, U, D, layout="row_major")
     with pytest.raises(ValueError, match="fusion must be one of"):
         nbx.Experts.fused(np.concatenate([G, U], -1), D, fusion="zip")
-    with pytest.raises(ValueError, match=r"experts.gate_up has shape \(6, 45, 38\); with layout='out_in'.*\[2I, H\], whose 2I axis \(45\)"):
+    with pytest.raises(ValueError, match=r"experts.gate_up has shape \(6, 45, 38\); with "
+                       r"layout='out_in'.*\[2I, H\], whose 2I axis \(45\)"):
         nbx.fused_moe(x, w, ids, nbx.Experts.fused(np.concatenate([G, U], -1), D.transpose(0, 2, 1),
                                                    layout="out_in"))
     with pytest.raises(ValueError, match=r"experts.down_bias has shape \(6, 19\); expected \(6, 45\)"):
