@@ -90,6 +90,22 @@ struct KernelTable {
   // row k0 + i goes to dst[p*ps + i*rs + j].
   void (*qpack)(const QuantMatrix* m, int64_t k0, int kc, int64_t n0, int nc, int width,
                 float* dst, int64_t rs, int64_t ps);
+  // The gated unit on sums stored by a GEMM1 without its epilogue (experts
+  // with biases; an interleaved gate||up streamed as one matrix):
+  // out[r*rs + c*cs] = act(g[r*gs + c*gcs] + bg[c], u[r*gs + c*gcs] + bu[c])
+  // for r < rows, c < cols; bg, bu may be null (no bias).
+  void (*glu)(const float* g, const float* u, int64_t gs, int64_t gcs, int rows, int cols,
+              const float* bg, const float* bu, const Glu& act, float* out, int64_t rs,
+              int64_t cs);
+  // stream1/stream2 over weights stored by columns (out x in: column c of
+  // the logical [K, N] matrix is the contiguous run w[c*ld, c*ld + K)); the
+  // same sums, bit for bit, as the packed kernels on those weights.
+  void (*stream1_cols[2])(const float* a, int64_t as, int rows, const void* wg, const void* wu,
+                          int64_t ld, int64_t K, int ncols, const Glu& act, float* acc,
+                          float* out, int64_t rs, int64_t cs);
+  void (*stream2_cols[2])(const float* a, int64_t as, int rows, const void* wd, int64_t ld,
+                          int64_t K, int ncols, const float* w, float* acc, float* out,
+                          int64_t rs);
 };
 
 // Defined where the target supports them (x86-64: all three).

@@ -24,6 +24,20 @@
                     rs);                                                                  \
   }
 
+// The same over weights stored by columns (out x in): stream*_cols.
+#define NBX_STREAM_COLS(NAME, FN, T)                                                      \
+  void NAME##1(const float* a, int64_t as, int rows, const void* wg, const void* wu,      \
+               int64_t ld, int64_t K, int ncols, const Glu& act, float* acc, float* out,  \
+               int64_t rs, int64_t cs) {                                                  \
+    Gemm1StreamCols<FN>(a, as, rows, static_cast<const T*>(wg), static_cast<const T*>(wu), \
+                        ld, K, ncols, act, acc, out, rs, cs);                             \
+  }                                                                                       \
+  void NAME##2(const float* a, int64_t as, int rows, const void* wd, int64_t ld,          \
+               int64_t K, int ncols, const float* w, float* acc, float* out, int64_t rs) { \
+    Gemm2StreamCols<FN>(a, as, rows, static_cast<const T*>(wd), ld, K, ncols, w, acc, out, \
+                        rs);                                                              \
+  }
+
 #define NBX_DEFINE_KERNELS(FN, NAME, VL, MR, KC, NC, CP)                                  \
   namespace nbx {                                                                         \
   namespace {                                                                             \
@@ -37,12 +51,14 @@
   }                                                                                       \
   NBX_STREAM(SF, VL, float)                                                               \
   NBX_STREAM(SB, VL, uint16_t)                                                            \
+  NBX_STREAM_COLS(CF, VL, float)                                                          \
+  NBX_STREAM_COLS(CB, VL, uint16_t)                                                       \
   }                                                                                       \
   const KernelTable* FN() {                                                               \
     static const KernelTable t = {NAME,       VL,         MR,         KC, NC, CP,         \
                                   G1,         G2,         {SF1, SB1},                     \
                                   {SF2, SB2}, Gemm1StreamQuant<VL>, Gemm2StreamQuant<VL>, \
-                                  PackQuant<VL>};                                         \
+                                  PackQuant<VL>, GluRows,     {CF1, CB1}, {CF2, CB2}};    \
     return &t;                                                                            \
   }                                                                                       \
   }

@@ -262,5 +262,143 @@ NBX_AI void Gemm2Stream(const float* a, int64_t as, int rows, const W* wd, int64
     for (int c = 0; c < ncols; ++c) out[r * rs + c] = w[r] * acc[r * ncols + c];
 }
 
+// The lanes of a and b interleaved: lo = a0 b0 a1 b1 ... (first halves),
+// hi the same of the second halves.  (Templates with discarded branches:
+// no function on wider vectors than the instruction set has is emitted.)
+template <int VL>
+NBX_AI typename VecT<VL>::type InterleaveLo(typename VecT<VL>::type a, typename VecT<VL>::type b) {
+  if constexpr (VL == 4)
+    return __builtin_shufflevector(a, b, 0, 4, 1, 5);
+  else if constexpr (VL == 8)
+    return __builtin_shufflevector(a, b, 0, 8, 1, 9, 2, 10, 3, 11);
+  else
+    return __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+}
+template <int VL>
+NBX_AI typename VecT<VL>::type InterleaveHi(typename VecT<VL>::type a, typename VecT<VL>::type b) {
+  if constexpr (VL == 4)
+    return __builtin_shufflevector(a, b, 2, 6, 3, 7);
+  else if constexpr (VL == 8)
+    return __builtin_shufflevector(a, b, 4, 12, 5, 13, 6, 14, 7, 15);
+  else
+    return __builtin_shufflevector(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15,
+                                   31);
+}
+
+// t (VL rows of VL lanes) transposed in registers: log2(VL) rounds of
+// interleaving row i with row i + VL/2 (the perfect shuffle).
+template <int VL>
+NBX_AI void TransposeBlock(typename VecT<VL>::type (&t)[VL]) {
+  typename VecT<VL>::type u[VL];
+  for (int round = 1; round < VL; round *= 2) {
+#pragma GCC unroll 16
+    for (int i = 0; i < VL / 2; ++i) {
+      u[2 * i] = InterleaveLo<VL>(t[i], t[i + VL / 2]);
+      u[2 * i + 1] = InterleaveHi<VL>(t[i], t[i + VL / 2]);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < VL; ++i) t[i] = u[i];
+  }
+}
+
+template <int VL>
+NBX_AI typename VecT<VL>::type LoadW(const float* p) { return Load<VL>(p); }
+template <int VL>
+NBX_AI typename VecT<VL>::type LoadW(const uint16_t* p) { return LoadBf16<VL>(p); }
+NBX_AI float ScalarW(float v) { return v; }
+NBX_AI float ScalarW(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Streaming over weights stored by columns (out x in, nn.Linear's layout:
+// column c of the logical matrix is the run wt[c*ld + k], k < K), R rows:
+// acc[r*ncols + c] = sum_k a[k*as + r] * wt[c*ld + k], in k order, one FMA
+// per step on VL columns at a time: the packed kernels' chain, so the path
+// an expert takes changes no bit.  Each VL x VL block of wt is read as VL
+// contiguous runs and turned in registers (TransposeBlock); the last K % VL
+// steps and the last ncols % VL columns are gathered one weight at a time.
+template <int VL, int R, typename W>
+void AccumulateColsR(const float* a, int64_t as, const W* wt, int64_t ld, int64_t K, int ncols,
+                     float* acc) {
+  using V = typename VecT<VL>::type;
+  for (int c0 = 0; c0 < ncols; c0 += VL) {
+    const int nc = ncols - c0 < VL ? ncols - c0 : VL;
+    V s[R];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) s[r] = V{};
+    int64_t k0 = 0;
+    if (nc == VL) {
+      for (; k0 + VL <= K; k0 += VL) {
+        V t[VL];
+#pragma GCC unroll 16
+        for (int j = 0; j < VL; ++j) t[j] = LoadW<VL>(wt + (c0 + j) * ld + k0);
+        TransposeBlock<VL>(t);  // t[i]: step k0 + i of the VL columns
+#pragma GCC unroll 16
+        for (int i = 0; i < VL; ++i) {
+          const float* ak = a + (k0 + i) * as;
+#pragma GCC unroll 6
+          for (int r = 0; r < R; ++r) s[r] += ak[r] * t[i];
+        }
+      }
+    }
+    for (; k0 < K; ++k0) {
+      V t = {};
+      for (int j = 0; j < nc; ++j) t[j] = ScalarW(wt[(c0 + j) * ld + k0]);
+      const float* ak = a + k0 * as;
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) s[r] += ak[r] * t;
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < nc; ++j) acc[r * ncols + c0 + j] = s[r][j];
+  }
+}
+
+template <int VL, typename W>
+NBX_AI void AccumulateCols(const float* a, int64_t as, int rows, const W* wt, int64_t ld,
+                           int64_t K, int ncols, float* acc) {
+  WithRows(rows, [&](auto r) {
+    AccumulateColsR<VL, decltype(r)::value>(a, as, wt, ld, K, ncols, acc);
+  });
+}
+
+// Gemm1Stream / Gemm2Stream on weights stored by columns (ld: the stored
+// row length; column c of the logical matrix starts at w + c*ld).
+template <int VL, typename W>
+NBX_AI void Gemm1StreamCols(const float* a, int64_t as, int rows, const W* wg, const W* wu,
+                            int64_t ld, int64_t K, int ncols, const Glu& act, float* acc,
+                            float* out, int64_t rs, int64_t cs) {
+  AccumulateCols<VL>(a, as, rows, wg, ld, K, ncols, acc);
+  float* accu = acc + rows * ncols;
+  AccumulateCols<VL>(a, as, rows, wu, ld, K, ncols, accu);
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < ncols; ++c)
+      out[r * rs + c * cs] = GluOf(act, acc[r * ncols + c], accu[r * ncols + c]);
+}
+
+template <int VL, typename W>
+NBX_AI void Gemm2StreamCols(const float* a, int64_t as, int rows, const W* wd, int64_t ld,
+                            int64_t K, int ncols, const float* w, float* acc, float* out,
+                            int64_t rs) {
+  AccumulateCols<VL>(a, as, rows, wd, ld, K, ncols, acc);
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < ncols; ++c) out[r * rs + c] = w[r] * acc[r * ncols + c];
+}
+
+// KernelTable::glu: the gated unit on stored sums, biases added first.
+inline void GluRows(const float* g, const float* u, int64_t gs, int64_t gcs, int rows, int cols,
+                    const float* bg, const float* bu, const Glu& act, float* out, int64_t rs,
+                    int64_t cs) {
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) {
+      float gv = g[r * gs + c * gcs], uv = u[r * gs + c * gcs];
+      if (bg) gv += bg[c];
+      if (bu) uv += bu[c];
+      out[r * rs + c * cs] = GluOf(act, gv, uv);
+    }
+}
+
 }  // namespace
 }  // namespace nbx

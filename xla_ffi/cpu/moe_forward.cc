@@ -60,6 +60,7 @@ int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 //   the last columns   a tile's int8 column scales (RunGemm)
 struct ScratchLayout {
   int64_t part_offset;
+  int64_t raw_offset;  // GEMM1's streamed sums before the gated unit (2 * rows * cols)
   int64_t stride;  // whole pages (1024 floats): workers' blocks keep one alignment
 };
 
@@ -69,11 +70,13 @@ ScratchLayout LayOutScratch(int64_t H, int64_t I, const KernelTable& kt) {
   const int64_t cols2 = RoundUp(std::min<int64_t>(kt.nc, H), 2 * vl);  // down
   const int64_t packed =
       std::max(std::min<int64_t>(kt.kc, H) * cols1, std::min<int64_t>(kt.kc, I) * cols2);
-  // (GEMM1's partial sums are always room for: with biases they start the sums)
+  // (GEMM1's partial sums are always room for: with biases its epilogue reads them)
   const int64_t part = kt.chunk_panels * mr * std::max(cols1, I > kt.kc ? cols2 : 0);
   const int64_t rows = std::min(kStreamRows, mr);
   const int64_t stream = rows * std::max(2 * std::min(kStreamCols, I), std::min(kStreamCols, H));
-  return {packed, RoundUp(packed + std::max(part, stream) + std::max(cols1, cols2), 1024)};
+  const int64_t raw = packed + std::max(part, stream);
+  const int64_t raw_floats = rows * 2 * std::min(kStreamCols, I);
+  return {packed, raw, RoundUp(raw + raw_floats + std::max(cols1, cols2), 1024)};
 }
 
 
@@ -164,18 +167,6 @@ void GatherPanel(const XT* x, int64_t H, const int32_t* row_token, int mr, float
   }
 }
 
-// GEMM1's partial sums of one m-panel before its first K-block: each row
-// starts from the gate bias (VL columns from col0, `cols` of them real) and
-// the up bias (the next VL).
-inline void FillBiasPartial(const float* bg, const float* bu, int64_t col0, int cols, int mr,
-                            int vl, float* pp) {
-  for (int r = 0; r < mr; ++r)
-    for (int j = 0; j < vl; ++j) {
-      pp[r * 2 * vl + j] = j < cols ? bg[col0 + j] : 0.0f;
-      pp[r * 2 * vl + vl + j] = j < cols ? bu[col0 + j] : 0.0f;
-    }
-}
-
 // GEMM2's down bias, weighted like the rows: O[m, n0+c] += w[m] * bd[n0+c]
 // for rows [m0, m1) (padding rows have weight 0), c < cols.
 inline void AddDownBias(const float* bd, const float* row_weight, int64_t m0, int64_t m1,
@@ -221,16 +212,27 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
   const int width = first ? vl : 2 * vl;       // columns of each per micro-panel
   const float* A = first ? b.XO : b.A2;        // packed panels [K][MR]
   float* O = b.XO;                             // GEMM2's rows (x is no longer needed)
-  // dense: f32 and bf16 weights stream (f16 ones always pack); quantized: all
-  // (and only weights stored in rows, stride_n 1; and GEMM1 only without
-  // biases: the packed path starts its sums from them)
+  // dense: f32 and bf16 weights stream (f16 ones always pack); quantized: all.
+  // Dense weights stream when stored in rows (stride_n 1), or (GEMM1) as an
+  // interleaved gate||up: one matrix of 2I columns.  GEMM1 with biases or
+  // interleaved stores its sums and applies the gated unit after (kt.glu),
+  // on both paths alike, so the path taken changes no bit.
   const int proj = first ? 0 : 2;
   const int64_t sk = p.w->sk[proj], sn = p.w->sn[proj];
   const float* const bias_g = p.w->bias[0];
   const float* const bias_u = p.w->bias[1];
   const float* const bias_d = p.w->bias[2];
+  bool interleaved = false;
+  if constexpr (first && !WS::kQuant)
+    interleaved = sn == 2 && p.w->off[1] == p.w->off[0] + 1 && p.w->fused;
+  const bool raw_glu = first && (bias_g != nullptr || interleaved);
+  // stored by columns (out x in): the column-streaming kernels, column n at n*sn
+  const bool by_columns = !WS::kQuant && sk == 1 && sn != 1;
   const bool can_stream = (WS::kQuant || sizeof(W) == 4 || p.w->dtype == ffi::DataType::BF16) &&
-                          sn == 1 && !(first && bias_g != nullptr);
+                          (sn == 1 || interleaved || by_columns);
+  const int64_t ldw = by_columns ? sn : sk;  // the streaming kernels' ld
+  const int64_t col_step = by_columns ? sn : 1;  // elements from column n to n + 1
+  static const float kOnes[kMaxStreamRows] = {1, 1, 1, 1, 1, 1};
   const int w_index = sizeof(W) == 4 ? 0 : 1;
   const int64_t stream_rows = std::min<int64_t>(kStreamRows, mr);
   const int64_t tiles = (N + kt.nc - 1) / kt.nc;
@@ -252,18 +254,40 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
       const float* a = A + panel * K * mr;
       if constexpr (first) {
         float* out = b.A2 + panel * I * mr + n0 * mr;
-        if constexpr (WS::kQuant)
+        if constexpr (WS::kQuant) {
           kt.qstream1(a, mr, rows, mats[0], mats[1], n0, K, cols, p.act, scratch, out, 1, mr);
-        else
-          kt.stream1[w_index](a, mr, rows, mats[0] + n0, mats[1] + n0, sk, K, cols, p.act,
-                              scratch, out, 1, mr);
+        } else if (!raw_glu) {
+          auto* stream1 = by_columns ? kt.stream1_cols[w_index] : kt.stream1[w_index];
+          stream1(a, mr, rows, mats[0] + n0 * col_step, mats[1] + n0 * col_step, ldw, K, cols,
+                  p.act, scratch, out, 1, mr);
+        } else {
+          // the sums (unit weights: exact) into `raw`, then bias and gated unit
+          float* raw = scratch + b.scratch_layout.raw_offset;
+          const float* bg = bias_g ? bias_g + e * I + n0 : nullptr;
+          const float* bu = bias_u ? bias_u + e * I + n0 : nullptr;
+          if (interleaved) {  // gate||up pairs: 2*cols columns, at most kStreamCols per call
+            for (int c0 = 0; c0 < 2 * cols; c0 += static_cast<int>(kStreamCols))
+              kt.stream2[w_index](a, mr, rows, mats[0] + 2 * n0 + c0, sk, K,
+                                  std::min(static_cast<int>(kStreamCols), 2 * cols - c0), kOnes,
+                                  scratch, raw + c0, 2 * cols);
+            kt.glu(raw, raw + 1, 2 * cols, 2, rows, cols, bg, bu, p.act, out, 1, mr);
+          } else {
+            auto* stream2 = by_columns ? kt.stream2_cols[w_index] : kt.stream2[w_index];
+            stream2(a, mr, rows, mats[0] + n0 * col_step, ldw, K, cols, kOnes, scratch, raw,
+                    2 * cols);
+            stream2(a, mr, rows, mats[1] + n0 * col_step, ldw, K, cols, kOnes, scratch,
+                    raw + cols, 2 * cols);
+            kt.glu(raw, raw + cols, 2 * cols, 1, rows, cols, bg, bu, p.act, out, 1, mr);
+          }
+        }
       } else {
         float* out = O + m0 * H + n0;
         if constexpr (WS::kQuant)
           kt.qstream2(a, mr, rows, mats[0], n0, K, cols, b.row_weight + m0, scratch, out, H);
         else
-          kt.stream2[w_index](a, mr, rows, mats[0] + n0, sk, K, cols, b.row_weight + m0, scratch,
-                              out, H);
+          (by_columns ? kt.stream2_cols[w_index] : kt.stream2[w_index])(
+              a, mr, rows, mats[0] + n0 * col_step, ldw, K, cols, b.row_weight + m0, scratch,
+              out, H);
         if (bias_d) AddDownBias(bias_d + e * H, b.row_weight, m0, m1, n0, cols, O, H);
       }
       return;
@@ -310,8 +334,8 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
         [&](int64_t k0, int kc, Prefetcher& pf) {
           const int64_t per_call = pf.PerCall(nsub * panels);
           int flags = BlockFlags(k0, kc, K);
-          const bool start_from_bias = first && bias_g != nullptr && k0 == 0;
-          if (start_from_bias) flags |= kLoadPartial;
+          const bool last = k0 + kc >= K;
+          if (raw_glu) flags |= kStorePartial;  // the epilogue runs below, on the stored sums
           for (int q = 0; q < nsub; ++q) {
             const int cols = std::min(width, nc - q * width);
             const float* bq = packed + q * kc * 2 * vl;
@@ -321,11 +345,15 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
               const int rows = static_cast<int>(std::min<int64_t>(mr, m1 - m));
               const float* a = A + panel * K * mr + k0 * mr;
               float* pp = part + (pi * nsub + q) * mr * 2 * vl;
-              if (start_from_bias)  // the sums start from the gate and up biases
-                FillBiasPartial(bias_g + e * I, bias_u + e * I, n0 + q * vl, cols, mr, vl, pp);
-              if constexpr (first)
-                kt.gemm1(a, bq, kc, p.act, rows, cols, b.A2 + panel * I * mr + (n0 + q * vl) * mr,
-                         1, mr, pp, flags, sq);
+              if constexpr (first) {
+                float* out1 = b.A2 + panel * I * mr + (n0 + q * vl) * mr;
+                kt.gemm1(a, bq, kc, p.act, rows, cols, out1, 1, mr, pp, flags, sq);
+                if (raw_glu && last) {
+                  const int64_t col = e * I + n0 + q * vl;
+                  kt.glu(pp, pp + vl, 2 * vl, 1, rows, cols, bias_g ? bias_g + col : nullptr,
+                         bias_u ? bias_u + col : nullptr, p.act, out1, 1, mr);
+                }
+              }
               else
                 kt.gemm2(a, bq, kc, b.row_weight + m, rows, cols, O + m * H + n0 + q * 2 * vl, H,
                          pp, flags, sq);
