@@ -348,12 +348,17 @@ std::vector<float> PackA(const std::vector<float>& a, int64_t as, int rows, int6
 }
 
 // A dense K x ncols weight matrix read in place: float32, or bfloat16 bits;
-// row stride ld > ncols, the padding NaN.  Optional column scales (as int8
-// weights have: the packed kernels apply them, `scale` argument).
+// row stride ld > ncols, the padding NaN; or with `by_columns` stored by
+// columns (element (k, c) at c*ld + k, ld > K: out x in weights).  Optional
+// column scales (as int8 weights have: the packed kernels apply them,
+// `scale` argument).
 class DenseWeights {
  public:
-  DenseWeights(int64_t K, int ncols, int64_t ld, bool is_bf16, bool scaled, Rng& rng)
-      : K_(K), ncols_(ncols), ld_(ld), f_(RandomRows(K, ncols, ld, kNaN, rng)) {
+  DenseWeights(int64_t K, int ncols, int64_t ld, bool is_bf16, bool scaled, Rng& rng,
+               bool by_columns = false)
+      : K_(K), ncols_(ncols), ld_(ld), by_columns_(by_columns),
+        f_(by_columns ? RandomRows(ncols, static_cast<int>(K), ld, kNaN, rng)
+                      : RandomRows(K, ncols, ld, kNaN, rng)) {
     if (is_bf16) {
       h_.resize(f_.size());
       for (size_t i = 0; i < f_.size(); ++i) {
@@ -368,15 +373,16 @@ class DenseWeights {
   RefMatrix Ref() const {
     RefMatrix m(K_, ncols_);
     for (int64_t kk = 0; kk < K_; ++kk)
-      for (int c = 0; c < ncols_; ++c) m.Set(kk, c, f_[kk * ld_ + c], std::fabs(f_[kk * ld_ + c]));
+      for (int c = 0; c < ncols_; ++c) m.Set(kk, c, At(kk, c), std::fabs(At(kk, c)));
     if (HasScales()) m.ScaleColumns(scales_);
     return m;
   }
   // Columns [c0, c0+nc) as K rows of `width` float32 (zero-padded) at dst + kk*rs.
   void Panel(const KernelTable&, int64_t c0, int nc, int width, float* dst, int64_t rs) const {
     for (int64_t kk = 0; kk < K_; ++kk)
-      for (int j = 0; j < width; ++j) dst[kk * rs + j] = j < nc ? f_[kk * ld_ + c0 + j] : 0.0f;
+      for (int j = 0; j < width; ++j) dst[kk * rs + j] = j < nc ? At(kk, c0 + j) : 0.0f;
   }
+  float At(int64_t kk, int64_t c) const { return by_columns_ ? f_[c * ld_ + kk] : f_[kk * ld_ + c]; }
   bool HasScales() const { return !scales_.empty(); }
   float Scale(int64_t c) const { return scales_[c]; }
 
@@ -384,6 +390,7 @@ class DenseWeights {
   int64_t K_;
   int ncols_;
   int64_t ld_;
+  bool by_columns_;
   std::vector<float> f_;   // float32 values (bfloat16: widened)
   std::vector<uint16_t> h_;  // bfloat16 bits
   std::vector<float> scales_;

@@ -170,25 +170,30 @@ void TestStreamed(const KernelTable& t, const StreamShape& s, const W& first, co
               PackedResult(t, a, s.as, s.K, s.act, w, first, second, grid), grid, issues);
 }
 
-// stream1 / stream2: dense weights read in place, float32 or bfloat16.
+// stream1 / stream2: dense weights read in place, float32 or bfloat16; with
+// `cols`, stream1_cols / stream2_cols on weights stored by columns.
 struct DenseStreamTester {
-  std::string Describe() const { return s.Describe() + Fmt(" ld=%lld", (long long)ld()); }
-  int64_t ld() const { return s.ncols + 3; }  // the padding NaN
+  std::string Describe() const {
+    return s.Describe() + Fmt(" ld=%lld", (long long)ld()) + (cols ? " by columns" : "");
+  }
+  int64_t ld() const { return (cols ? s.K : s.ncols) + 3; }  // the padding NaN
 
   void Test(Rng& rng, Report& report) const {
     Issues issues;
     const int64_t ld = this->ld();
-    const DenseWeights first(s.K, s.ncols, ld, bf16w, false, rng);
+    const DenseWeights first(s.K, s.ncols, ld, bf16w, false, rng, cols);
     std::optional<DenseWeights> second;
-    if (!s.down) second.emplace(s.K, s.ncols, ld, bf16w, false, rng);
+    if (!s.down) second.emplace(s.K, s.ncols, ld, bf16w, false, rng, cols);
     const int wi = bf16w ? 1 : 0;
+    auto* s1 = cols ? t.stream1_cols[wi] : t.stream1[wi];
+    auto* s2 = cols ? t.stream2_cols[wi] : t.stream2[wi];
     TestStreamed(t, s, first, second ? &*second : nullptr,
                  [&](const float* a, const float* w, float* acc, float* out, int64_t rs, int64_t cs) {
                    if (s.down)
-                     t.stream2[wi](a, s.as, s.rows, first.Data(), ld, s.K, s.ncols, w, acc, out, rs);
+                     s2(a, s.as, s.rows, first.Data(), ld, s.K, s.ncols, w, acc, out, rs);
                    else
-                     t.stream1[wi](a, s.as, s.rows, first.Data(), second->Data(), ld, s.K, s.ncols,
-                                   TestGlu(s.act), acc, out, rs, cs);
+                     s1(a, s.as, s.rows, first.Data(), second->Data(), ld, s.K, s.ncols,
+                        TestGlu(s.act), acc, out, rs, cs);
                  },
                  rng, issues);
     report.Add(Describe(), issues);
@@ -197,13 +202,50 @@ struct DenseStreamTester {
   const KernelTable& t;
   StreamShape s;
   bool bf16w;
+  bool cols = false;
 };
 
-void SweepDenseStream(const KernelTable& t, bool down, bool bf16w, Rng& rng, Report& report) {
+void SweepDenseStream(const KernelTable& t, bool down, bool bf16w, Rng& rng, Report& report,
+                      bool cols = false) {
   const std::vector<int64_t> Ks(std::begin(kKs), std::end(kKs));
   ForEachStreamShape(t, down, Ks, rng, [&](const StreamShape& s) {
-    DenseStreamTester{t, s, bf16w}.Test(rng, report);
+    DenseStreamTester{t, s, bf16w, cols}.Test(rng, report);
   });
+}
+
+// glu: the gated unit on stored sums with biases (any subset), against float64.
+void SweepGlu(const KernelTable& t, Rng& rng, Report& report) {
+  for (int act = 0; act < abi::kNumActivations; ++act)
+    for (int rows : {1, 3, 7})
+      for (int ncols : {1, 5, 33})
+        for (int64_t gcs : {1, 2})
+          for (int bias = 0; bias < 4; ++bias) {
+            Issues issues;
+            const int64_t gs = ncols * gcs * 2 + 1;
+            std::vector<float> g(static_cast<size_t>(rows * gs)), bg(ncols), bu(ncols);
+            for (float& v : g) v = 8.0f * (rng.Uniform() - 0.5f);  // reach limit 7's clamps
+            for (int c = 0; c < ncols; ++c) bg[c] = rng.Uniform() - 0.5f, bu[c] = rng.Uniform() - 0.5f;
+            const float* gp = g.data();
+            const float* up = g.data() + (gcs == 2 ? 1 : ncols);
+            const float* bgp = bias & 1 ? bg.data() : nullptr;
+            const float* bup = bias & 2 ? bu.data() : nullptr;
+            const Grid grid = OutputGrid(rows, ncols, rng.Bit());
+            std::vector<float> out = grid.Fresh();
+            t.glu(gp, up, gs, gcs, rows, ncols, bgp, bup, TestGlu(act), out.data() + grid.base, grid.rs,
+                  grid.cs);
+            ScanGrid("out", out, grid, true,
+                     [&](int r, int c, float got) -> std::string {
+                       const float gv = gp[r * gs + c * gcs] + (bgp ? bgp[c] : 0.0f);
+                       const float uv = up[r * gs + c * gcs] + (bup ? bup[c] : 0.0f);
+                       const double want = RefGlu(act, gv, uv);
+                       if (std::fabs(got - want) <= 1e-5 * (1.0 + std::fabs(want))) return "";
+                       return Fmt("got %g, want %g", got, want);
+                     },
+                     issues);
+            report.Add(Fmt("glu act=%s rows=%d ncols=%d gcs=%lld bias=%d", ActName(act), rows, ncols,
+                           (long long)gcs, bias),
+                       issues);
+          }
 }
 
 // qstream1 / qstream2: columns [n0, n0+ncols) of quantized N-column matrices.
@@ -312,6 +354,11 @@ const KernelEntry kKernels[] = {
     {"stream1_bf16", [](const KernelTable& t, Rng& g, Report& r) { SweepDenseStream(t, false, true, g, r); }},
     {"stream2_f32", [](const KernelTable& t, Rng& g, Report& r) { SweepDenseStream(t, true, false, g, r); }},
     {"stream2_bf16", [](const KernelTable& t, Rng& g, Report& r) { SweepDenseStream(t, true, true, g, r); }},
+    {"stream1_cols_f32", [](const KernelTable& t, Rng& g, Report& r) { SweepDenseStream(t, false, false, g, r, true); }},
+    {"stream1_cols_bf16", [](const KernelTable& t, Rng& g, Report& r) { SweepDenseStream(t, false, true, g, r, true); }},
+    {"stream2_cols_f32", [](const KernelTable& t, Rng& g, Report& r) { SweepDenseStream(t, true, false, g, r, true); }},
+    {"stream2_cols_bf16", [](const KernelTable& t, Rng& g, Report& r) { SweepDenseStream(t, true, true, g, r, true); }},
+    {"glu", SweepGlu},
     {"qstream1", [](const KernelTable& t, Rng& g, Report& r) { SweepQuantStream(t, false, g, r); }},
     {"qstream2", [](const KernelTable& t, Rng& g, Report& r) { SweepQuantStream(t, true, g, r); }},
     {"qpack", [](const KernelTable& t, Rng& g, Report& r) { SweepQPack(t, g, r); }},
