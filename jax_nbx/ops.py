@@ -236,7 +236,8 @@ def _as_runtime_error(err: BaseException) -> BaseException:
     return err
 
 
-def _resolve_implementation(implementation: str | None, quantized: bool = False) -> str:
+def _resolve_implementation(implementation: str | None, quantized: bool = False,
+                            plain: bool = True) -> str:
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None; got {implementation!r}")
     platform = jax.default_backend()
@@ -250,7 +251,8 @@ def _resolve_implementation(implementation: str | None, quantized: bool = False)
                              f"({metal.unavailable_reason()})")
         return implementation
     if implementation is None:
-        if platform == "cpu" and not quantized and metal.is_default():  # macOS on Apple silicon
+        # macOS on Apple silicon: Metal for the plain layout (the others: the CPU handler)
+        if platform == "cpu" and not quantized and plain and metal.is_default():
             return "metal"
         return "ffi" if has_handler else "xla"
     if implementation == "ffi" and not has_handler:
@@ -591,7 +593,7 @@ def fused_moe(
                         f"{type(shared_experts).__name__}")
     E, H, I, k = _validate(x, topk_weights, topk_ids, experts, activation, ids_outside == "skip")
     activation = as_activation(activation)
-    impl = _resolve_implementation(implementation, is_quantized(experts))
+    impl = _resolve_implementation(implementation, is_quantized(experts), experts.is_plain)
     run = functools.partial(_routed, activation=activation, implementation=implementation,
                             max_workspace_bytes=max_workspace_bytes, ids_outside=ids_outside)
 
@@ -636,7 +638,7 @@ def _shared(x2, shared: SharedExperts, run, activation: Activation, implementati
                              f"or ({H},)")
         w = w * jax.nn.sigmoid(x2.astype(jnp.float32) @ g.reshape(H).astype(jnp.float32))[:, None]
     ids = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (T, S))
-    impl = _resolve_implementation(implementation, is_quantized(ex))
+    impl = _resolve_implementation(implementation, is_quantized(ex), ex.is_plain)
     return run(x2, w, ids, ex, impl, S, H, Is, S).astype(jnp.float32)
 
 

@@ -127,6 +127,9 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
     if experts.is_list:
         raise TypeError("sharded_moe takes stacked experts ([E, ...] arrays, sharded on E); "
                         "got per-expert lists")
+    if not experts.is_plain:
+        raise ValueError("sharded_moe takes plain experts (gate, up [E, H, I], down [E, I, H], no "
+                         f"biases); got {experts!r}: checkpoint layouts and biases are not sharded yet")
     for ax in (expert_axis, data_axis):
         if ax is not None and ax not in mesh.shape:
             raise ValueError(f"mesh has axes {tuple(mesh.shape)}; no axis {ax!r}")

@@ -361,6 +361,16 @@ def test_bad_layouts_biases_and_options_are_named():
                       shared_experts=nbx.SharedExperts(nbx.Experts(G, U[:, :, :3], D)))
 
 
+def test_sharded_moe_refuses_layouts_and_biases_by_name():
+    rng = np.random.default_rng(8)
+    G, U, D, bg, bu, bd = canonical(rng, E, H, I, True)
+    x = jnp.asarray(rng.standard_normal((4, H)), jnp.float32)
+    w, ids = routing(rng, 4, E, K)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("expert", "data"))
+    with pytest.raises(ValueError, match="sharded_moe takes plain experts"):
+        nbx.sharded_moe(x, w, ids, stored("plain", G, U, D, bg, bu, bd), mesh)
+
+
 def test_metal_refuses_layouts_and_biases_by_name(metal_sim):
     rng = np.random.default_rng(6)
     G, U, D, bg, bu, bd = canonical(rng, E, H, I, True)

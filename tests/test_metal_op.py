@@ -169,6 +169,7 @@ def test_the_default_stays_the_cpu_handler_off_apple(monkeypatch):
     monkeypatch.setattr(nbx.metal, "is_default", lambda: True)  # as on a Mac with Metal
     assert ops._resolve_implementation(None) == "metal"
     assert ops._resolve_implementation(None, quantized=True) == "ffi"  # not on Metal yet
+    assert ops._resolve_implementation(None, plain=False) == "ffi"  # layouts, biases: not on Metal yet
 
 
 def test_command_buffer_bound_is_validated():

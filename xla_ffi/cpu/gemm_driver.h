@@ -155,16 +155,26 @@ void PackStrided(const W* const* m, int64_t sk, int64_t sn, int64_t k0, int kc, 
 }
 
 // A K-block of NS matrices read through a view (B[k, n] = m[s][k*sk + n*sn]),
-// packed by the fastest of the three packers that fits the strides.
+// packed by the fastest packer that fits the strides: rows; columns (the
+// instruction set's pack_cols for float32 and bfloat16, turning blocks in
+// registers; PackColumns for float16); any strides.
 template <int NS, typename W>
-void PackView(const W* const* m, int64_t sk, int64_t sn, int64_t k0, int kc, int64_t n0, int nc,
-              int vl, float* dst) {
-  if (sn == 1)
+void PackView(const KernelTable& kt, const W* const* m, int64_t sk, int64_t sn, int64_t k0,
+              int kc, int64_t n0, int nc, float* dst) {
+  const int vl = kt.vl;
+  if (sn == 1) {
     PackRows<NS>(m, sk, k0, kc, n0, nc, vl, dst);
-  else if (sk == 1)
-    PackColumns<NS>(m, sn, k0, kc, n0, nc, vl, dst);
-  else
+  } else if (sk == 1) {
+    if constexpr (std::is_same_v<W, float> || std::is_same_v<W, bf16>) {
+      const void* mv[NS];
+      for (int s = 0; s < NS; ++s) mv[s] = m[s];
+      kt.pack_cols[std::is_same_v<W, float> ? 0 : 1](mv, NS, sn, k0, kc, n0, nc, dst);
+    } else {
+      PackColumns<NS>(m, sn, k0, kc, n0, nc, vl, dst);
+    }
+  } else {
     PackStrided<NS>(m, sk, sn, k0, kc, n0, nc, vl, dst);
+  }
 }
 
 // Prefetch of a view's block [k0, k0+kc) x [n0, n0+nc) in a and b (b may be

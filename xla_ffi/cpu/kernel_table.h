@@ -106,6 +106,11 @@ struct KernelTable {
   void (*stream2_cols[2])(const float* a, int64_t as, int rows, const void* wd, int64_t ld,
                           int64_t K, int ncols, const float* w, float* acc, float* out,
                           int64_t rs);
+  // Packing of weights stored by columns ([0] float32, [1] bfloat16 bits):
+  // rows [k0, k0+kc) of columns [n0, n0+nc) of ns (1 or 2) matrices, column
+  // n of matrix s at m[s] + n*ld, into gemm_driver.h's packed-B micro-panels.
+  void (*pack_cols[2])(const void* const* m, int ns, int64_t ld, int64_t k0, int kc, int64_t n0,
+                       int nc, float* dst);
 };
 
 // Defined where the target supports them (x86-64: all three).

@@ -58,7 +58,8 @@
     static const KernelTable t = {NAME,       VL,         MR,         KC, NC, CP,         \
                                   G1,         G2,         {SF1, SB1},                     \
                                   {SF2, SB2}, Gemm1StreamQuant<VL>, Gemm2StreamQuant<VL>, \
-                                  PackQuant<VL>, GluRows,     {CF1, CB1}, {CF2, CB2}};    \
+                                  PackQuant<VL>, GluRows,     {CF1, CB1}, {CF2, CB2},     \
+                                  {PackColumnsT<VL, float>, PackColumnsT<VL, uint16_t>}}; \
     return &t;                                                                            \
   }                                                                                       \
   }

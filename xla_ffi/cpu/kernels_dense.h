@@ -387,6 +387,38 @@ NBX_AI void Gemm2StreamCols(const float* a, int64_t as, int rows, const W* wd, i
     for (int c = 0; c < ncols; ++c) out[r * rs + c] = w[r] * acc[r * ncols + c];
 }
 
+// KernelTable::pack_cols: rows [k0, k0+kc) of columns [n0, n0+nc) of ns
+// matrices stored by columns (column n at m[s] + n*ld) into the packed-B
+// micro-panels (gemm_driver.h PackRows' layout: panel q at dst + q*kc*2VL,
+// matrix s at + s*(2VL/ns)), VL x VL blocks turned in registers, zero past nc.
+template <int VL, typename W>
+void PackColumnsT(const void* const* mv, int ns, int64_t ld, int64_t k0, int kc, int64_t n0,
+                  int nc, float* dst) {
+  using V = typename VecT<VL>::type;
+  const int w = 2 * VL, C = w / ns, nsub = (nc + C - 1) / C;
+  for (int s = 0; s < ns; ++s) {
+    const W* m = static_cast<const W*>(mv[s]);
+    for (int c0 = 0; c0 < nsub * C; c0 += VL) {  // VL columns at a time (C: VL or 2VL)
+      float* d = dst + (c0 / C) * kc * w + s * C + c0 % C;
+      const int ncv = nc - c0 < VL ? nc - c0 : VL;  // real columns of the block (may be <= 0)
+      int i = 0;
+      if (ncv == VL) {
+        for (; i + VL <= kc; i += VL) {
+          V t[VL];
+#pragma GCC unroll 16
+          for (int j = 0; j < VL; ++j) t[j] = LoadW<VL>(m + (n0 + c0 + j) * ld + k0 + i);
+          TransposeBlock<VL>(t);
+#pragma GCC unroll 16
+          for (int r = 0; r < VL; ++r) memcpy(d + (i + r) * w, &t[r], sizeof(V));
+        }
+      }
+      for (; i < kc; ++i)
+        for (int j = 0; j < VL; ++j)
+          d[i * w + j] = j < ncv ? ScalarW(m[(n0 + c0 + j) * ld + k0 + i]) : 0.0f;
+    }
+  }
+}
+
 // KernelTable::glu: the gated unit on stored sums, biases added first.
 inline void GluRows(const float* g, const float* u, int64_t gs, int64_t gcs, int rows, int cols,
                     const float* bg, const float* bu, const Glu& act, float* out, int64_t rs,

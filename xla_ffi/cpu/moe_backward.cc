@@ -161,7 +161,7 @@ void GemmTile(const KernelTable& kt, MatA a, MatB<W> b, MatC c, int64_t m0, int6
       },
       [&](int64_t k0, int kc) {
         const W* m[1] = {b.p};
-        PackView<1>(m, b.sk, b.sn, k0, kc, n0, nc, vl, s.packed_b);
+        PackView<1>(kt, m, b.sk, b.sn, k0, kc, n0, nc, s.packed_b);
       },
       [&](int64_t k0, int kc, Prefetcher& pf) {
         const int64_t per_call = pf.PerCall(nsub * panels);

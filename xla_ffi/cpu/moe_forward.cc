@@ -326,9 +326,9 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
             for (int s = 0; s < ns; ++s)
               kt.qpack(mats[s], k0, kc, n0, nc, width, packed + s * width, 2 * vl, kc * 2 * vl);
           } else if constexpr (first) {
-            PackView<2>(mats, sk, sn, k0, kc, n0, nc, vl, packed);
+            PackView<2>(kt, mats, sk, sn, k0, kc, n0, nc, packed);
           } else {
-            PackView<1>(mats, sk, sn, k0, kc, n0, nc, vl, packed);
+            PackView<1>(kt, mats, sk, sn, k0, kc, n0, nc, packed);
           }
         },
         [&](int64_t k0, int kc, Prefetcher& pf) {

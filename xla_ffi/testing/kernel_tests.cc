@@ -213,6 +213,40 @@ void SweepDenseStream(const KernelTable& t, bool down, bool bf16w, Rng& rng, Rep
   });
 }
 
+// pack_cols: blocks of 1 or 2 column-stored matrices into packed-B panels,
+// every element in place (exact: a copy, bfloat16 widened), zeros past nc,
+// nothing written past the panels.
+void SweepPackCols(const KernelTable& t, Rng& rng, Report& report) {
+  const int w = 2 * t.vl;
+  for (int wi = 0; wi < 2; ++wi)
+    for (int ns : {1, 2})
+      for (int kc : {1, 7, t.vl, 2 * t.vl + 3, 128})
+        for (int nc : {1, t.vl - 1, t.vl, w + 5, 3 * w}) {
+          Issues issues;
+          const int64_t k0 = rng.Int(0, 3), n0 = rng.Int(0, 3), ld = k0 + kc + rng.Int(1, 4);
+          const int64_t N = n0 + nc;
+          std::vector<DenseWeights> mats;
+          for (int sidx = 0; sidx < ns; ++sidx) mats.emplace_back(ld - 1, static_cast<int>(N), ld, wi == 1, false, rng, true);
+          const void* mv[2] = {mats[0].Data(), ns == 2 ? mats[1].Data() : nullptr};
+          const int C = w / ns, nsub = (nc + C - 1) / C;
+          const Grid grid = FlatGrid(static_cast<int64_t>(nsub) * kc * w);
+          std::vector<float> out = grid.Fresh();
+          t.pack_cols[wi](mv, ns, ld, k0, kc, n0, nc, out.data() + grid.base);
+          ScanGrid("packed", out, grid, true,
+                   [&](int, int idx, float got) -> std::string {
+                     const int q = idx / (kc * w), i = (idx % (kc * w)) / w, j = idx % w;
+                     const int sidx = j / C, c = q * C + j % C;
+                     const float want = c < nc ? mats[sidx].At(k0 + i, n0 + c) : 0.0f;
+                     if (got == want || (std::isnan(got) && std::isnan(want))) return "";
+                     return Fmt("q=%d i=%d j=%d: got %g, want %g", q, i, j, got, want);
+                   },
+                   issues);
+          report.Add(Fmt("pack_cols %s ns=%d kc=%d nc=%d k0=%lld n0=%lld ld=%lld", wi ? "bf16" : "f32", ns, kc,
+                         nc, (long long)k0, (long long)n0, (long long)ld),
+                     issues);
+        }
+}
+
 // glu: the gated unit on stored sums with biases (any subset), against float64.
 void SweepGlu(const KernelTable& t, Rng& rng, Report& report) {
   for (int act = 0; act < abi::kNumActivations; ++act)
@@ -359,6 +393,7 @@ const KernelEntry kKernels[] = {
     {"stream2_cols_f32", [](const KernelTable& t, Rng& g, Report& r) { SweepDenseStream(t, true, false, g, r, true); }},
     {"stream2_cols_bf16", [](const KernelTable& t, Rng& g, Report& r) { SweepDenseStream(t, true, true, g, r, true); }},
     {"glu", SweepGlu},
+    {"pack_cols", SweepPackCols},
     {"qstream1", [](const KernelTable& t, Rng& g, Report& r) { SweepQuantStream(t, false, g, r); }},
     {"qstream2", [](const KernelTable& t, Rng& g, Report& r) { SweepQuantStream(t, true, g, r); }},
     {"qpack", [](const KernelTable& t, Rng& g, Report& r) { SweepQPack(t, g, r); }},
