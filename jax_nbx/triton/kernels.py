@@ -329,8 +329,8 @@ def decode1(x, ids, slot0, err, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl
     offs_k = tl.arange(0, BK)
     if BIAS:  # chunk 0 only: the next kernel adds the chunks
         eb = e.to(tl.int64) * I + offs_n
-        acc_g = tl.load(gb + eb, mask=nmask & (c == 0), other=0.0)
-        acc_u = tl.load(ub + eb, mask=nmask & (c == 0), other=0.0)
+        acc_g = tl.where(c == 0, tl.load(gb + eb, mask=nmask, other=0.0), 0.0)
+        acc_u = tl.where(c == 0, tl.load(ub + eb, mask=nmask, other=0.0), 0.0)
     else:
         acc_g = tl.zeros((BN,), tl.float32)
         acc_u = tl.zeros((BN,), tl.float32)
@@ -391,7 +391,7 @@ def decode2(h, ids, down_tbl, ds_tbl, dz_tbl, wref, sref, db, w, out,
                        kmask[:, None] & nmask[None, :], QUANT, GS, W_ALIGNED, OFF, SK, SN)
             acc += tl.sum(hv[:, None] * b, axis=0)
         if BIAS:
-            acc += tl.load(db + e.to(tl.int64) * H + offs_n, mask=nmask & (c == 0), other=0.0)
+            acc += tl.where(c == 0, tl.load(db + e.to(tl.int64) * H + offs_n, mask=nmask, other=0.0), 0.0)
         acc = acc * tl.load(w + s)
     tl.store(out + (s * S + c).to(tl.int64) * H + offs_n, acc, mask=nmask)
 
