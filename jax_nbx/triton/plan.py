@@ -224,7 +224,8 @@ def build(T: int, band: int, k: int, E: int, H: int, I: int, xdtype, wdtype,
                   w_aligned=w_aligned, quant=quant, layout=layout)
 
 
-def _plain_views(H: int, I: int) -> tuple[tuple[int, int, int], ...]:
+def plain_views(H: int, I: int) -> tuple[tuple[int, int, int], ...]:
+    """Per projection (offset, stride_k, stride_n) of plain gate, up [H, I], down [I, H]."""
     return (0, I, 1), (0, I, 1), (0, H, 1)
 
 
@@ -232,7 +233,7 @@ def views_of(layout, H: int, I: int, quant=None) -> tuple[tuple[tuple[int, int, 
     """(per projection (offset, stride_k, stride_n), fused, bias) of a
     `WeightLayout` (None: plain); checks what the kernels assume: I, gate and
     up sharing their strides, quantized weights in the plain layout only."""
-    plain = _plain_views(H, I)
+    plain = plain_views(H, I)
     if layout is None:
         return plain, False, False
     nf, npj = len(_abi.VIEW_FIELDS), len(_abi.PROJECTIONS)
