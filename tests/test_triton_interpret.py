@@ -196,8 +196,9 @@ def test_tuned_config_file_lookup(tmp_path, monkeypatch):
 
 
 def test_kernels_compile_to_cubins():
-    """Ahead-of-time compilation for sm_90 needs no GPU (Triton ships ptxas).
-    Run in a fresh process: this one interprets the kernels."""
+    """Ahead-of-time compilation for sm_90 needs no GPU (Triton ships ptxas):
+    plain experts, and a fused interleaved layout with biases (views as
+    constexprs).  Run in a fresh process: this one interprets the kernels."""
     import subprocess
     import sys
 
@@ -205,13 +206,18 @@ def test_kernels_compile_to_cubins():
 import numpy as np, ml_dtypes
 from jax_nbx.triton import plan, compile as C
 bf = np.dtype(ml_dtypes.bfloat16)
-prog = plan.build(40, 40, 2, 6, 64, 32, bf, bf, 0)
-blob, table = C.pack(prog, 90)
-assert table.shape == (len(prog.kernels()), len(C.KERNEL_FIELDS)), table.shape
-for row in table:
-    name = bytes(blob[row[0]:row[0] + row[1]]).decode()
-    assert bytes(blob[row[2]:row[2] + 4]) == b"\\x7fELF" and name, name
-print("compiled", len(table))
+from jax_nbx.experts import WeightLayout
+# gpt-oss's interleaved gate_up [E, H, 2I] with biases, decode and prefill kernels
+gpt_oss = WeightLayout((0, 64, 2, 1, 64, 2, 0, 64, 1), 32, True, True)
+for prog in (plan.build(40, 40, 2, 6, 64, 32, bf, bf, 0),
+             plan.build(1, 1, 2, 6, 64, 32, bf, bf, 2, layout=gpt_oss),
+             plan.build(40, 40, 2, 6, 64, 32, bf, bf, 2, layout=gpt_oss)):
+    blob, table = C.pack(prog, 90)
+    assert table.shape == (len(prog.kernels()), len(C.KERNEL_FIELDS)), table.shape
+    for row in table:
+        name = bytes(blob[row[0]:row[0] + row[1]]).decode()
+        assert bytes(blob[row[2]:row[2] + 4]) == b"\\x7fELF" and name, name
+    print("compiled", len(table))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
@@ -359,3 +365,30 @@ def test_views_the_kernels_cannot_take_are_refused_by_name():
         plan.build(4, 4, 2, 5, 21, 13, F32, F32, 0, layout=lay._replace(views=tuple(v)))
     with pytest.raises(ValueError, match="views must hold 9 values; got 3"):
         plan.build(4, 4, 2, 5, 21, 13, F32, F32, 0, layout=lay._replace(views=tuple(v[:3])))
+
+
+def test_cuda_forward_groups_match_the_handlers_inputs():
+    """`_cuda`'s grouping of experts in any layout (no GPU needed): the weight
+    groups (gate_up, down when fused), the biases after them, and a program
+    the handler's decoder accepts with exactly those inputs."""
+    import jax_nbx as nbx
+    from jax_nbx import _abi, _cuda, _registry
+
+    ffi = _registry.ffi_module()
+    for name, lists in (("interleaved", False), ("concat_out_in", True), ("out_in", False)):
+        ex, *_ = _layout_problem(name, True, lists, 1)
+        lay = ex.weight_layout()
+        groups, biases, E, wd, _ = _cuda._view_groups(ex.flat() + ex.handler_biases(), lay, lists)
+        assert len(groups) == (2 if ex.is_fused else 3) and len(biases) == _abi.NUM_BIASES and E == 5
+        assert all(len(g) == (E if lists else 1) for g in groups)
+        assert groups[-1][0] is ex.flat()[-1 if not lists else E * (len(groups) - 1)]
+        prog = plan.build(40, 40, 2, E, 21, 13, F32, wd, 0, layout=lay)
+        n_in = _abi.IN_GROUP0 + len(groups) + len(biases)
+        args = (len(prog.kernels()), n_in, len(groups), prog.workspace_bytes)
+        ffi.decode_program(prog.encode(), *args)
+        with pytest.raises(ValueError, match="bad input index"):
+            ffi.decode_program(prog.encode(), args[0], n_in - 1, *args[2:])
+    G, U, D, *_ = _layout_problem("plain", False, False, 1)[4]
+    q = nbx.quantize(nbx.Experts(G, U, D), "int8")
+    with pytest.raises(ValueError, match="quantized experts in the plain layout only"):
+        _cuda._view_groups(q.flat(), ex.weight_layout()._replace(bias=False), False)
