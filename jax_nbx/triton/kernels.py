@@ -91,8 +91,17 @@ def _expert_ptr(tbl, e, wref, W_ALIGNED: tl.constexpr):
 
 @triton.jit
 def _view(kk, offs_n, OFF: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr):
-    """Element offsets [BK, BN] of rows kk and columns offs_n of a view."""
-    return OFF + kk[:, None].to(tl.int64) * SK + offs_n[None, :].to(tl.int64) * SN
+    """Element offsets [BK, BN] of rows kk and columns offs_n of a view (the
+    plain view's ``k*N + n`` exactly, so its loads vectorize as before)."""
+    k = kk[:, None].to(tl.int64)
+    if SK != 1:
+        k = k * SK
+    n = offs_n[None, :]
+    if SN != 1:
+        n = n.to(tl.int64) * SN
+    if OFF != 0:
+        k = k + OFF
+    return k + n
 
 
 @triton.jit
