@@ -440,8 +440,8 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
 // Checks abi.h's "weight views" against the weight buffers of the tables
 // handler (H from x, I = `intermediate`): the views' length, gate and up
 // sharing strides, quantized groups with the plain views only, every view
-// inside each expert's array (`elems[g]` elements of its group g), and the
-// bias buffers' dtype and shapes.  Returns "" or what is wrong.
+// inside each expert's array (`elems[g]` elements of its group g; the same
+// bounds as the CPU decoder's, cpu/weights.cc).  Returns "" or what is wrong.
 std::string CheckViews(ffi::Span<const int64_t> views, int64_t E, int64_t H, int64_t I, bool fused,
                        bool quantized, const std::vector<int64_t>& elems) {
   constexpr int F = abi::kNumViewFields, P = abi::kNumProjections;
