@@ -43,6 +43,11 @@ PARTS: tuple[str, ...] = tuple(_d["parts"])  # q, scale, zero (QuantizedWeight a
 _PARTS_OF = tuple(_d["parts_of_format"])
 
 
+# weight views (abi.h "weight views"): per projection these fields, then biases
+VIEW_FIELDS: tuple[str, ...] = tuple(_d["view_fields"])  # offset, stride_k, stride_n
+NUM_BIASES: int = _d["num_biases"]  # gate, up, down
+
+
 def parts_of(fmt: str | None) -> tuple[str, ...]:
     """The parts a format's weights are passed as, in group order ("dense": the weights)."""
     return PARTS[:_PARTS_OF[FORMAT_CODES[fmt]]]

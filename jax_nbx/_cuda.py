@@ -20,7 +20,8 @@ import jax
 import numpy as np
 
 from . import _abi, _env, _registry, memory
-from .quant import weight_groups
+from .experts import WeightLayout
+from .quant import QuantizedWeight, weight_groups
 from .triton import plan as P
 
 _budget_set: set[int] = set()
@@ -80,26 +81,56 @@ def check_ids_enabled() -> bool:
     return _env.cuda_check_ids()
 
 
-def forward(x, w, ids, *weights, activation, band_tokens: int, lists: bool = False,
-            skip_outside: bool = False):
+def _view_groups(arrays, layout: WeightLayout, lists: bool):
+    """(weight groups, biases, E, weights' dtype, whether every per-expert
+    stride is a multiple of 16 bytes) of dense experts in any layout:
+    ``arrays`` = the groups (gate_up, down when fused, else gate, up, down;
+    one stacked array or E arrays each), then the biases when ``layout.bias``."""
+    nb = _abi.NUM_BIASES if layout.bias else 0
+    weights, biases = arrays[:len(arrays) - nb], arrays[len(arrays) - nb:]
+    if any(isinstance(a, QuantizedWeight) for a in weights):
+        raise ValueError("the CUDA path reads quantized experts in the plain layout only (gate, up "
+                         "[E, H, I], down [E, I, H], no biases, no fused gate_up)")
+    n_groups = 2 if layout.fused else len(_abi.PROJECTIONS)
+    per = len(weights) // n_groups if lists else 1
+    groups = [list(weights[g * per:(g + 1) * per]) for g in range(n_groups)]
+    E = per if lists else int(weights[0].shape[0])
+    strides_ok = lists or all(
+        (int(np.prod(g[0].shape[1:])) * np.dtype(g[0].dtype).itemsize) % 16 == 0 for g in groups)
+    return groups, biases, E, np.dtype(weights[0].dtype), strides_ok
+
+
+def forward(x, w, ids, *arrays, activation, band_tokens: int, lists: bool = False,
+            skip_outside: bool = False, layout: WeightLayout | None = None):
     """The raw CUDA FFI call on 2-D inputs (x [T, H], w f32 [T, k], ids i32 [T, k]).
 
-    ``weights`` = (gate, up, down) stacked, or with ``lists`` the E gate, E up
-    and E down arrays; each may be a `QuantizedWeight`.  Dense stacked experts
-    go to ``nbx_fused_moe_fwd_cuda``; lists and quantized experts to
-    ``nbx_fused_moe_fwd_cuda_tables`` as groups of buffers (gate, up, down,
-    then scales, then mins), every buffer's address in the pointer table.
-    ``skip_outside``: ids outside [0, E) are skipped without an error (the
-    kernels never use them as indices either way).
+    ``arrays`` = the weights as `Experts.flat` gives them, then with
+    ``layout.bias`` the three float32 biases of `Experts.handler_biases`.
+    ``layout`` (`WeightLayout`; None: plain): plain weights are (gate, up,
+    down) stacked, or with ``lists`` the E gate, E up and E down arrays; each
+    may be a `QuantizedWeight`.  Any other layout (transposed, fused
+    gate_up, biases: abi.h "weight views") is dense and read in place by the
+    kernels through its views.  Dense stacked plain experts go to
+    ``nbx_fused_moe_fwd_cuda``; the others to ``nbx_fused_moe_fwd_cuda_tables``
+    as groups of buffers (gate, up, down, then scales, then mins; or
+    gate_up, down), every buffer's address in the pointer table, then the
+    biases.  ``skip_outside``: ids outside [0, E) are skipped without an error
+    (the kernels never use them as indices either way).
     """
     from .triton import compile as C
 
     T, H = x.shape
     k = ids.shape[1]
-    groups, E, I, quant, wdtype, strides_ok = weight_groups(weights, lists)
+    if layout is None or layout.native:
+        groups, E, I, quant, wdtype, strides_ok = weight_groups(arrays, lists)
+        biases, views = (), None
+        layout = WeightLayout(sum(P.plain_views(H, I), ()), I, False, False)
+    else:
+        groups, biases, E, wdtype, strides_ok = _view_groups(arrays, layout, lists)
+        I, quant, views = int(layout.intermediate), None, layout
     dev = _device(0)
     prog = P.build(T, band_tokens or T, k, E, H, I, np.dtype(x.dtype), wdtype, activation,
-                   dev.device_kind, w_aligned=strides_ok, quant=quant)
+                   dev.device_kind, w_aligned=strides_ok, quant=quant, layout=views)
     blob, table = C.pack(prog, compute_capability(dev))
     attrs = dict(blob=blob, kernels=table.reshape(-1), program=prog.encode(),
                  workspace_bytes=np.int64(prog.workspace_bytes), err_offset=np.int64(prog.err_offset),
@@ -109,13 +140,15 @@ def forward(x, w, ids, *weights, activation, band_tokens: int, lists: bool = Fal
     # ordered, planned by XLA) and that is dropped here.
     outs = (jax.ShapeDtypeStruct(x.shape, x.dtype),
             jax.ShapeDtypeStruct((max(prog.workspace_bytes, 1),), np.uint8))
-    if quant is None and not lists:
+    if quant is None and not lists and views is None:
         call = jax.ffi.ffi_call(_abi.TARGET_CUDA_FORWARD, outs, vmap_method="sequential")
-        y, _ = call(x, w, ids, *weights, **attrs)
+        y, _ = call(x, w, ids, *arrays, **attrs)
         return y
     bufs = [b for g in groups for b in (g if lists else g[:1])]
+    bufs += [b.astype(np.float32) for b in biases]
     call = jax.ffi.ffi_call(_abi.TARGET_CUDA_FORWARD_TABLES, outs, vmap_method="sequential")
-    y, _ = call(x, w, ids, *bufs, groups=np.int64(len(groups)), stacked=not lists, **attrs)
+    y, _ = call(x, w, ids, *bufs, groups=np.int64(len(groups)), stacked=not lists, **attrs,
+                **layout.attrs())
     return y
 
 

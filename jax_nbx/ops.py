@@ -329,14 +329,15 @@ def _ffi_forward(x, w, ids, *arrays, activation: str | Activation, band_tokens: 
         layout = _native_layout(arrays, lists)
     if platform == "metal" and poison:
         raise ValueError("the Metal path has no poisoned test twin")
-    if platform in ("gpu", "metal") and not layout.native:
+    if platform == "metal" and not layout.native:
         raise ValueError(f"the {platform} handler reads the plain layout only (no biases, no fused or "
                          "transposed weights)")
     if platform == "gpu":
         from . import _cuda
 
         return _cuda.forward(x, w, ids, *arrays, activation=activation,
-                             band_tokens=band_tokens, lists=lists, skip_outside=skip_outside)
+                             band_tokens=band_tokens, lists=lists, skip_outside=skip_outside,
+                             layout=layout)
     weights, biases = _split_arrays(arrays, layout, lists)
     if layout.native:
         groups, E, _, quant, _, _ = weight_groups(weights, lists)
@@ -655,11 +656,11 @@ def _routed(x2, w2, ids2, experts: Experts, impl: str, E: int, H: int, I: int, k
     platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
     if impl == "metal":
         platform = "metal"
-    if platform != "cpu" and not experts.is_plain:
+    if platform == "metal" and not experts.is_plain:
         what = [w for w, on in (("biases", experts.has_bias),
                                 (f"layout={experts.layout!r}", experts.layout != "in_out"),
                                 (f"fusion={experts.fusion!r}", experts.is_fused)) if on]
-        raise ValueError(f"the {'Metal' if platform == 'metal' else 'CUDA'} handler takes plain experts "
+        raise ValueError("the Metal handler takes plain experts "
                          f"(gate, up [E, H, I], down [E, I, H], no biases); these have {', '.join(what)}: "
                          "use implementation='xla' or the CPU handler")
     if impl == "metal":

@@ -168,6 +168,22 @@ def test_views_and_biases_are_checked_by_the_handler():
                                    *biases[:2], biases[1], **qa))
 
 
+def test_views_are_the_abis():
+    """abi.h "weight views": the fields and biases `WeightLayout` passes are
+    the ones the CUDA plan reads (jax_nbx/triton/plan.py)."""
+    from jax_nbx.triton import plan
+
+    _, _, _, ex = make_problem(4, 5, 4, 2, 16, 8)
+    lay = ex.weight_layout()
+    assert _abi.VIEW_FIELDS == ("offset", "stride_k", "stride_n") and _abi.NUM_BIASES == len(_abi.PROJECTIONS)
+    assert len(lay.views) == len(_abi.VIEW_FIELDS) * len(_abi.PROJECTIONS)
+    assert sum(plan.plain_views(16, 8), ()) == lay.views
+    assert plan.views_of(lay, 16, 8) == (plan.plain_views(16, 8), False, False)
+    fused = nbx.Experts.fused(jnp.zeros((4, 16, 16)), ex.down, fusion="interleaved",
+                              gate_up_bias=jnp.zeros((4, 16))).weight_layout()
+    assert plan.views_of(fused, 16, 8) == (((0, 16, 2), (1, 16, 2), (0, 16, 1)), True, True)
+
+
 @pytest.mark.parametrize("fmt", ["dense", "int8", "int4"])
 @pytest.mark.parametrize("lists", [False, True], ids=["stacked", "lists"])
 def test_poisoned_twin_takes_every_format(fmt, lists):

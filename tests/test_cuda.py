@@ -82,3 +82,45 @@ def test_cuda_quantized_matches_dequantized(kind, G, T):
     q = nbx.quantize(ex, kind, group_size=G or 128, scale_dtype=jnp.bfloat16)
     y = nbx.fused_moe(x, w, ids, q, implementation="ffi")
     assert rel_err(y, np_moe(x, w, ids, nbx.dequantize(q, jnp.float32))) < 3e-2
+
+
+@pytest.mark.parametrize("T", [1, 33])
+@pytest.mark.parametrize("lists", [False, True], ids=["stacked", "lists"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("name", ["plain", "out_in", "concat", "interleaved", "concat_out_in",
+                                  "interleaved_out_in"])
+def test_cuda_reads_every_layout_with_biases(name, bias, lists, T):
+    """Checkpoint layouts read in place through the views, with biases
+    (tests/test_layouts.py's arrays, built with numpy), against float64."""
+    from test_layouts import canonical, np_block, stored
+
+    rng = np.random.default_rng(T * 13 + len(name) + 2 * bias + lists)
+    E, k, H, I = 6, 2, 45, 19
+    G, U, D, bg, bu, bd = canonical(rng, E, H, I, bias)
+    ex = stored(name, G, U, D, bg, bu, bd, lists=lists)
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.permutation(E)[:k] for _ in range(T)]), jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (T, k)), jnp.float32)
+    y = jax.jit(lambda *a: nbx.fused_moe(*a, implementation="ffi"))(x, w, ids, ex)
+    assert bool(jnp.all(jnp.isfinite(y)))
+    assert rel_err(y, np_block(x, w, ids, G, U, D, bg, bu, bd)) < GPU_TOL["float32"]
+
+
+def test_cuda_gpt_oss_bf16_and_its_gradient():
+    """Interleaved bf16 gate_up with biases and the clamped SwiGLU; the
+    gradient (the reference's VJP on CUDA) against the "xla" path's."""
+    from test_layouts import canonical, np_block, stored
+
+    rng = np.random.default_rng(5)
+    E, k, H, I, T = 8, 2, 64, 32, 40
+    G, U, D, bg, bu, bd = canonical(rng, E, H, I, True)
+    ex = stored("interleaved", G, U, D, bg, bu, bd, dtype=jnp.bfloat16)
+    Gb, Ub, Db = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in (G, U, D))
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.permutation(E)[:k] for _ in range(T)]), jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (T, k)), jnp.float32)
+    act = "swiglu_clamped"
+    y = nbx.fused_moe(x, w, ids, ex, activation=act, implementation="ffi")
+    assert rel_err(y, np_block(x, w, ids, Gb, Ub, Db, bg, bu, bd, act=act)) < GPU_TOL["bfloat16"]
+    f = lambda impl: lambda x: nbx.fused_moe(x, w, ids, ex, activation=act, implementation=impl).sum()  # noqa: E731
+    assert rel_err(jax.grad(f("ffi"))(x), np.asarray(jax.grad(f("xla"))(x), np.float64)) < 1e-4

@@ -196,8 +196,9 @@ def test_tuned_config_file_lookup(tmp_path, monkeypatch):
 
 
 def test_kernels_compile_to_cubins():
-    """Ahead-of-time compilation for sm_90 needs no GPU (Triton ships ptxas).
-    Run in a fresh process: this one interprets the kernels."""
+    """Ahead-of-time compilation for sm_90 needs no GPU (Triton ships ptxas):
+    plain experts, and a fused interleaved layout with biases (views as
+    constexprs).  Run in a fresh process: this one interprets the kernels."""
     import subprocess
     import sys
 
@@ -205,13 +206,18 @@ def test_kernels_compile_to_cubins():
 import numpy as np, ml_dtypes
 from jax_nbx.triton import plan, compile as C
 bf = np.dtype(ml_dtypes.bfloat16)
-prog = plan.build(40, 40, 2, 6, 64, 32, bf, bf, 0)
-blob, table = C.pack(prog, 90)
-assert table.shape == (len(prog.kernels()), len(C.KERNEL_FIELDS)), table.shape
-for row in table:
-    name = bytes(blob[row[0]:row[0] + row[1]]).decode()
-    assert bytes(blob[row[2]:row[2] + 4]) == b"\\x7fELF" and name, name
-print("compiled", len(table))
+from jax_nbx.experts import WeightLayout
+# gpt-oss's interleaved gate_up [E, H, 2I] with biases, decode and prefill kernels
+gpt_oss = WeightLayout((0, 64, 2, 1, 64, 2, 0, 64, 1), 32, True, True)
+for prog in (plan.build(40, 40, 2, 6, 64, 32, bf, bf, 0),
+             plan.build(1, 1, 2, 6, 64, 32, bf, bf, 2, layout=gpt_oss),
+             plan.build(40, 40, 2, 6, 64, 32, bf, bf, 2, layout=gpt_oss)):
+    blob, table = C.pack(prog, 90)
+    assert table.shape == (len(prog.kernels()), len(C.KERNEL_FIELDS)), table.shape
+    for row in table:
+        name = bytes(blob[row[0]:row[0] + row[1]]).decode()
+        assert bytes(blob[row[2]:row[2] + 4]) == b"\\x7fELF" and name, name
+    print("compiled", len(table))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
@@ -258,3 +264,131 @@ def test_quantized_experts_dequantized_in_kernel(T, kind, G, sd, lists):
     # bf16 scales: the dequantized tile is rounded to bf16 for the product too
     # (and the interpreter truncates where the GPU rounds), hence 2x the dense bound
     assert rel_err(y, ref) < (TOL[F32] if np.dtype(sd) == F32 else 2 * TOL[BF16])
+
+
+# --------------------------------------------------------------------------- layouts and biases
+
+def run_experts(ex, x, w, ids, act=0):
+    """Runs the program of `Experts` ``ex`` (any layout, stacked or lists,
+    with or without biases) as the CUDA path builds it: the weight groups'
+    first buffers then the float32 biases as inputs, one pointer table per
+    weight group (each expert's whole array), the views as constexprs."""
+    layout = ex.weight_layout()
+    E, H, I = ex.num_experts, ex.hidden, ex.intermediate
+    flat = [np.asarray(a) for a in ex.flat()]  # kept alive: the tables hold their addresses
+    biases = [np.asarray(b, np.float32) for b in ex.handler_biases()]
+    n_groups = 2 if layout.fused else 3
+    groups = [flat[g * E:(g + 1) * E] for g in range(n_groups)] if ex.is_list else flat
+    firsts = [g[0] for g in groups] if ex.is_list else flat
+    aligned = ex.is_list or all(a[0].nbytes % 16 == 0 for a in flat)
+    T, k = ids.shape
+    prog = plan.build(T, T, k, E, H, I, x.dtype, flat[0].dtype, act, w_aligned=aligned, layout=layout)
+    y = np.full((T, H), np.nan, x.dtype)  # poisoned: an unwritten row shows
+    err = interpret.run(prog, [x, w, ids, *firsts, *biases], y, tables=interpret.pointer_tables(*groups))
+    return y, err, prog
+
+
+def _layout_problem(name, bias, lists, T, xd=F32, wd=F32, seed=0):
+    import jax.numpy as jnp
+    from test_layouts import canonical, stored
+
+    E, k, H, I = 5, 2, 21, 13  # odd H and I: multiples of no block, unaligned experts
+    rng = np.random.default_rng(seed)
+    G, U, D, bg, bu, bd = canonical(rng, E, H, I, bias)
+    if wd != F32:  # the reference on the weights as stored
+        G, U, D = (a.astype(wd).astype(np.float32) for a in (G, U, D))
+    ex = stored(name, G, U, D, bg, bu, bd, lists=lists, dtype=jnp.dtype(wd))
+    x = rng.standard_normal((T, H)).astype(xd)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    return ex, x, w, ids, (G, U, D, bg, bu, bd)
+
+
+LAYOUT_NAMES = ("plain", "out_in", "concat", "interleaved", "concat_out_in", "interleaved_out_in")
+
+
+@pytest.mark.parametrize("T", [1, 33], ids=["decode", "prefill"])
+@pytest.mark.parametrize("lists", [False, True], ids=["stacked", "lists"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+def test_program_reads_every_layout_in_place(name, bias, lists, T):
+    """Every checkpoint layout (tests/test_layouts.py's, built with numpy from
+    canonical G, U, D), read in place through the views, with and without
+    biases, stacked and per-expert, on the decode (T=1) and prefill kernels,
+    against float64 on the canonical weights."""
+    from test_layouts import np_block
+
+    ex, x, w, ids, canon = _layout_problem(name, bias, lists, T, seed=LAYOUT_NAMES.index(name) * 8 + T)
+    y, err, prog = run_experts(ex, x, w, ids)
+    assert any(ln.kernel.name == ("decode1" if T == 1 else "gemm1") for ln in prog.launches)
+    assert err == plan.ERR_NONE
+    assert np.all(np.isfinite(y)), "unwritten (poisoned) rows"
+    assert rel_err(y, np_block(x, w, ids, *canon)) < TOL[F32]
+
+
+@pytest.mark.parametrize("T", [1, 33], ids=["decode", "prefill"])
+def test_bf16_interleaved_with_biases(T):
+    """gpt-oss's experts: interleaved gate_up [E, H, 2I] in bfloat16 with
+    biases and the clamped SwiGLU, x in bfloat16."""
+    from test_layouts import np_block
+
+    ex, x, w, ids, canon = _layout_problem("interleaved", True, False, T, BF16, BF16, seed=40 + T)
+    y, err, _ = run_experts(ex, x, w, ids, act=2)
+    assert err == plan.ERR_NONE
+    assert np.all(np.isfinite(y.astype(np.float32)))
+    assert rel_err(y, np_block(x.astype(np.float32), w, ids, *canon, act="swiglu_clamped")) < TOL[BF16]
+
+
+def test_layout_bias_inputs_follow_the_weight_groups():
+    """The biases are the inputs after the weight groups' (abi.h); without
+    biases no input past the groups is named."""
+    ex, *_ = _layout_problem("concat_out_in", True, False, 1)
+    for T in (1, 40):
+        prog = plan.build(T, T, 2, 5, 21, 13, F32, F32, 0, layout=ex.weight_layout())
+        used = {a.index for ln in prog.launches for a in ln.args if a.kind == plan.ARG_INPUT}
+        assert {plan.IN_GROUP0 + 2 + j for j in range(3)} <= used  # gate_up, down, then 3 biases
+        tables = {a.index for ln in prog.launches for a in ln.args if a.kind == plan.ARG_TABLE}
+        assert tables == {0, 1}
+        plain = plan.build(T, T, 2, 5, 21, 13, F32, F32, 0)
+        used = {a.index for ln in plain.launches for a in ln.args if a.kind == plan.ARG_INPUT}
+        assert max(used) < plan.IN_GROUP0 + 3
+
+
+def test_views_the_kernels_cannot_take_are_refused_by_name():
+    ex, *_ = _layout_problem("interleaved", False, False, 1)
+    lay = ex.weight_layout()
+    with pytest.raises(ValueError, match="int8 experts in the plain layout only"):
+        plan.build(4, 4, 2, 5, 21, 13, F32, F32, 0, quant=("int8", 0), layout=lay)
+    v = list(lay.views)
+    v[4] = 3  # up's stride_k differs from gate's
+    with pytest.raises(ValueError, match="gate and up views must share their strides"):
+        plan.build(4, 4, 2, 5, 21, 13, F32, F32, 0, layout=lay._replace(views=tuple(v)))
+    with pytest.raises(ValueError, match="views must hold 9 values; got 3"):
+        plan.build(4, 4, 2, 5, 21, 13, F32, F32, 0, layout=lay._replace(views=tuple(v[:3])))
+
+
+def test_cuda_forward_groups_match_the_handlers_inputs():
+    """`_cuda`'s grouping of experts in any layout (no GPU needed): the weight
+    groups (gate_up, down when fused), the biases after them, and a program
+    the handler's decoder accepts with exactly those inputs."""
+    import jax_nbx as nbx
+    from jax_nbx import _abi, _cuda, _registry
+
+    ffi = _registry.ffi_module()
+    for name, lists in (("interleaved", False), ("concat_out_in", True), ("out_in", False)):
+        ex, *_ = _layout_problem(name, True, lists, 1)
+        lay = ex.weight_layout()
+        groups, biases, E, wd, _ = _cuda._view_groups(ex.flat() + ex.handler_biases(), lay, lists)
+        assert len(groups) == (2 if ex.is_fused else 3) and len(biases) == _abi.NUM_BIASES and E == 5
+        assert all(len(g) == (E if lists else 1) for g in groups)
+        assert groups[-1][0] is ex.flat()[-1 if not lists else E * (len(groups) - 1)]
+        prog = plan.build(40, 40, 2, E, 21, 13, F32, wd, 0, layout=lay)
+        n_in = _abi.IN_GROUP0 + len(groups) + len(biases)
+        args = (len(prog.kernels()), n_in, len(groups), prog.workspace_bytes)
+        ffi.decode_program(prog.encode(), *args)
+        with pytest.raises(ValueError, match="bad input index"):
+            ffi.decode_program(prog.encode(), args[0], n_in - 1, *args[2:])
+    G, U, D, *_ = _layout_problem("plain", False, False, 1)[4]
+    q = nbx.quantize(nbx.Experts(G, U, D), "int8")
+    with pytest.raises(ValueError, match="quantized experts in the plain layout only"):
+        _cuda._view_groups(q.flat(), ex.weight_layout()._replace(bias=False), False)

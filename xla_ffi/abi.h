@@ -77,8 +77,9 @@ inline constexpr int32_t GroupIndex(int32_t part, int32_t proj) {
 }
 
 // ---------------------------------------------------------------- weight views
-// The CPU handlers read dense weights in the checkpoint's own layout, in
-// place, through views (jax_nbx/experts.py turns a named layout into them):
+// The CPU handlers and the CUDA tables handler (nbx_fused_moe_fwd_cuda_tables)
+// read dense weights in the checkpoint's own layout, in place, through views
+// (jax_nbx/experts.py turns a named layout into them):
 //   attribute "views" int64[kNumViewFields * kNumProjections]: per projection
 //     (gate, up, down) offset, stride_k, stride_n in elements of one expert's
 //     array: element (k, n) of its logical matrix (gate and up [H, I], down
@@ -94,6 +95,7 @@ inline constexpr int32_t GroupIndex(int32_t part, int32_t proj) {
 //     mlp(x) = glu(x G + bg, x U + bu) D + bd, weighted after the down bias;
 //     the backward returns their float32 gradients after the weights'.
 inline constexpr int32_t kNumViewFields = 3;  // offset, stride_k, stride_n
+inline constexpr const char* kViewFieldNames[kNumViewFields] = {"offset", "stride_k", "stride_n"};
 inline constexpr int32_t kNumBiases = 3;      // gate, up, down
 
 // ---------------------------------------------------------------- limits
@@ -112,7 +114,10 @@ inline constexpr int64_t kNumArgKinds = 5;
 inline constexpr int64_t kLaunchHeader = 5;  // kernel, gx, gy, gz, nargs
 inline constexpr int64_t kArgFields = 3;     // kind, index, offset
 // Inputs of a CUDA call: x, topk_weights, topk_ids, then each weight group's
-// first buffer (tables are numbered by group the same way).
+// first buffer (tables are numbered by group the same way: gate_up, down when
+// fused_gate_up), then with has_bias the kNumBiases float32 biases (gate, up,
+// down) at kInputGroup0 + groups + j.  The kernels add each view's offset
+// themselves (a table holds each expert's whole array) and read its strides.
 inline constexpr int64_t kInputX = 0, kInputW = 1, kInputIds = 2, kInputGroup0 = 3;
 // Kernel table: int64 fields per compiled kernel.
 inline constexpr int64_t kNumKernelFields = 7;

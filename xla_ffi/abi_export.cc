@@ -47,6 +47,8 @@ nb::dict AbiDict() {
   for (int32_t f = 0; f < abi::kNumWeightFormats; ++f)
     parts_of.append(abi::PartsOf(static_cast<WeightFormat>(f)));
   d["parts_of_format"] = nb::tuple(parts_of);
+  d["view_fields"] = Names(abi::kViewFieldNames);
+  d["num_biases"] = abi::kNumBiases;
 
   nb::dict kinds;
   kinds["input"] = static_cast<int64_t>(ArgKind::kInput);

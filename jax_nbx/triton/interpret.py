@@ -118,7 +118,7 @@ def _interpreted(name: str):
     fn = getattr(kernels, name)
     fn = getattr(fn, "fn", fn)  # the Python function under triton.jit
     # helpers called from kernels must be interpreted too
-    for helper in ("_glu", "_expert_ptr", "_wtile", "_block"):
+    for helper in ("_glu", "_expert_ptr", "_view", "_wtile", "_block"):
         h = getattr(kernels, helper)
         if not isinstance(h, InterpretedFunction):
             setattr(kernels, helper, InterpretedFunction(getattr(h, "fn", h)))

@@ -9,9 +9,18 @@ choice ``s % k``):
 
 * ``x [Tb, H]``, ``w [Tb, k]`` float32, ``ids [Tb, k]`` int32, ``y [Tb, H]``.
 * every expert's weights are read IN PLACE through a pointer table: an int64
-  absolute address per expert and projection (``gate/up [H, I]``,
-  ``down [I, H]``, row-major).  ``W_ALIGNED`` says every address is a
-  multiple of 16 bytes (the handler checks the claim before launching).
+  absolute address per expert and weight group (each expert's whole array:
+  ``gate``, ``up``, ``down``, or ``gate_up``, ``down`` when fused).  Dense
+  weights are read through abi.h's *views*, as constexprs: element ``(k, n)``
+  of a projection's logical matrix (``gate/up [H, I]``, ``down [I, H]``) lies
+  at ``OFF + k*SK + n*SN`` elements from the expert's address (gate and up
+  share SK, SN; plain: ``(0, I, 1)``, ``(0, H, 1)``); quantized weights take
+  the plain layout only.  ``W_ALIGNED`` says every address is a multiple of
+  16 bytes (the handler checks the claim before launching).
+* biases (``BIAS``): float32 ``gb, ub [E, I]``, ``db [E, H]``; the gate and
+  up biases start the sums before the activation, the down bias is added
+  before the routing weight (without biases the arguments are placeholders,
+  never read).
 * workspace (from XLA's scratch allocator): ``err`` int32 (first bad slot),
   the expert-ordering arrays, ``h [rows, I]`` (activation times up, in the
   weights' dtype, float32 for float32 weights) and ``out [n, H]`` float32
@@ -81,17 +90,33 @@ def _expert_ptr(tbl, e, wref, W_ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def _view(kk, offs_n, OFF: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr):
+    """Element offsets [BK, BN] of rows kk and columns offs_n of a view (the
+    plain view's ``k*N + n`` exactly, so its loads vectorize as before)."""
+    k = kk[:, None].to(tl.int64)
+    if SK != 1:
+        k = k * SK
+    n = offs_n[None, :]
+    if SN != 1:
+        n = n.to(tl.int64) * SN
+    if OFF != 0:
+        k = k + OFF
+    return k + n
+
+
+@triton.jit
 def _wtile(qtbl, stbl, ztbl, e, wref, sref, kk, offs_n, N: tl.constexpr, mask,
-           QUANT: tl.constexpr, GS: tl.constexpr, W_ALIGNED: tl.constexpr):
+           QUANT: tl.constexpr, GS: tl.constexpr, W_ALIGNED: tl.constexpr,
+           OFF: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr):
     """Expert e's weights at rows kk [BK] and columns offs_n [BN], as float32.
-    QUANT dense: wref's dtype; int8: times scale[n]; int4: packed two
+    QUANT dense: wref's dtype, element (k, n) at OFF + k*SK + n*SN (the view);
+    int8 (plain layout only, like int4): times scale[n]; int4: packed two
     per byte along K (low nibble = even row), times scale[k // GS, n] plus
     min[k // GS, n].  qtbl/stbl/ztbl: tables of the expert's q, scale and min
     arrays (scales typed like sref)."""
     p = _expert_ptr(qtbl, e, wref, W_ALIGNED)
     if QUANT == QUANT_DENSE:
-        return tl.load(p + kk[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask,
-                       other=0.0).to(tl.float32)
+        return tl.load(p + _view(kk, offs_n, OFF, SK, SN), mask=mask, other=0.0).to(tl.float32)
     sp = _expert_ptr(stbl, e, sref, W_ALIGNED)
     if QUANT == QUANT_INT8:
         q = tl.load(p + kk[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0)
@@ -188,13 +213,16 @@ def _block(block_expert, sorted_slots, BM: tl.constexpr):
 
 @triton.jit
 def gemm1(x, sorted_slots, block_expert, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl,
-          wref, sref, h,
+          wref, sref, gb, ub, h,
           H: tl.constexpr, I: tl.constexpr, K_TOP: tl.constexpr, ACT: tl.constexpr,
           ALPHA: tl.constexpr, LIMIT: tl.constexpr, W_ALIGNED: tl.constexpr, IEEE: tl.constexpr,
           QUANT: tl.constexpr, GS: tl.constexpr,
+          OFF_G: tl.constexpr, OFF_U: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr,
+          BIAS: tl.constexpr,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """h[row, n] = glu(x[tok] @ gate[e], x[tok] @ up[e])[n] for the BM
-    rows of one block (one expert) and BN columns.  The products run in
+    """h[row, n] = glu(x[tok] @ gate[e] + gb[e], x[tok] @ up[e] + ub[e])[n]
+    for the BM rows of one block (one expert) and BN columns (gate and up
+    through their views).  The products run in
     sref's dtype (the weights' for dense experts, the scales' for quantized
     ones, whose tiles are dequantized in registers: `_wtile`)."""
     pid_n = tl.program_id(1)
@@ -217,31 +245,37 @@ def gemm1(x, sorted_slots, block_expert, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tb
         a = a.to(sref.dtype.element_ty)
         wmask = kmask[:, None] & nmask[None, :]
         if QUANT == QUANT_DENSE:
-            woff = kk[:, None].to(tl.int64) * I + offs_n[None, :]
-            bg = tl.load(gp + woff, mask=wmask, other=0.0)
-            bu = tl.load(upp + woff, mask=wmask, other=0.0)
+            woff = _view(kk, offs_n, 0, SK, SN)
+            bg = tl.load(gp + OFF_G + woff, mask=wmask, other=0.0)
+            bu = tl.load(upp + OFF_U + woff, mask=wmask, other=0.0)
         else:
             bg = _wtile(gate_tbl, gs_tbl, gz_tbl, e, wref, sref, kk, offs_n, I, wmask, QUANT, GS,
-                        W_ALIGNED).to(sref.dtype.element_ty)
+                        W_ALIGNED, 0, I, 1).to(sref.dtype.element_ty)
             bu = _wtile(up_tbl, us_tbl, uz_tbl, e, wref, sref, kk, offs_n, I, wmask, QUANT, GS,
-                        W_ALIGNED).to(sref.dtype.element_ty)
+                        W_ALIGNED, 0, I, 1).to(sref.dtype.element_ty)
         if IEEE:
             acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
             acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
         else:
             acc_g = tl.dot(a, bg, acc_g)
             acc_u = tl.dot(a, bu, acc_u)
+    if BIAS:
+        eb = e.to(tl.int64) * I + offs_n
+        acc_g += tl.load(gb + eb, mask=nmask, other=0.0)[None, :]
+        acc_u += tl.load(ub + eb, mask=nmask, other=0.0)[None, :]
     out = _glu(acc_g, acc_u, ACT, ALPHA, LIMIT)
     tl.store(h + rows[:, None].to(tl.int64) * I + offs_n[None, :], out.to(h.dtype.element_ty),
              mask=nmask[None, :])
 
 
 @triton.jit
-def gemm2(h, sorted_slots, block_expert, down_tbl, ds_tbl, dz_tbl, wref, sref, w, out,
+def gemm2(h, sorted_slots, block_expert, down_tbl, ds_tbl, dz_tbl, wref, sref, db, w, out,
           H: tl.constexpr, I: tl.constexpr, W_ALIGNED: tl.constexpr, IEEE: tl.constexpr,
           QUANT: tl.constexpr, GS: tl.constexpr,
+          OFF: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr, BIAS: tl.constexpr,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """out[slot, n] = w[slot] * (h[row] @ down[e])[n] for the block's real slots."""
+    """out[slot, n] = w[slot] * (h[row] @ down[e] + db[e])[n] for the block's
+    real slots (down through its view)."""
     pid_n = tl.program_id(1)
     e, rows, slot, valid = _block(block_expert, sorted_slots, BM)
     if e < 0:
@@ -257,15 +291,18 @@ def gemm2(h, sorted_slots, block_expert, down_tbl, ds_tbl, dz_tbl, wref, sref, w
         a = tl.load(h + rows[:, None].to(tl.int64) * I + kk[None, :], mask=kmask[None, :], other=0.0)
         a = a.to(sref.dtype.element_ty)
         if QUANT == QUANT_DENSE:
-            b = tl.load(dp + kk[:, None].to(tl.int64) * H + offs_n[None, :],
-                        mask=kmask[:, None] & nmask[None, :], other=0.0)
+            b = tl.load(dp + _view(kk, offs_n, OFF, SK, SN), mask=kmask[:, None] & nmask[None, :],
+                        other=0.0)
         else:
             b = _wtile(down_tbl, ds_tbl, dz_tbl, e, wref, sref, kk, offs_n, H,
-                       kmask[:, None] & nmask[None, :], QUANT, GS, W_ALIGNED).to(sref.dtype.element_ty)
+                       kmask[:, None] & nmask[None, :], QUANT, GS, W_ALIGNED, 0, H, 1
+                       ).to(sref.dtype.element_ty)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
+    if BIAS:
+        acc += tl.load(db + e.to(tl.int64) * H + offs_n, mask=nmask, other=0.0)[None, :]
     rw = tl.load(w + slot, mask=valid, other=0.0)
     acc = acc * rw[:, None]
     sl = tl.where(valid, slot, 0).to(tl.int64)
@@ -273,13 +310,17 @@ def gemm2(h, sorted_slots, block_expert, down_tbl, ds_tbl, dz_tbl, wref, sref, w
 
 
 @triton.jit
-def decode1(x, ids, slot0, err, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl, wref, sref, part,
+def decode1(x, ids, slot0, err, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl, wref, sref,
+            gb, ub, part,
             H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, K_TOP: tl.constexpr,
             W_ALIGNED: tl.constexpr, QUANT: tl.constexpr, GS: tl.constexpr,
+            OFF_G: tl.constexpr, OFF_U: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr,
+            BIAS: tl.constexpr,
             KCH: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Partial gate and up sums of one slot over one chunk of KCH rows of H
     (split-K: few slots still fill the GPU): part[slot, chunk, 0|1, n],
-    float32.  Each weight element is read once per slot."""
+    float32; chunk 0's start from the biases.  Each weight element is read
+    once per slot."""
     s = tl.program_id(0)
     pid_n = tl.program_id(1)
     c = tl.program_id(2)
@@ -295,15 +336,22 @@ def decode1(x, ids, slot0, err, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl
         return
     t = s // K_TOP
     offs_k = tl.arange(0, BK)
-    acc_g = tl.zeros((BN,), tl.float32)
-    acc_u = tl.zeros((BN,), tl.float32)
+    if BIAS:  # chunk 0 only: the next kernel adds the chunks
+        eb = e.to(tl.int64) * I + offs_n
+        acc_g = tl.where(c == 0, tl.load(gb + eb, mask=nmask, other=0.0), 0.0)
+        acc_u = tl.where(c == 0, tl.load(ub + eb, mask=nmask, other=0.0), 0.0)
+    else:
+        acc_g = tl.zeros((BN,), tl.float32)
+        acc_u = tl.zeros((BN,), tl.float32)
     for j in range(0, KCH, BK):  # constant bounds (the interpreter needs them)
         kk = c * KCH + j + offs_k
         kmask = kk < H
         xv = tl.load(x + t * H + kk, mask=kmask, other=0.0).to(tl.float32)
         wmask = kmask[:, None] & nmask[None, :]
-        bg = _wtile(gate_tbl, gs_tbl, gz_tbl, e, wref, sref, kk, offs_n, I, wmask, QUANT, GS, W_ALIGNED)
-        bu = _wtile(up_tbl, us_tbl, uz_tbl, e, wref, sref, kk, offs_n, I, wmask, QUANT, GS, W_ALIGNED)
+        bg = _wtile(gate_tbl, gs_tbl, gz_tbl, e, wref, sref, kk, offs_n, I, wmask, QUANT, GS, W_ALIGNED,
+                    OFF_G, SK, SN)
+        bu = _wtile(up_tbl, us_tbl, uz_tbl, e, wref, sref, kk, offs_n, I, wmask, QUANT, GS, W_ALIGNED,
+                    OFF_U, SK, SN)
         acc_g += tl.sum(xv[:, None] * bg, axis=0)
         acc_u += tl.sum(xv[:, None] * bu, axis=0)
     tl.store(dst, acc_g, mask=nmask)
@@ -327,12 +375,14 @@ def decode_act(part, h, I: tl.constexpr, S: tl.constexpr, ACT: tl.constexpr, ALP
 
 
 @triton.jit
-def decode2(h, ids, down_tbl, ds_tbl, dz_tbl, wref, sref, w, out,
+def decode2(h, ids, down_tbl, ds_tbl, dz_tbl, wref, sref, db, w, out,
             H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, W_ALIGNED: tl.constexpr,
             QUANT: tl.constexpr, GS: tl.constexpr,
+            OFF: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr, BIAS: tl.constexpr,
             KCH: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """out[slot, chunk, n] = w[slot] * (h[slot, chunk] @ down[e][chunk])[n]:
-    one chunk of KCH rows of I per program; `combine` adds the chunks."""
+    """out[slot, chunk, n] = w[slot] * (h[slot, chunk] @ down[e][chunk] (+ db[e]
+    in chunk 0))[n]: one chunk of KCH rows of I per program; `combine` adds
+    the chunks."""
     s = tl.program_id(0)
     pid_n = tl.program_id(1)
     c = tl.program_id(2)
@@ -347,8 +397,10 @@ def decode2(h, ids, down_tbl, ds_tbl, dz_tbl, wref, sref, w, out,
             kmask = kk < I
             hv = tl.load(h + s * I + kk, mask=kmask, other=0.0)
             b = _wtile(down_tbl, ds_tbl, dz_tbl, e, wref, sref, kk, offs_n, H,
-                       kmask[:, None] & nmask[None, :], QUANT, GS, W_ALIGNED)
+                       kmask[:, None] & nmask[None, :], QUANT, GS, W_ALIGNED, OFF, SK, SN)
             acc += tl.sum(hv[:, None] * b, axis=0)
+        if BIAS:
+            acc += tl.where(c == 0, tl.load(db + e.to(tl.int64) * H + offs_n, mask=nmask, other=0.0), 0.0)
         acc = acc * tl.load(w + s)
     tl.store(out + (s * S + c).to(tl.int64) * H + offs_n, acc, mask=nmask)
 

@@ -31,7 +31,8 @@ ARG_INPUT, ARG_OUTPUT, ARG_WORKSPACE, ARG_TABLE, ARG_I32 = (
     _abi.ARG_INPUT, _abi.ARG_OUTPUT, _abi.ARG_WORKSPACE, _abi.ARG_TABLE, _abi.ARG_I32)
 # Inputs in call order: x, w, ids, then the first buffer of each weight group
 # (group = part * 3 + projection: gate, up, down; for quantized experts then
-# their scales, then (int4) their mins).  Tables are numbered by group the same way.
+# their scales, then (int4) their mins; fused dense experts: gate_up, down),
+# then with biases the three float32 biases.  Tables are numbered by group the same way.
 _Q, _SCALE, _ZERO = (_abi.PARTS.index(part) for part in ("q", "scale", "zero"))
 IN_X, IN_W, IN_IDS, IN_GROUP0 = _abi.IN_X, _abi.IN_W, _abi.IN_IDS, _abi.IN_GROUP0
 IN_GATE, IN_UP, IN_DOWN = (IN_GROUP0 + _abi.group_index(_Q, p) for p in range(len(_abi.PROJECTIONS)))
@@ -211,18 +212,48 @@ def band_workspace(tokens: int, k: int, E: int, H: int, I: int, wdtype, device_n
 def build(T: int, band: int, k: int, E: int, H: int, I: int, xdtype, wdtype,
           activation: int | Activation,
           device_name: str | None = None, w_aligned: bool = True,
-          quant: tuple | None = None) -> Program:
+          quant: tuple | None = None, layout=None) -> Program:
     """The program of one fused_moe call: T tokens in bands of ``band``.
 
     ``quant``: None for dense weights of dtype ``wdtype``, else
     ``(kind, group_size)`` with kind "int8"/"int4" and ``wdtype`` the scales'
-    dtype (the products then run in that dtype)."""
+    dtype (the products then run in that dtype).  ``layout``: the
+    `jax_nbx.experts.WeightLayout` of the weights (abi.h "weight views": the
+    kernels read them through its views, and its biases); None: plain."""
     return _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name,
-                  w_aligned=w_aligned, quant=quant)
+                  w_aligned=w_aligned, quant=quant, layout=layout)
+
+
+def plain_views(H: int, I: int) -> tuple[tuple[int, int, int], ...]:
+    """Per projection (offset, stride_k, stride_n) of plain gate, up [H, I], down [I, H]."""
+    return (0, I, 1), (0, I, 1), (0, H, 1)
+
+
+def views_of(layout, H: int, I: int, quant=None) -> tuple[tuple[tuple[int, int, int], ...], bool, bool]:
+    """(per projection (offset, stride_k, stride_n), fused, bias) of a
+    `WeightLayout` (None: plain); checks what the kernels assume: I, gate and
+    up sharing their strides, quantized weights in the plain layout only."""
+    plain = plain_views(H, I)
+    if layout is None:
+        return plain, False, False
+    nf, npj = len(_abi.VIEW_FIELDS), len(_abi.PROJECTIONS)
+    v = tuple(int(a) for a in layout.views)
+    if len(v) != nf * npj:
+        raise ValueError(f"views must hold {nf * npj} values; got {len(v)}")
+    if int(layout.intermediate) != I:
+        raise ValueError(f"the layout's intermediate size {layout.intermediate} is not I={I}")
+    views = tuple(v[p * nf:(p + 1) * nf] for p in range(npj))
+    fused, bias = bool(layout.fused), bool(layout.bias)
+    if quant and (fused or bias or views != plain):
+        raise ValueError(f"the CUDA path reads {quant[0]} experts in the plain layout only (gate, up "
+                         "[E, H, I], down [E, I, H], no biases, no fused gate_up)")
+    if views[0][1:] != views[1][1:]:
+        raise ValueError("gate and up views must share their strides")
+    return views, fused, bias
 
 
 def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
-           w_aligned=True, layout_only=False, quant=None) -> Program:
+           w_aligned=True, layout_only=False, quant=None, layout=None) -> Program:
     band = max(1, min(int(band) or T, T)) if T else 1
     xdtype, wdtype = np.dtype(xdtype), np.dtype(wdtype)
     a = Activation(_abi.ACTIVATIONS[activation]) if isinstance(activation, int) else activation
@@ -251,8 +282,19 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         launches.append(Launch(Kernel("fill_i32", (("BLOCK", FILL_BLOCK),)),
                                (-(-count // FILL_BLOCK), 1, 1), (ws(off), i32(count), i32(value))))
 
+    views, fused, has_bias = views_of(layout, H, I, quant)
+    group_of = (0, 0, 1) if fused else (0, 1, 2)  # each projection's buffer group (dense)
+    n_groups = 2 if fused else len(_abi.parts_of(kind)) * len(_abi.PROJECTIONS)
+    (og, sk, sn), (ou, _, _), dview = views
+    v1 = (("OFF_G", og), ("OFF_U", ou), ("SK", sk), ("SN", sn), ("BIAS", has_bias))
+    v2 = (("OFF", dview[0]), ("SK", dview[1]), ("SN", dview[2]), ("BIAS", has_bias))
+    # the biases (after the weight groups' inputs), or placeholders the kernels never read
+    bias_args = ([inp(IN_GROUP0 + n_groups + j, 0, "*fp32") for j in range(_abi.NUM_BIASES)]
+                 if has_bias else [inp(IN_W, 0, "*fp32")] * _abi.NUM_BIASES)
+
     def tables(part):  # one table per projection (gate, up, down) of a part
-        return [Arg(ARG_TABLE, _abi.group_index(part, p), 0, "*i64") for p in range(len(_abi.PROJECTIONS))]
+        return [Arg(ARG_TABLE, _abi.group_index(part, group_of[p]), 0, "*i64")
+                for p in range(len(_abi.PROJECTIONS))]
 
     wref = inp(IN_GATE, 0, ws_t)
     # typed like the products: the weights (dense) or the scales (quantized)
@@ -273,10 +315,10 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         part_off = lay.take(n * S1 * 2 * I * 4)
         h_off = lay.take(n * I * 4)
         out_off = lay.take(n * S2 * H * 4)
-        d1 = Kernel("decode1", common + (("E", E), ("K_TOP", k), ("W_ALIGNED", w_aligned)) + qc
+        d1 = Kernel("decode1", common + (("E", E), ("K_TOP", k), ("W_ALIGNED", w_aligned)) + qc + v1
                     + (("KCH", KCH1), ("S", S1), ("BN", BN), ("BK", BK)), 4, 1)
         da = Kernel("decode_act", (("I", I), ("S", S1)) + act + (("BN", 256),), 4, 1)
-        d2 = Kernel("decode2", common + (("E", E), ("W_ALIGNED", w_aligned)) + qc
+        d2 = Kernel("decode2", common + (("E", E), ("W_ALIGNED", w_aligned)) + qc + v2
                     + (("KCH", KCH2), ("S", S2), ("BN", BN), ("BK", BK)), 4, 1)
     else:
         c1, c2 = gemm_configs(n, E, H, I, wdtype, device_name,
@@ -296,9 +338,9 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         kc = Kernel("count", (("E", E), ("EP", EP), ("BLOCK", COUNT_BLOCK)), 4, 1)
         ks = Kernel("scatter", (("E", E), ("BLOCK", COUNT_BLOCK)), 4, 1)
         g1 = Kernel("gemm1", common + (("K_TOP", k),) + act + (("W_ALIGNED", w_aligned),
-                                       ("IEEE", ieee)) + qc + (("BM", BM), ("BN", c1.BN), ("BK", c1.BK)),
+                                       ("IEEE", ieee)) + qc + v1 + (("BM", BM), ("BN", c1.BN), ("BK", c1.BK)),
                     c1.num_warps, c1.num_stages)
-        g2 = Kernel("gemm2", common + (("W_ALIGNED", w_aligned), ("IEEE", ieee)) + qc
+        g2 = Kernel("gemm2", common + (("W_ALIGNED", w_aligned), ("IEEE", ieee)) + qc + v2
                     + (("BM", BM), ("BN", c2.BN), ("BK", c2.BK)), c2.num_warps, c2.num_stages)
     if layout_only:
         return Program([], lay.size, err, w_aligned, E)
@@ -316,11 +358,11 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         if decode:
             launches.append(Launch(d1, (nb, -(-I // BN), S1),
                                    (x_a, ids_a, i32(t0 * k), ws(err), tbl[0], tbl[1], stbl[0], stbl[1],
-                                    ztbl[0], ztbl[1], wref, sref, ws(part_off, "*fp32"))))
+                                    ztbl[0], ztbl[1], wref, sref, *bias_args[:2], ws(part_off, "*fp32"))))
             launches.append(Launch(da, (nb, -(-I // 256), 1), (ws(part_off, "*fp32"), ws(h_off, hf))))
             launches.append(Launch(d2, (nb, -(-H // BN), S2),
-                                   (ws(h_off, hf), ids_a, tbl[2], stbl[2], ztbl[2], wref, sref, w_a,
-                                    ws(out_off, "*fp32"))))
+                                   (ws(h_off, hf), ids_a, tbl[2], stbl[2], ztbl[2], wref, sref, bias_args[2],
+                                    w_a, ws(out_off, "*fp32"))))
         else:
             nblk_b = -(-nb // COUNT_BLOCK)
             mb = max_mblocks(nb, E, BM)
@@ -332,10 +374,10 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
             launches.append(Launch(ks, (nblk_b, 1, 1), (ids_a, i32(nb), ws(rank), ws(base), ws(srt))))
             launches.append(Launch(g1, (mb, -(-I // c1.BN), 1),
                                    (x_a, ws(srt), ws(bexp), tbl[0], tbl[1], stbl[0], stbl[1], ztbl[0],
-                                    ztbl[1], wref, sref, ws(h_off, hf))))
+                                    ztbl[1], wref, sref, *bias_args[:2], ws(h_off, hf))))
             launches.append(Launch(g2, (mb, -(-H // c2.BN), 1),
                                    (ws(h_off, hf), ws(srt), ws(bexp), tbl[2], stbl[2], ztbl[2], wref, sref,
-                                    w_a, ws(out_off, "*fp32"))))
+                                    bias_args[2], w_a, ws(out_off, "*fp32"))))
         combine = Kernel("combine", (("H", H), ("ROWS", rows), ("BH", COMBINE_BLOCK)), 4, 1)
         launches.append(Launch(combine, (tb, -(-H // COMBINE_BLOCK), 1), (ws(out_off, "*fp32"), y_a)))
     return Program(launches, lay.size, err, w_aligned, E)

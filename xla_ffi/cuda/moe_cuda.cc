@@ -265,14 +265,26 @@ class TableCache {
 
 // ---------------------------------------------------------------- the handler
 
+// A weight group's name in errors: experts.gate (dense), experts.gate.q /
+// .scale / .zero (quantized), experts.gate_up / experts.down (fused).
+std::string GroupName(int64_t p, int64_t G, bool fused) {
+  if (fused) return p == 0 ? "experts.gate_up" : "experts.down";
+  const int64_t proj = p % abi::kNumProjections, part = p / abi::kNumProjections;
+  std::string name = std::string("experts.") + abi::kProjectionNames[proj];
+  if (G > abi::kNumProjections) name += std::string(".") + abi::kPartNames[part];
+  return name;
+}
+
 // Runs the program with the pointer table `addrs` ([G][E] absolute addresses,
-// G = first.size() groups in abi.h's order, abi::GroupIndex(part, projection)).
-// `first` holds each group's first buffer (the program's typed weight
-// arguments are inputs abi::kInputGroup0 + group).  The program and the
-// kernel table are decoded and checked (cuda/program.h) before anything is
-// reserved, uploaded or launched.
+// G groups in abi.h's order, abi::GroupIndex(part, projection), or gate_up,
+// down when `fused`).  `extra` holds each group's first buffer (the
+// program's typed weight arguments are inputs abi::kInputGroup0 + group),
+// then the biases if any (inputs abi::kInputGroup0 + G + j).  The program
+// and the kernel table are decoded and checked (cuda/program.h) before
+// anything is reserved, uploaded or launched.
 ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                      ffi::Buffer<ffi::S32> ids, const std::vector<CUdeviceptr>& first,
+                      ffi::Buffer<ffi::S32> ids, int64_t G, bool fused,
+                      const std::vector<CUdeviceptr>& extra,
                       const std::vector<int64_t>& addrs, ffi::Result<ffi::AnyBuffer> y,
                       ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
                       ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
@@ -282,7 +294,6 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
   if (!d.ok) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, d.why);
   const Device dev{"cuda", ordinal};
   const int64_t E = num_experts;
-  const int64_t G = static_cast<int64_t>(first.size());
   std::vector<KernelRow> rows;
   if (std::string why = DecodeKernelTable(kernels.begin(), kernels.size(), blob.size(), &rows);
       !why.empty())
@@ -290,7 +301,8 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
   const int64_t n_kernels = static_cast<int64_t>(rows.size());
   std::vector<LaunchRef> launches;
   if (std::string why = DecodeProgram(program.begin(), program.size(), n_kernels,
-                                      abi::kInputGroup0 + G, G, workspace_bytes, &launches);
+                                      abi::kInputGroup0 + static_cast<int64_t>(extra.size()), G,
+                                      workspace_bytes, &launches);
       !why.empty())
     return ffi::Error::InvalidArgument(why);
   if (static_cast<int64_t>(addrs.size()) != G * E)
@@ -301,12 +313,8 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
     for (int64_t p = 0; p < G; ++p)
       for (int64_t e = 0; e < E; ++e)
         if (addrs[p * E + e] % 16 != 0) {
-          // experts.gate (dense), experts.gate.q / .scale / .zero (quantized)
-          const int64_t proj = p % abi::kNumProjections, part = p / abi::kNumProjections;
-          std::string name = std::string("experts.") + abi::kProjectionNames[proj];
-          if (G > abi::kNumProjections) name += std::string(".") + abi::kPartNames[part];
           return ffi::Error::InvalidArgument(
-              name + " expert " + std::to_string(e) +
+              GroupName(p, G, fused) + " expert " + std::to_string(e) +
               " starts at an address that is not 16-byte aligned, but the kernels were compiled "
               "assuming it is");
         }
@@ -343,14 +351,14 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
     if (auto e = GetKernel(ordinal, blob.begin(), rows[i], &loaded[i]); e.failure())
       return e;
 
-  // numbered as abi::kInputX, kInputW, kInputIds, then kInputGroup0 + group
+  // numbered as abi::kInputX, kInputW, kInputIds, then kInputGroup0 + group, then the biases
   std::vector<CUdeviceptr> inputs = {reinterpret_cast<CUdeviceptr>(x.untyped_data()),
                                      reinterpret_cast<CUdeviceptr>(w.untyped_data()),
                                      reinterpret_cast<CUdeviceptr>(ids.typed_data())};
   static_assert(abi::kInputX == 0 && abi::kInputW == 1 && abi::kInputIds == 2 &&
                     abi::kInputGroup0 == 3,
                 "inputs[] is built in abi.h's input order");
-  inputs.insert(inputs.end(), first.begin(), first.end());
+  inputs.insert(inputs.end(), extra.begin(), extra.end());
   const CUdeviceptr output = reinterpret_cast<CUdeviceptr>(y->untyped_data());
 
   // Every index and workspace offset was checked by DecodeProgram.
@@ -406,7 +414,7 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
   return ffi::Error::Success();
 }
 
-// Stacked [E, ...] arrays: expert e of a projection at base + e * (bytes / E).
+// Stacked plain [E, ...] arrays: expert e of a projection at base + e * (bytes / E).
 ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                             ffi::AnyBuffer w, ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer gate,
                             ffi::AnyBuffer up, ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y,
@@ -425,13 +433,51 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
     first[p] = static_cast<CUdeviceptr>(base);
     for (int64_t e = 0; e < E; ++e) addrs[p * E + e] = base + e * stride;
   }
-  return RunProgram(stream, ordinal, x, w, ids, first, addrs, y, ws_buf, blob, kernels, program,
-                    workspace_bytes, err_offset, w_aligned, num_experts, check_ids);
+  return RunProgram(stream, ordinal, x, w, ids, P, false, first, addrs, y, ws_buf, blob, kernels,
+                    program, workspace_bytes, err_offset, w_aligned, num_experts, check_ids);
+}
+
+// Checks abi.h's "weight views" against the weight buffers of the tables
+// handler (H from x, I = `intermediate`): the views' length, gate and up
+// sharing strides, quantized groups with the plain views only, every view
+// inside each expert's array (`elems[g]` elements of its group g; the same
+// bounds as the CPU decoder's, cpu/weights.cc).  Returns "" or what is wrong.
+std::string CheckViews(ffi::Span<const int64_t> views, int64_t E, int64_t H, int64_t I, bool fused,
+                       bool quantized, const std::vector<int64_t>& elems) {
+  constexpr int F = abi::kNumViewFields, P = abi::kNumProjections;
+  if (static_cast<int64_t>(views.size()) != F * P)
+    return "views must hold " + std::to_string(F * P) + " values; got " +
+           std::to_string(views.size());
+  if (I < 1 || H < 1) return "intermediate (I) and x's H must be positive";
+  const int64_t plain[F * P] = {0, I, 1, 0, I, 1, 0, H, 1};
+  bool is_plain = !fused;
+  for (int i = 0; i < F * P; ++i) is_plain = is_plain && views[i] == plain[i];
+  if (quantized && !is_plain) return "quantized weights take the plain views only";
+  if (views[1] != views[F + 1] || views[2] != views[F + 2])
+    return "gate and up views must share their strides";
+  if (quantized) return "";
+  for (int proj = 0; proj < P; ++proj) {
+    const int64_t K = proj < 2 ? H : I, N = proj < 2 ? I : H;
+    const int64_t off = views[proj * F], sk = views[proj * F + 1], sn = views[proj * F + 2];
+    const int64_t g = fused ? (proj == 2 ? 1 : 0) : proj;
+    // int64 overflow is out of reach: each term is bounded by the buffer's elements below
+    if (off < 0 || sk < 0 || sn < 0 || off >= elems[g] || (K > 1 && sk > elems[g]) ||
+        (N > 1 && sn > elems[g]) || off + (K - 1) * sk + (N - 1) * sn >= elems[g])
+      return std::string("the ") + abi::kProjectionNames[proj] + " view (offset " +
+             std::to_string(off) + ", strides " + std::to_string(sk) + ", " + std::to_string(sn) +
+             ") of a [" + std::to_string(K) + ", " + std::to_string(N) + "] matrix leaves " +
+             (fused && g == 0 ? std::string("gate_up") : abi::kProjectionNames[proj]) + "'s " +
+             std::to_string(elems[g]) + " elements per expert";
+  }
+  return "";
 }
 
 // Weights as `groups` groups (gate, up, down; for quantized experts then
-// their scales, then (int4) their mins), each one stacked [E, ...] buffer
-// (`stacked`) or E per-expert buffers, read in place through the table.
+// their scales, then (int4) their mins; gate_up, down when `fused_gate_up`),
+// each one stacked [E, ...] buffer (`stacked`) or E per-expert buffers, read
+// in place through the table and abi.h's views (the kernels add the offsets
+// and read the strides: the table holds each expert's whole array), then with
+// `has_bias` the three float32 biases [E, I], [E, I], [E, H].
 ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                   ffi::AnyBuffer w, ffi::Buffer<ffi::S32> ids,
                                   ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y,
@@ -439,16 +485,28 @@ ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
                                   ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
                                   int64_t workspace_bytes, int64_t err_offset, bool w_aligned,
                                   int64_t num_experts, bool check_ids, int64_t groups,
-                                  bool stacked) {
+                                  bool stacked, ffi::Span<const int64_t> views,
+                                  int64_t intermediate, bool fused_gate_up, bool has_bias) {
   const int64_t E = num_experts, G = groups;
   const int64_t per_group = stacked ? 1 : E;
-  if (E < 1 || G < abi::kNumProjections || G > abi::kNumParts * abi::kNumProjections ||
-      static_cast<int64_t>(weights.size()) != G * per_group)
-    return ffi::Error::InvalidArgument("expected " + std::to_string(G * per_group) +
-                                       " weight buffers (" + std::to_string(G) + " groups of " +
-                                       std::to_string(per_group) + "); got " +
-                                       std::to_string(weights.size()));
+  const int64_t nbias = has_bias ? abi::kNumBiases : 0;
+  const bool quantized = G > abi::kNumProjections;
+  const bool groups_ok = fused_gate_up ? G == 2
+                                       : (G % abi::kNumProjections == 0 && G >= abi::kNumProjections &&
+                                          G <= abi::kNumParts * abi::kNumProjections);
+  if (E < 1 || !groups_ok || static_cast<int64_t>(weights.size()) != G * per_group + nbias)
+    return ffi::Error::InvalidArgument(
+        "expected " + std::to_string(G * per_group + nbias) + " weight buffers (" +
+        std::to_string(G) + " groups of " + std::to_string(per_group) +
+        (nbias ? ", then 3 biases" : "") + (fused_gate_up ? "; 2 groups when fused" : "") +
+        "); got " + std::to_string(weights.size()));
+  if (quantized && (fused_gate_up || has_bias))
+    return ffi::Error::InvalidArgument(
+        "quantized weights take the plain layout only (no fused gate_up, no biases)");
+  const int64_t H = x.dimensions().size() == 2 ? x.dimensions()[1] : -1;
+  const int64_t I = intermediate;
   std::vector<int64_t> addrs(G * E);
+  std::vector<int64_t> elems(G, 0);  // elements of one expert's array per group (dense)
   std::vector<CUdeviceptr> first(G);
   for (int64_t p = 0; p < G; ++p) {
     size_t bytes0 = 0;
@@ -473,9 +531,32 @@ ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
         addrs[p * E + i] = base;
       }
     }
+    if (!quantized) {
+      const size_t es = ffi::ByteWidth(type0);
+      if (es == 0 || (type0 != ffi::DataType::F32 && type0 != ffi::DataType::BF16 &&
+                      type0 != ffi::DataType::F16))
+        return ffi::Error::InvalidArgument(GroupName(p, G, fused_gate_up) +
+                                           " must be float32, bfloat16 or float16");
+      elems[p] = static_cast<int64_t>(bytes0 / es) / (stacked ? E : 1);
+    }
   }
-  return RunProgram(stream, ordinal, x, w, ids, first, addrs, y, ws_buf, blob, kernels, program,
-                    workspace_bytes, err_offset, w_aligned, num_experts, check_ids);
+  if (std::string why = CheckViews(views, E, H, I, fused_gate_up, quantized, elems); !why.empty())
+    return ffi::Error::InvalidArgument(why);
+  std::vector<CUdeviceptr> extra = first;  // the groups' first buffers, then the biases
+  for (int64_t j = 0; j < nbias; ++j) {
+    auto b = weights.get<ffi::AnyBuffer>(G * per_group + j);
+    if (b.has_error()) return b.error();
+    const int64_t n = j < 2 ? I : H;
+    auto d = b->dimensions();
+    if (b->element_type() != ffi::DataType::F32 || d.size() != 2 || d[0] != E || d[1] != n)
+      return ffi::Error::InvalidArgument(std::string("the ") + abi::kProjectionNames[j] +
+                                         " bias must be float32 [E=" + std::to_string(E) + ", " +
+                                         std::to_string(n) + "]");
+    extra.push_back(reinterpret_cast<CUdeviceptr>(b->untyped_data()));
+  }
+  return RunProgram(stream, ordinal, x, w, ids, G, fused_gate_up, extra, addrs, y, ws_buf, blob,
+                    kernels, program, workspace_bytes, err_offset, w_aligned, num_experts,
+                    check_ids);
 }
 
 }  // namespace
@@ -526,6 +607,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCudaTables, FusedMoeCudaTablesImpl,
                                   .RemainingArgs()               // weight groups
                                   NBX_PROGRAM_RETS_AND_ATTRS
                                   .Attr<int64_t>("groups")
-                                  .Attr<bool>("stacked"));
+                                  .Attr<bool>("stacked")
+                                  // abi.h "weight views"
+                                  .Attr<ffi::Span<const int64_t>>("views")
+                                  .Attr<int64_t>("intermediate")
+                                  .Attr<bool>("fused_gate_up")
+                                  .Attr<bool>("has_bias"));
 
 }  // namespace nbx
