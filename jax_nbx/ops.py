@@ -515,8 +515,8 @@ def fused_moe(
         in the checkpoint's layout (``layout="out_in"``, `Experts.fused`
         gate||up concatenated or interleaved; read in place by the CPU
         handler, never transposed into a copy) with optional gate, up and
-        down biases (the CPU handler and the "xla" path; the CUDA and Metal
-        handlers take the plain layout without biases and say so), dense
+        down biases (the CPU handler, the CUDA kernels and the "xla" path;
+        the Metal handler takes the plain layout without biases and says so), dense
         or quantized (`jax_nbx.quantize`: int8, int4 in groups; quantized
         weights are frozen: no gradient flows to them).
       activation: the experts' gated unit (`jax_nbx.activations`): ``"swiglu"``

@@ -70,12 +70,14 @@ ScratchLayout LayOutScratch(int64_t H, int64_t I, const KernelTable& kt) {
   const int64_t cols2 = RoundUp(std::min<int64_t>(kt.nc, H), 2 * vl);  // down
   const int64_t packed =
       std::max(std::min<int64_t>(kt.kc, H) * cols1, std::min<int64_t>(kt.kc, I) * cols2);
-  // (GEMM1's partial sums are always room for: with biases its epilogue reads them)
-  const int64_t part = kt.chunk_panels * mr * std::max(cols1, I > kt.kc ? cols2 : 0);
+  const int64_t part =
+      kt.chunk_panels * mr * std::max(H > kt.kc ? cols1 : 0, I > kt.kc ? cols2 : 0);
   const int64_t rows = std::min(kStreamRows, mr);
   const int64_t stream = rows * std::max(2 * std::min(kStreamCols, I), std::min(kStreamCols, H));
   const int64_t raw = packed + std::max(part, stream);
-  const int64_t raw_floats = rows * 2 * std::min(kStreamCols, I);
+  // (also one m-panel's GEMM1 sums, when they are stored for the epilogue
+  // within a single K-block)
+  const int64_t raw_floats = std::max(rows * 2 * std::min(kStreamCols, I), mr * 2 * vl);
   return {packed, raw, RoundUp(raw + raw_floats + std::max(cols1, cols2), 1024)};
 }
 
@@ -344,7 +346,9 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
               const int64_t m = m0 + pi * mr, panel = m / mr;
               const int rows = static_cast<int>(std::min<int64_t>(mr, m1 - m));
               const float* a = A + panel * K * mr + k0 * mr;
-              float* pp = part + (pi * nsub + q) * mr * 2 * vl;
+              // (one K-block: a stored GEMM1 sum is read back at once, one panel's room)
+              float* pp = K > kt.kc ? part + (pi * nsub + q) * mr * 2 * vl
+                                    : scratch + b.scratch_layout.raw_offset;
               if constexpr (first) {
                 float* out1 = b.A2 + panel * I * mr + (n0 + q * vl) * mr;
                 kt.gemm1(a, bq, kc, p.act, rows, cols, out1, 1, mr, pp, flags, sq);
