@@ -157,7 +157,8 @@ void PackStrided(const W* const* m, int64_t sk, int64_t sn, int64_t k0, int kc, 
 // A K-block of NS matrices read through a view (B[k, n] = m[s][k*sk + n*sn]),
 // packed by the fastest packer that fits the strides: rows; columns (the
 // instruction set's pack_cols for float32 and bfloat16, turning blocks in
-// registers; PackColumns for float16); any strides.
+// registers; PackColumns for float16); an interleaved gate||up (the
+// instruction set's pack_pairs); any strides.
 template <int NS, typename W>
 void PackView(const KernelTable& kt, const W* const* m, int64_t sk, int64_t sn, int64_t k0,
               int kc, int64_t n0, int nc, float* dst) {
@@ -172,6 +173,11 @@ void PackView(const KernelTable& kt, const W* const* m, int64_t sk, int64_t sn, 
     } else {
       PackColumns<NS>(m, sn, k0, kc, n0, nc, vl, dst);
     }
+  } else if constexpr (NS == 2 && (std::is_same_v<W, float> || std::is_same_v<W, bf16>)) {
+    if (sn == 2 && m[1] == m[0] + 1)  // an interleaved gate||up: split in registers
+      kt.pack_pairs[std::is_same_v<W, float> ? 0 : 1](m[0], sk, k0, kc, n0, nc, dst);
+    else
+      PackStrided<NS>(m, sk, sn, k0, kc, n0, nc, vl, dst);
   } else {
     PackStrided<NS>(m, sk, sn, k0, kc, n0, nc, vl, dst);
   }

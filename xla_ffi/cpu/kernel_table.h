@@ -111,6 +111,11 @@ struct KernelTable {
   // n of matrix s at m[s] + n*ld, into gemm_driver.h's packed-B micro-panels.
   void (*pack_cols[2])(const void* const* m, int ns, int64_t ld, int64_t k0, int kc, int64_t n0,
                        int nc, float* dst);
+  // GEMM1's packing of an interleaved gate||up stored by rows (gate column n
+  // at p[k*ld + 2n], up at + 1; [0] float32, [1] bfloat16 bits): rows [k0,
+  // k0+kc) of columns [n0, n0+nc) into the packed-B micro-panels.
+  void (*pack_pairs[2])(const void* p, int64_t ld, int64_t k0, int kc, int64_t n0, int nc,
+                        float* dst);
 };
 
 // Defined where the target supports them (x86-64: all three).

@@ -59,7 +59,8 @@
                                   G1,         G2,         {SF1, SB1},                     \
                                   {SF2, SB2}, Gemm1StreamQuant<VL>, Gemm2StreamQuant<VL>, \
                                   PackQuant<VL>, GluRows,     {CF1, CB1}, {CF2, CB2},     \
-                                  {PackColumnsT<VL, float>, PackColumnsT<VL, uint16_t>}}; \
+                                  {PackColumnsT<VL, float>, PackColumnsT<VL, uint16_t>},  \
+                                  {PackPairsT<VL, float>, PackPairsT<VL, uint16_t>}};     \
     return &t;                                                                            \
   }                                                                                       \
   }

@@ -419,6 +419,64 @@ void PackColumnsT(const void* const* mv, int ns, int64_t ld, int64_t k0, int kc,
   }
 }
 
+// The even and the odd lanes of the 2VL values at p (an interleaved
+// gate||up run: gate, up, gate, up, ...) as float32 vectors.
+template <int VL>
+NBX_AI void LoadPairs(const float* p, typename VecT<VL>::type* even, typename VecT<VL>::type* odd) {
+  using V = typename VecT<VL>::type;
+  const V a = Load<VL>(p), b = Load<VL>(p + VL);
+  if constexpr (VL == 4) {
+    *even = __builtin_shufflevector(a, b, 0, 2, 4, 6);
+    *odd = __builtin_shufflevector(a, b, 1, 3, 5, 7);
+  } else if constexpr (VL == 8) {
+    *even = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14);
+    *odd = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+  } else {
+    *even = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    *odd = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  }
+}
+// bfloat16: 2VL values as VL 32-bit lanes, the even one in each lane's low half.
+template <int VL>
+NBX_AI void LoadPairs(const uint16_t* p, typename VecT<VL>::type* even,
+                      typename VecT<VL>::type* odd) {
+  using U = typename U32T<VL>::type;
+  U l;
+  memcpy(&l, p, sizeof l);
+  const U e = l << 16, o = l & (U{} + 0xffff0000u);
+  memcpy(even, &e, sizeof e);
+  memcpy(odd, &o, sizeof o);
+}
+
+// KernelTable::pack_pairs: rows [k0, k0+kc) of columns [n0, n0+nc) of an
+// interleaved gate||up (gate column n at p[k*ld + 2n], up at + 1) into
+// GEMM1's packed-B micro-panels (VL gate then VL up columns per row), each
+// row's run read once and split in registers, zero past nc.
+template <int VL, typename W>
+void PackPairsT(const void* pv, int64_t ld, int64_t k0, int kc, int64_t n0, int nc, float* dst) {
+  using V = typename VecT<VL>::type;
+  const W* p = static_cast<const W*>(pv);
+  const int w = 2 * VL, nsub = (nc + VL - 1) / VL;
+  for (int i = 0; i < kc; ++i) {
+    const W* row = p + (k0 + i) * ld + 2 * n0;
+    for (int q = 0; q < nsub; ++q) {
+      float* d = dst + q * kc * w + i * w;
+      const int ncv = nc - q * VL < VL ? nc - q * VL : VL;
+      if (ncv == VL) {
+        V g, u;
+        LoadPairs<VL>(row + 2 * q * VL, &g, &u);
+        memcpy(d, &g, sizeof g);
+        memcpy(d + VL, &u, sizeof u);
+      } else {
+        for (int j = 0; j < VL; ++j) {
+          d[j] = j < ncv ? ScalarW(row[2 * (q * VL + j)]) : 0.0f;
+          d[VL + j] = j < ncv ? ScalarW(row[2 * (q * VL + j) + 1]) : 0.0f;
+        }
+      }
+    }
+  }
+}
+
 // KernelTable::glu: the gated unit on stored sums, biases added first.
 inline void GluRows(const float* g, const float* u, int64_t gs, int64_t gcs, int rows, int cols,
                     const float* bg, const float* bu, const Glu& act, float* out, int64_t rs,

@@ -247,6 +247,36 @@ void SweepPackCols(const KernelTable& t, Rng& rng, Report& report) {
         }
 }
 
+// pack_pairs: an interleaved gate||up into GEMM1's packed-B panels, every
+// element in place, zeros past nc, nothing written past the panels.
+void SweepPackPairs(const KernelTable& t, Rng& rng, Report& report) {
+  const int w = 2 * t.vl;
+  for (int wi = 0; wi < 2; ++wi)
+    for (int kc : {1, 7, 128})
+      for (int nc : {1, t.vl - 1, t.vl, t.vl + 5, 3 * t.vl}) {
+        Issues issues;
+        const int64_t k0 = rng.Int(0, 3), n0 = rng.Int(0, 3), N = n0 + nc + rng.Int(0, 2);
+        const int64_t ld = 2 * N + rng.Int(0, 3);
+        const DenseWeights m(k0 + kc, static_cast<int>(2 * N), ld, wi == 1, false, rng);
+        const int nsub = (nc + t.vl - 1) / t.vl;
+        const Grid grid = FlatGrid(static_cast<int64_t>(nsub) * kc * w);
+        std::vector<float> out = grid.Fresh();
+        t.pack_pairs[wi](m.Data(), ld, k0, kc, n0, nc, out.data() + grid.base);
+        ScanGrid("packed", out, grid, true,
+                 [&](int, int idx, float got) -> std::string {
+                   const int q = idx / (kc * w), i = (idx % (kc * w)) / w, j = idx % w;
+                   const int c = q * t.vl + j % t.vl, s = j / t.vl;
+                   const float want = c < nc ? m.At(k0 + i, 2 * (n0 + c) + s) : 0.0f;
+                   if (got == want) return "";
+                   return Fmt("q=%d i=%d j=%d: got %g, want %g", q, i, j, got, want);
+                 },
+                 issues);
+        report.Add(Fmt("pack_pairs %s kc=%d nc=%d k0=%lld n0=%lld ld=%lld", wi ? "bf16" : "f32", kc, nc,
+                       (long long)k0, (long long)n0, (long long)ld),
+                   issues);
+      }
+}
+
 // glu: the gated unit on stored sums with biases (any subset), against float64.
 void SweepGlu(const KernelTable& t, Rng& rng, Report& report) {
   for (int act = 0; act < abi::kNumActivations; ++act)
@@ -394,6 +424,7 @@ const KernelEntry kKernels[] = {
     {"stream2_cols_bf16", [](const KernelTable& t, Rng& g, Report& r) { SweepDenseStream(t, true, true, g, r, true); }},
     {"glu", SweepGlu},
     {"pack_cols", SweepPackCols},
+    {"pack_pairs", SweepPackPairs},
     {"qstream1", [](const KernelTable& t, Rng& g, Report& r) { SweepQuantStream(t, false, g, r); }},
     {"qstream2", [](const KernelTable& t, Rng& g, Report& r) { SweepQuantStream(t, true, g, r); }},
     {"qpack", [](const KernelTable& t, Rng& g, Report& r) { SweepQPack(t, g, r); }},
