@@ -128,6 +128,37 @@ NBX_AI void AccumulateRows(const float* a, int64_t as, int rows, const float* w,
   }
 }
 
+// AccumulateRows over two matrices in one pass: row kk of w0 into acc0,
+// then row kk of w1 into acc1, for each kk in turn (each element's chain as
+// in AccumulateRows): gate and up rows read together, so a fused gate||up
+// ([H, 2I]) is read as one run per row instead of two passes that each skip
+// every other half-row.
+template <int VL>
+NBX_AI void AccumulateRowsPair(const float* a, int64_t as, int rows, const float* w0,
+                               const float* w1, int64_t ld, int64_t K, int ncols, float* acc0,
+                               float* acc1) {
+  using V = typename VecT<VL>::type;
+  const int nv = ncols / VL * VL;
+  for (int i = 0; i < rows * ncols; ++i) acc0[i] = acc1[i] = 0.0f;
+  for (int64_t kk = 0; kk < K; ++kk) {
+    for (int m = 0; m < 2; ++m) {
+      const float* wr = (m ? w1 : w0) + kk * ld;
+      float* acc = m ? acc1 : acc0;
+      for (int r = 0; r < rows; ++r) {
+        const float av = a[kk * as + r];
+        float* ar = acc + r * ncols;
+        for (int c = 0; c < nv; c += VL) {
+          V v;
+          memcpy(&v, ar + c, sizeof v);
+          v += av * Load<VL>(wr + c);
+          memcpy(ar + c, &v, sizeof v);
+        }
+        for (int c = nv; c < ncols; ++c) ar[c] += av * wr[c];
+      }
+    }
+  }
+}
+
 // Streaming over bfloat16 weights, R rows (compile time), two rows of W per
 // pass over the accumulators.  2VL weights are loaded as VL 32-bit lanes:
 // lane i holds column 2i in its low half and 2i+1 in its high half, so
@@ -245,9 +276,17 @@ template <int VL, typename W>
 NBX_AI void Gemm1Stream(const float* a, int64_t as, int rows, const W* wg, const W* wu,
                         int64_t ld, int64_t K, int ncols, const Glu& act, float* acc, float* out,
                         int64_t rs, int64_t cs) {
-  AccumulateRowsW<VL>(a, as, rows, wg, ld, K, ncols, acc);
   float* accu = acc + rows * ncols;
-  AccumulateRowsW<VL>(a, as, rows, wu, ld, K, ncols, accu);
+  // (one pass where the up run follows the gate run in the row: a fused
+  // [H, 2I] whose item spans all of I; separate matrices stream faster one
+  // after the other, measured)
+  if (sizeof(W) == 4 && wu == wg + ncols) {
+    AccumulateRowsPair<VL>(a, as, rows, reinterpret_cast<const float*>(wg),
+                           reinterpret_cast<const float*>(wu), ld, K, ncols, acc, accu);
+  } else {
+    AccumulateRowsW<VL>(a, as, rows, wg, ld, K, ncols, acc);
+    AccumulateRowsW<VL>(a, as, rows, wu, ld, K, ncols, accu);
+  }
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < ncols; ++c)
       out[r * rs + c * cs] = GluOf(act, acc[r * ncols + c], accu[r * ncols + c]);
