@@ -116,6 +116,14 @@ struct KernelTable {
   // k0+kc) of columns [n0, n0+nc) into the packed-B micro-panels.
   void (*pack_pairs[2])(const void* p, int64_t ld, int64_t k0, int kc, int64_t n0, int nc,
                         float* dst);
+  // Streaming sums (no epilogue) of two runs of ncols columns, w0 and w1
+  // (rows ld apart; [0] float32, [1] bfloat16), read in one pass over K:
+  // out[r*2*ncols + c] = sum_kk a[kk*as + r] * w0[kk*ld + c], then w1's at
+  // + ncols; `acc` scratch of 2 * rows * ncols floats.  A fused gate||up row
+  // read once (concatenated: gate run then up run; interleaved: the two
+  // halves of the pairs).
+  void (*stream_pair[2])(const float* a, int64_t as, int rows, const void* w0, const void* w1,
+                         int64_t ld, int64_t K, int ncols, float* acc, float* out);
 };
 
 // Defined where the target supports them (x86-64: all three).

@@ -60,7 +60,8 @@
                                   {SF2, SB2}, Gemm1StreamQuant<VL>, Gemm2StreamQuant<VL>, \
                                   PackQuant<VL>, GluRows,     {CF1, CB1}, {CF2, CB2},     \
                                   {PackColumnsT<VL, float>, PackColumnsT<VL, uint16_t>},  \
-                                  {PackPairsT<VL, float>, PackPairsT<VL, uint16_t>}};     \
+                                  {PackPairsT<VL, float>, PackPairsT<VL, uint16_t>},      \
+                                  {StreamPair<VL, float>, StreamPair<VL, uint16_t>}};     \
     return &t;                                                                            \
   }                                                                                       \
   }

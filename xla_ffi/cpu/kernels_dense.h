@@ -133,20 +133,22 @@ NBX_AI void AccumulateRows(const float* a, int64_t as, int rows, const float* w,
 // in AccumulateRows): gate and up rows read together, so a fused gate||up
 // ([H, 2I]) is read as one run per row instead of two passes that each skip
 // every other half-row.
+// (acc0, acc1: rows of `ars` floats apart.)
 template <int VL>
 NBX_AI void AccumulateRowsPair(const float* a, int64_t as, int rows, const float* w0,
                                const float* w1, int64_t ld, int64_t K, int ncols, float* acc0,
-                               float* acc1) {
+                               float* acc1, int64_t ars) {
   using V = typename VecT<VL>::type;
   const int nv = ncols / VL * VL;
-  for (int i = 0; i < rows * ncols; ++i) acc0[i] = acc1[i] = 0.0f;
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < ncols; ++c) acc0[r * ars + c] = acc1[r * ars + c] = 0.0f;
   for (int64_t kk = 0; kk < K; ++kk) {
     for (int m = 0; m < 2; ++m) {
       const float* wr = (m ? w1 : w0) + kk * ld;
       float* acc = m ? acc1 : acc0;
       for (int r = 0; r < rows; ++r) {
         const float av = a[kk * as + r];
-        float* ar = acc + r * ncols;
+        float* ar = acc + r * ars;
         for (int c = 0; c < nv; c += VL) {
           V v;
           memcpy(&v, ar + c, sizeof v);
@@ -282,7 +284,7 @@ NBX_AI void Gemm1Stream(const float* a, int64_t as, int rows, const W* wg, const
   // after the other, measured)
   if (sizeof(W) == 4 && wu == wg + ncols) {
     AccumulateRowsPair<VL>(a, as, rows, reinterpret_cast<const float*>(wg),
-                           reinterpret_cast<const float*>(wu), ld, K, ncols, acc, accu);
+                           reinterpret_cast<const float*>(wu), ld, K, ncols, acc, accu, ncols);
   } else {
     AccumulateRowsW<VL>(a, as, rows, wg, ld, K, ncols, acc);
     AccumulateRowsW<VL>(a, as, rows, wu, ld, K, ncols, accu);
@@ -513,6 +515,56 @@ void PackPairsT(const void* pv, int64_t ld, int64_t k0, int kc, int64_t n0, int 
         }
       }
     }
+  }
+}
+
+// KernelTable::stream_pair: the sums of two runs of ncols columns (w0 and
+// w1, rows ld apart) read in one pass over K, into acc rows of 2*ncols
+// (w0's sums, then w1's); each element's chain as in the other streaming
+// kernels.  bfloat16: the one-row passes of AccumulateRowsBf16R.
+template <int VL, int R>
+void StreamPairBf16R(const float* a, int64_t as, const uint16_t* w0, const uint16_t* w1,
+                     int64_t ld, int64_t K, int ncols, float* acc) {
+  using V = typename VecT<VL>::type;
+  (void)sizeof(V);
+  float* acc0 = acc;  // rows of ncols each, w0's then w1's: [2][R][ncols] while summing
+  float* acc1 = acc + R * ncols;
+  for (int i = 0; i < 2 * R * ncols; ++i) acc[i] = 0.0f;
+  for (int64_t kk = 0; kk < K; ++kk) {
+    float av[1][R];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) av[0][r] = a[kk * as + r];
+    const uint16_t* const r0[1] = {w0 + kk * ld};
+    const uint16_t* const r1[1] = {w1 + kk * ld};
+    Bf16Pass<VL, R, 1>(av, r0, ncols, acc0);
+    Bf16Pass<VL, R, 1>(av, r1, ncols, acc1);
+  }
+}
+
+template <int VL, typename W>
+void StreamPair(const float* a, int64_t as, int rows, const void* w0, const void* w1, int64_t ld,
+                int64_t K, int ncols, float* acc, float* out) {
+  if constexpr (sizeof(W) == 4) {
+    AccumulateRowsPair<VL>(a, as, rows, static_cast<const float*>(w0),
+                           static_cast<const float*>(w1), ld, K, ncols, out, out + ncols,
+                           2 * ncols);
+    (void)acc;
+  } else {
+    WithRows(rows, [&](auto r) {
+      constexpr int R = decltype(r)::value;
+      StreamPairBf16R<VL, R>(a, as, static_cast<const uint16_t*>(w0),
+                             static_cast<const uint16_t*>(w1), ld, K, ncols, acc);
+    });
+    // [even][odd] blocks -> column order (as AccumulateRowsBf16R), into out's rows
+    const int nb = ncols / (2 * VL) * (2 * VL);
+    for (int m = 0; m < 2; ++m)
+      for (int r = 0; r < rows; ++r) {
+        const float* src = acc + (m * rows + r) * ncols;
+        float* dst = out + r * 2 * ncols + m * ncols;
+        for (int c = 0; c < nb; c += 2 * VL)
+          for (int i = 0; i < VL; ++i) dst[c + 2 * i] = src[c + i], dst[c + 2 * i + 1] = src[c + VL + i];
+        for (int c = nb; c < ncols; ++c) dst[c] = src[c];
+      }
   }
 }
 

@@ -267,12 +267,14 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
           float* raw = scratch + b.scratch_layout.raw_offset;
           const float* bg = bias_g ? bias_g + e * I + n0 : nullptr;
           const float* bu = bias_u ? bias_u + e * I + n0 : nullptr;
-          if (interleaved) {  // gate||up pairs: 2*cols columns, at most kStreamCols per call
-            for (int c0 = 0; c0 < 2 * cols; c0 += static_cast<int>(kStreamCols))
-              kt.stream2[w_index](a, mr, rows, mats[0] + 2 * n0 + c0, sk, K,
-                                  std::min(static_cast<int>(kStreamCols), 2 * cols - c0), kOnes,
-                                  scratch, raw + c0, 2 * cols);
+          if (interleaved) {  // gate||up pairs: one run of 2*cols, its two halves in one pass
+            kt.stream_pair[w_index](a, mr, rows, mats[0] + 2 * n0, mats[0] + 2 * n0 + cols, sk,
+                                    K, cols, scratch, raw);
             kt.glu(raw, raw + 1, 2 * cols, 2, rows, cols, bg, bu, p.act, out, 1, mr);
+          } else if (!by_columns && mats[1] == mats[0] + cols) {  // concatenated, one run
+            kt.stream_pair[w_index](a, mr, rows, mats[0] + n0, mats[1] + n0, sk, K, cols,
+                                    scratch, raw);
+            kt.glu(raw, raw + cols, 2 * cols, 1, rows, cols, bg, bu, p.act, out, 1, mr);
           } else {
             auto* stream2 = by_columns ? kt.stream2_cols[w_index] : kt.stream2[w_index];
             stream2(a, mr, rows, mats[0] + n0 * col_step, ldw, K, cols, kOnes, scratch, raw,

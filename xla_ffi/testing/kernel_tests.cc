@@ -277,6 +277,48 @@ void SweepPackPairs(const KernelTable& t, Rng& rng, Report& report) {
       }
 }
 
+// stream_pair: two runs of one matrix's rows (its first and second ncols
+// columns) summed in one pass: bit for bit the sums of stream2 with unit
+// weights over each run, and within float32 rounding of float64.
+void SweepStreamPair(const KernelTable& t, Rng& rng, Report& report) {
+  const float ones[kMaxStreamRows] = {1, 1, 1, 1, 1, 1};
+  for (int wi = 0; wi < 2; ++wi)
+    for (int64_t K : {int64_t{1}, int64_t{7}, int64_t{130}})
+      for (int ncols : {1, 5, 2 * t.vl, 2 * t.vl + 3, 200})
+        for (int rows = 1; rows <= kMaxStreamRows; ++rows) {
+          Issues issues;
+          const int64_t as = rng.Int(rows, t.mr), ld = 2 * ncols + rng.Int(0, 3);
+          const DenseWeights m(K, 2 * ncols, ld, wi == 1, false, rng);
+          const std::vector<float> a = RandomRows(K, rows, as, kNaN, rng);
+          const size_t es = wi ? 2 : 4;
+          const void* w1 = static_cast<const char*>(m.Data()) + ncols * es;
+          const Grid grid = MakeGrid(rows, 2 * ncols, 2 * ncols, 1);
+          std::vector<float> out = grid.Fresh(), acc(static_cast<size_t>(2 * rows * ncols) + 16, kSentinel);
+          t.stream_pair[wi](a.data(), as, rows, m.Data(), w1, ld, K, ncols, acc.data(), out.data() + grid.base);
+          std::vector<float> want(static_cast<size_t>(rows * 2 * ncols)), tmp(static_cast<size_t>(2 * rows * ncols));
+          for (int h = 0; h < 2; ++h)
+            t.stream2[wi](a.data(), as, rows, h ? w1 : m.Data(), ld, K, ncols, ones, tmp.data(),
+                          want.data() + h * ncols, 2 * ncols);
+          ScanGrid("out", out, grid, true,
+                   [&](int r, int c, float got) -> std::string {
+                     double ref = 0.0, mag = 0.0;
+                     for (int64_t kk = 0; kk < K; ++kk) {
+                       const double p = double(a[kk * as + r]) * m.At(kk, c);
+                       ref += p, mag += std::fabs(p);
+                     }
+                     const float bits = want[r * 2 * ncols + c];
+                     if (std::memcmp(&got, &bits, 4) != 0) return Fmt("got %g, stream2 %g", got, bits);
+                     if (std::fabs(got - ref) > 1e-5 * mag + 1e-30) return Fmt("got %g, want %g", got, ref);
+                     return "";
+                   },
+                   issues);
+          for (size_t i = 2 * rows * ncols; i < acc.size(); ++i)
+            if (std::memcmp(&acc[i], &kSentinel, 4) != 0) issues.push_back("wrote past acc");
+          report.Add(Fmt("stream_pair %s K=%lld ncols=%d rows=%d", wi ? "bf16" : "f32", (long long)K, ncols, rows),
+                     issues);
+        }
+}
+
 // glu: the gated unit on stored sums with biases (any subset), against float64.
 void SweepGlu(const KernelTable& t, Rng& rng, Report& report) {
   for (int act = 0; act < abi::kNumActivations; ++act)
@@ -425,6 +467,7 @@ const KernelEntry kKernels[] = {
     {"glu", SweepGlu},
     {"pack_cols", SweepPackCols},
     {"pack_pairs", SweepPackPairs},
+    {"stream_pair", SweepStreamPair},
     {"qstream1", [](const KernelTable& t, Rng& g, Report& r) { SweepQuantStream(t, false, g, r); }},
     {"qstream2", [](const KernelTable& t, Rng& g, Report& r) { SweepQuantStream(t, true, g, r); }},
     {"qpack", [](const KernelTable& t, Rng& g, Report& r) { SweepQPack(t, g, r); }},
