@@ -8,36 +8,23 @@
 #include "cpu/kernels_dense.h"
 #include "cpu/kernels_quant.h"
 
+// One ISA's streaming entries over weights of type T: G1/G2 = Gemm1Stream and
+// Gemm2Stream (weights by rows) or Gemm1StreamCols and Gemm2StreamCols (by columns).
+#define NBX_STREAM(NAME, FN, T, G1, G2)                                                   \
+  void NAME##1(const float* a, int64_t as, int rows, const void* wg, const void* wu,      \
+               int64_t ld, int64_t K, int ncols, const Glu& act, float* acc, float* out,  \
+               int64_t rs, int64_t cs) {                                                  \
+    G1<FN>(a, as, rows, static_cast<const T*>(wg), static_cast<const T*>(wu), ld, K,      \
+           ncols, act, acc, out, rs, cs);                                                 \
+  }                                                                                       \
+  void NAME##2(const float* a, int64_t as, int rows, const void* wd, int64_t ld,          \
+               int64_t K, int ncols, const float* w, float* acc, float* out, int64_t rs) { \
+    G2<FN>(a, as, rows, static_cast<const T*>(wd), ld, K, ncols, w, acc, out, rs);        \
+  }
+
 // Defines the kernel table of one instruction set: vector length VL (floats),
 // rows per m-panel MR, and the blocking parameters KC (K-block rows), NC
 // (tile columns) and CP (m-panels per chunk) of KernelTable.
-#define NBX_STREAM(NAME, FN, T)                                                           \
-  void NAME##1(const float* a, int64_t as, int rows, const void* wg, const void* wu,      \
-               int64_t ld, int64_t K, int ncols, const Glu& act, float* acc, float* out,  \
-               int64_t rs, int64_t cs) {                                                  \
-    Gemm1Stream<FN>(a, as, rows, static_cast<const T*>(wg), static_cast<const T*>(wu),    \
-                    ld, K, ncols, act, acc, out, rs, cs);                                 \
-  }                                                                                       \
-  void NAME##2(const float* a, int64_t as, int rows, const void* wd, int64_t ld,          \
-               int64_t K, int ncols, const float* w, float* acc, float* out, int64_t rs) { \
-    Gemm2Stream<FN>(a, as, rows, static_cast<const T*>(wd), ld, K, ncols, w, acc, out,    \
-                    rs);                                                                  \
-  }
-
-// The same over weights stored by columns (out x in): stream*_cols.
-#define NBX_STREAM_COLS(NAME, FN, T)                                                      \
-  void NAME##1(const float* a, int64_t as, int rows, const void* wg, const void* wu,      \
-               int64_t ld, int64_t K, int ncols, const Glu& act, float* acc, float* out,  \
-               int64_t rs, int64_t cs) {                                                  \
-    Gemm1StreamCols<FN>(a, as, rows, static_cast<const T*>(wg), static_cast<const T*>(wu), \
-                        ld, K, ncols, act, acc, out, rs, cs);                             \
-  }                                                                                       \
-  void NAME##2(const float* a, int64_t as, int rows, const void* wd, int64_t ld,          \
-               int64_t K, int ncols, const float* w, float* acc, float* out, int64_t rs) { \
-    Gemm2StreamCols<FN>(a, as, rows, static_cast<const T*>(wd), ld, K, ncols, w, acc, out, \
-                        rs);                                                              \
-  }
-
 #define NBX_DEFINE_KERNELS(FN, NAME, VL, MR, KC, NC, CP)                                  \
   namespace nbx {                                                                         \
   namespace {                                                                             \
@@ -49,10 +36,10 @@
           float* out, int64_t rs, float* c, int flags, const float* s) {                  \
     Gemm2Packed<VL, MR>(a, b, K, w, rows, cols, out, rs, c, flags, s);                    \
   }                                                                                       \
-  NBX_STREAM(SF, VL, float)                                                               \
-  NBX_STREAM(SB, VL, uint16_t)                                                            \
-  NBX_STREAM_COLS(CF, VL, float)                                                          \
-  NBX_STREAM_COLS(CB, VL, uint16_t)                                                       \
+  NBX_STREAM(SF, VL, float, Gemm1Stream, Gemm2Stream)                                     \
+  NBX_STREAM(SB, VL, uint16_t, Gemm1Stream, Gemm2Stream)                                  \
+  NBX_STREAM(CF, VL, float, Gemm1StreamCols, Gemm2StreamCols)                             \
+  NBX_STREAM(CB, VL, uint16_t, Gemm1StreamCols, Gemm2StreamCols)                          \
   }                                                                                       \
   const KernelTable* FN() {                                                               \
     static const KernelTable t = {NAME,       VL,         MR,         KC, NC, CP,         \

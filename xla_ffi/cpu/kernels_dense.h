@@ -106,59 +106,43 @@ NBX_AI void Gemm2Packed(const float* a, const float* b, int64_t K, const float* 
 // place, row by row of W (contiguous runs of ncols values; no packing),
 // accumulators in `acc` (memory, L1-resident: 2 * rows * ncols floats).
 // a[kk*as + r] is row r.  (bfloat16 weights: AccumulateRowsBf16 below.)
+// One step: ar[c] += av * wr[c] for c < ncols.
+template <int VL>
+NBX_AI void AxpyRow(float av, const float* wr, int ncols, float* ar) {
+  using V = typename VecT<VL>::type;
+  const int nv = ncols / VL * VL;
+  for (int c = 0; c < nv; c += VL) {
+    V v;
+    memcpy(&v, ar + c, sizeof v);
+    v += av * Load<VL>(wr + c);
+    memcpy(ar + c, &v, sizeof v);
+  }
+  for (int c = nv; c < ncols; ++c) ar[c] += av * wr[c];
+}
+
 template <int VL>
 NBX_AI void AccumulateRows(const float* a, int64_t as, int rows, const float* w, int64_t ld,
                            int64_t K, int ncols, float* acc) {
-  using V = typename VecT<VL>::type;
-  const int nv = ncols / VL * VL;
   for (int i = 0; i < rows * ncols; ++i) acc[i] = 0.0f;
-  for (int64_t kk = 0; kk < K; ++kk) {
-    const float* wr = w + kk * ld;
-    for (int r = 0; r < rows; ++r) {
-      const float av = a[kk * as + r];
-      float* ar = acc + r * ncols;
-      for (int c = 0; c < nv; c += VL) {
-        V v;
-        memcpy(&v, ar + c, sizeof v);
-        v += av * Load<VL>(wr + c);
-        memcpy(ar + c, &v, sizeof v);
-      }
-      for (int c = nv; c < ncols; ++c) ar[c] += av * wr[c];
-    }
-  }
+  for (int64_t kk = 0; kk < K; ++kk)
+    for (int r = 0; r < rows; ++r) AxpyRow<VL>(a[kk * as + r], w + kk * ld, ncols, acc + r * ncols);
 }
 
 // AccumulateRows over two matrices in one pass: row kk of w0 into acc0,
 // then row kk of w1 into acc1, for each kk in turn (each element's chain as
 // in AccumulateRows): gate and up rows read together, so a fused gate||up
 // ([H, 2I]) is read as one run per row instead of two passes that each skip
-// every other half-row.
-// (acc0, acc1: rows of `ars` floats apart.)
+// every other half-row.  (acc0, acc1: rows of `ars` floats apart.)
 template <int VL>
 NBX_AI void AccumulateRowsPair(const float* a, int64_t as, int rows, const float* w0,
                                const float* w1, int64_t ld, int64_t K, int ncols, float* acc0,
                                float* acc1, int64_t ars) {
-  using V = typename VecT<VL>::type;
-  const int nv = ncols / VL * VL;
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < ncols; ++c) acc0[r * ars + c] = acc1[r * ars + c] = 0.0f;
-  for (int64_t kk = 0; kk < K; ++kk) {
-    for (int m = 0; m < 2; ++m) {
-      const float* wr = (m ? w1 : w0) + kk * ld;
-      float* acc = m ? acc1 : acc0;
-      for (int r = 0; r < rows; ++r) {
-        const float av = a[kk * as + r];
-        float* ar = acc + r * ars;
-        for (int c = 0; c < nv; c += VL) {
-          V v;
-          memcpy(&v, ar + c, sizeof v);
-          v += av * Load<VL>(wr + c);
-          memcpy(ar + c, &v, sizeof v);
-        }
-        for (int c = nv; c < ncols; ++c) ar[c] += av * wr[c];
-      }
-    }
-  }
+  for (int64_t kk = 0; kk < K; ++kk)
+    for (int m = 0; m < 2; ++m)
+      for (int r = 0; r < rows; ++r)
+        AxpyRow<VL>(a[kk * as + r], (m ? w1 : w0) + kk * ld, ncols, (m ? acc1 : acc0) + r * ars);
 }
 
 // Streaming over bfloat16 weights, R rows (compile time), two rows of W per
@@ -274,6 +258,20 @@ NBX_AI void AccumulateRowsW(const float* a, int64_t as, int rows, const W* w, in
     AccumulateRows<VL>(a, as, rows, w, ld, K, ncols, acc);  // float
 }
 
+// The streaming kernels' epilogues: out[r*rs + c*cs] = act(g, u) from the
+// sums g (acc) and u (accu), rows of ncols; out[r*rs + c] = w[r] * sum.
+NBX_AI void StreamGluEpilogue(const float* acc, const float* accu, int rows, int ncols,
+                              const Glu& act, float* out, int64_t rs, int64_t cs) {
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < ncols; ++c)
+      out[r * rs + c * cs] = GluOf(act, acc[r * ncols + c], accu[r * ncols + c]);
+}
+NBX_AI void StreamWeightEpilogue(const float* acc, int rows, int ncols, const float* w, float* out,
+                                 int64_t rs) {
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < ncols; ++c) out[r * rs + c] = w[r] * acc[r * ncols + c];
+}
+
 template <int VL, typename W>
 NBX_AI void Gemm1Stream(const float* a, int64_t as, int rows, const W* wg, const W* wu,
                         int64_t ld, int64_t K, int ncols, const Glu& act, float* acc, float* out,
@@ -289,9 +287,7 @@ NBX_AI void Gemm1Stream(const float* a, int64_t as, int rows, const W* wg, const
     AccumulateRowsW<VL>(a, as, rows, wg, ld, K, ncols, acc);
     AccumulateRowsW<VL>(a, as, rows, wu, ld, K, ncols, accu);
   }
-  for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < ncols; ++c)
-      out[r * rs + c * cs] = GluOf(act, acc[r * ncols + c], accu[r * ncols + c]);
+  StreamGluEpilogue(acc, accu, rows, ncols, act, out, rs, cs);
 }
 
 template <int VL, typename W>
@@ -299,8 +295,7 @@ NBX_AI void Gemm2Stream(const float* a, int64_t as, int rows, const W* wd, int64
                         int64_t K, int ncols, const float* w, float* acc, float* out,
                         int64_t rs) {
   AccumulateRowsW<VL>(a, as, rows, wd, ld, K, ncols, acc);
-  for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < ncols; ++c) out[r * rs + c] = w[r] * acc[r * ncols + c];
+  StreamWeightEpilogue(acc, rows, ncols, w, out, rs);
 }
 
 // The lanes of a and b interleaved: lo = a0 b0 a1 b1 ... (first halves),
@@ -414,9 +409,7 @@ NBX_AI void Gemm1StreamCols(const float* a, int64_t as, int rows, const W* wg, c
   AccumulateCols<VL>(a, as, rows, wg, ld, K, ncols, acc);
   float* accu = acc + rows * ncols;
   AccumulateCols<VL>(a, as, rows, wu, ld, K, ncols, accu);
-  for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < ncols; ++c)
-      out[r * rs + c * cs] = GluOf(act, acc[r * ncols + c], accu[r * ncols + c]);
+  StreamGluEpilogue(acc, accu, rows, ncols, act, out, rs, cs);
 }
 
 template <int VL, typename W>
@@ -424,8 +417,7 @@ NBX_AI void Gemm2StreamCols(const float* a, int64_t as, int rows, const W* wd, i
                             int64_t K, int ncols, const float* w, float* acc, float* out,
                             int64_t rs) {
   AccumulateCols<VL>(a, as, rows, wd, ld, K, ncols, acc);
-  for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < ncols; ++c) out[r * rs + c] = w[r] * acc[r * ncols + c];
+  StreamWeightEpilogue(acc, rows, ncols, w, out, rs);
 }
 
 // KernelTable::pack_cols: rows [k0, k0+kc) of columns [n0, n0+nc) of ns

@@ -442,7 +442,7 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
 // sharing strides, quantized groups with the plain views only, every view
 // inside each expert's array (`elems[g]` elements of its group g; the same
 // bounds as the CPU decoder's, cpu/weights.cc).  Returns "" or what is wrong.
-std::string CheckViews(ffi::Span<const int64_t> views, int64_t E, int64_t H, int64_t I, bool fused,
+std::string CheckViews(ffi::Span<const int64_t> views, int64_t H, int64_t I, bool fused,
                        bool quantized, const std::vector<int64_t>& elems) {
   constexpr int F = abi::kNumViewFields, P = abi::kNumProjections;
   if (static_cast<int64_t>(views.size()) != F * P)
@@ -540,7 +540,7 @@ ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
       elems[p] = static_cast<int64_t>(bytes0 / es) / (stacked ? E : 1);
     }
   }
-  if (std::string why = CheckViews(views, E, H, I, fused_gate_up, quantized, elems); !why.empty())
+  if (std::string why = CheckViews(views, H, I, fused_gate_up, quantized, elems); !why.empty())
     return ffi::Error::InvalidArgument(why);
   std::vector<CUdeviceptr> extra = first;  // the groups' first buffers, then the biases
   for (int64_t j = 0; j < nbias; ++j) {
