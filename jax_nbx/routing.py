@@ -305,16 +305,12 @@ def route_topk_sigmoid(logits: jax.Array, k: int, *, return_probs: bool = False)
     and ``Llama4TextMoe``; commit 000c33fd; Llama-4 uses k = 1). **In Llama-4
     the weight multiplies the expert's input**, not its output:
     ``y = sum_j expert_{ids_j}(w_j * x)`` (plus the shared expert), whereas
-    ``fused_moe`` computes ``sum_j w_j * expert_{ids_j}(x)``. ``fused_moe`` has
-    no input-scaling option yet (another part of issue 17 adds it); these
-    weights are what to pass to it once it exists. Until then, for Llama-4's
-    bias-free experts the same result comes from scaling the input yourself::
+    ``fused_moe`` computes ``sum_j w_j * expert_{ids_j}(x)`` by default; pass
+    ``weights_on="input"`` for Llama-4's form::
 
-        w, ids = nbx.route_topk_sigmoid(logits, k=1)             # [T, 1]
-        y = nbx.fused_moe((x * w).astype(x.dtype), jnp.ones_like(w), ids, experts)
-        # any k: one row per slot, then sum the k rows of each token
-        xs = (x[:, None, :] * w[..., None]).reshape(-1, H)
-        y = nbx.fused_moe(xs, jnp.ones((T * k, 1)), ids.reshape(-1, 1), experts).reshape(T, k, H).sum(1)
+        w, ids = nbx.route_topk_sigmoid(x @ W.T, k=1)             # [T, 1]
+        y = nbx.fused_moe(x, w, ids, experts, weights_on="input",
+                          shared_experts=nbx.SharedExperts(shared))
 
     Args:
       logits: ``[..., E]`` router logits, any float dtype (sigmoid in float32;
