@@ -551,6 +551,9 @@ def fused_moe(
       weights_on: where the routed weight applies: ``"output"`` (default:
         ``w * mlp(x)``) or ``"input"`` (Llama-4: ``mlp(w * x)``; the op runs
         on one scaled row per slot, ``T*k`` rows of x's size, every path).
+        Only the k routed experts run: transformers' Llama-4 feeds every
+        expert ``0 * x`` besides, which adds nothing for its bias-free
+        experts but would add ``mlp(0)`` for experts with biases.
       shared_experts: `SharedExperts` run on every token in the same call
         and added (DeepSeek, Qwen2-MoE with its sigmoid gate, Llama-4); they
         take the same ``activation`` and ``implementation``, and run as one
