@@ -292,7 +292,7 @@ def _native_layout(weights, lists: bool) -> WeightLayout:
     return WeightLayout((0, I, 1, 0, I, 1, 0, H, 1), I, False, False)
 
 
-def _split_arrays(arrays, layout: WeightLayout, lists: bool):
+def _split_arrays(arrays, layout: WeightLayout):
     """(weights, biases) of the handlers' operands: the weight groups (2 when
     fused, else 3; one array or E each), then 3 biases when ``layout.bias``."""
     nb = 3 if layout.bias else 0
@@ -338,7 +338,7 @@ def _ffi_forward(x, w, ids, *arrays, activation: str | Activation, band_tokens: 
         return _cuda.forward(x, w, ids, *arrays, activation=activation,
                              band_tokens=band_tokens, lists=lists, skip_outside=skip_outside,
                              layout=layout)
-    weights, biases = _split_arrays(arrays, layout, lists)
+    weights, biases = _split_arrays(arrays, layout)
     if layout.native:
         groups, E, _, quant, _, _ = weight_groups(weights, lists)
         bufs = [b for g in groups for b in (g if lists else g[:1])]
@@ -371,7 +371,7 @@ def _ffi_backward(dy, x, w, ids, *arrays, activation: str | Activation, band_tok
     activation = as_activation(activation)
     if layout is None:
         layout = _native_layout(arrays, lists)
-    weights, biases = _split_arrays(arrays, layout, lists)
+    weights, biases = _split_arrays(arrays, layout)
     biases = [b.astype(jnp.float32) for b in biases]
     E = _num_experts(weights, layout, lists)
     outs = ([jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32)]
