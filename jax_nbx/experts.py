@@ -38,12 +38,15 @@ class WeightLayout(NamedTuple):
     fused: bool
     bias: bool
 
+    @classmethod
+    def plain(cls, H: int, I: int) -> WeightLayout:
+        """The views of gate, up ``[.., H, I]`` and down ``[.., I, H]`` without biases."""
+        return cls((0, I, 1, 0, I, 1, 0, H, 1), I, False, False)
+
     @property
     def native(self) -> bool:
         """The stacked ``[E, H, I]``/``[E, I, H]`` layout without biases."""
-        H = self.views[7]  # down's stride_k, H in the native layout
-        return (not self.fused and not self.bias
-                and self.views == (0, self.intermediate, 1, 0, self.intermediate, 1, 0, H, 1))
+        return self == WeightLayout.plain(self.views[7], self.intermediate)  # views[7]: down's stride_k
 
     def attrs(self) -> dict:
         """The FFI attributes of the contract (xla_ffi/abi.h, "weight views")."""

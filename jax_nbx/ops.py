@@ -288,8 +288,7 @@ def _native_layout(weights, lists: bool) -> WeightLayout:
     """The views of plain (gate, up, down) weights, from the arrays."""
     g = weights[0]
     d = weights[2 * (len(weights) // 3) if lists else 2]
-    I, H = int(g.shape[-1]), int(d.shape[-1])
-    return WeightLayout((0, I, 1, 0, I, 1, 0, H, 1), I, False, False)
+    return WeightLayout.plain(H=int(d.shape[-1]), I=int(g.shape[-1]))
 
 
 def _split_arrays(arrays, layout: WeightLayout):

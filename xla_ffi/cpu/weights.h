@@ -49,9 +49,6 @@ struct ExpertWeights {
   bool quantized() const { return format != abi::WeightFormat::kDense; }
   int groups() const { return fused ? 2 : 3; }  // dense weight buffer groups
   int GroupOf(int proj) const { return fused ? (proj == 2 ? 1 : 0) : proj; }
-  // Whether gate/up are stored in rows of contiguous columns (stride_n 1;
-  // the streaming kernels' and PackRows' layout), with row stride sk.
-  bool RowMajor(int proj) const { return sn[proj] == 1; }
 };
 
 // The element type of quantized experts' tables (QuantMatrix*; the ISA's
