@@ -65,7 +65,7 @@ def _matrix_shape(a) -> tuple[int, ...]:
     return tuple(a.shape[1:])
 
 
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_pytree_with_keys_class
 class Experts:
     """The expert weights of a gated MLP: stacked arrays or one array per
     expert, in the checkpoint's layout, with optional biases.
@@ -135,6 +135,11 @@ class Experts:
     # ------------------------------------------------------------------ pytree
     def tree_flatten(self):
         return tuple(getattr(self, n) for n in _CHILDREN), (self.layout, self.fusion)
+
+    def tree_flatten_with_keys(self):
+        """Children keyed by name (``experts.gate[3]`` in key paths, parameter trees)."""
+        return (tuple((jax.tree_util.GetAttrKey(n), getattr(self, n)) for n in _CHILDREN),
+                (self.layout, self.fusion))
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -295,7 +300,7 @@ class Experts:
         return f"Experts({', '.join(parts)})"
 
 
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_pytree_with_keys_class
 class SharedExperts:
     """Always-on experts run in the same `fused_moe` call as the routed ones.
 
@@ -316,6 +321,9 @@ class SharedExperts:
 
     def tree_flatten(self):
         return (self.experts, self.gate), None
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("experts"), self.experts), (jax.tree_util.GetAttrKey("gate"), self.gate)), None
 
     @classmethod
     def tree_unflatten(cls, aux, children):

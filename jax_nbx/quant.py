@@ -29,7 +29,7 @@ GROUP_SIZES = (32, 64, 128)
 _SCALE_DTYPES = (np.dtype("float32"), np.dtype(jnp.bfloat16))
 
 
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_pytree_with_keys_class
 class QuantizedWeight:
     """One projection's quantized weights (stacked ``[E, ...]`` or one expert).
 
@@ -49,6 +49,10 @@ class QuantizedWeight:
 
     def tree_flatten(self):
         return (self.q, self.scale, self.zero), (self.kind, self.group_size)
+
+    def tree_flatten_with_keys(self):
+        return (tuple((jax.tree_util.GetAttrKey(n), getattr(self, n)) for n in ("q", "scale", "zero")),
+                (self.kind, self.group_size))
 
     @classmethod
     def tree_unflatten(cls, aux, children):

@@ -1,0 +1,344 @@
+"""Loading one MoE block from a Hugging Face safetensors checkpoint.
+
+`load_moe` reads one layer's router, experts and shared experts with the
+``safetensors`` library (``pip install 'jax_nbx[hf]'``) and returns
+`jax_nbx.nn.MoEParams` whose experts are in the checkpoint's own layout:
+per-expert tensors stay a list of arrays (never stacked), ``nn.Linear``
+weights stay ``[out, in]`` (``layout="out_in"``, never transposed), fused
+tensors stay fused.  The handlers read them in place.
+
+Names understood, after the layer's prefix (``model.layers.{i}.mlp.`` or
+``model.layers.{i}.block_sparse_moe.``, found automatically):
+
+=====================  ==============================================================
+Mixtral                ``gate.weight``, ``experts.{e}.w1/w3/w2.weight`` (gate/up/down)
+OLMoE, Qwen2/3-MoE,    ``gate.weight``, ``experts.{e}.gate_proj/up_proj/down_proj.weight``,
+DeepSeek-V2/V3         ``shared_expert(s).*_proj.weight``, ``shared_expert_gate.weight``,
+                       ``gate.e_score_correction_bias``
+transformers v5 fused  ``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``
+gpt-oss                ``router.weight/bias``, ``experts.gate_up_proj[_bias]`` ``[E, H, 2I]``
+                       (interleaved), ``experts.down_proj[_bias]``
+Granite-MoE            ``router.layer.weight``, ``input_linear.weight``, ``output_linear.weight``
+=====================  ==============================================================
+
+Quantized per-expert projections convert losslessly to jax_nbx's int4
+format (`jax_nbx.quant_import`): GPTQ and AWQ (``.qweight``, ``.qzeros``,
+``.scales``, GPTQ's ``.g_idx``) and MLX's affine 4-bit (a uint32 ``.weight``
+with ``.scales`` and ``.biases``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .experts import Experts, SharedExperts
+from .nn.block import MoEConfig, MoEParams
+
+__all__ = ["load_moe", "load_experts", "CheckpointError"]
+
+_PROJ_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+_SHARED = ("shared_expert.", "shared_experts.")
+
+
+class CheckpointError(ValueError):
+    """A tensor the block needs is missing from the checkpoint or has the wrong shape."""
+
+
+def _files(checkpoint) -> tuple[list[str], dict | None, str | None]:
+    """(safetensors files, name -> file map or None, the folder's config.json or None)."""
+    if isinstance(checkpoint, (list, tuple)):
+        return [os.fspath(f) for f in checkpoint], None, None
+    path = os.fspath(checkpoint)
+    if os.path.isdir(path):
+        cfg = os.path.join(path, "config.json")
+        cfg = cfg if os.path.exists(cfg) else None
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                wmap = json.load(f)["weight_map"]
+            return ([os.path.join(path, f) for f in sorted(set(wmap.values()))],
+                    {k: os.path.join(path, v) for k, v in wmap.items()}, cfg)
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"checkpoint: no *.safetensors files in {path}")
+        return files, None, cfg
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint: {path} does not exist")
+    return [path], None, None
+
+
+class _Reader:
+    """Names and tensors of a set of safetensors files (opened lazily, once each)."""
+
+    def __init__(self, files: list[str], wmap: dict | None, progress: bool | None):
+        try:
+            from safetensors import safe_open
+        except ModuleNotFoundError as err:
+            raise ImportError("jax_nbx.checkpoint needs safetensors: pip install 'jax_nbx[hf]'") from err
+        self._open = safe_open
+        self.files = files
+        self._handles: dict[str, Any] = {}
+        if wmap is None:
+            wmap = {}
+            for f in files:
+                for k in self._handle(f).keys():
+                    wmap[k] = f
+        self.wmap = wmap
+        self.progress = len(files) > 1 if progress is None else progress
+        self._bar = None
+
+    def _handle(self, f: str):
+        if f not in self._handles:
+            self._handles[f] = self._open(f, framework="flax")
+        return self._handles[f]
+
+    def has(self, name: str) -> bool:
+        return name in self.wmap
+
+    def start(self, total: int) -> None:
+        if self.progress:
+            try:
+                from tqdm.auto import tqdm
+            except ModuleNotFoundError:
+                return
+            self._bar = tqdm(total=total, desc="tensors", unit="tensor")
+
+    def get(self, name: str):
+        if name not in self.wmap:
+            raise CheckpointError(f"checkpoint: tensor {name!r} is missing (looked in {len(self.files)} file(s))")
+        t = self._handle(self.wmap[name]).get_tensor(name)
+        if self._bar is not None:
+            self._bar.update(1)
+        return t
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        self._handles.clear()
+
+
+def _find_prefix(names, layer: int) -> str:
+    pat = re.compile(rf"^(.*?layers\.{layer}\.(?:mlp|block_sparse_moe|feed_forward)\.)"
+                     r"(?:experts\.|gate\.weight|router\.|input_linear\.)")
+    found = sorted({m.group(1) for n in names if (m := pat.match(n))})
+    if len(found) != 1:
+        what = "no" if not found else f"several ({found})"
+        raise CheckpointError(f"checkpoint: {what} MoE block found for layer={layer}; pass prefix= "
+                              "(e.g. 'model.layers.0.mlp.')")
+    return found[0]
+
+
+def _expect(name: str, t, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise CheckpointError(f"checkpoint: tensor {name!r} has shape {tuple(t.shape)}; expected {tuple(shape)}")
+
+
+def _quant_method(reader: _Reader, base: str, hf_config: dict | None) -> str | None:
+    """'gptq', 'awq', 'mlx' or None (dense) for the projection stored under ``base``."""
+    if reader.has(base + "qweight"):
+        qc = (hf_config or {}).get("quantization_config") or {}
+        method = str(qc.get("quant_method", "")).lower()
+        if method in ("gptq", "awq"):
+            return method
+        qw = reader.get(base + "qweight")
+        sc = reader.get(base + "scales")
+        if qw.shape[1] == sc.shape[1]:
+            return "gptq"
+        if qw.shape[1] * 8 == sc.shape[1]:
+            return "awq"
+        raise CheckpointError(f"checkpoint: {base}qweight {tuple(qw.shape)} and {base}scales {tuple(sc.shape)} "
+                              "match neither GPTQ (packed along K) nor AWQ (packed along N)")
+    if reader.has(base + "weight") and reader.has(base + "scales") and reader.has(base + "biases"):
+        return "mlx"
+    if reader.has(base + "weight_blocks") or reader.has(base + "blocks"):
+        raise CheckpointError(f"checkpoint: {base}*_blocks is MXFP4 (gpt-oss's release format), which jax_nbx "
+                              "does not read; dequantize it to bf16 first")
+    return None
+
+
+def _quantized(reader: _Reader, base: str, method: str, hf_config: dict | None):
+    """One projection: (QuantizedWeight in jax_nbx's int4 format [K/2, N], act-order row permutation or None)."""
+    from . import quant_import as qi
+    if method == "mlx":
+        q = (hf_config or {}).get("quantization") or {}
+        qw = qi.from_mlx(reader.get(base + "weight"), reader.get(base + "scales"), reader.get(base + "biases"),
+                         bits=int(q.get("bits", 4)), group_size=int(q.get("group_size", 64)))
+        return qw, None
+    args = [np.asarray(reader.get(base + p)) for p in ("qweight", "qzeros", "scales")]
+    bits = int(((hf_config or {}).get("quantization_config") or {}).get("bits", 4))
+    try:
+        if method == "awq":
+            return qi.from_awq(*args, bits=bits), None
+        g_idx = np.asarray(reader.get(base + "g_idx")) if reader.has(base + "g_idx") else None
+        return qi.from_gptq(*args, g_idx=g_idx, bits=bits, allow_row_permutation=True)
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint: {base}*: {err}") from err
+
+
+def _per_expert(reader: _Reader, pfx: str, E: int, H: int, hf_config: dict | None) -> Experts:
+    names = next((n for n in _PROJ_NAMES if reader.has(f"{pfx}experts.0.{n[0]}.weight")
+                  or reader.has(f"{pfx}experts.0.{n[0]}.qweight")), None)
+    if names is None:
+        raise CheckpointError(f"checkpoint: no experts under {pfx!r}: expected {pfx}experts.0.gate_proj.weight "
+                              f"(or .w1.weight, experts.gate_up_proj, input_linear.weight)")
+    method = _quant_method(reader, f"{pfx}experts.0.{names[0]}.", hf_config)
+    projs: list[list] = [[], [], []]
+    for e in range(E):
+        if method is None:
+            for j, n in enumerate(names):
+                projs[j].append(reader.get(f"{pfx}experts.{e}.{n}.weight"))
+            continue
+        g, u, d = (_quantized(reader, f"{pfx}experts.{e}.{n}.", method, hf_config) for n in names)
+        if g[1] is not None or u[1] is not None:
+            raise CheckpointError(f"checkpoint: {pfx}experts.{e}.{names[0]}/{names[1]} are act-order GPTQ "
+                                  "(g_idx permutes the hidden rows): not absorbable, since every expert would "
+                                  "need its own permutation of x; re-quantize without desc_act")
+        gw, uw, dw = g[0], u[0], d[0]
+        if d[1] is not None:  # act-order down: its rows (the intermediate) permuted, gate/up's columns alike
+            from .quant_import import permute_columns
+            gw, uw = permute_columns(gw, d[1]), permute_columns(uw, d[1])
+        for j, w in enumerate((gw, uw, dw)):
+            projs[j].append(w)
+    if method is None:
+        I = int(projs[0][0].shape[0])
+        for j, n in enumerate(names):  # nn.Linear [out, in]
+            want = (H, I) if j == 2 else (I, H)
+            for e, t in enumerate(projs[j]):
+                _expect(f"{pfx}experts.{e}.{n}.weight", t, want)
+        return Experts(*projs, layout="out_in")
+    I = int(projs[0][0].shape[-1])
+    for j, n in enumerate(names):  # quantized: converted to [K, N]
+        want = (I, H) if j == 2 else (H, I)
+        for e, t in enumerate(projs[j]):
+            if tuple(t.shape) != want:
+                raise CheckpointError(f"checkpoint: {pfx}experts.{e}.{n}.* dequantize to {tuple(t.shape)[::-1]} "
+                                      f"(out, in); expected {want[::-1]}")
+    return Experts(*projs)
+
+
+def _fused(reader: _Reader, pfx: str, E: int, H: int, config: MoEConfig | None) -> Experts:
+    if reader.has(pfx + "input_linear.weight"):  # Granite: [E, 2I, H] concat, out x in
+        gu_name, d_name, gub, db = pfx + "input_linear.weight", pfx + "output_linear.weight", None, None
+    else:
+        gu_name, d_name = pfx + "experts.gate_up_proj", pfx + "experts.down_proj"
+        gub, db = gu_name + "_bias", d_name + "_bias"
+    gu, down = reader.get(gu_name), reader.get(d_name)
+    if gu.ndim != 3 or gu.shape[0] != E or H not in gu.shape[1:]:
+        raise CheckpointError(f"checkpoint: tensor {gu_name!r} has shape {tuple(gu.shape)}; expected "
+                              f"[{E}, 2I, {H}] or [{E}, {H}, 2I]")
+    layout = config.layout if config is not None and config.fusion else ("out_in" if gu.shape[2] == H else "in_out")
+    fusion = config.fusion if config is not None and config.fusion else "concat"
+    two_i = gu.shape[1] if layout == "out_in" else gu.shape[2]
+    I = two_i // 2
+    _expect(gu_name, gu, (E, 2 * I, H) if layout == "out_in" else (E, H, 2 * I))
+    _expect(d_name, down, (E, H, I) if layout == "out_in" else (E, I, H))
+    biases = {}
+    if gub and reader.has(gub):
+        biases["gate_up_bias"] = reader.get(gub)
+        _expect(gub, biases["gate_up_bias"], (E, 2 * I))
+    if db and reader.has(db):
+        biases["down_bias"] = reader.get(db)
+        _expect(db, biases["down_bias"], (E, H))
+    return Experts.fused(gu, down, fusion=fusion, layout=layout, **biases)
+
+
+def _shared(reader: _Reader, pfx: str, H: int) -> SharedExperts | None:
+    sp = next((pfx + s for s in _SHARED if reader.has(pfx + s + "gate_proj.weight")), None)
+    if sp is None:
+        return None
+    g, u, d = (reader.get(f"{sp}{n}.weight") for n in _PROJ_NAMES[0])
+    Is = int(g.shape[0])
+    for n, t, want in zip(_PROJ_NAMES[0], (g, u, d), ((Is, H), (Is, H), (H, Is))):
+        _expect(f"{sp}{n}.weight", t, want)
+    gate = None
+    if reader.has(pfx + "shared_expert_gate.weight"):
+        gate = reader.get(pfx + "shared_expert_gate.weight")
+        _expect(pfx + "shared_expert_gate.weight", gate, (1, H))
+    return SharedExperts(Experts([g], [u], [d], layout="out_in"), gate)
+
+
+def load_moe(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], layer: int | None = None, *,
+             prefix: str | None = None, config: MoEConfig | None = None,
+             progress: bool | None = None) -> MoEParams:
+    """One MoE block's parameters from a safetensors checkpoint, read in place.
+
+    Args:
+      checkpoint: a folder (``model.safetensors`` or the shards of
+        ``model.safetensors.index.json``, and ``config.json``), one
+        ``.safetensors`` file, or a list of them.
+      layer: the decoder layer whose block to read (its prefix is found
+        among the names: ``...layers.{layer}.mlp.`` or
+        ``...layers.{layer}.block_sparse_moe.``); or give ``prefix``.
+      prefix: the block's name prefix, e.g. ``"model.layers.3.mlp."``.
+      config: the block's `jax_nbx.nn.MoEConfig`; default: from the folder's
+        ``config.json`` when there is one (`MoEConfig.from_hf`).  It fixes
+        the layout of fused gate||up tensors (gpt-oss's interleaved ``[E, H,
+        2I]``); without it, fused tensors are told apart by their shapes.
+      progress: a progress bar over the tensors read (default: when the
+        checkpoint has several files; needs ``tqdm``).
+
+    Returns:
+      `jax_nbx.nn.MoEParams`: ``router [E, H]`` as stored, per-expert
+      checkpoints as per-expert lists in ``layout="out_in"`` (dense) or as
+      int4 `jax_nbx.QuantizedWeight` lists (GPTQ/AWQ/MLX), fused ones as
+      stacked `Experts.fused`, biases, the correction bias and the shared
+      expert when the checkpoint has them.
+
+    Raises:
+      CheckpointError (a ValueError) naming the missing or mis-shaped tensor.
+    """
+    if layer is None and prefix is None:
+        raise ValueError("load_moe: pass layer= (an int) or prefix= (e.g. 'model.layers.0.mlp.')")
+    files, wmap, cfg_path = _files(checkpoint)
+    hf_config = None
+    if cfg_path is not None:
+        with open(cfg_path) as f:
+            hf_config = json.load(f)
+        if config is None:
+            try:
+                config = MoEConfig.from_hf(hf_config)
+            except ValueError:
+                config = None
+    reader = _Reader(files, wmap, progress)
+    try:
+        pfx = prefix if prefix is not None else _find_prefix(reader.wmap, int(layer))
+        reader.start(sum(1 for n in reader.wmap if n.startswith(pfx)))
+        rname = next((pfx + n for n in ("gate.weight", "router.weight", "router.layer.weight")
+                      if reader.has(pfx + n)), None)
+        if rname is None:
+            raise CheckpointError(f"checkpoint: the router of {pfx!r} is missing: expected {pfx}gate.weight, "
+                                  f"{pfx}router.weight or {pfx}router.layer.weight")
+        router = reader.get(rname)
+        if router.ndim != 2:
+            raise CheckpointError(f"checkpoint: tensor {rname!r} has shape {tuple(router.shape)}; expected [E, H]")
+        E, H = (int(s) for s in router.shape)
+        if config is not None:
+            _expect(rname, router, (config.num_experts, config.hidden_size))
+        if reader.has(pfx + "experts.gate_up_proj") or reader.has(pfx + "input_linear.weight"):
+            experts = _fused(reader, pfx, E, H, config)
+        else:
+            experts = _per_expert(reader, pfx, E, H, hf_config)
+        if config is not None and experts.intermediate != config.intermediate_size:
+            raise CheckpointError(f"checkpoint: the experts of {pfx!r} have intermediate size "
+                                  f"{experts.intermediate}; the config says {config.intermediate_size}")
+        rb = reader.get(pfx + "router.bias") if reader.has(pfx + "router.bias") else None
+        if rb is not None:
+            _expect(pfx + "router.bias", rb, (E,))
+        cb_name = pfx + "gate.e_score_correction_bias"
+        cb = reader.get(cb_name) if reader.has(cb_name) else None
+        if cb is not None:
+            _expect(cb_name, cb, (E,))
+        shared = _shared(reader, pfx, H)
+        return MoEParams(router, experts, router_bias=rb, correction_bias=cb, shared=shared)
+    finally:
+        reader.close()
+
+
+def load_experts(checkpoint, layer: int | None = None, **kwargs) -> Experts:
+    """The routed experts of one block (`load_moe`'s ``.experts``)."""
+    return load_moe(checkpoint, layer, **kwargs).experts
