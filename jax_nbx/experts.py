@@ -323,7 +323,8 @@ class SharedExperts:
         return (self.experts, self.gate), None
 
     def tree_flatten_with_keys(self):
-        return ((jax.tree_util.GetAttrKey("experts"), self.experts), (jax.tree_util.GetAttrKey("gate"), self.gate)), None
+        key = jax.tree_util.GetAttrKey
+        return ((key("experts"), self.experts), (key("gate"), self.gate)), None
 
     @classmethod
     def tree_unflatten(cls, aux, children):

@@ -187,8 +187,9 @@ def dequantize(experts: Experts, dtype=None) -> Experts:
 
 def quant_format(experts: Experts) -> tuple[str, int] | None:
     """(kind, group_size or 0) of quantized experts, None for dense ones."""
-    g = experts.gate[0] if experts.is_list and len(experts.gate) else experts.gate
-    return (g.kind, g.group_size or 0) if isinstance(g, QuantizedWeight) else None
+    d = experts.down  # present in every form (fused experts have no .gate)
+    d = d[0] if experts.is_list and len(d) else d
+    return (d.kind, d.group_size or 0) if isinstance(d, QuantizedWeight) else None
 
 
 def is_quantized(experts: Experts) -> bool:

@@ -283,7 +283,7 @@ def moe_block(params: MoEParams, x: jax.Array, config: MoEConfig, *,
                          f"hidden_size={H}) (nn.Linear layout)")
     logits = jnp.einsum("...h,eh->...e", x.astype(jnp.float32), params.router.astype(jnp.float32))
     if params.router_bias is not None:
-        logits = logits + params.router_bias.astype(jnp.float32)
+        logits = logits + params.router_bias.astype(jnp.float32).reshape((1,) * (logits.ndim - 1) + (E,))
     w, ids, probs = _route(config, logits, params.correction_bias)
     kw = dict(activation=config.activation, implementation=config.implementation)
     if config.mesh is None:

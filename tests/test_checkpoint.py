@@ -1,0 +1,227 @@
+"""jax_nbx.checkpoint.load_moe: every family's block written as a Hugging Face
+safetensors checkpoint (the names and layouts of tests/test_families.py's
+builders, which follow transformers 5.24.0), loaded back, run through the
+NNX and Equinox layers and compared with the family's float64 block; the
+tensors kept in place (lists, stored layout); missing and mis-shaped
+tensors named."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors")
+from safetensors.numpy import save_file  # noqa: E402
+
+from jax_nbx import nn  # noqa: E402
+from jax_nbx.checkpoint import CheckpointError, load_moe  # noqa: E402
+
+from test_families import FAMILIES, H, _rand  # noqa: E402
+
+# config.json of each builder's block (transformers' field names)
+HF_CONFIGS = {
+    "mixtral": dict(model_type="mixtral", intermediate_size=24, num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(model_type="qwen2_moe", moe_intermediate_size=24, num_experts=16, num_experts_per_tok=4,
+                      norm_topk_prob=False, shared_expert_intermediate_size=52),
+    "qwen3_moe": dict(model_type="qwen3_moe", moe_intermediate_size=20, num_experts=32, num_experts_per_tok=8,
+                      norm_topk_prob=True),
+    "olmoe": dict(model_type="olmoe", intermediate_size=24, num_experts=16, num_experts_per_tok=4,
+                  norm_topk_prob=False),
+    "granitemoe": dict(model_type="granitemoe", intermediate_size=24, num_local_experts=33, num_experts_per_tok=8),
+    "gpt_oss": dict(model_type="gpt_oss", intermediate_size=24, num_local_experts=32, num_experts_per_tok=4,
+                    swiglu_limit=7.0),
+    "deepseek_v3": dict(model_type="deepseek_v3", moe_intermediate_size=24, n_routed_experts=64,
+                        num_experts_per_tok=8, n_shared_experts=2, n_group=8, topk_group=4, norm_topk_prob=True,
+                        routed_scaling_factor=2.5),
+    "deepseek_v2": dict(model_type="deepseek_v2", moe_intermediate_size=24, n_routed_experts=64,
+                        num_experts_per_tok=6, n_shared_experts=2, n_group=8, topk_group=3,
+                        topk_method="group_limited_greedy", routed_scaling_factor=16.0),
+}
+BLOCK = {"mixtral": "block_sparse_moe", "granitemoe": "block_sparse_moe"}
+MIXTRAL_LISTS = ("w1", "w3", "w2")
+
+
+def _tensors(name, p, layer=1):
+    """The block's tensors under their full checkpoint names."""
+    pfx = f"model.layers.{layer}.{BLOCK.get(name, 'mlp')}."
+    out = {}
+    for key, v in p.items():
+        if key in MIXTRAL_LISTS:
+            for e, a in enumerate(v):
+                out[f"{pfx}experts.{e}.{key}.weight"] = np.ascontiguousarray(a)
+        else:
+            out[pfx + key] = np.ascontiguousarray(v)
+    return out
+
+
+def _write(folder, name, tensors, shards=1):
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "config.json", "w") as f:
+        json.dump(dict(HF_CONFIGS[name], hidden_size=H), f)
+    if shards == 1:
+        save_file(tensors, str(folder / "model.safetensors"))
+        return
+    names = sorted(tensors)
+    wmap = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::shards]}
+        save_file(part, str(folder / fname))
+        wmap.update(dict.fromkeys(part, fname))
+    with open(folder / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {}, "weight_map": wmap}, f)
+
+
+def _rel(y, ref):
+    return float(np.max(np.abs(np.asarray(y, np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_family_checkpoint_loads_and_matches_transformers(name, tmp_path):
+    """load_moe + MoEConfig.from_hf + each layer, jitted, against the float64
+    HF block on the same tensors (≤ 1e-5), at T = 33 and T = 1."""
+    flax_nnx = pytest.importorskip("flax.nnx")
+    eqx = pytest.importorskip("equinox")
+    rng = np.random.default_rng(sum(map(ord, name)))
+    p, ref, _, _ = FAMILIES[name](rng)
+    _write(tmp_path, name, _tensors(name, p))
+    params = load_moe(tmp_path, layer=1)
+    config = nn.MoEConfig.from_hf(tmp_path)
+    nnx_layer = nn.NNXMoE(config, params=params)
+    eqx_layer = nn.EqxMoE(config, params=params)
+    p64 = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), p)
+    for T in (33, 1):
+        x = _rand(rng, T, H)
+        y_ref = ref(x.astype(np.float64), p64)
+        y1, aux = flax_nnx.jit(lambda m, x: m(x))(nnx_layer, jnp.asarray(x))
+        y2, _ = eqx.filter_jit(lambda m, x: m(x))(eqx_layer, jnp.asarray(x))
+        assert _rel(y1, y_ref) <= 1e-5, (name, T, _rel(y1, y_ref))
+        assert np.array_equal(np.asarray(y1), np.asarray(y2)), name
+        assert aux.expert_counts.shape == (config.num_experts,) and int(aux.expert_counts.sum()) == T * config.top_k
+
+
+def test_per_expert_tensors_stay_lists_in_the_stored_layout(tmp_path):
+    """Mixtral's experts.{e}.w1/w3/w2: E arrays each, [I, H]/[H, I] as stored
+    (layout out_in): nothing stacked or transposed."""
+    rng = np.random.default_rng(1)
+    p, _, _, _ = FAMILIES["mixtral"](rng)
+    _write(tmp_path, "mixtral", _tensors("mixtral", p))
+    ex = load_moe(tmp_path, layer=1).experts
+    assert ex.is_list and ex.layout == "out_in" and not ex.is_fused and len(ex.gate) == 8
+    for e in range(8):
+        assert np.array_equal(np.asarray(ex.gate[e]), p["w1"][e])
+        assert np.array_equal(np.asarray(ex.up[e]), p["w3"][e])
+        assert np.array_equal(np.asarray(ex.down[e]), p["w2"][e])
+
+
+def test_fused_tensors_stay_fused_in_the_stored_layout(tmp_path):
+    rng = np.random.default_rng(2)
+    p, _, _, _ = FAMILIES["gpt_oss"](rng)
+    _write(tmp_path, "gpt_oss", _tensors("gpt_oss", p))
+    params = load_moe(tmp_path, layer=1)
+    ex = params.experts
+    assert (ex.fusion, ex.layout, ex.is_list) == ("interleaved", "in_out", False)
+    assert np.array_equal(np.asarray(ex.gate_up), p["experts.gate_up_proj"])
+    assert np.array_equal(np.asarray(params.router_bias), p["router.bias"])
+
+
+def test_sharded_checkpoint_with_index_and_progress(tmp_path, capsys):
+    """model.safetensors.index.json over three files: the same parameters as
+    one file; a progress bar is drawn (tqdm, on stderr)."""
+    rng = np.random.default_rng(3)
+    p, _, _, _ = FAMILIES["qwen2_moe"](rng)
+    t = _tensors("qwen2_moe", p)
+    _write(tmp_path / "one", "qwen2_moe", t)
+    _write(tmp_path / "three", "qwen2_moe", t, shards=3)
+    a = load_moe(tmp_path / "one", layer=1)
+    b = load_moe(tmp_path / "three", layer=1)
+    assert "tensors" in capsys.readouterr().err
+    for la, lb in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert np.array_equal(np.asarray(la), np.asarray(lb))
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    # and from a list of files, with the prefix given
+    files = sorted(str(f) for f in (tmp_path / "three").glob("*.safetensors"))
+    c = load_moe(files, prefix="model.layers.1.mlp.")
+    assert jax.tree.structure(c) == jax.tree.structure(a)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    rng = np.random.default_rng(4)
+    p, _, _, _ = FAMILIES["mixtral"](rng)
+    t = _tensors("mixtral", p)
+    del t["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    _write(tmp_path, "mixtral", t)
+    with pytest.raises(CheckpointError,
+                       match=r"'model\.layers\.1\.block_sparse_moe\.experts\.5\.w3\.weight' is missing"):
+        load_moe(tmp_path, layer=1)
+
+
+def test_misshaped_tensor_is_named(tmp_path):
+    rng = np.random.default_rng(5)
+    p, _, _, _ = FAMILIES["qwen2_moe"](rng)
+    t = _tensors("qwen2_moe", p)
+    t["model.layers.1.mlp.shared_expert.up_proj.weight"] = t["model.layers.1.mlp.shared_expert.up_proj.weight"][:, :-1]
+    _write(tmp_path, "qwen2_moe", t)
+    with pytest.raises(CheckpointError, match=r"shared_expert\.up_proj\.weight' has shape \(52, 39\); "
+                                              r"expected \(52, 40\)"):
+        load_moe(tmp_path, layer=1)
+    t = _tensors("qwen2_moe", p)
+    t["model.layers.1.mlp.experts.down_proj"] = t["model.layers.1.mlp.experts.down_proj"][:, :, :-2]
+    _write(tmp_path, "qwen2_moe", t)
+    with pytest.raises(CheckpointError, match=r"experts\.down_proj' has shape \(16, 40, 22\); expected \(16, 40, 24\)"):
+        load_moe(tmp_path, layer=1)
+
+
+def test_wrong_layer_or_no_router(tmp_path):
+    rng = np.random.default_rng(6)
+    p, _, _, _ = FAMILIES["olmoe"](rng)
+    t = _tensors("olmoe", p)
+    _write(tmp_path, "olmoe", t)
+    with pytest.raises(CheckpointError, match="no MoE block found for layer=7"):
+        load_moe(tmp_path, layer=7)
+    with pytest.raises(ValueError, match="pass layer="):
+        load_moe(tmp_path)
+    del t["model.layers.1.mlp.gate.weight"]
+    _write(tmp_path, "olmoe", t)
+    with pytest.raises(CheckpointError, match=r"the router of 'model\.layers\.1\.mlp\.' is missing"):
+        load_moe(tmp_path, layer=1)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_moe(tmp_path / "nope.safetensors", layer=1)
+
+
+def test_config_disagreeing_with_tensors_is_named(tmp_path):
+    rng = np.random.default_rng(7)
+    p, _, _, _ = FAMILIES["olmoe"](rng)
+    _write(tmp_path, "olmoe", _tensors("olmoe", p))
+    cfg = nn.MoEConfig(hidden_size=H, intermediate_size=32, num_experts=16, top_k=4)
+    with pytest.raises(CheckpointError, match="intermediate size 24; the config says 32"):
+        load_moe(tmp_path, layer=1, config=cfg)
+
+
+def test_from_hf_rejects_unknown_model_type():
+    with pytest.raises(ValueError, match="model_type 'llama' is not one of"):
+        nn.MoEConfig.from_hf({"model_type": "llama", "hidden_size": 8})
+
+
+def test_layer_parameters_round_trip_through_a_checkpoint(tmp_path):
+    """An initialized NNXMoE (per-expert lists, out_in) written with the
+    Qwen3-MoE names and loaded back: the same parameter tree, the same output."""
+    flax_nnx = pytest.importorskip("flax.nnx")
+    config = nn.MoEConfig(hidden_size=H, intermediate_size=20, num_experts=32, top_k=8)
+    layer = nn.NNXMoE(config, rngs=flax_nnx.Rngs(0), lists=True)
+    prm = layer.params()
+    t = {"model.layers.0.mlp.gate.weight": np.asarray(prm.router)}
+    for e in range(32):
+        for n, a in zip(("gate_proj", "up_proj", "down_proj"), (prm.experts.gate, prm.experts.up, prm.experts.down)):
+            t[f"model.layers.0.mlp.experts.{e}.{n}.weight"] = np.asarray(a[e])
+    (tmp_path / "m").mkdir()
+    save_file(t, str(tmp_path / "m" / "model.safetensors"))
+    back = load_moe(tmp_path / "m", layer=0)
+    assert jax.tree.structure(back) == jax.tree.structure(prm)
+    for a, b in zip(jax.tree.leaves(prm), jax.tree.leaves(back)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    x = jnp.asarray(_rand(np.random.default_rng(8), 5, H))
+    assert np.array_equal(np.asarray(layer(x)[0]), np.asarray(nn.NNXMoE(config, params=back)(x)[0]))
