@@ -166,9 +166,11 @@ def _quantized(reader: _Reader, base: str, method: str, hf_config: dict | None):
     from . import quant_import as qi
     if method == "mlx":
         q = (hf_config or {}).get("quantization") or {}
-        qw = qi.from_mlx(reader.get(base + "weight"), reader.get(base + "scales"), reader.get(base + "biases"),
-                         bits=int(q.get("bits", 4)), group_size=int(q.get("group_size", 64)))
-        return qw, None
+        args = [np.asarray(reader.get(base + p)) for p in ("weight", "scales", "biases")]
+        try:
+            return qi.from_mlx(*args, bits=int(q.get("bits", 4)), group_size=int(q.get("group_size", 64))), None
+        except ValueError as err:
+            raise CheckpointError(f"checkpoint: {base}*: {err}") from err
     args = [np.asarray(reader.get(base + p)) for p in ("qweight", "qzeros", "scales")]
     bits = int(((hf_config or {}).get("quantization_config") or {}).get("bits", 4))
     try:

@@ -225,3 +225,90 @@ def test_layer_parameters_round_trip_through_a_checkpoint(tmp_path):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     x = jnp.asarray(_rand(np.random.default_rng(8), 5, H))
     assert np.array_equal(np.asarray(layer(x)[0]), np.asarray(nn.NNXMoE(config, params=back)(x)[0]))
+
+
+# --- quantized checkpoints: per-expert GPTQ / AWQ / MLX tensors through load_moe ----------------
+
+QE, QK, QH, QI = 4, 2, 128, 64
+
+
+def _quant_checkpoint(folder, method, act_order_down=False, act_order_gate=False):
+    """A Qwen3-MoE-named block whose experts are stored quantized by ``method``
+    (the packers of tests/test_quant_import.py, written from the formats'
+    specs); returns the format's own dequantized weights [in, out] per expert."""
+    from test_quant_import import awq_pack, gptq_pack, mlx_pack
+    rng = np.random.default_rng(11)
+    pfx = "model.layers.0.mlp."
+    t = {pfx + "gate.weight": rng.standard_normal((QE, QH)).astype(np.float32) * QH ** -0.5}
+    ref = [[], [], []]
+    for e in range(QE):
+        for j, (n, K, N) in enumerate((("gate_proj", QH, QI), ("up_proj", QH, QI), ("down_proj", QI, QH))):
+            W = (rng.standard_normal((K, N)) * K ** -0.5).astype(np.float32)
+            base = f"{pfx}experts.{e}.{n}."
+            if method == "gptq":
+                ao = (j == 2 and act_order_down) or (j == 0 and act_order_gate)
+                g_idx = rng.permutation(np.arange(K) // 32) if ao else None
+                qweight, qzeros, scales, gi, w_fmt = gptq_pack(W, 32, g_idx=g_idx)
+                t.update({base + "qweight": qweight, base + "qzeros": qzeros, base + "scales": scales,
+                          base + "g_idx": gi})
+            elif method == "awq":
+                qweight, qzeros, scales, w_fmt = awq_pack(W, 32)
+                t.update({base + "qweight": qweight, base + "qzeros": qzeros, base + "scales": scales})
+            else:
+                weight, scales, biases, w_fmt = mlx_pack(W, 32, np.float16)
+                t.update({base + "weight": weight, base + "scales": scales, base + "biases": biases})
+            ref[j].append(w_fmt)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = dict(model_type="qwen3_moe", hidden_size=QH, moe_intermediate_size=QI, num_experts=QE,
+               num_experts_per_tok=QK, norm_topk_prob=True)
+    if method == "mlx":
+        cfg["quantization"] = {"group_size": 32, "bits": 4}
+    else:
+        cfg["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 32}
+    with open(folder / "config.json", "w") as f:
+        json.dump(cfg, f)
+    save_file({k: np.ascontiguousarray(v) for k, v in t.items()}, str(folder / "model.safetensors"))
+    return t[pfx + "gate.weight"], ref
+
+
+@pytest.mark.parametrize("method,act_order", [("gptq", False), ("gptq", True), ("awq", False), ("mlx", False)])
+def test_quantized_checkpoint_loads_losslessly(method, act_order, tmp_path):
+    """Per-expert quantized projections become int4 lists (float32 scales);
+    the block (NNXMoE, jitted; T = 1 and 33) equals float64 on the format's
+    own dequantized weights (act-order down: its permutation absorbed into
+    gate/up's columns)."""
+    flax_nnx = pytest.importorskip("flax.nnx")
+    router, ref = _quant_checkpoint(tmp_path, method, act_order_down=act_order)
+    params = load_moe(tmp_path, layer=0)
+    ex = params.experts
+    assert ex.is_list and ex.gate[0].kind == "int4" and ex.gate[0].scale.dtype == jnp.float32
+    if not act_order:  # the converted weights are the format's, bit for bit
+        for j, proj in enumerate((ex.gate, ex.up, ex.down)):
+            for e in range(QE):
+                assert np.array_equal(np.asarray(proj[e].dequantize(jnp.float32)), ref[j][e])
+    layer = flax_nnx.jit(lambda m, x: m(x))
+    m = nn.NNXMoE(nn.MoEConfig.from_hf(tmp_path), params=params)
+    rng = np.random.default_rng(12)
+    for T in (1, 33):
+        x = rng.standard_normal((T, QH)).astype(np.float32)
+        logits = x.astype(np.float64) @ router.astype(np.float64).T
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        ids = np.argsort(-p, -1, kind="stable")[:, :QK]
+        w = np.take_along_axis(p, ids, -1)
+        w /= w.sum(-1, keepdims=True)
+        y_ref = np.zeros((T, QH))
+        for t in range(T):
+            for j in range(QK):
+                e = ids[t, j]
+                g = x[t].astype(np.float64) @ ref[0][e]
+                u = x[t].astype(np.float64) @ ref[1][e]
+                y_ref[t] += w[t, j] * ((g / (1 + np.exp(-g)) * u) @ ref[2][e])
+        y, _ = layer(m, jnp.asarray(x))
+        assert _rel(y, y_ref) <= 1e-5, (method, act_order, T, _rel(y, y_ref))
+
+
+def test_act_order_gate_is_refused_with_the_reason(tmp_path):
+    _quant_checkpoint(tmp_path, "gptq", act_order_gate=True)
+    with pytest.raises(CheckpointError, match=r"experts\.0\.gate_proj/up_proj are act-order GPTQ.*not absorbable"):
+        load_moe(tmp_path, layer=0)
