@@ -143,6 +143,10 @@ def _quant_method(reader: _Reader, base: str, hf_config: dict | None) -> str | N
     if reader.has(base + "qweight"):
         qc = (hf_config or {}).get("quantization_config") or {}
         method = str(qc.get("quant_method", "")).lower()
+        if str(qc.get("checkpoint_format", "gptq")).lower() not in ("gptq", ""):
+            raise CheckpointError(f"checkpoint: quantization_config.checkpoint_format="
+                                  f"{qc['checkpoint_format']!r} (GPTQModel's) is not read; only the v1 'gptq' "
+                                  "format (zeros stored minus one) converts")
         if method in ("gptq", "awq"):
             return method
         qw = reader.get(base + "qweight")
@@ -155,9 +159,6 @@ def _quant_method(reader: _Reader, base: str, hf_config: dict | None) -> str | N
                               "match neither GPTQ (packed along K) nor AWQ (packed along N)")
     if reader.has(base + "weight") and reader.has(base + "scales") and reader.has(base + "biases"):
         return "mlx"
-    if reader.has(base + "weight_blocks") or reader.has(base + "blocks"):
-        raise CheckpointError(f"checkpoint: {base}*_blocks is MXFP4 (gpt-oss's release format), which jax_nbx "
-                              "does not read; dequantize it to bf16 first")
     return None
 
 
@@ -321,6 +322,9 @@ def load_moe(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], layer:
         E, H = (int(s) for s in router.shape)
         if config is not None:
             _expect(rname, router, (config.num_experts, config.hidden_size))
+        if reader.has(pfx + "experts.gate_up_proj_blocks"):
+            raise CheckpointError(f"checkpoint: {pfx}experts.gate_up_proj_blocks is MXFP4 (gpt-oss's release "
+                                  "format), which jax_nbx does not read; dequantize it to bf16 first")
         if reader.has(pfx + "experts.gate_up_proj") or reader.has(pfx + "input_linear.weight"):
             experts = _fused(reader, pfx, E, H, config)
         else:

@@ -312,3 +312,21 @@ def test_act_order_gate_is_refused_with_the_reason(tmp_path):
     _quant_checkpoint(tmp_path, "gptq", act_order_gate=True)
     with pytest.raises(CheckpointError, match=r"experts\.0\.gate_proj/up_proj are act-order GPTQ.*not absorbable"):
         load_moe(tmp_path, layer=0)
+
+
+def test_unsupported_quantized_formats_are_refused_by_name(tmp_path):
+    """gpt-oss's MXFP4 tensors and GPTQModel's v2 format: refused, named."""
+    pfx = "model.layers.0.mlp."
+    (tmp_path / "a").mkdir()
+    save_file({pfx + "router.weight": np.zeros((4, 16), np.float32),
+               pfx + "experts.gate_up_proj_blocks": np.zeros((4, 16, 2, 16), np.uint8),
+               pfx + "experts.gate_up_proj_scales": np.zeros((4, 16, 2), np.uint8)},
+              str(tmp_path / "a" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"gate_up_proj_blocks is MXFP4"):
+        load_moe(tmp_path / "a", layer=0)
+    _quant_checkpoint(tmp_path / "b", "gptq")
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    cfg["quantization_config"]["checkpoint_format"] = "gptq_v2"
+    (tmp_path / "b" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="checkpoint_format='gptq_v2'"):
+        load_moe(tmp_path / "b", layer=0)
