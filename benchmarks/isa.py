@@ -1,0 +1,150 @@
+"""Every CPU kernel family under every supported instruction set, side by side,
+with the anchors measured beside each row (issue #19's benchmark method).
+
+    python benchmarks/isa.py                                  # OLMoE and Qwen3, the default rows
+    python benchmarks/isa.py --models olmoe-1b-7b --rows prefill-f32,decode-int4 --rounds 5
+    python benchmarks/isa.py --json isa.json
+
+A row is one (model layer, T, weight format): prefill T=512 with float32 and
+bfloat16 weights; decode T=1 and T=8 with float32, bfloat16, int8 and int4
+(group 128) weights; x float32 (bf16 for the quantized rows, as
+benchmarks/quant.py).  Each round runs, for that row, numpy's sgemm (1024^3,
+float32), a numpy copy, and the op once under each ISA (`jax_nbx.cpu.set_isa`)
+-- so every ratio compares times taken seconds apart; the medians over the
+rounds are printed:
+
+* prefill: GFLOP/s of the routed work and its ratio to the sgemm rate of the
+  same rounds (issue #19's target: >= 0.85);
+* decode: time / the weight-bandwidth floor (active experts' weight bytes /
+  the copy's read rate in the same rounds; target <= 1.3 for bf16);
+* ``÷ best``: each ISA's time over the fastest ISA's on that row; the ISA
+  jax_nbx chooses by itself is marked ``*`` (target: never above 1.03).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_nbx as nbx
+from jax_nbx._bench import format_table, machine, make_layer
+
+ROWS = {  # name -> (T, weights, x dtype)
+    "prefill-f32": (512, "f32", jnp.float32),
+    "prefill-bf16": (512, "bf16", jnp.float32),
+    "decode-f32": (1, "f32", jnp.float32),
+    "decode-bf16": (1, "bf16", jnp.float32),
+    "decode-int8": (1, "int8", jnp.bfloat16),
+    "decode-int4": (1, "int4", jnp.bfloat16),
+    "decode8-bf16": (8, "bf16", jnp.float32),
+    "decode8-int4": (8, "int4", jnp.bfloat16),
+}
+
+
+def _experts(m, fmt, T):
+    x, w, ids, ex = make_layer(m, T, jnp.bfloat16 if fmt != "f32" else jnp.float32)
+    if fmt == "int8":
+        ex = nbx.quantize(ex, "int8", scale_dtype=jnp.bfloat16)
+    elif fmt == "int4":
+        ex = nbx.quantize(ex, "int4", group_size=128, scale_dtype=jnp.bfloat16)
+    return x, w, ids, jax.block_until_ready(ex)
+
+
+def _weight_bytes(m, fmt, ids) -> float:
+    per = {"f32": 4.0, "bf16": 2.0, "int8": 1.0 + 2.0 / m.H, "int4": 0.5 + 4.0 / 128}[fmt]
+    active = len(np.unique(np.asarray(ids)))
+    return active * 3 * m.H * m.I * per
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="olmoe-1b-7b,qwen3-30b-a3b")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated of {', '.join(ROWS)}")
+    ap.add_argument("--isas", default=None, help="comma-separated (default: every ISA this CPU supports)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    rows_wanted = a.rows.split(",")
+    for r in rows_wanted:
+        if r not in ROWS:
+            ap.error(f"--rows: unknown row {r!r} (known: {', '.join(ROWS)})")
+    chosen = nbx.cpu.isa()
+    isas = a.isas.split(",") if a.isas else nbx.cpu.supported_isas()
+    for i in isas:
+        if i not in nbx.cpu.supported_isas():
+            ap.error(f"--isas: {i!r} is not supported here (supported: {nbx.cpu.supported_isas()})")
+    print(f"{machine()}; ISA chosen: {chosen}; measured side by side: {', '.join(isas)}", flush=True)
+
+    rng = np.random.default_rng(0)
+    A = rng.random((1024, 1024), dtype=np.float32)
+    B = rng.random((1024, 1024), dtype=np.float32)
+    src = np.ones(64 * 2 ** 20, np.float32)
+    dst = np.empty_like(src)
+    f = jax.jit(nbx.fused_moe)
+    table, results = [], []
+    try:
+        for name in a.models.split(","):
+            m = nbx.MODELS[name]
+            for row in rows_wanted:
+                T, fmt, xdt = ROWS[row]
+                x, w, ids, ex = _experts(m, fmt, T)
+                x = x.astype(xdt)
+                fn = lambda: f(x, w, ids, ex)  # noqa: E731
+                times = {i: [] for i in isas}
+                sg, bw = [], []
+                for r in range(a.rounds + 1):  # round 0 warms up
+                    t_sg = _time(lambda: A @ B)
+                    t_cp = _time(lambda: np.copyto(dst, src))
+                    per = {}
+                    for i in isas:
+                        nbx.cpu.set_isa(i)
+                        per[i] = _time(fn)
+                    if r:
+                        sg.append(2 * 1024 ** 3 / t_sg)
+                        bw.append(src.nbytes / t_cp)  # the copy's read rate
+                        for i in isas:
+                            times[i].append(per[i])
+                    sys.stderr.write(f"\r{name} {row} round {r}/{a.rounds}   ")
+                sys.stderr.write("\n")
+                med = {i: statistics.median(v) for i, v in times.items()}
+                rate, read_bw = statistics.median(sg), statistics.median(bw)
+                best = min(med.values())
+                flops = m.routed_flops(T)
+                floor = _weight_bytes(m, fmt, ids) / read_bw
+                for i in isas:
+                    t = med[i]
+                    anchor = (f"{flops / t / 1e9:.1f} GF/s, {flops / t / rate:.2f} x sgemm" if T > 8
+                              else f"{t / floor:.2f} x bw floor")
+                    table.append([name, row, i + ("*" if i == chosen else ""), f"{t * 1e3:.2f}", anchor,
+                                  f"{t / best:.2f}"])
+                results.append({"model": name, "row": row, "T": T, "weights": fmt, "x": str(np.dtype(xdt)),
+                                "median_ms": {i: v * 1e3 for i, v in med.items()},
+                                "all_ms": {i: [t * 1e3 for t in v] for i, v in times.items()},
+                                "sgemm_gflops_median": rate / 1e9, "copy_read_gbs_median": read_bw / 1e9,
+                                "weight_floor_ms": floor * 1e3})
+                print(table[-len(isas):], flush=True)
+    finally:
+        nbx.cpu.set_isa(chosen)
+    print(format_table(["model", "row", "ISA", "ms", "vs anchors (same rounds)", "÷ best"], table))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"machine": machine(), "isa_chosen": chosen, "isas": isas, "rounds": a.rounds,
+                       "rows": results}, fh, indent=1)
+        print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
