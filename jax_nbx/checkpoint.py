@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from .experts import Experts, SharedExperts
-from .nn.block import MoEConfig, MoEParams
+from .nn.block import MoEConfig, MoEParams, read_hf_config
 
 __all__ = ["load_moe", "load_experts", "CheckpointError"]
 
@@ -300,8 +300,7 @@ def load_moe(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], layer:
     files, wmap, cfg_path = _files(checkpoint)
     hf_config = None
     if cfg_path is not None:
-        with open(cfg_path) as f:
-            hf_config = json.load(f)
+        hf_config = read_hf_config(cfg_path)
         if config is None:
             try:
                 config = MoEConfig.from_hf(hf_config)

@@ -30,7 +30,8 @@ from ..routing import (
     router_z_loss,
 )
 
-__all__ = ["MoEConfig", "MoEParams", "RouterAux", "ROUTINGS", "init_params", "moe_block", "partition_specs"]
+__all__ = ["MoEConfig", "MoEParams", "RouterAux", "ROUTINGS", "init_params", "moe_block", "partition_specs",
+           "read_hf_config"]
 
 ROUTINGS = ("softmax", "softmax_topk", "sigmoid", "topk_sigmoid")
 
@@ -132,12 +133,7 @@ class MoEConfig:
         DeepSeek-V2/V3, gpt-oss (read from transformers 5.24.0's
         ``configuration_*.py``); ``overrides`` replace fields (e.g.
         ``implementation=``)."""
-        if not isinstance(config, dict):
-            path = os.fspath(config)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            with open(path) as f:
-                config = json.load(f)
+        config = read_hf_config(config)
         c = config.get("text_config", config)
         mt = c.get("model_type", "")
         g = c.get
@@ -200,6 +196,17 @@ class RouterAux(NamedTuple):
     load_balancing_loss: jax.Array
     router_z_loss: jax.Array
     expert_counts: jax.Array
+
+
+def read_hf_config(config: dict | str | os.PathLike) -> dict:
+    """A Hugging Face ``config.json`` as a dict: given as one, as the file, or as its folder."""
+    if isinstance(config, dict):
+        return config
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        return json.load(f)
 
 
 def _normal(key, shape, std, dtype):

@@ -44,7 +44,7 @@ from flax import nnx
 from ..checkpoint import CheckpointError, _files, load_moe
 from ..experts import Experts
 from ..routing import route
-from .block import MoEConfig, MoEParams
+from .block import MoEConfig, MoEParams, read_hf_config
 from .nnx_moe import NNXMoE
 
 __all__ = ["Qwen3MoeConfig", "Qwen3MoeForCausalLM", "MOE_IMPLEMENTATIONS", "with_moe", "init_cache",
@@ -106,12 +106,7 @@ class Qwen3MoeConfig:
     def from_hf(cls, config: dict | str | os.PathLike) -> Qwen3MoeConfig:
         """From a ``config.json`` (a dict, the file or its folder); refuses,
         naming the field, what this model does not implement."""
-        if not isinstance(config, dict):
-            path = os.fspath(config)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            with open(path) as f:
-                config = json.load(f)
+        config = read_hf_config(config)
         if config.get("model_type") != "qwen3_moe":
             raise ValueError(f"Qwen3MoeConfig.from_hf: model_type is {config.get('model_type')!r}, "
                              "not 'qwen3_moe'")

@@ -105,32 +105,44 @@ NBX_AI float ScaleAt(const void* p, int64_t i) {
   }
 }
 
-// VL int8 values widened to float32.
-// (AVX-512 and AVX2: one sign/zero-extending load, vpmovsxbd/vpmovzxbd.  The
-// generic shuffles of TopBytes<16> went through the stack there -- four
-// 16-byte stores read back as one 64-byte load, a store-forwarding stall per
-// step -- and made the AVX-512 streaming kernels slower than AVX2's.  Same
-// integers either way, so the results are unchanged bit for bit.)
-template <int VL>
-NBX_AI typename VecT<VL>::type Int8ToFloat(const int8_t* p) {
+// VL bytes p[0, VL) widened to 32-bit lanes, sign-extended (int8) or
+// zero-extended (packed int4).  AVX-512 and AVX2: one extending load
+// (vpmovsxbd/vpmovzxbd; the zero-masked AVX-512 forms, as GCC 12 warns on the
+// unmasked ones' undefined pass-through).  The generic shuffles of
+// TopBytes<16> went through the stack there -- four 16-byte stores read back
+// as one 64-byte load, a store-forwarding stall per step -- and made the
+// AVX-512 streaming kernels slower than AVX2's.  The same integers either way,
+// so results are unchanged bit for bit.
+template <int VL, bool kSigned>
+NBX_AI typename I32T<VL>::type WidenBytes(const uint8_t* p) {
   typedef typename I32T<VL>::type I;
   I w;
 #if defined(__AVX512F__)
-  if constexpr (VL == 16) {  // (zero-masked forms: GCC 12 warns on the unmasked ones' undefined pass-through)
-    const __m512i b = _mm512_maskz_cvtepi8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    memcpy(&w, &b, sizeof w);
+  if constexpr (VL == 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m512i v = kSigned ? _mm512_maskz_cvtepi8_epi32(0xFFFF, b) : _mm512_maskz_cvtepu8_epi32(0xFFFF, b);
+    memcpy(&w, &v, sizeof w);
   } else
 #endif
 #if defined(__AVX2__)
   if constexpr (VL == 8) {
-    const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    memcpy(&w, &b, sizeof w);
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m256i v = kSigned ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+    memcpy(&w, &v, sizeof w);
   } else
 #endif
   {
-    w = reinterpret_cast<I>(TopBytes<VL>(reinterpret_cast<const uint8_t*>(p))) >> 24;
+    const typename U32T<VL>::type t = TopBytes<VL>(p);
+    w = kSigned ? reinterpret_cast<I>(t) >> 24 : reinterpret_cast<I>(t >> 24);
   }
-  return __builtin_convertvector(w, typename VecT<VL>::type);
+  return w;
+}
+
+// VL int8 values widened to float32.
+template <int VL>
+NBX_AI typename VecT<VL>::type Int8ToFloat(const int8_t* p) {
+  return __builtin_convertvector(WidenBytes<VL, true>(reinterpret_cast<const uint8_t*>(p)),
+                                 typename VecT<VL>::type);
 }
 
 // VL bytes of packed int4 (two rows): the low nibbles (even row) and the high
@@ -138,23 +150,7 @@ NBX_AI typename VecT<VL>::type Int8ToFloat(const int8_t* p) {
 template <int VL>
 NBX_AI void Int4ToFloat(const uint8_t* p, typename VecT<VL>::type& lo,
                         typename VecT<VL>::type& hi) {
-  typedef typename I32T<VL>::type I;
-  I w;
-#if defined(__AVX512F__)
-  if constexpr (VL == 16) {
-    const __m512i b = _mm512_maskz_cvtepu8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    memcpy(&w, &b, sizeof w);
-  } else
-#endif
-#if defined(__AVX2__)
-  if constexpr (VL == 8) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    memcpy(&w, &b, sizeof w);
-  } else
-#endif
-  {
-    w = reinterpret_cast<I>(TopBytes<VL>(p) >> 24);
-  }
+  const typename I32T<VL>::type w = WidenBytes<VL, false>(p);
   lo = __builtin_convertvector(w & 15, typename VecT<VL>::type);
   hi = __builtin_convertvector(w >> 4, typename VecT<VL>::type);
 }
