@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from .activations import Activation
 from .experts import Experts
 from .ops import _narrow_ids, _resolve_implementation, fused_moe
+from .quant import is_quantized, quant_format
 
 __all__ = ["sharded_moe"]
 
@@ -130,6 +131,10 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
     if not experts.is_plain:
         raise ValueError("sharded_moe takes plain experts (gate, up [E, H, I], down [E, I, H], no "
                          f"biases); got {experts!r}: checkpoint layouts and biases are not sharded yet")
+    if is_quantized(experts):
+        raise ValueError(f"sharded_moe takes dense experts; got quantized ones "
+                         f"({quant_format(experts)[0]}): "
+                         "sharding their codes and scales is not implemented yet (use fused_moe)")
     for ax in (expert_axis, data_axis):
         if ax is not None and ax not in mesh.shape:
             raise ValueError(f"mesh has axes {tuple(mesh.shape)}; no axis {ax!r}")

@@ -276,3 +276,14 @@ def test_sharded_moe_errors():
         nbx.sharded_moe(x, w, ids, ex, mesh, data_axis=None, ids_outside="drop")
     with pytest.raises(TypeError, match="topk_ids has dtype float32; expected an integer dtype"):
         nbx.sharded_moe(x, w, ids.astype(jnp.float32), ex, mesh, data_axis=None)
+
+
+def test_sharded_moe_refuses_quantized_experts_by_name():
+    """Quantized experts are not sharded (their scales are [E, N], not [E, K, N]):
+    a ValueError saying so, not device_put's rank error."""
+    import jax
+
+    x, w, ids, ex = make_problem(3, 8, 4, 2, 64, 32)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "expert"))
+    with pytest.raises(ValueError, match=r"sharded_moe takes dense experts; got quantized ones \(int8\)"):
+        nbx.sharded_moe(x, w, ids, nbx.quantize(ex, "int8"), mesh)
