@@ -12,13 +12,17 @@ Timing: each implementation runs R times inside one jitted `lax.fori_loop`
 and each call's host work are counted and Python dispatch is not; the median
 of 5 such loops, divided by R.  Columns: ours, XLA `ragged_dot`, dense
 per-expert einsum (every expert on every token, masked), routed TFLOP/s and
-its fraction of 790 TFLOP/s (H200 bf16 dense, measured here on random data),
-and for T <= 16 time / (active experts' weight bytes / 4.3 TB/s).
+its fraction of the GEMM rate, and for T <= 16 time / floor.  Both anchors are
+measured beside each row, in the same way as the row (a jitted loop, median of
+5): the GEMM rate is XLA's own bf16 matmul (cuBLAS) of --gemm-n (8192) cubed;
+the floor is the active experts' weight bytes / the bandwidth of a
+device-to-device copy of --copy-mib (1024 MiB; read + write counted).
 A table is printed last; full logs go to --out (or $JAX_NBX_BENCH_OUT).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -33,9 +37,6 @@ import numpy as np
 import jax_nbx as nbx
 from jax_nbx import _bench, _cuda
 from jax_nbx.models import MODELS
-
-PEAK_TFLOPS = 790.0
-PEAK_TBPS = 4.3
 
 
 def log(*a):
@@ -190,7 +191,56 @@ def norm_time(x, reps):
     return statistics.median(times)
 
 
-def run_bench(models, tokens, rows, budget_s):
+def _median_loop_time(run, arg, reps):
+    jax.block_until_ready(run(arg))
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(arg))
+        times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times)
+
+
+@functools.cache
+def _gemm_loop(n, reps, dtype):
+    """The GEMM anchor's operands and jitted loop, built once per (n, reps, dtype)."""
+    dtype = jnp.dtype(dtype)
+    key_a, key_b = jax.random.split(jax.random.key(1))
+    a = jax.random.normal(key_a, (n, n), jnp.float32).astype(dtype)
+    b = (jax.random.normal(key_b, (n, n), jnp.float32) / np.sqrt(n)).astype(dtype)
+
+    def step(_, xc):
+        y = jnp.dot(xc, b, preferred_element_type=jnp.float32)
+        return (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(dtype)
+
+    return jax.jit(lambda a: jax.lax.fori_loop(0, reps, step, a)), a
+
+
+def gemm_rate(n=8192, reps=5, dtype="bfloat16"):
+    """XLA's own n x n x n matmul rate in FLOP/s on the default device: a jitted
+    loop of `reps` dependent products (each renormalized into the next), median
+    of 5, the renormalization's own time subtracted."""
+    run, a = _gemm_loop(n, reps, dtype)
+    t = _median_loop_time(run, a, reps)
+    return 2.0 * n ** 3 / max(t - norm_time(a, reps), 1e-9)
+
+
+@functools.cache
+def _copy_loop(mib, reps):
+    x = jnp.zeros((mib * 2 ** 20 // 4,), jnp.float32)
+    return jax.jit(lambda x: jax.lax.fori_loop(0, reps, lambda _, xc: xc + 1.0, x)), x
+
+
+def copy_bandwidth(mib=1024, reps=10):
+    """Bytes per second of a device-to-device copy (read + write counted) on the
+    default device: a jitted loop of `reps` passes, each adding 1 to the
+    previous one's output (one read and one write of every byte, which XLA
+    cannot elide), median of 5."""
+    run, x = _copy_loop(mib, reps)
+    return 2.0 * x.size * 4 / _median_loop_time(run, x, reps)
+
+
+def run_bench(models, tokens, rows, budget_s, gemm_n=8192, copy_mib=1024):
     t_start = time.perf_counter()
     for name in models:
         m = MODELS[name]
@@ -212,15 +262,17 @@ def run_bench(models, tokens, rows, budget_s):
                 except Exception as e:
                     log("failed", label, name, T, type(e).__name__, str(e)[:200])
                     res[label] = float("nan")
+            gemm = gemm_rate(gemm_n)      # the anchors beside the row
+            bw = copy_bandwidth(copy_mib)
             flops = m.routed_flops(T)
             tf = flops / res["ours"] / 1e12
             active = len(np.unique(np.asarray(ids)))
-            floor = active * 3 * m.H * m.I * 2 / (PEAK_TBPS * 1e12)
+            floor = active * 3 * m.H * m.I * 2 / bw
             row = [name, str(T), f"{res['ours'] * 1e3:.3f}", f"{res['prefill'] * 1e3:.3f}",
                    f"{res['ragged'] * 1e3:.3f}",
                    f"{res['dense'] * 1e3:.3f}", f"{res['ragged'] / res['ours']:.2f}",
-                   f"{res['dense'] / res['ours']:.2f}", f"{tf:.1f}", f"{tf / PEAK_TFLOPS:.3f}",
-                   f"{res['ours'] / floor:.2f}" if T <= 16 else "-"]
+                   f"{res['dense'] / res['ours']:.2f}", f"{tf:.1f}", f"{gemm / 1e12:.0f}", f"{tf * 1e12 / gemm:.3f}",
+                   f"{bw / 1e12:.2f}", f"{res['ours'] / floor:.2f}" if T <= 16 else "-"]
             rows.append(row)
             log(row)
 
@@ -232,6 +284,8 @@ def main(argv=None):
     ap.add_argument("--tokens", default="1,16,512,4096")
     ap.add_argument("--bench-seconds", type=float, default=240.0)
     ap.add_argument("--out", default=os.environ.get("JAX_NBX_BENCH_OUT"))
+    ap.add_argument("--gemm-n", type=int, default=8192, help="the GEMM anchor's n (n x n x n bf16)")
+    ap.add_argument("--copy-mib", type=int, default=1024, help="the copy anchor's size in MiB")
     args = ap.parse_args(argv)
     dev = jax.devices()[0]
     log(f"device: {dev.device_kind}, jax {jax.__version__}, backend {jax.default_backend()}, "
@@ -241,13 +295,13 @@ def main(argv=None):
     bench_rows: list = []
     if not args.check_only:
         run_bench(args.models.split(","), [int(t) for t in args.tokens.split(",")], bench_rows,
-                  args.bench_seconds)
+                  args.bench_seconds, args.gemm_n, args.copy_mib)
     text = "\n== correctness (max |y-ref| / max |ref| vs float64)\n" + _bench.format_table(
         ["case", "err", "tol", "status"], check_rows)
     if bench_rows:
         text += ("\n== timing, bf16, median of 5 jitted loops (ms per layer call)\n" + _bench.format_table(
             ["model", "T", "ours ms", "prefill path ms", "ragged_dot ms", "dense ms", "ragged/ours", "dense/ours",
-             "TFLOP/s", "of 790", "t/bw floor"], bench_rows))
+             "TFLOP/s", "GEMM TFLOP/s", "of GEMM", "copy TB/s", "t/bw floor"], bench_rows))
     print(text, flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

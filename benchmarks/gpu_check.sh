@@ -10,7 +10,9 @@ LOGS=${1:-${JAX_NBX_BENCH_OUT:-gpu_logs}}
 mkdir -p "$LOGS"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-{ date -u; nvidia-smi; $PY -c "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__, jax.devices())"; } \
+{ date -u; nvidia-smi; grep -m1 'model name' /proc/cpuinfo; nproc
+  echo "cpu flags: $(grep -m1 -o -w -E 'avx2|avx512f|avx512_bf16|avx512_fp16|avx512_vnni|amx_bf16|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+  $PY -c "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__, jax.devices())"; } \
   > "$LOGS/machine.txt" 2>&1
 head -3 "$LOGS/machine.txt"; tail -1 "$LOGS/machine.txt"
 echo "== build (CUDA handler required)"
@@ -23,5 +25,8 @@ echo "built in $(( $(date +%s) - t0 )) s"
 echo "== GPU tests"
 timeout 150 $PY -m pytest -q --maxfail=5 tests/test_cuda.py -p no:cacheprovider > "$LOGS/tests.log" 2>&1
 echo "pytest exit $?"; tail -15 "$LOGS/tests.log"
+echo "== CPU micro-kernels of every ISA this machine's CPU has (its flags: machine.txt)"
+timeout 90 $PY -m pytest -q tests/test_kernels.py -p no:cacheprovider > "$LOGS/cpu_kernels.log" 2>&1
+echo "pytest exit $?"; tail -3 "$LOGS/cpu_kernels.log"
 echo "== check and time"
 timeout 270 $PY benchmarks/gpu.py --out "$LOGS" --bench-seconds ${GPU_BENCH_SECONDS:-150} ${GPU_BENCH_ARGS:-} 2>&1 | tee "$LOGS/bench.log" | grep -v "^\[" | tail -60
