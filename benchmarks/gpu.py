@@ -156,6 +156,16 @@ def ours_prefill(x, w, ids, ex):
         del os.environ["JAX_NBX_CUDA_DECODE_SLOTS"]
 
 
+def _median_loop_time(run, arg, reps):
+    jax.block_until_ready(run(arg))
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(arg))
+        times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times)
+
+
 def loop_time(fn, x, w, ids, ex, reps):
     @jax.jit
     def run(x, w, ids, ex):
@@ -165,13 +175,7 @@ def loop_time(fn, x, w, ids, ex, reps):
             return y.astype(x.dtype)
         return jax.lax.fori_loop(0, reps, body, x)
 
-    jax.block_until_ready(run(x, w, ids, ex))
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(x, w, ids, ex))
-        times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times)
+    return _median_loop_time(lambda x: run(x, w, ids, ex), x, reps)
 
 
 def norm_time(x, reps):
@@ -182,23 +186,7 @@ def norm_time(x, reps):
             y = xc.astype(jnp.float32)
             return (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(x.dtype)
         return jax.lax.fori_loop(0, reps, body, x)
-    jax.block_until_ready(run(x))
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(x))
-        times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times)
-
-
-def _median_loop_time(run, arg, reps):
-    jax.block_until_ready(run(arg))
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(arg))
-        times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times)
+    return _median_loop_time(run, x, reps)
 
 
 @functools.cache
