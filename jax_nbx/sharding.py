@@ -135,6 +135,11 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
         raise ValueError(f"sharded_moe takes dense experts; got quantized ones "
                          f"({quant_format(experts)[0]}): "
                          "sharding their codes and scales is not implemented yet (use fused_moe)")
+    if x.ndim == 2 and x.shape[0] == 0:
+        # No tokens: nothing to dispatch, and all_to_all's per-device blocks of
+        # T/(d*n) rows would be reshapes of zero rows (a ZeroDivisionError in
+        # jnp.reshape before); psum gives the same empty result.
+        dispatch = "psum"
     for ax in (expert_axis, data_axis):
         if ax is not None and ax not in mesh.shape:
             raise ValueError(f"mesh has axes {tuple(mesh.shape)}; no axis {ax!r}")

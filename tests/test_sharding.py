@@ -115,17 +115,22 @@ SCRIPT = SETUP + textwrap.dedent("""
         raise AssertionError("T=28 on 8 devices accepted")
     except ValueError as e:
         assert "T=28 tokens do not split over the 2x4 devices" in str(e), e
+    for dispatch in ("psum", "all_to_all"):  # no tokens: an empty result, no error
+        y0 = nbx.sharded_moe(x[:0], w[:0], ids[:0], ex, mesh, dispatch=dispatch)
+        assert y0.shape == (0, x.shape[1]) and y0.dtype == x.dtype, (dispatch, y0.shape, y0.dtype)
+    print("T=0 ok")
 """)
 
 
 def test_sharded_moe_on_8_host_devices():
     """psum and all_to_all dispatch vs the unsharded op (forward and gradients) on meshes
     8x1, 4x2, 2x4; all_to_all with every slot on one device's experts (nothing dropped);
-    capacity_factor's drops.  One subprocess for all of it."""
+    capacity_factor's drops; T=0 (an empty result on both dispatches).  One subprocess for
+    all of it."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count(" ok") == 11, r.stdout
+    assert r.stdout.count(" ok") == 12, r.stdout
 
 
 def _run_8(script: str, *args: str, timeout: int = 600) -> str:
