@@ -166,27 +166,30 @@ def _median_loop_time(run, arg, reps):
     return statistics.median(times)
 
 
+def _renorm(y, dtype):
+    """The timing loops' step between iterations: y scaled to unit RMS (in
+    float32), cast to the loop's dtype -- the next iteration's input."""
+    y = y.astype(jnp.float32)
+    return (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(dtype)
+
+
 def loop_time(fn, x, w, ids, ex, reps):
     @jax.jit
     def run(x, w, ids, ex):
-        def body(_, xc):
-            y = fn(xc, w, ids, ex).astype(jnp.float32)
-            y = y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)
-            return y.astype(x.dtype)
-        return jax.lax.fori_loop(0, reps, body, x)
+        return jax.lax.fori_loop(0, reps, lambda _, xc: _renorm(fn(xc, w, ids, ex), x.dtype), x)
 
     return _median_loop_time(lambda x: run(x, w, ids, ex), x, reps)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _norm_loop(x, reps):
+    return jax.lax.fori_loop(0, reps, lambda _, xc: _renorm(xc, x.dtype), x)
+
+
 def norm_time(x, reps):
-    """The loop's own renormalization, subtracted from every row."""
-    @jax.jit
-    def run(x):
-        def body(_, xc):
-            y = xc.astype(jnp.float32)
-            return (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(x.dtype)
-        return jax.lax.fori_loop(0, reps, body, x)
-    return _median_loop_time(run, x, reps)
+    """The loop's own renormalization, subtracted from every row (compiled once
+    per shape, dtype and reps)."""
+    return _median_loop_time(lambda x: _norm_loop(x, reps), x, reps)
 
 
 @functools.cache
@@ -198,8 +201,7 @@ def _gemm_loop(n, reps, dtype):
     b = (jax.random.normal(key_b, (n, n), jnp.float32) / np.sqrt(n)).astype(dtype)
 
     def step(_, xc):
-        y = jnp.dot(xc, b, preferred_element_type=jnp.float32)
-        return (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(dtype)
+        return _renorm(jnp.dot(xc, b, preferred_element_type=jnp.float32), dtype)
 
     return jax.jit(lambda a: jax.lax.fori_loop(0, reps, step, a)), a
 
