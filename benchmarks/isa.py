@@ -18,7 +18,10 @@ rounds are printed:
 * decode: time / the weight-bandwidth floor (active experts' weight bytes /
   the copy's read rate in the same rounds; target <= 1.3 for bf16);
 * ``÷ best``: each ISA's time over the fastest ISA's on that row; the ISA
-  jax_nbx chooses by itself is marked ``*`` (target: never above 1.03).
+  jax_nbx chooses by itself for the row's kernel family (prefill: packed;
+  decode: stream, quantized decode: qstream; `jax_nbx.cpu.isa_families`) is
+  marked ``*`` (target: never above 1.03).  ``--calibrate`` first runs
+  `jax_nbx.calibrate_isa` and marks its choice instead.
 """
 from __future__ import annotations
 
@@ -45,6 +48,13 @@ ROWS = {  # name -> (T, weights, x dtype)
     "decode8-bf16": (8, "bf16", jnp.float32),
     "decode8-int4": (8, "int4", jnp.bfloat16),
 }
+
+
+def _family(T, fmt) -> str:
+    """The kernel family a row runs (every expert streams at T <= 8 here)."""
+    if T > 8:
+        return "packed"
+    return "qstream" if fmt in ("int8", "int4") else "stream"
 
 
 def _experts(m, fmt, T):
@@ -75,17 +85,21 @@ def main(argv=None) -> int:
     ap.add_argument("--isas", default=None, help="comma-separated (default: every ISA this CPU supports)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--calibrate", action="store_true", help="mark jax_nbx.calibrate_isa's choice")
     a = ap.parse_args(argv)
     rows_wanted = a.rows.split(",")
     for r in rows_wanted:
         if r not in ROWS:
             ap.error(f"--rows: unknown row {r!r} (known: {', '.join(ROWS)})")
+    calibration = nbx.calibrate_isa() if a.calibrate else None
     chosen = nbx.cpu.isa()
+    families = nbx.cpu.isa_families()
     isas = a.isas.split(",") if a.isas else nbx.cpu.supported_isas()
     for i in isas:
         if i not in nbx.cpu.supported_isas():
             ap.error(f"--isas: {i!r} is not supported here (supported: {nbx.cpu.supported_isas()})")
-    print(f"{machine()}; ISA chosen: {chosen}; measured side by side: {', '.join(isas)}", flush=True)
+    print(f"{machine()}; ISA chosen: {chosen}{' (calibrated)' if calibration else ''}; "
+          f"measured side by side: {', '.join(isas)}", flush=True)
 
     rng = np.random.default_rng(0)
     A = rng.random((1024, 1024), dtype=np.float32)
@@ -127,7 +141,8 @@ def main(argv=None) -> int:
                     t = med[i]
                     anchor = (f"{flops / t / 1e9:.1f} GF/s, {flops / t / rate:.2f} x sgemm" if T > 8
                               else f"{t / floor:.2f} x bw floor")
-                    table.append([name, row, i + ("*" if i == chosen else ""), f"{t * 1e3:.2f}", anchor,
+                    mark = "*" if i == families[_family(T, fmt)] else ""
+                    table.append([name, row, i + mark, f"{t * 1e3:.2f}", anchor,
                                   f"{t / best:.2f}"])
                 results.append({"model": name, "row": row, "T": T, "weights": fmt, "x": str(np.dtype(xdt)),
                                 "median_ms": {i: v * 1e3 for i, v in med.items()},
@@ -140,7 +155,8 @@ def main(argv=None) -> int:
     print(format_table(["model", "row", "ISA", "ms", "vs anchors (same rounds)", "÷ best"], table))
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"machine": machine(), "isa_chosen": chosen, "isas": isas, "rounds": a.rounds,
+            json.dump({"machine": machine(), "isa_chosen": chosen, "isa_families": families,
+                       "calibration": calibration and calibration.times_ms, "isas": isas, "rounds": a.rounds,
                        "rows": results}, fh, indent=1)
         print(f"wrote {a.json}")
     return 0

@@ -9,6 +9,7 @@ from . import _registry, activations, cpu, memory, metal, nn, tables  # noqa: F4
 from .activations import Activation
 from .checkpoint import load_experts, load_moe
 from .experts import Experts, SharedExperts
+from .isa_calibration import Calibration, calibrate_isa
 from .memory import DeviceOOMError
 from .models import MODELS, ModelShape
 from .ops import IMPLEMENTATIONS, fused_moe
@@ -32,5 +33,5 @@ __all__ = ["Experts", "SharedExperts", "Activation", "activations", "route", "ro
            "route_topk_sigmoid", "load_balancing_loss", "router_z_loss", "expert_counts", "fused_moe",
            "moe_reference", "IMPLEMENTATIONS", "MODELS", "ModelShape", "DeviceOOMError", "quantize",
            "dequantize", "QuantizedWeight", "sharded_moe", "memory", "cpu", "metal", "tables", "nn",
-           "load_moe", "load_experts", "from_gptq", "from_awq", "from_mlx",
+           "load_moe", "load_experts", "from_gptq", "from_awq", "from_mlx", "calibrate_isa", "Calibration",
            "__version__"]

@@ -8,7 +8,7 @@ is handed to them by the Python side (``apply_at_load``).
 | variable | meaning | default |
 |---|---|---|
 | ``JAX_NBX_BUDGET`` | the account's budget ("2GiB", bytes) | CPU: half the free memory; CUDA: half of XLA's pool |
-| ``JAX_NBX_ISA`` | the CPU micro-kernels' instruction set (avx512, avx2, generic) | the best the CPU has |
+| ``JAX_NBX_ISA`` | the CPU kernels' instruction set (avx512, avx2, generic), or ``packed=avx2,..`` | cpu.default_isa |
 | ``JAX_NBX_PROFILE`` | print the stages of each CPU band/group to stderr | off |
 | ``JAX_NBX_TABLE_CACHE`` | pointer-table LRU capacity (CUDA, Metal) | 256 |
 | ``JAX_NBX_METAL`` | the Metal device: ``apple``, ``sim`` (simulated: tests) or ``none`` | ``apple`` if built |
@@ -132,7 +132,8 @@ def budget() -> int | None:
 
 
 def isa() -> str | None:
-    """``JAX_NBX_ISA``: "avx512", "avx2" or "generic" (checked when applied)."""
+    """``JAX_NBX_ISA``: "avx512", "avx2", "generic" or a composition
+    "packed=avx2,stream=avx512" (checked when applied)."""
     return _get("JAX_NBX_ISA")
 
 

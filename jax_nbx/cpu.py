@@ -1,26 +1,54 @@
 """The CPU handler's micro-kernels: which instruction set runs them.
 
 The wheel carries one build of the micro-kernels per instruction set
-("avx512", "avx2", "generic" on x86-64; "generic" = NEON on arm64) and picks
-the best the CPU supports when first used.  ``JAX_NBX_ISA=avx2`` (applied
-when the package loads, `jax_nbx._registry`) or `set_isa` force one, for
-tests and benchmarks.
+("avx512", "avx2", "generic" on x86-64; "generic" = NEON on arm64).  Their
+entries fall into three *families*, each of which may come from a different
+instruction set (`FAMILIES`; xla_ffi/cpu/isa.cc):
+
+* ``packed``: the K-block GEMMs, packing and blocking (prefill, and any
+  expert with more than 6 rows in a call);
+* ``stream``: float32/bfloat16 weights streamed in place (decode);
+* ``qstream``: int8/int4 weights streamed in place (quantized decode).
+
+By default every family takes the best instruction set the CPU supports,
+except where a measurement says otherwise (AMD family 19h, Zen 4: AVX2, which
+beat AVX-512 on every row measured there; `default_isa`).  The default is a
+fixed rule, so results are the same bits from one process to the next.
+``JAX_NBX_ISA`` (applied when the package loads, `jax_nbx._registry`) or
+`set_isa` force one instruction set or a composition such as
+``"packed=avx2,stream=avx512"``; `jax_nbx.calibrate_isa` times the families on
+this machine and composes the fastest.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from . import _registry
 
-__all__ = ["isa", "supported_isas", "set_isa", "planned_workers"]
+__all__ = ["FAMILIES", "isa", "isa_families", "default_isa", "supported_isas", "set_isa",
+           "planned_workers"]
 
+FAMILIES = ("packed", "stream", "qstream")
 
 _ffi = _registry.ffi_module
 
 
 def isa() -> str:
-    """The instruction set in use: "avx512", "avx2" or "generic"."""
+    """The micro-kernels in use: an instruction set ("avx512", "avx2",
+    "generic") when every family runs it, else the composition
+    ``"packed=avx2,stream=avx512,qstream=avx512"``.  `set_isa` accepts either."""
     return _ffi().cpu_isa()
+
+
+def isa_families() -> dict[str, str]:
+    """The instruction set of each kernel family in use (`FAMILIES`)."""
+    return dict(_ffi().cpu_isa_families())
+
+
+def default_isa() -> str:
+    """What this CPU runs unless told otherwise (same form as `isa`)."""
+    return _ffi().cpu_default_isa()
 
 
 def supported_isas() -> list[str]:
@@ -28,11 +56,17 @@ def supported_isas() -> list[str]:
     return _ffi().cpu_supported_isas().split(",")
 
 
-def set_isa(name: str) -> None:
-    """Forces the micro-kernels' instruction set (ValueError for an unknown
-    name or one this CPU lacks).  Takes effect for calls that start after it."""
-    _ffi().set_cpu_isa(str(name))
-
+def set_isa(name: str | Mapping[str, str]) -> None:
+    """Forces the micro-kernels: an instruction set for every family
+    (``"avx2"``), or a composition, as a string ``"packed=avx2,stream=generic"``
+    or a mapping ``{"packed": "avx2"}`` (families not named take the
+    default's).  ValueError names an unknown family or instruction set, or one
+    this CPU lacks.  Takes effect for calls that start after it."""
+    if isinstance(name, Mapping):
+        name = ",".join(f"{f}={i}" for f, i in name.items())
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"set_isa: expected an instruction set name or a family=isa composition, got {name!r}")
+    _ffi().set_cpu_isa(name)
 
 
 def planned_workers() -> int:

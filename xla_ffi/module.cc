@@ -129,8 +129,26 @@ NB_MODULE(_ffi, m) {
   m.def("cpu_isa", []() { return std::string(nbx::ActiveKernels()->isa); },
         "The instruction set of the CPU micro-kernels in use.");
   m.def("cpu_supported_isas", []() { return std::string(nbx::SupportedIsas()); });
+  m.def("cpu_default_isa", []() { return std::string(nbx::DefaultKernels()->isa); },
+        "The instruction set (or per-family composition) chosen for this CPU by default.");
+  m.def("cpu_isa_families", []() {
+    nb::dict d;
+    const nbx::KernelTable& t = *nbx::ActiveKernels();
+    for (int f = 0; f < nbx::kNumFamilies; ++f)
+      d[nbx::KernelFamilyName(f)] = std::string(nbx::IsaOfFamily(t, f));
+    return d;
+  }, "The instruction set of each kernel family in use.");
+  m.def("cpu_default_families", [](const std::string& vendor, int family,
+                                   const std::string& supported) {
+    const char* out[nbx::kNumFamilies];
+    nbx::DefaultFamilies(vendor.c_str(), family, supported.c_str(), out);
+    nb::dict d;
+    for (int f = 0; f < nbx::kNumFamilies; ++f) d[nbx::KernelFamilyName(f)] = std::string(out[f]);
+    return d;
+  }, nb::arg("vendor"), nb::arg("family"), nb::arg("supported"),
+     "DefaultFamilies for a given CPU (vendor string, display family, supported list).");
   m.def("set_cpu_isa", [](const std::string& name) {
-    const char* why = "";
+    std::string why;
     if (!nbx::SelectIsa(name.c_str(), &why))
       throw nb::value_error((std::string("cannot use instruction set '") + name + "': " + why +
                              " (this CPU supports: " + nbx::SupportedIsas() + ")").c_str());

@@ -1,12 +1,38 @@
-// Run-time choice of the micro-kernels' instruction set.
+// Run-time choice of the micro-kernels' instruction set, per kernel family.
+//
+// A KernelTable's entries fall into three families that never exchange
+// anything but plain float32 rows (kernel_table.h), so each may come from a
+// different instruction set:
+//   packed   the K-block GEMMs and everything sized by the table's blocking
+//            (vl, mr, kc, nc, chunk_panels, gemm1/gemm2, qpack, glu,
+//            pack_cols, pack_pairs): prefill and every expert with more
+//            rows than kMaxStreamRows;
+//   stream   float32/bfloat16 weights streamed in place (stream1/2, their
+//            by-columns forms, stream_pair): decode;
+//   qstream  int8/int4 weights streamed in place (qstream1/2): quantized
+//            decode.
+// A composed table (e.g. "packed=avx2,stream=avx512,qstream=avx512") takes
+// each family's entries from its instruction set's own table, so each
+// family's results are those of that instruction set alone, bit for bit
+// (tests/test_isa_choice.py).
 #include <atomic>
+#include <cstdio>
 #include <cstring>
-#include <initializer_list>
+#include <mutex>
+#include <string>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#endif
 
 #include "cpu/kernel_table.h"
 
 namespace nbx {
 namespace {
+
+constexpr int kNumIsas = 3;
+const char* const kIsas[kNumIsas] = {"avx512", "avx2", "generic"};  // best first
+const char* const kFamilies[kNumFamilies] = {"packed", "stream", "qstream"};
 
 bool Supports(const char* name) {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -20,47 +46,188 @@ bool Supports(const char* name) {
   return std::strcmp(name, "generic") == 0;
 }
 
-const KernelTable* ByName(const char* name) {
-#if defined(__x86_64__) || defined(_M_X64)
-  if (std::strcmp(name, "avx512") == 0) return KernelsAvx512();
-  if (std::strcmp(name, "avx2") == 0) return KernelsAvx2();
-#endif
-  if (std::strcmp(name, "generic") == 0) return KernelsGeneric();
-  return nullptr;
+int IsaIndex(const char* name) {
+  for (int i = 0; i < kNumIsas; ++i)
+    if (std::strcmp(name, kIsas[i]) == 0) return i;
+  return -1;
 }
 
-const KernelTable* Best() {
-  for (const char* n : {"avx512", "avx2", "generic"})
-    if (Supports(n)) return ByName(n);
-  return KernelsGeneric();
+const KernelTable* ByIndex(int i) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (i == 0) return KernelsAvx512();
+  if (i == 1) return KernelsAvx2();
+#endif
+  return i == 2 ? KernelsGeneric() : nullptr;
+}
+
+// The x86 CPU's vendor string and display family (CPUID leaf 0 and 1).
+void CpuId(char vendor[13], int* family) {
+  std::strcpy(vendor, "");
+  *family = 0;
+#if defined(__x86_64__) || defined(_M_X64)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid(0, &a, &b, &c, &d)) {
+    std::memcpy(vendor, &b, 4);
+    std::memcpy(vendor + 4, &d, 4);
+    std::memcpy(vendor + 8, &c, 4);
+    vendor[12] = '\0';
+  }
+  if (__get_cpuid(1, &a, &b, &c, &d)) {
+    const int base = (a >> 8) & 0xf, ext = (a >> 20) & 0xff;
+    *family = base == 0xf ? base + ext : base;
+  }
+#endif
+}
+
+// Composed tables: one per combination of three families' instruction sets,
+// built on first use and never freed (a call in flight keeps reading the
+// table it started with while another thread selects a new one).
+struct Composed {
+  KernelTable table;
+  char name[64];
+  bool built = false;
+};
+Composed g_composed[kNumIsas * kNumIsas * kNumIsas];
+std::mutex g_compose_mutex;
+
+const KernelTable* Compose(const int isa[kNumFamilies]) {
+  if (isa[0] == isa[1] && isa[1] == isa[2]) return ByIndex(isa[0]);
+  std::lock_guard<std::mutex> lock(g_compose_mutex);
+  Composed& c = g_composed[(isa[0] * kNumIsas + isa[1]) * kNumIsas + isa[2]];
+  if (!c.built) {
+    const KernelTable& p = *ByIndex(isa[kPacked]);
+    const KernelTable& s = *ByIndex(isa[kStream]);
+    const KernelTable& q = *ByIndex(isa[kQStream]);
+    c.table = p;  // the packed family: blocking, GEMMs, packing, glu
+    for (int w = 0; w < 2; ++w) {
+      c.table.stream1[w] = s.stream1[w];
+      c.table.stream2[w] = s.stream2[w];
+      c.table.stream1_cols[w] = s.stream1_cols[w];
+      c.table.stream2_cols[w] = s.stream2_cols[w];
+      c.table.stream_pair[w] = s.stream_pair[w];
+    }
+    c.table.qstream1 = q.qstream1;
+    c.table.qstream2 = q.qstream2;
+    std::snprintf(c.name, sizeof(c.name), "packed=%s,stream=%s,qstream=%s", kIsas[isa[kPacked]],
+                  kIsas[isa[kStream]], kIsas[isa[kQStream]]);
+    c.table.isa = c.name;
+    c.built = true;
+  }
+  return &c.table;
 }
 
 std::atomic<const KernelTable*> g_active{nullptr};
 
-}  // namespace
-
-const KernelTable* KernelsByName(const char* name) {
-  return Supports(name) ? ByName(name) : nullptr;
+// Parses "avx2" (every family) or "packed=avx2,stream=avx512" (the families
+// not named keep `isa`'s entries) into `isa`; "" or what is wrong.
+std::string Parse(const char* spec, int isa[kNumFamilies]) {
+  if (std::strchr(spec, '=') == nullptr) {
+    const int i = IsaIndex(spec);
+    if (i < 0) return "unknown instruction set (expected avx512, avx2 or generic)";
+    if (!Supports(spec)) return "this CPU does not support it";
+    for (int f = 0; f < kNumFamilies; ++f) isa[f] = i;
+    return "";
+  }
+  std::string s(spec);
+  size_t start = 0;
+  while (start <= s.size()) {
+    size_t end = s.find(',', start);
+    if (end == std::string::npos) end = s.size();
+    const std::string item = s.substr(start, end - start);
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos)
+      return "'" + item + "' is not family=isa (families: packed, stream, qstream)";
+    const std::string fam = item.substr(0, eq), name = item.substr(eq + 1);
+    int f = 0;
+    while (f < kNumFamilies && fam != kFamilies[f]) ++f;
+    if (f == kNumFamilies)
+      return "unknown kernel family '" + fam + "' (expected packed, stream or qstream)";
+    const int i = IsaIndex(name.c_str());
+    if (i < 0)
+      return "unknown instruction set '" + name + "' for " + fam +
+             " (expected avx512, avx2 or generic)";
+    if (!Supports(name.c_str())) return "this CPU does not support " + name + " (for " + fam + ")";
+    isa[f] = i;
+    start = end + 1;
+  }
+  return "";
 }
 
-bool SelectIsa(const char* name, const char** error) {
-  const KernelTable* t = ByName(name);
-  if (t == nullptr) {
-    *error = "unknown instruction set (expected avx512, avx2 or generic)";
-    return false;
-  }
-  if (!Supports(name)) {
-    *error = "this CPU does not support it";
-    return false;
-  }
-  g_active.store(t);
+}  // namespace
+
+void DefaultFamilies(const char* vendor, int family, const char* supported,
+                     const char* out[kNumFamilies]) {
+  auto has = [&](const char* n) {
+    const std::string list = std::string(",") + supported + ",";
+    return list.find(std::string(",") + n + ",") != std::string::npos;
+  };
+  const char* best = "generic";
+  for (const char* n : kIsas)
+    if (has(n)) {
+      best = n;
+      break;
+    }
+  for (int f = 0; f < kNumFamilies; ++f) out[f] = best;
+  // AMD family 19h (Zen 3, Zen 4): Zen 4 executes a 512-bit FMA as two
+  // 256-bit halves, so the AVX-512 kernels' wider register block buys no
+  // FLOPs and costs packing and a larger m-panel.  Measured on a 2-core EPYC
+  // Zen 4 (issue #19, a982d03), the AVX2 kernels were faster on every row:
+  // OLMoE T=512 f32 358 vs 436 ms, bf16 weights 328 vs 354 ms, bf16 decode
+  // T=1 6.29 vs 9.81 ms.  Zen 3 has no AVX-512 (the rule changes nothing
+  // there); Zen 5 (family 1Ah) has full-width AVX-512 and keeps it.
+  if (std::strcmp(best, "avx512") == 0 && std::strcmp(vendor, "AuthenticAMD") == 0 &&
+      family == 0x19 && has("avx2"))
+    for (int f = 0; f < kNumFamilies; ++f) out[f] = "avx2";
+}
+
+const char* KernelFamilyName(int f) { return f >= 0 && f < kNumFamilies ? kFamilies[f] : ""; }
+
+const KernelTable* KernelsByName(const char* name) {
+  const int i = IsaIndex(name);
+  return i >= 0 && Supports(name) ? ByIndex(i) : nullptr;
+}
+
+const KernelTable* DefaultKernels() {
+  static const KernelTable* t = [] {
+    char vendor[13];
+    int family;
+    CpuId(vendor, &family);
+    const char* names[kNumFamilies];
+    DefaultFamilies(vendor, family, SupportedIsas(), names);
+    int isa[kNumFamilies];
+    for (int f = 0; f < kNumFamilies; ++f) isa[f] = IsaIndex(names[f]);
+    return Compose(isa);
+  }();
+  return t;
+}
+
+bool SelectIsa(const char* name, std::string* error) {
+  int isa[kNumFamilies];
+  // families a composition does not name keep the default choice
+  const KernelTable* d = DefaultKernels();
+  for (int f = 0; f < kNumFamilies; ++f) isa[f] = IsaIndex(IsaOfFamily(*d, f));
+  *error = Parse(name, isa);
+  if (!error->empty()) return false;
+  g_active.store(Compose(isa));
   return true;
+}
+
+const char* IsaOfFamily(const KernelTable& t, int family) {
+  for (int i = 0; i < kNumIsas; ++i) {
+    const KernelTable* k = ByIndex(i);
+    if (k == nullptr) continue;
+    const bool same = family == kPacked    ? t.gemm1 == k->gemm1
+                      : family == kStream  ? t.stream1[0] == k->stream1[0]
+                                           : t.qstream1 == k->qstream1;
+    if (same) return kIsas[i];
+  }
+  return "";
 }
 
 const KernelTable* ActiveKernels() {
   const KernelTable* t = g_active.load();
-  if (t == nullptr) {  // the best this CPU has (JAX_NBX_ISA: Python calls SelectIsa at load)
-    t = Best();
+  if (t == nullptr) {  // the default (JAX_NBX_ISA: Python calls SelectIsa at load)
+    t = DefaultKernels();
     g_active.store(t);
   }
   return t;
@@ -69,7 +236,7 @@ const KernelTable* ActiveKernels() {
 const char* SupportedIsas() {
   static const char* list = [] {
     static char buf[64] = "";
-    for (const char* n : {"avx512", "avx2", "generic"}) {
+    for (const char* n : kIsas) {
       if (Supports(n)) {
         if (buf[0] != '\0') std::strcat(buf, ",");
         std::strcat(buf, n);

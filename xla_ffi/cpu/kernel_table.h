@@ -5,6 +5,8 @@
 
 #include <stdint.h>
 
+#include <string>
+
 namespace nbx {
 
 // The gated unit of the experts (codes, formulas and constants: abi.h
@@ -131,15 +133,35 @@ const KernelTable* KernelsGeneric();
 const KernelTable* KernelsAvx2();
 const KernelTable* KernelsAvx512();
 
+// The families of a table's entries, each of which may come from a different
+// instruction set (isa.cc): packed (blocking, GEMMs, packing, glu), stream
+// (float32/bfloat16 weights streamed), qstream (int8/int4 weights streamed).
+enum KernelFamily : int { kPacked = 0, kStream = 1, kQStream = 2, kNumFamilies = 3 };
+const char* KernelFamilyName(int family);
+
 // The table of an instruction set by name ("avx512", "avx2", "generic"), or
 // nullptr when the name is unknown or this CPU cannot run it.
 const KernelTable* KernelsByName(const char* name);
 
+// The instruction set ("avx512", ...) whose entries `t` holds for `family`.
+const char* IsaOfFamily(const KernelTable& t, int family);
+
+// The default per family for a CPU: the best instruction set in `supported`
+// ("avx512,avx2,generic"-style) unless a measured rule says otherwise (AMD
+// family 19h: AVX2).  `vendor`: CPUID's vendor string; `family`: the display
+// family.  A pure function (tests call it with other CPUs' values).
+void DefaultFamilies(const char* vendor, int family, const char* supported,
+                     const char* out[kNumFamilies]);
+
 // The table in use: the one SelectIsa chose (jax_nbx applies JAX_NBX_ISA
-// through it when it loads), else the best the CPU supports.  SelectIsa
-// returns false (and the reason) for an unknown name or one this CPU lacks.
+// through it when it loads), else DefaultKernels(): DefaultFamilies for this
+// CPU.  SelectIsa takes an instruction set for every family ("avx2") or a
+// composition ("packed=avx2,stream=avx512"; families not named keep the
+// default's) and returns false with the reason for an unknown name or one
+// this CPU lacks.  A composed table's `isa` is its full composition.
 const KernelTable* ActiveKernels();
-bool SelectIsa(const char* name, const char** error);
+const KernelTable* DefaultKernels();
+bool SelectIsa(const char* name, std::string* error);
 const char* SupportedIsas();  // "avx512,avx2,generic"-style list for this CPU
 
 }  // namespace nbx
