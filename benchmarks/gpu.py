@@ -17,6 +17,12 @@ measured beside each row, in the same way as the row (a jitted loop, median of
 5): the GEMM rate is XLA's own bf16 matmul (cuBLAS) of --gemm-n (8192) cubed;
 the floor is the active experts' weight bytes / the bandwidth of a
 device-to-device copy of --copy-mib (1024 MiB; read + write counted).
+Then the quantized decode rows (bf16, int8, int4 experts at --quant-tokens)
+and the training-step rows (forward + backward of sum(y^2) with respect to x,
+the routing weights and the experts, at --train-tokens; ours vs a ragged_dot
+MoE's step; 3x the routed forward FLOPs as a fraction of the GEMM rate).
+Gradient checks: jax.grad through the CUDA path vs the reference's VJP in
+float32 at the highest matmul precision.
 A table is printed last; full logs go to --out (or $JAX_NBX_BENCH_OUT).
 """
 from __future__ import annotations
@@ -60,6 +66,42 @@ def check_case(T, E, k, H, I, xd, wd, activation="swiglu", band=None, seed=0):
     finite = bool(jnp.all(jnp.isfinite(y)))
     tol = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 4e-3}[np.dtype(wd).name]
     return err, finite and err < tol, tol
+
+
+GRAD_CASES = [  # T, E, k, H, I, weights dtype (x the same)
+    (1, 8, 2, 257, 130, jnp.float32),
+    (33, 8, 2, 129, 99, jnp.float32),
+    (222, 16, 4, 256, 128, jnp.bfloat16),
+    (1024, 64, 8, 2048, 1024, jnp.bfloat16),
+]
+
+
+def check_grad_case(T, E, k, H, I, wd, seed=0):
+    """jax.grad through the CUDA path (the CUDA backward handler for dense
+    experts) against the reference's VJP evaluated in float32 at the highest
+    matmul precision on the same (dtype-rounded) inputs: the worst relative
+    error over dx, d(topk_weights) and the three weight gradients."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((T, H)), wd)
+    ex = nbx.Experts(gate=jnp.asarray(rng.standard_normal((E, H, I)) / np.sqrt(H), wd),
+                     up=jnp.asarray(rng.standard_normal((E, H, I)) / np.sqrt(H), wd),
+                     down=jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), wd))
+    w, ids = nbx.route(jnp.asarray(rng.standard_normal((T, E)), jnp.float32), k)
+    dy = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+
+    def loss(impl, x_, w_, ex_):
+        return jnp.sum(nbx.fused_moe(x_, w_, ids, ex_, implementation=impl).astype(jnp.float32) * dy)
+
+    got = jax.jit(jax.grad(functools.partial(loss, "ffi"), argnums=(0, 1, 2)))(x, w, ex)
+    up32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    with jax.default_matmul_precision("highest"):
+        ref = jax.jit(jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2)))(
+            up32(x), w, jax.tree.map(up32, ex))
+    errs = [_bench.max_rel_error(g, np.asarray(r, np.float64))
+            for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref))]
+    tol = {"float32": 1e-4, "bfloat16": 3e-2}[np.dtype(wd).name]
+    finite = all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(got))
+    return max(errs), finite and max(errs) < tol, tol
 
 
 def run_checks(rows):
@@ -107,6 +149,18 @@ def run_checks(rows):
         ok_all &= status == "PASS"
         rows.append([f"bad id, {note} path (T={T_})", "-", "-", f"{status}: {msg}"])
         log(rows[-1])
+    for i, (T, E, k, H, I, wd) in enumerate(GRAD_CASES):
+        t0 = time.perf_counter()
+        try:
+            err, ok, tol = check_grad_case(T, E, k, H, I, wd, seed=100 + i)
+            status = "PASS" if ok else "FAIL"
+        except Exception as e:
+            err, ok, tol, status = float("nan"), False, 0, f"ERROR {type(e).__name__}: {e}"[:160]
+            traceback.print_exc()
+        ok_all &= ok
+        rows.append([f"grad T={T} E={E} k={k} H={H} I={I} w={np.dtype(wd).name}", f"{err:.2e}", f"{tol:.0e}",
+                     status])
+        log(rows[-1], f"{time.perf_counter() - t0:.1f}s")
     rows.append(["pointer tables", "-", "-", json.dumps(_cuda.table_stats())])
     rows.append(["account", "-", "-", json.dumps({k: {kk: v[kk] for kk in ("live", "peak", "budget")}
                                                   for k, v in nbx.memory.stats().items()})])
@@ -267,6 +321,81 @@ def run_bench(models, tokens, rows, budget_s, gemm_n=8192, copy_mib=1024):
             log(row)
 
 
+def train_time(fn, x, w, ids, ex, reps):
+    """One training step of the layer: loss = sum(fn(...)^2), its gradient with
+    respect to x, the routing weights and every expert weight.  The loop feeds
+    the renormalized dx (plus the sum of every gradient, so that none is dead
+    code) into the next step; median of 5 loops / reps."""
+    def step(xc):
+        def loss(x_, w_, e_):
+            return jnp.sum(jnp.square(fn(x_, w_, ids, e_).astype(jnp.float32)))
+        dx, dw, de = jax.grad(loss, argnums=(0, 1, 2))(xc, w, ex)
+        keep = jnp.sum(dw) + sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(de))
+        return _renorm(dx.astype(jnp.float32) + 1e-30 * keep, x.dtype)
+
+    @jax.jit
+    def run(x):
+        return jax.lax.fori_loop(0, reps, lambda _, xc: step(xc), x)
+
+    return _median_loop_time(run, x, reps)
+
+
+def run_train(models, tokens, rows, budget_s, gemm_n=8192):
+    """Training-step rows (bf16 forward + backward): ours (the CUDA backward
+    for dense experts) vs a ragged_dot MoE's step, and 3x the routed forward
+    FLOPs over the time as a fraction of the GEMM rate."""
+    t_start = time.perf_counter()
+    for name in models:
+        m = MODELS[name]
+        for T in tokens:
+            if time.perf_counter() - t_start > budget_s:
+                log("training budget spent; skipping", name, T)
+                continue
+            x, w, ids, ex = _bench.make_layer(m, T, jnp.bfloat16, seed=T)
+            reps = 3
+            base = norm_time(x, reps)
+            res = {}
+            for label, fn in (("ours", ours), ("ragged", ragged_moe)):
+                try:
+                    res[label] = max(train_time(fn, x, w, ids, ex, reps) - base, 1e-9)
+                except Exception as e:
+                    log("failed train", label, name, T, type(e).__name__, str(e)[:200])
+                    res[label] = float("nan")
+            gemm = gemm_rate(gemm_n)
+            tf = 3 * m.routed_flops(T) / res["ours"] / 1e12
+            rows.append([name, str(T), f"{res['ours'] * 1e3:.2f}", f"{res['ragged'] * 1e3:.2f}",
+                         f"{res['ragged'] / res['ours']:.2f}", f"{tf:.1f}", f"{gemm / 1e12:.0f}",
+                         f"{tf * 1e12 / gemm:.3f}"])
+            log(rows[-1])
+
+
+def run_quant_decode(models, tokens, rows, copy_mib=1024):
+    """Decode with bf16, int8 and int4 (group 128) experts: ms per call and
+    each format's speed relative to bf16 (issue #20's target: int4 >= 2.5x)."""
+    for name in models:
+        m = MODELS[name]
+        for T in tokens:
+            x, w, ids, ex = _bench.make_layer(m, T, jnp.bfloat16, seed=T)
+            reps = 50
+            base = norm_time(x, reps)
+            res = {}
+            for fmt in ("bf16", "int8", "int4"):
+                e = ex if fmt == "bf16" else nbx.quantize(
+                    ex, fmt, scale_dtype=jnp.bfloat16, **({"group_size": 128} if fmt == "int4" else {}))
+                try:
+                    res[fmt] = max(loop_time(ours, x, w, ids, e, reps) - base, 1e-9)
+                except Exception as err:
+                    log("failed quant", fmt, name, T, type(err).__name__, str(err)[:200])
+                    res[fmt] = float("nan")
+            bw = copy_bandwidth(copy_mib)
+            active = len(np.unique(np.asarray(ids)))
+            floor = active * 3 * m.H * m.I * 2 / bw
+            rows.append([name, str(T)] + [f"{res[f] * 1e3:.3f}" for f in ("bf16", "int8", "int4")]
+                        + [f"{res['bf16'] / res['int8']:.2f}", f"{res['bf16'] / res['int4']:.2f}",
+                           f"{res['bf16'] / floor:.2f}"])
+            log(rows[-1])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check-only", action="store_true")
@@ -276,6 +405,8 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("JAX_NBX_BENCH_OUT"))
     ap.add_argument("--gemm-n", type=int, default=8192, help="the GEMM anchor's n (n x n x n bf16)")
     ap.add_argument("--copy-mib", type=int, default=1024, help="the copy anchor's size in MiB")
+    ap.add_argument("--train-tokens", default="4096", help="training-step rows' T ('' for none)")
+    ap.add_argument("--quant-tokens", default="1", help="quantized decode rows' T ('' for none)")
     args = ap.parse_args(argv)
     dev = jax.devices()[0]
     log(f"device: {dev.device_kind}, jax {jax.__version__}, backend {jax.default_backend()}, "
@@ -283,15 +414,30 @@ def main(argv=None):
     check_rows: list = []
     ok = run_checks(check_rows)
     bench_rows: list = []
+    train_rows: list = []
+    quant_rows: list = []
+    models = args.models.split(",")
+    ints = lambda s_: [int(t) for t in s_.split(",") if t]  # noqa: E731
     if not args.check_only:
-        run_bench(args.models.split(","), [int(t) for t in args.tokens.split(",")], bench_rows,
-                  args.bench_seconds, args.gemm_n, args.copy_mib)
+        t0 = time.perf_counter()
+        run_bench(models, ints(args.tokens), bench_rows, args.bench_seconds, args.gemm_n, args.copy_mib)
+        left = args.bench_seconds - (time.perf_counter() - t0)
+        run_quant_decode(models, ints(args.quant_tokens), quant_rows, args.copy_mib)
+        run_train(models, ints(args.train_tokens), train_rows, max(left, 30.0), args.gemm_n)
     text = "\n== correctness (max |y-ref| / max |ref| vs float64)\n" + _bench.format_table(
         ["case", "err", "tol", "status"], check_rows)
     if bench_rows:
         text += ("\n== timing, bf16, median of 5 jitted loops (ms per layer call)\n" + _bench.format_table(
             ["model", "T", "ours ms", "prefill path ms", "ragged_dot ms", "dense ms", "ragged/ours", "dense/ours",
              "TFLOP/s", "GEMM TFLOP/s", "of GEMM", "copy TB/s", "t/bw floor"], bench_rows))
+    if quant_rows:
+        text += ("\n== quantized decode (ms per layer call; speed relative to bf16)\n" + _bench.format_table(
+            ["model", "T", "bf16 ms", "int8 ms", "int4 ms", "int8 speed", "int4 speed", "bf16 t/bw floor"],
+            quant_rows))
+    if train_rows:
+        text += ("\n== training step, bf16 (forward + backward of sum(y^2); ms per step)\n" + _bench.format_table(
+            ["model", "T", "ours ms", "ragged_dot ms", "ragged/ours", "TFLOP/s (3x fwd)", "GEMM TFLOP/s", "of GEMM"],
+            train_rows))
     print(text, flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
