@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
-# The CUDA path on a GPU machine, in one go (under 10 minutes on an H200):
-# build with the CUDA handler, run the GPU tests, then check (forward and
-# gradients against float64 / float32) and time (benchmarks/gpu.py: prefill and
-# decode vs ragged_dot and dense, quantized decode, training step).  Logs go to the folder given as $1 or $JAX_NBX_BENCH_OUT
-# (default ./gpu_logs); the table is printed last.
+# The CUDA path on a GPU machine, in one go, within a deadline (GPU_CHECK_SECONDS,
+# default 540: the device tool allows 600 s per command):
+#   1. build with the CUDA handler required;
+#   2. the GPU tests (tests/test_cuda.py: forward, the CUDA backward, lists, quantized);
+#   3. the CPU micro-kernels of every ISA this machine's CPU has (tests/test_kernels.py);
+#   4. benchmarks/gpu.py: forward and gradient checks against float64 / float32, then the
+#      timing table (prefill and decode vs ragged_dot and dense and the anchors, quantized
+#      decode, training step);
+#   5. if at least 200 s are left: benchmarks/tune_gpu.py on OLMoE and Qwen3 at T=4096
+#      (writes $LOGS/tuned_configs.json; copy it to jax_nbx/triton/configs/<device>.json to
+#      keep it) and those rows timed again with the tuned configs.
+# Each stage's timeout is cut to what is left of the deadline.  Logs go to the folder
+# given as $1 or $JAX_NBX_BENCH_OUT (default ./gpu_logs); the tables are printed last.
 #   usage: bash benchmarks/gpu_check.sh [LOG_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,23 +19,40 @@ LOGS=${1:-${JAX_NBX_BENCH_OUT:-gpu_logs}}
 mkdir -p "$LOGS"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+START=$(date +%s)
+DEADLINE=$(( START + ${GPU_CHECK_SECONDS:-540} ))
+# left CAP: the seconds a stage may take, at most CAP and what is left before the deadline
+left() { local l=$(( DEADLINE - $(date +%s) )); (( l < $1 )) && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
 { date -u; nvidia-smi; grep -m1 'model name' /proc/cpuinfo; nproc
   echo "cpu flags: $(grep -m1 -o -w -E 'avx2|avx512f|avx512_bf16|avx512_fp16|avx512_vnni|amx_bf16|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+  git log --oneline -1 2>/dev/null
   $PY -c "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__, jax.devices())"; } \
   > "$LOGS/machine.txt" 2>&1
 head -3 "$LOGS/machine.txt"; tail -1 "$LOGS/machine.txt"
 echo "== build (CUDA handler required)"
-t0=$(date +%s)
-if ! $PY -m pip install --no-build-isolation --no-deps -e . --config-settings=cmake.define.NBX_CUDA=ON \
-    > "$LOGS/build.log" 2>&1; then
+if ! timeout "$(left 240)" $PY -m pip install --no-build-isolation --no-deps -e . \
+    --config-settings=cmake.define.NBX_CUDA=ON > "$LOGS/build.log" 2>&1; then
   tail -40 "$LOGS/build.log"; echo "BUILD FAILED"; exit 1
 fi
-echo "built in $(( $(date +%s) - t0 )) s"
+echo "built in $(( $(date +%s) - START )) s"
 echo "== GPU tests"
-timeout 150 $PY -m pytest -q --maxfail=5 tests/test_cuda.py -p no:cacheprovider > "$LOGS/tests.log" 2>&1
+timeout "$(left 150)" $PY -m pytest -q --maxfail=5 tests/test_cuda.py -p no:cacheprovider > "$LOGS/tests.log" 2>&1
 echo "pytest exit $?"; tail -15 "$LOGS/tests.log"
 echo "== CPU micro-kernels of every ISA this machine's CPU has (its flags: machine.txt)"
-timeout 90 $PY -m pytest -q tests/test_kernels.py -p no:cacheprovider > "$LOGS/cpu_kernels.log" 2>&1
+timeout "$(left 60)" $PY -m pytest -q tests/test_kernels.py -p no:cacheprovider > "$LOGS/cpu_kernels.log" 2>&1
 echo "pytest exit $?"; tail -3 "$LOGS/cpu_kernels.log"
-echo "== check and time"
-timeout 300 $PY benchmarks/gpu.py --out "$LOGS" --bench-seconds ${GPU_BENCH_SECONDS:-120} ${GPU_BENCH_ARGS:-} 2>&1 | tee "$LOGS/bench.log" | grep -v "^\[" | tail -80
+echo "== check and time ($(( DEADLINE - $(date +%s) )) s left)"
+timeout "$(left 300)" $PY benchmarks/gpu.py --out "$LOGS" --bench-seconds ${GPU_BENCH_SECONDS:-120} \
+  ${GPU_BENCH_ARGS:-} 2>&1 | tee "$LOGS/bench.log" | grep -v "^\[" | tail -80
+if (( DEADLINE - $(date +%s) >= 200 )); then
+  echo "== tuning OLMoE and Qwen3 at T=4096 ($(( DEADLINE - $(date +%s) )) s left)"
+  timeout "$(left 150)" $PY benchmarks/tune_gpu.py --models olmoe-1b-7b,qwen3-30b-a3b --tokens 4096 \
+    --budget-seconds 110 --out "$LOGS/tuned_configs.json" > "$LOGS/tune.log" 2>&1
+  tail -4 "$LOGS/tune.log"
+  JAX_NBX_TRITON_CONFIGS="$LOGS/tuned_configs.json" timeout "$(left 90)" $PY benchmarks/gpu.py --skip-checks \
+    --models olmoe-1b-7b,qwen3-30b-a3b --tokens 4096 --quant-tokens "" --train-tokens "" \
+    --out "$LOGS/after_tuning" 2>&1 | tee "$LOGS/after_tuning.log" | grep -v "^\[" | tail -8
+else
+  echo "== tuning skipped: under 200 s left"
+fi
+echo "== done in $(( $(date +%s) - START )) s"
