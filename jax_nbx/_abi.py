@@ -17,6 +17,7 @@ TARGET_FORWARD: str = _d["targets"]["forward"]
 TARGET_BACKWARD: str = _d["targets"]["backward"]
 TARGET_CUDA_FORWARD: str = _d["targets"]["cuda_forward"]
 TARGET_CUDA_FORWARD_TABLES: str = _d["targets"]["cuda_forward_tables"]
+TARGET_CUDA_BACKWARD: str = _d["targets"]["cuda_backward"]
 TARGET_METAL_FORWARD: str = _d["targets"]["metal_forward"]
 TARGET_FORWARD_POISONED: str = _d["targets"]["forward_poisoned"]  # tests only
 TARGET_BACKWARD_POISONED: str = _d["targets"]["backward_poisoned"]  # tests only
@@ -70,6 +71,9 @@ IN_X: int = _d["inputs"]["x"]
 IN_W: int = _d["inputs"]["w"]
 IN_IDS: int = _d["inputs"]["ids"]
 IN_GROUP0: int = _d["inputs"]["group0"]
+# the CUDA backward's outputs (then the weight gradients, written through tables groups + g)
+OUT_DX: int = _d["backward_outputs"]["dx"]
+OUT_DTOPK_WEIGHTS: int = _d["backward_outputs"]["dtopk_weights"]
 KERNEL_FIELDS: tuple[str, ...] = tuple(_d["kernel_fields"])
 ERR_NONE: int = _d["err_none"]
 WORKSPACE_ALIGN: int = _d["workspace_align"]
