@@ -83,7 +83,7 @@ def problem(seed, T, E, k, H, I, xd, wd, routing="topk", scale=1.0):
     up = (rng.standard_normal((E, H, I)) / np.sqrt(H)).astype(wd)
     down = (rng.standard_normal((E, I, H)) / np.sqrt(I)).astype(wd)
     if routing == "topk":
-        ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+        ids = np.array([rng.permutation(E)[:k] for _ in range(T)], np.int32).reshape(T, k)
     elif routing == "one":  # every slot to the last expert (skewed)
         ids = np.full((T, k), E - 1, np.int32)
     else:  # independent draws, repeats allowed
@@ -207,6 +207,14 @@ def test_bad_expert_id_is_reported_never_read(T):
         assert np.all(np.isfinite(got)) and rel_err(got, want) < TOL[F32]
 
 
+def test_no_tokens_gives_zero_weight_gradients():
+    x, w, ids, gate, up, down, dy = problem(2, 0, 3, 2, 17, 9, F32, F32)
+    err, dx, dw, grads, _ = run_backward((x, w, ids, gate, up, down, dy))
+    assert err == plan.ERR_NONE and dx.shape == (0, 17) and dw.shape == (0, 2)
+    for g in grads:
+        np.testing.assert_array_equal(g, 0.0)
+
+
 def test_workspace_offsets_and_encoding():
     prog = plan.build_backward(300, 100, 8, 64, 256, 128, BF16, BF16, 0)
     for ln in prog.launches:
@@ -248,3 +256,57 @@ for wd, act in ((np.float32, 2), (bf, 0), (np.float16, 3), (bf, 1)):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("compiled") == 4
+
+
+@pytest.mark.parametrize("lists", [False, True], ids=["stacked", "lists"])
+def test_cuda_backward_call_matches_the_handlers_contract(lists, monkeypatch):
+    """`_cuda.backward` without a GPU (device, compiler and ffi_call stubbed):
+    its operands (x, w, ids, the groups' buffers, dy), results (dx, dw, the
+    float32 gradients in `Experts.flat` order, the workspace) and attributes
+    are what `nbx_fused_moe_bwd_cuda` decodes, and its program passes the
+    handler's decoder with those inputs, 2 outputs and 2G tables."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    import jax_nbx as nbx
+    from jax_nbx import _abi, _cuda, _registry
+    from jax_nbx.triton import compile as C
+
+    E, k, H, I, T = 5, 2, 24, 20, 9
+    x, w, ids, gate, up, down, dy = problem(1, T, E, k, H, I, F32, BF16)
+    ex = nbx.Experts(jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down))
+    if lists:
+        ex = nbx.Experts(*([a[e] for e in range(E)] for a in (ex.gate, ex.up, ex.down)))
+    seen = {}
+
+    def fake_call(target, outs, vmap_method):
+        def call(*operands, **attrs):
+            seen.update(target=target, outs=outs, operands=operands, attrs=attrs)
+            return [jnp.zeros(o.shape, o.dtype) for o in outs]
+        return call
+
+    monkeypatch.setattr(_cuda, "_device", lambda i=0: types.SimpleNamespace(device_kind="test",
+                                                                             compute_capability="9.0"))
+    monkeypatch.setattr(C, "pack", lambda prog, cc: (np.zeros(1, np.uint8),
+                                                     np.zeros((len(prog.kernels()), 7), np.int64)))
+    monkeypatch.setattr(jax.ffi, "ffi_call", fake_call)
+    dx, dw, dws = _cuda.backward(jnp.asarray(dy), jnp.asarray(x), jnp.asarray(w), jnp.asarray(ids),
+                                 *ex.flat(), activation=nbx.Activation("swiglu"), band_tokens=4,
+                                 lists=lists, layout=ex.weight_layout())
+    assert seen["target"] == _abi.TARGET_CUDA_BACKWARD
+    n_groups = len(ex.flat()) // (E if lists else 1)
+    ops, outs, attrs = seen["operands"], seen["outs"], seen["attrs"]
+    assert len(ops) == 3 + len(ex.flat()) + 1 and ops[-1].shape == (T, H)
+    assert [o.shape for o in outs[2:-1]] == [a.shape for a in ex.flat()]
+    assert all(o.dtype == np.float32 for o in outs[1:-1]) and outs[0].dtype == x.dtype
+    assert attrs["groups"] == 3 and attrs["stacked"] == (not lists) and not attrs["has_bias"]
+    assert [d.dtype for d in dws] == [a.dtype for a in ex.flat()]
+    # the program addresses exactly those operands (weights' first buffers, then dy), 2 outputs,
+    # the weights' and the gradients' tables
+    n_in = _abi.IN_GROUP0 + n_groups + 1
+    ffi = _registry.ffi_module()
+    ffi.decode_program(attrs["program"], attrs["kernels"].size // 7, n_in, 2 * n_groups,
+                       int(attrs["workspace_bytes"]), 2)
+    assert _abi.TARGET_CUDA_BACKWARD in ffi.cuda_handlers() or not ffi.has_cuda

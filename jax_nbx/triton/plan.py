@@ -512,7 +512,8 @@ def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name
 
     fill(err, 1, ERR_NONE)
     xb = xdtype.itemsize
-    for bi, t0 in enumerate(range(0, T, band)):
+    # T = 0 still runs one empty band: its bwd_dw writes the (zero) weight gradients
+    for bi, t0 in enumerate(range(0, max(T, 1), band)):
         tb = min(band, T - t0)
         nb = tb * k
         x_a = inp(IN_X, t0 * H * xb, xs)
