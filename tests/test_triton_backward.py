@@ -310,3 +310,45 @@ def test_cuda_backward_call_matches_the_handlers_contract(lists, monkeypatch):
     ffi.decode_program(attrs["program"], attrs["kernels"].size // 7, n_in, 2 * n_groups,
                        int(attrs["workspace_bytes"]), 2)
     assert _abi.TARGET_CUDA_BACKWARD in ffi.cuda_handlers() or not ffi.has_cuda
+
+
+LAYOUT_NAMES = ("plain", "out_in", "concat", "interleaved", "concat_out_in", "interleaved_out_in")
+
+
+@pytest.mark.parametrize("lists", [False, True], ids=["stacked", "lists"])
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+def test_every_layout_read_and_written_in_place(name, lists):
+    """Every checkpoint layout (tests/test_layouts.py's, no biases), stacked
+    and per-expert: the weights read through their views, the float32
+    gradients written through the same views into buffers shaped like the
+    weights (fused gate_up: one gradient buffer), against the float64
+    gradient on canonical weights rearranged the same way (a permutation)."""
+    from test_layouts import canonical, stored
+
+    E, k, H, I, T = 5, 2, 21, 13, 33
+    rng = np.random.default_rng(LAYOUT_NAMES.index(name))
+    G, U, D, *_ = canonical(rng, E, H, I, False)
+    ex = stored(name, G, U, D, lists=lists)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    dy = rng.standard_normal((T, H)).astype(np.float32)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    w = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    layout = ex.weight_layout()
+    flat = [np.asarray(a) for a in ex.flat()]
+    grads = [np.full(a.shape, np.nan, np.float32) for a in flat]
+    n_groups = 2 if layout.fused else 3
+    per = E if lists else 1
+    group = lambda arrs: [arrs[g * per:(g + 1) * per] for g in range(n_groups)] if lists else arrs  # noqa: E731
+    aligned = lists or all(a[0].nbytes % 16 == 0 for a in flat)
+    prog = plan.build_backward(T, T, k, E, H, I, F32, F32, 0, w_aligned=aligned, layout=layout)
+    dx = np.full((T, H), np.nan, np.float32)
+    dw = np.full((T, k), np.nan, np.float32)
+    firsts = [flat[g * per] for g in range(n_groups)]
+    err = interpret.run(prog, [x, w, ids, *firsts, dy], [dx, dw],
+                        tables=interpret.pointer_tables(*group(flat), *group(grads)))
+    assert err == plan.ERR_NONE
+    rdx, rdw, dG, dU, dD = np_grad64(x, w, ids, G, U, D, dy)
+    want = [np.asarray(a, np.float64) for a in stored(name, dG, dU, dD, lists=lists).flat()]
+    for got, ref in zip((dx, dw, *grads), (rdx, rdw, *want)):
+        assert np.all(np.isfinite(got)), "unwritten (poisoned) elements"
+        assert rel_err(got, ref) < TOL[F32]
