@@ -71,9 +71,10 @@ IN_X: int = _d["inputs"]["x"]
 IN_W: int = _d["inputs"]["w"]
 IN_IDS: int = _d["inputs"]["ids"]
 IN_GROUP0: int = _d["inputs"]["group0"]
-# the CUDA backward's outputs (then the weight gradients, written through tables groups + g)
+# the CUDA backward's program outputs (the weight gradients: written through tables groups + g)
 OUT_DX: int = _d["backward_outputs"]["dx"]
 OUT_DTOPK_WEIGHTS: int = _d["backward_outputs"]["dtopk_weights"]
+OUT_DBIAS0: int = _d["backward_outputs"]["dbias0"]  # then the bias gradients, with biases
 KERNEL_FIELDS: tuple[str, ...] = tuple(_d["kernel_fields"])
 ERR_NONE: int = _d["err_none"]
 WORKSPACE_ALIGN: int = _d["workspace_align"]

@@ -172,7 +172,9 @@ def backward(dy, x, w, ids, *arrays, activation, band_tokens: int, lists: bool =
     """The raw CUDA backward call (``nbx_fused_moe_bwd_cuda``) on 2-D inputs:
     ``(dx, dw, dweights)`` with ``dweights`` the float32 gradients of the
     weight arrays in ``arrays``' order (`Experts.flat`: dense experts, any
-    layout, stacked or lists; no biases yet), cast here to the weights' dtypes.
+    layout, stacked or lists), cast here to the weights' dtypes, then with
+    ``layout.bias`` the three float32 gradients of the handler's biases
+    (``arrays`` ends with `Experts.handler_biases`, as for `forward`).
     The kernels (`plan.build_backward`) recompute gate and up, order the
     slots by expert like the forward and sum every gradient in a fixed order
     (no atomics); weight gradients are accumulated band after band.
@@ -186,12 +188,10 @@ def backward(dy, x, w, ids, *arrays, activation, band_tokens: int, lists: bool =
         groups, E, I, quant, wdtype, strides_ok = weight_groups(arrays, lists)
         if quant is not None:
             raise ValueError("the CUDA backward takes dense experts (quantized ones are frozen)")
-        views = None
+        biases, views = (), None
         layout = WeightLayout(sum(P.plain_views(H, I), ()), I, False, False)
     else:
         groups, biases, E, wdtype, strides_ok = _view_groups(arrays, layout, lists)
-        if len(biases):
-            raise ValueError("the CUDA backward takes experts without biases (for now)")
         I, views = int(layout.intermediate), layout
     dev = _device(0)
     prog = P.build_backward(T, band_tokens or T, k, E, H, I, np.dtype(x.dtype), wdtype, activation,
@@ -202,7 +202,8 @@ def backward(dy, x, w, ids, *arrays, activation, band_tokens: int, lists: bool =
                  w_aligned=bool(strides_ok), num_experts=np.int64(E),
                  check_ids=bool(check_ids_enabled() and not skip_outside))
     bufs = [b for g in groups for b in (g if lists else g[:1])]
-    weights = [b for g in groups for b in g]
+    bufs += [b.astype(np.float32) for b in biases]
+    weights = [b for g in groups for b in g] + list(biases)
     outs = ([jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, np.float32)]
             + [jax.ShapeDtypeStruct(a.shape, np.float32) for a in weights]
             + [jax.ShapeDtypeStruct((max(prog.workspace_bytes, 1),), np.uint8)])

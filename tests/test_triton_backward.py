@@ -53,27 +53,32 @@ def glu_and_partials(g, u, act):
     return f * (uc + 1.0), np.where(g_in, df * (uc + 1.0), 0.0), np.where(u_in, f, 0.0)
 
 
-def np_grad64(x, w, ids, gate, up, down, dy, act=0):
-    """Analytic float64 gradient of sum(dy * y), y_t = sum_j w_tj mlp_e(x_t):
-    (dx, d(topk_weights), dgate, dup, ddown).  Slots with ids outside [0, E)
-    contribute nothing."""
-    E = gate.shape[0]
+def np_grad64(x, w, ids, gate, up, down, dy, act=0, biases=None):
+    """Analytic float64 gradient of sum(dy * y), y_t = sum_j w_tj mlp_e(x_t),
+    mlp_e(x) = glu(x G_e + bg_e, x U_e + bu_e) D_e + bd_e: (dx,
+    d(topk_weights), dgate, dup, ddown) and with ``biases`` (bg, bu, bd) also
+    (dbg, dbu, dbd).  Slots with ids outside [0, E) contribute nothing."""
+    E, H, I = gate.shape
     x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
     G, U, D = (a.astype(np.float64) for a in (gate, up, down))
+    bg, bu, bd = ((np.zeros((E, I)), np.zeros((E, I)), np.zeros((E, H))) if biases is None
+                  else (np.asarray(b, np.float64) for b in biases))
     dx, dw = np.zeros_like(x64), np.zeros(ids.shape)
     dG, dU, dD = np.zeros_like(G), np.zeros_like(U), np.zeros_like(D)
+    dbg, dbu, dbd = np.zeros_like(bg), np.zeros_like(bu), np.zeros_like(bd)
     for e in range(E):
         t, j = np.nonzero(ids == e)
         if len(t) == 0:
             continue
         xs, dys, ws = x64[t], dy64[t], w[t, j].astype(np.float64)[:, None]
-        a, da_dg, da_du = glu_and_partials(xs @ G[e], xs @ U[e], act)
+        a, da_dg, da_du = glu_and_partials(xs @ G[e] + bg[e], xs @ U[e] + bu[e], act)
         da = dys @ D[e].T                      # d loss / d a, before the routing weight
-        dw[t, j] = np.sum(a * da, axis=1)
+        dw[t, j] = np.sum(a * da, axis=1) + dys @ bd[e]
         dg, du = ws * da * da_dg, ws * da * da_du
         dG[e], dU[e], dD[e] = xs.T @ dg, xs.T @ du, (ws * a).T @ dys
+        dbg[e], dbu[e], dbd[e] = dg.sum(0), du.sum(0), (ws * dys).sum(0)
         np.add.at(dx, t, dg @ G[e].T + du @ U[e].T)
-    return dx, dw, dG, dU, dD
+    return (dx, dw, dG, dU, dD) + (() if biases is None else (dbg, dbu, dbd))
 
 
 def problem(seed, T, E, k, H, I, xd, wd, routing="topk", scale=1.0):
@@ -234,8 +239,9 @@ def test_workspace_offsets_and_encoding():
 
 def test_backward_kernels_compile_to_cubins():
     """Ahead-of-time compilation of every backward kernel for sm_90 (no GPU
-    needed), float32 and bfloat16 weights, banded (the accumulating bwd_dw
-    too).  Run in a fresh process: this one interprets the kernels."""
+    needed), float32, float16 and bfloat16 weights, banded (the accumulating
+    bwd_dw too), plain and gpt-oss's interleaved layout with biases.  Run in
+    a fresh process: this one interprets the kernels."""
     import subprocess
     import sys
 
@@ -243,8 +249,10 @@ def test_backward_kernels_compile_to_cubins():
 import numpy as np, ml_dtypes
 from jax_nbx.triton import plan, compile as C
 bf = np.dtype(ml_dtypes.bfloat16)
-for wd, act in ((np.float32, 2), (bf, 0), (np.float16, 3), (bf, 1)):
-    prog = plan.build_backward(80, 40, 2, 6, 64, 32, wd, wd, act)
+from jax_nbx.experts import WeightLayout
+gpt_oss = WeightLayout((0, 64, 2, 1, 64, 2, 0, 64, 1), 32, True, True)  # interleaved gate_up, biases
+for wd, act, lay in ((np.float32, 2, None), (bf, 0, None), (np.float16, 3, None), (bf, 2, gpt_oss)):
+    prog = plan.build_backward(80, 40, 2, 6, 64, 32, wd, wd, act, layout=lay)
     blob, table = C.pack(prog, 90)
     names = {k.name for k, _, _ in prog.kernels()}
     assert {"bwd_gemm1", "bwd_dtw", "bwd_dx", "bwd_combine", "bwd_dw", "expert_ranges"} <= names
@@ -258,8 +266,9 @@ for wd, act in ((np.float32, 2), (bf, 0), (np.float16, 3), (bf, 1)):
     assert r.stdout.count("compiled") == 4
 
 
-@pytest.mark.parametrize("lists", [False, True], ids=["stacked", "lists"])
-def test_cuda_backward_call_matches_the_handlers_contract(lists, monkeypatch):
+@pytest.mark.parametrize("lists,bias", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["stacked", "lists", "stacked-interleaved-bias", "lists-interleaved-bias"])
+def test_cuda_backward_call_matches_the_handlers_contract(lists, bias, monkeypatch):
     """`_cuda.backward` without a GPU (device, compiler and ffi_call stubbed):
     its operands (x, w, ids, the groups' buffers, dy), results (dx, dw, the
     float32 gradients in `Experts.flat` order, the workspace) and attributes
@@ -279,6 +288,13 @@ def test_cuda_backward_call_matches_the_handlers_contract(lists, monkeypatch):
     ex = nbx.Experts(jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down))
     if lists:
         ex = nbx.Experts(*([a[e] for e in range(E)] for a in (ex.gate, ex.up, ex.down)))
+    if bias:  # gpt-oss's experts: interleaved gate_up [E, H, 2I] with biases
+        from test_layouts import stored
+
+        r = np.random.default_rng(2)
+        ex = stored("interleaved", gate.astype(np.float32), up.astype(np.float32),
+                    down.astype(np.float32), r.standard_normal((E, I)), r.standard_normal((E, I)),
+                    r.standard_normal((E, H)), lists=lists, dtype=jnp.bfloat16)
     seen = {}
 
     def fake_call(target, outs, vmap_method):
@@ -292,43 +308,56 @@ def test_cuda_backward_call_matches_the_handlers_contract(lists, monkeypatch):
     monkeypatch.setattr(C, "pack", lambda prog, cc: (np.zeros(1, np.uint8),
                                                      np.zeros((len(prog.kernels()), 7), np.int64)))
     monkeypatch.setattr(jax.ffi, "ffi_call", fake_call)
+    arrays = (*ex.flat(), *ex.handler_biases())
     dx, dw, dws = _cuda.backward(jnp.asarray(dy), jnp.asarray(x), jnp.asarray(w), jnp.asarray(ids),
-                                 *ex.flat(), activation=nbx.Activation("swiglu"), band_tokens=4,
+                                 *arrays, activation=nbx.Activation("swiglu"), band_tokens=4,
                                  lists=lists, layout=ex.weight_layout())
     assert seen["target"] == _abi.TARGET_CUDA_BACKWARD
     n_groups = len(ex.flat()) // (E if lists else 1)
+    nb = 3 if bias else 0
     ops, outs, attrs = seen["operands"], seen["outs"], seen["attrs"]
-    assert len(ops) == 3 + len(ex.flat()) + 1 and ops[-1].shape == (T, H)
-    assert [o.shape for o in outs[2:-1]] == [a.shape for a in ex.flat()]
+    assert len(ops) == 3 + len(arrays) + 1 and ops[-1].shape == (T, H)
+    assert [o.shape for o in outs[2:-1]] == [a.shape for a in arrays]
     assert all(o.dtype == np.float32 for o in outs[1:-1]) and outs[0].dtype == x.dtype
-    assert attrs["groups"] == 3 and attrs["stacked"] == (not lists) and not attrs["has_bias"]
-    assert [d.dtype for d in dws] == [a.dtype for a in ex.flat()]
-    # the program addresses exactly those operands (weights' first buffers, then dy), 2 outputs,
-    # the weights' and the gradients' tables
-    n_in = _abi.IN_GROUP0 + n_groups + 1
+    assert attrs["groups"] == n_groups and attrs["stacked"] == (not lists)
+    assert attrs["has_bias"] == bias
+    assert [d.dtype for d in dws] == [a.dtype for a in arrays]
+    # the program addresses exactly those operands (weights' first buffers, the biases, then dy),
+    # dx, dw (and the bias gradients), the weights' and the gradients' tables
+    n_in = _abi.IN_GROUP0 + n_groups + nb + 1
     ffi = _registry.ffi_module()
-    ffi.decode_program(attrs["program"], attrs["kernels"].size // 7, n_in, 2 * n_groups,
-                       int(attrs["workspace_bytes"]), 2)
+    args = (attrs["kernels"].size // 7, n_in, 2 * n_groups, int(attrs["workspace_bytes"]), 2 + nb)
+    ffi.decode_program(attrs["program"], *args)
+    if bias:
+        with pytest.raises(ValueError, match="bad output index"):
+            ffi.decode_program(attrs["program"], *args[:-1], 2)
     assert _abi.TARGET_CUDA_BACKWARD in ffi.cuda_handlers() or not ffi.has_cuda
 
 
 LAYOUT_NAMES = ("plain", "out_in", "concat", "interleaved", "concat_out_in", "interleaved_out_in")
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("lists", [False, True], ids=["stacked", "lists"])
 @pytest.mark.parametrize("name", LAYOUT_NAMES)
-def test_every_layout_read_and_written_in_place(name, lists):
-    """Every checkpoint layout (tests/test_layouts.py's, no biases), stacked
-    and per-expert: the weights read through their views, the float32
-    gradients written through the same views into buffers shaped like the
-    weights (fused gate_up: one gradient buffer), against the float64
-    gradient on canonical weights rearranged the same way (a permutation)."""
+def test_every_layout_read_and_written_in_place(name, lists, bias):
+    """Every checkpoint layout (tests/test_layouts.py's), with and without
+    biases, stacked and per-expert: the weights read through their views,
+    the float32 gradients written through the same views into buffers shaped
+    like the weights (fused gate_up: one gradient buffer), the bias gradients
+    as the handler's three [E, I], [E, I], [E, H] outputs, against the
+    float64 gradient on canonical weights rearranged the same way (a
+    permutation)."""
+    _layout_case(name, lists, bias)
+
+
+def _layout_case(name, lists, bias, band=None):
     from test_layouts import canonical, stored
 
     E, k, H, I, T = 5, 2, 21, 13, 33
-    rng = np.random.default_rng(LAYOUT_NAMES.index(name))
-    G, U, D, *_ = canonical(rng, E, H, I, False)
-    ex = stored(name, G, U, D, lists=lists)
+    rng = np.random.default_rng(LAYOUT_NAMES.index(name) + 10 * bias)
+    G, U, D, *B = canonical(rng, E, H, I, bias)
+    ex = stored(name, G, U, D, *B, lists=lists)
     x = rng.standard_normal((T, H)).astype(np.float32)
     dy = rng.standard_normal((T, H)).astype(np.float32)
     ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
@@ -338,17 +367,30 @@ def test_every_layout_read_and_written_in_place(name, lists):
     grads = [np.full(a.shape, np.nan, np.float32) for a in flat]
     n_groups = 2 if layout.fused else 3
     per = E if lists else 1
-    group = lambda arrs: [arrs[g * per:(g + 1) * per] for g in range(n_groups)] if lists else arrs  # noqa: E731
+    def group(arrs):
+        return [arrs[g * per:(g + 1) * per] for g in range(n_groups)] if lists else arrs
     aligned = lists or all(a[0].nbytes % 16 == 0 for a in flat)
-    prog = plan.build_backward(T, T, k, E, H, I, F32, F32, 0, w_aligned=aligned, layout=layout)
+    prog = plan.build_backward(T, band or T, k, E, H, I, F32, F32, 0, w_aligned=aligned, layout=layout)
     dx = np.full((T, H), np.nan, np.float32)
     dw = np.full((T, k), np.nan, np.float32)
+    biases = [np.asarray(b, np.float32) for b in ex.handler_biases()]
+    dbiases = [np.full(b.shape, np.nan, np.float32) for b in biases]
     firsts = [flat[g * per] for g in range(n_groups)]
-    err = interpret.run(prog, [x, w, ids, *firsts, dy], [dx, dw],
+    err = interpret.run(prog, [x, w, ids, *firsts, *biases, dy], [dx, dw, *dbiases],
                         tables=interpret.pointer_tables(*group(flat), *group(grads)))
     assert err == plan.ERR_NONE
-    rdx, rdw, dG, dU, dD = np_grad64(x, w, ids, G, U, D, dy)
-    want = [np.asarray(a, np.float64) for a in stored(name, dG, dU, dD, lists=lists).flat()]
-    for got, ref in zip((dx, dw, *grads), (rdx, rdw, *want)):
+    ref = np_grad64(x, w, ids, G, U, D, dy, biases=biases if bias else None)
+    want = [np.asarray(a, np.float64) for a in stored(name, *ref[2:5], lists=lists).flat()]
+    for got, r in zip((dx, dw, *grads, *dbiases), (*ref[:2], *want, *ref[5:])):
         assert np.all(np.isfinite(got)), "unwritten (poisoned) elements"
-        assert rel_err(got, ref) < TOL[F32]
+        assert rel_err(got, r) < TOL[F32]
+    return dx, dw, grads, dbiases
+
+
+def test_biases_banded():
+    """Bias gradients accumulate band after band like the weights'; dx and
+    d(topk_weights) stay bit-identical."""
+    dx0, dw0, *_ = _layout_case("interleaved", False, True)
+    dx1, dw1, *_ = _layout_case("interleaved", False, True, band=8)
+    np.testing.assert_array_equal(dx0.view(np.uint32), dx1.view(np.uint32))
+    np.testing.assert_array_equal(dw0.view(np.uint32), dw1.view(np.uint32))

@@ -69,6 +69,7 @@ nb::dict AbiDict() {
   nb::dict outputs;
   outputs["dx"] = abi::kOutputDx;
   outputs["dtopk_weights"] = abi::kOutputDTopkWeights;
+  outputs["dbias0"] = abi::kOutputDBias0;
   d["backward_outputs"] = outputs;
   d["kernel_fields"] = Names(abi::kKernelFieldNames);
   d["err_none"] = abi::kErrNone;

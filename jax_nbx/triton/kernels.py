@@ -482,19 +482,21 @@ def expert_ranges(block_expert, erange, NMB: tl.constexpr, E: tl.constexpr, EP: 
 
 @triton.jit
 def bwd_gemm1(x, dy, w, sorted_slots, block_expert, gate_tbl, up_tbl, down_tbl, wref,
-              dg, du, wh, part,
+              gb, ub, db, dg, du, wh, part,
               H: tl.constexpr, I: tl.constexpr, K_TOP: tl.constexpr, NPS: tl.constexpr,
               ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
               W_ALIGNED: tl.constexpr, IEEE: tl.constexpr,
               OFF_G: tl.constexpr, OFF_U: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr,
-              OFF_D: tl.constexpr, SK_D: tl.constexpr, SN_D: tl.constexpr,
+              OFF_D: tl.constexpr, SK_D: tl.constexpr, SN_D: tl.constexpr, BIAS: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """For the BM rows of one block (one expert) and BN columns of I:
     g = x G, u = x U, da = dy D^T (D read transposed through its view),
     part[pid_n, slot] = sum over the tile of glu(g, u) * da (the I tiles are
     added in order by `bwd_dtw`), and dg, du, wh [rows, I] (padding rows and
     columns past I: zeros), stored in dg's dtype (the weights' for 16-bit
-    weights: the next products round them to it anyway)."""
+    weights: the next products round them to it anyway).  BIAS: float32
+    gb, ub [E, I] start g and u; tile 0's partial adds dy . db[e] (the down
+    bias's share of d(topk_weight))."""
     pid_n = tl.program_id(1)
     e, rows, slot, valid = _block(block_expert, sorted_slots, BM)
     if e < 0:
@@ -509,13 +511,18 @@ def bwd_gemm1(x, dy, w, sorted_slots, block_expert, gate_tbl, up_tbl, down_tbl, 
     acc_g = tl.zeros((BM, BN), tl.float32)
     acc_u = tl.zeros((BM, BN), tl.float32)
     acc_d = tl.zeros((BM, BN), tl.float32)
+    dyb = tl.zeros((BM,), tl.float32)
     for k0 in range(0, H, BK):
         kk = k0 + offs_k
         kmask = kk < H
         amask = valid[:, None] & kmask[None, :]
         aoff = tok[:, None].to(tl.int64) * H + kk[None, :]
         a = tl.load(x + aoff, mask=amask, other=0.0).to(wref.dtype.element_ty)
-        b = tl.load(dy + aoff, mask=amask, other=0.0).to(wref.dtype.element_ty)
+        bf = tl.load(dy + aoff, mask=amask, other=0.0)
+        if BIAS:
+            bd_row = tl.load(db + e.to(tl.int64) * H + kk, mask=kmask, other=0.0)
+            dyb += tl.sum(bf.to(tl.float32) * bd_row[None, :], axis=1)
+        b = bf.to(wref.dtype.element_ty)
         wmask = kmask[:, None] & nmask[None, :]
         woff = _view(kk, offs_n, 0, SK, SN)
         bg = tl.load(gp + OFF_G + woff, mask=wmask, other=0.0)
@@ -530,10 +537,16 @@ def bwd_gemm1(x, dy, w, sorted_slots, block_expert, gate_tbl, up_tbl, down_tbl, 
             acc_g = tl.dot(a, bg, acc_g)
             acc_u = tl.dot(a, bu, acc_u)
             acc_d = tl.dot(b, bd, acc_d)
+    if BIAS:
+        eb = e.to(tl.int64) * I + offs_n
+        acc_g += tl.load(gb + eb, mask=nmask, other=0.0)[None, :]
+        acc_u += tl.load(ub + eb, mask=nmask, other=0.0)[None, :]
     act, dact_g, dact_u = _glu_grad(acc_g, acc_u, ACT, ALPHA, LIMIT)
     keep = valid[:, None] & nmask[None, :]
     rw = tl.load(w + slot, mask=valid, other=0.0)
     p = tl.sum(tl.where(keep, act * acc_d, 0.0), axis=1)
+    if BIAS:
+        p += tl.where(pid_n == 0, dyb, 0.0)
     sl = tl.where(valid, slot, 0)
     tl.store(part + pid_n * NPS + sl, p, mask=valid)
     da = rw[:, None] * acc_d
@@ -613,17 +626,21 @@ def bwd_combine(dxs, ids, dx, H: tl.constexpr, E: tl.constexpr, K_TOP: tl.conste
 
 
 @triton.jit
-def bwd_dw(x, dy, dg, du, wh, sorted_slots, erange, dgate_tbl, dup_tbl, ddown_tbl, wref, gref,
+def bwd_dw(x, dy, w, dg, du, wh, sorted_slots, erange, dgate_tbl, dup_tbl, ddown_tbl, wref, gref,
+           dgb, dub, ddb,
            H: tl.constexpr, I: tl.constexpr, K_TOP: tl.constexpr, IEEE: tl.constexpr,
            ACCUM: tl.constexpr,
            OFF_G: tl.constexpr, OFF_U: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr,
-           OFF_D: tl.constexpr, SK_D: tl.constexpr, SN_D: tl.constexpr,
+           OFF_D: tl.constexpr, SK_D: tl.constexpr, SN_D: tl.constexpr, BIAS: tl.constexpr,
            BM: tl.constexpr, BH: tl.constexpr, BI: tl.constexpr):
     """Expert e = program 0, a BH x BI tile: dG_e = x_e^T dg_e, dU_e = x_e^T du_e,
     dD_e = wh_e^T dy_e over the expert's row blocks in order (float32,
     written through the gradients' tables in the weights' views; gref: a
     float32 pointer giving the type).  ACCUM: added to what earlier bands
-    stored (band after band); an expert without rows gets zeros."""
+    stored (band after band); an expert without rows gets zeros.  BIAS: the
+    float32 bias gradients [E, I], [E, I], [E, H]: dgb = sum of dg's rows,
+    dub = of du's (stored by the programs of H tile 0), ddb = of w*dy's
+    (stored by those of I tile 0), in the same order."""
     e = tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_i = tl.program_id(2) * BI + tl.arange(0, BI)
@@ -634,6 +651,9 @@ def bwd_dw(x, dy, dg, du, wh, sorted_slots, erange, dgate_tbl, dup_tbl, ddown_tb
     acc_g = tl.zeros((BH, BI), tl.float32)
     acc_u = tl.zeros((BH, BI), tl.float32)
     acc_d = tl.zeros((BI, BH), tl.float32)
+    s_g = tl.zeros((BI,), tl.float32)
+    s_u = tl.zeros((BI,), tl.float32)
+    s_d = tl.zeros((BH,), tl.float32)
     for b in range(b0, b0 + nb):
         rows = b * BM + tl.arange(0, BM)
         slot = tl.load(sorted_slots + rows)
@@ -642,10 +662,18 @@ def bwd_dw(x, dy, dg, du, wh, sorted_slots, erange, dgate_tbl, dup_tbl, ddown_tb
         hoff = tok[:, None].to(tl.int64) * H + offs_h[None, :]
         hm = valid[:, None] & hmask[None, :]
         xa = tl.load(x + hoff, mask=hm, other=0.0).to(wref.dtype.element_ty)
-        dya = tl.load(dy + hoff, mask=hm, other=0.0).to(wref.dtype.element_ty)
+        dyf = tl.load(dy + hoff, mask=hm, other=0.0)
+        dya = dyf.to(wref.dtype.element_ty)
         ioff = rows[:, None].to(tl.int64) * I + offs_i[None, :]
-        gg = tl.load(dg + ioff, mask=imask[None, :], other=0.0).to(wref.dtype.element_ty)
-        uu = tl.load(du + ioff, mask=imask[None, :], other=0.0).to(wref.dtype.element_ty)
+        ggf = tl.load(dg + ioff, mask=imask[None, :], other=0.0)
+        uuf = tl.load(du + ioff, mask=imask[None, :], other=0.0)
+        if BIAS:
+            rw = tl.load(w + tl.where(valid, slot, 0), mask=valid, other=0.0)
+            s_g += tl.sum(ggf.to(tl.float32), axis=0)
+            s_u += tl.sum(uuf.to(tl.float32), axis=0)
+            s_d += tl.sum(rw[:, None] * dyf.to(tl.float32), axis=0)
+        gg = ggf.to(wref.dtype.element_ty)
+        uu = uuf.to(wref.dtype.element_ty)
         ww = tl.load(wh + ioff, mask=imask[None, :], other=0.0).to(wref.dtype.element_ty)
         xt = tl.trans(xa)
         if IEEE:
@@ -670,3 +698,15 @@ def bwd_dw(x, dy, dg, du, wh, sorted_slots, erange, dgate_tbl, dup_tbl, ddown_tb
     tl.store(gp + OFF_G + o1, acc_g, mask=m1)
     tl.store(upp + OFF_U + o1, acc_u, mask=m1)
     tl.store(dp + o2, acc_d, mask=m2)
+    if BIAS:
+        bi = e.to(tl.int64) * I + offs_i
+        bh = e.to(tl.int64) * H + offs_h
+        first_h = (tl.program_id(1) + tl.zeros((BI,), tl.int32)) == 0  # (full vectors: the
+        first_i = (tl.program_id(2) + tl.zeros((BH,), tl.int32)) == 0  # interpreter's masks)
+        if ACCUM:
+            s_g += tl.load(dgb + bi, mask=imask & first_h, other=0.0)
+            s_u += tl.load(dub + bi, mask=imask & first_h, other=0.0)
+            s_d += tl.load(ddb + bh, mask=hmask & first_i, other=0.0)
+        tl.store(dgb + bi, s_g, mask=imask & first_h)
+        tl.store(dub + bi, s_u, mask=imask & first_h)
+        tl.store(ddb + bh, s_d, mask=hmask & first_i)

@@ -36,7 +36,7 @@ ARG_INPUT, ARG_OUTPUT, ARG_WORKSPACE, ARG_TABLE, ARG_I32 = (
 _Q, _SCALE, _ZERO = (_abi.PARTS.index(part) for part in ("q", "scale", "zero"))
 IN_X, IN_W, IN_IDS, IN_GROUP0 = _abi.IN_X, _abi.IN_W, _abi.IN_IDS, _abi.IN_GROUP0
 # the backward's outputs: dx, d(topk_weights) (weight gradients: through tables)
-OUT_DX, OUT_DTW = _abi.OUT_DX, _abi.OUT_DTOPK_WEIGHTS
+OUT_DX, OUT_DTW, OUT_DBIAS0 = _abi.OUT_DX, _abi.OUT_DTOPK_WEIGHTS, _abi.OUT_DBIAS0
 IN_GATE, IN_UP, IN_DOWN = (IN_GROUP0 + _abi.group_index(_Q, p) for p in range(len(_abi.PROJECTIONS)))
 # weight format (None = dense) -> the kernels' QUANT constexpr
 QUANT_CODES = _abi.FORMAT_CODES
@@ -409,15 +409,17 @@ def backward_band_workspace(tokens: int, k: int, E: int, H: int, I: int, wdtype,
 def build_backward(T: int, band: int, k: int, E: int, H: int, I: int, xdtype, wdtype,
                    activation: int | Activation, device_name: str | None = None,
                    w_aligned: bool = True, layout=None) -> Program:
-    """The program of one fused_moe backward call (dense experts): T tokens
-    in bands of ``band``.
+    """The program of one fused_moe backward call (dense experts, any
+    layout, with or without biases): T tokens in bands of ``band``.
 
     Inputs (abi.h): x, topk_weights, topk_ids, the weight groups' first
     buffers, [the biases], then dy [T, H] in x's dtype (`backward_inputs`).
     Outputs: ``OUT_DX`` dx [T, H] (x's dtype), ``OUT_DTW`` d(topk_weights)
-    [T, k] float32; the weight gradients (float32, the weights' shapes and
-    views) are written through pointer tables ``G + g`` (g: the weights'
-    group), built like the weights' own from the gradient buffers.
+    [T, k] float32, with biases ``OUT_DBIAS0 + j`` the float32 bias
+    gradients [E, I], [E, I], [E, H]; the weight gradients (float32, the
+    weights' shapes and views) are written through pointer tables ``G + g``
+    (g: the weights' group), built like the weights' own from the gradient
+    buffers.
 
     Per band: the forward's ordering (fill, count, offsets, scatter), then
     ``expert_ranges``, ``bwd_gemm1`` (recompute g, u; da = dy D^T; dg, du,
@@ -439,13 +441,11 @@ def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name
     a = Activation(_abi.ACTIVATIONS[activation]) if isinstance(activation, int) else activation
     act = (("ACT", a.code), ("ALPHA", float(a.alpha)), ("LIMIT", float(a.limit)))
     views, fused, has_bias = views_of(layout, H, I)
-    if has_bias:
-        raise NotImplementedError("the CUDA backward takes experts without biases (for now)")
     group_of = (0, 0, 1) if fused else (0, 1, 2)
     G = 2 if fused else len(_abi.PROJECTIONS)
     (og, sk, sn), (ou, _, _), (od, skd, snd) = views
     vw = (("OFF_G", og), ("OFF_U", ou), ("SK", sk), ("SN", sn))
-    vd = (("OFF_D", od), ("SK_D", skd), ("SN_D", snd))
+    vd = (("OFF_D", od), ("SK_D", skd), ("SN_D", snd), ("BIAS", has_bias))
     xs = "*" + _tl_name(xdtype)
     wt = "*" + _tl_name(wdtype)
     ieee = wdtype == np.float32
@@ -495,6 +495,13 @@ def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name
     wref = inp(IN_GATE, 0, wt)
     gref = inp(IN_W, 0, "*fp32")  # any float32 pointer: types the gradient tables' addresses
     dy_in = backward_inputs(G, has_bias)
+    # the biases (inputs after the weight groups) and their gradients (outputs
+    # OUT_DBIAS0 + j), or placeholders the kernels never touch
+    nbias = _abi.NUM_BIASES
+    bias_in = ([inp(IN_GROUP0 + G + j, 0, "*fp32") for j in range(nbias)] if has_bias
+               else [inp(IN_W, 0, "*fp32")] * nbias)
+    bias_out = ([Arg(ARG_OUTPUT, OUT_DBIAS0 + j, 0, "*fp32") for j in range(nbias)] if has_bias
+                else [Arg(ARG_OUTPUT, OUT_DTW, 0, "*fp32")] * nbias)
     common = (("H", H), ("I", I))
     kc = Kernel("count", (("E", E), ("EP", EP), ("BLOCK", COUNT_BLOCK)), 4, 1)
     ks = Kernel("scatter", (("E", E), ("BLOCK", COUNT_BLOCK)), 4, 1)
@@ -534,12 +541,13 @@ def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name
         launches.append(Launch(kr, (1, 1, 1), (ws(bexp), ws(erange))))
         wsd = (ws(dg_off, hf), ws(du_off, hf), ws(wh_off, hf))
         launches.append(Launch(k1, (mb, NT, 1),
-                               (x_a, dy_a, w_a, ws(srt), ws(bexp), *tbl, wref, *wsd, ws(part, "*fp32"))))
+                               (x_a, dy_a, w_a, ws(srt), ws(bexp), *tbl, wref, *bias_in, *wsd,
+                                ws(part, "*fp32"))))
         launches.append(Launch(kt, (nblk_b, 1, 1), (ws(part, "*fp32"), ids_a, dtw_a, i32(nb))))
         launches.append(Launch(kx, (mb, -(-H // c2.BN), 1),
                                (ws(dg_off, hf), ws(du_off, hf), ws(srt), ws(bexp), tbl[0], tbl[1], wref,
                                 ws(dxs, "*fp32"))))
         launches.append(Launch(kb, (tb, -(-H // COMBINE_BLOCK), 1), (ws(dxs, "*fp32"), ids_a, dx_a)))
         launches.append(Launch(kw(bi > 0), (E, -(-H // BT), -(-I // BT)),
-                               (x_a, dy_a, *wsd, ws(srt), ws(erange), *gtbl, wref, gref)))
+                               (x_a, dy_a, w_a, *wsd, ws(srt), ws(erange), *gtbl, wref, gref, *bias_out)))
     return Program(launches, lay.size, err, w_aligned, E)

@@ -590,9 +590,10 @@ ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
 // The CUDA backward (abi.h "CUDA backward"; jax_nbx/triton/plan.py
 // build_backward): dense experts as the tables handler takes them (`groups`
 // groups of one stacked or E per-expert buffers, read through abi.h's views;
-// no biases yet), then dy [T, H] in x's dtype.  Results: dx, d(topk_weights)
-// float32 [T, k], then the weight gradients (float32, the weights' shapes
-// and grouping), then the workspace.  The gradients' addresses are pointer
+// with `has_bias` the three float32 biases), then dy [T, H] in x's dtype.
+// Results: dx, d(topk_weights) float32 [T, k], then the weight gradients
+// (float32, the weights' shapes and grouping), then with `has_bias` the
+// bias gradients, then the workspace.  The gradients' addresses are pointer
 // tables groups..2*groups-1, after the weights' (the kernels write each
 // expert's gradient through them, stacked or per-expert alike).
 ffi::Error FusedMoeBackwardCudaImpl(
@@ -605,18 +606,17 @@ ffi::Error FusedMoeBackwardCudaImpl(
     bool has_bias) {
   const int64_t E = num_experts, G = groups;
   const int64_t per_group = stacked ? 1 : E;
-  if (has_bias)
-    return ffi::Error::InvalidArgument("the CUDA backward takes experts without biases (for now)");
+  const int64_t nbias = has_bias ? abi::kNumBiases : 0;
   const bool groups_ok = fused_gate_up ? G == 2 : G == abi::kNumProjections;
-  if (E < 1 || !groups_ok || static_cast<int64_t>(args.size()) != G * per_group + 1)
+  if (E < 1 || !groups_ok || static_cast<int64_t>(args.size()) != G * per_group + nbias + 1)
     return ffi::Error::InvalidArgument(
-        "expected " + std::to_string(G * per_group + 1) + " buffers after topk_ids (" +
+        "expected " + std::to_string(G * per_group + nbias + 1) + " buffers after topk_ids (" +
         std::to_string(G) + " dense weight groups of " + std::to_string(per_group) +
-        ", then dy); got " + std::to_string(args.size()));
+        (nbias ? ", 3 biases" : "") + ", then dy); got " + std::to_string(args.size()));
   const int64_t n_grads = G * per_group;
-  if (static_cast<int64_t>(rets.size()) != n_grads + 1)
-    return ffi::Error::InvalidArgument("expected " + std::to_string(n_grads) +
-                                       " weight-gradient results and the workspace; got " +
+  if (static_cast<int64_t>(rets.size()) != n_grads + nbias + 1)
+    return ffi::Error::InvalidArgument("expected " + std::to_string(n_grads + nbias) +
+                                       " gradient results and the workspace; got " +
                                        std::to_string(rets.size()) + " results after dx, dw");
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be [T, H]");
@@ -629,7 +629,9 @@ ffi::Error FusedMoeBackwardCudaImpl(
     return e;
   if (std::string why = CheckViews(views, H, I, fused_gate_up, false, elems); !why.empty())
     return ffi::Error::InvalidArgument(why);
-  auto dy = args.get<ffi::AnyBuffer>(n_grads);
+  std::vector<CUdeviceptr> extra = first;  // the groups' first buffers, the biases, then dy
+  if (ffi::Error e = CollectBiases(args, n_grads, nbias, E, H, I, &extra); e.failure()) return e;
+  auto dy = args.get<ffi::AnyBuffer>(n_grads + nbias);
   if (dy.has_error()) return dy.error();
   auto dyd = dy->dimensions();
   if (dy->element_type() != x.element_type() || dyd.size() != 2 || dyd[0] != T || dyd[1] != H)
@@ -654,15 +656,25 @@ ffi::Error FusedMoeBackwardCudaImpl(
         addrs[(G + p) * E + e] = base + (stacked ? e * elems[p] * 4 : 0);
     }
   }
-  auto ws = rets.get<ffi::AnyBuffer>(n_grads);
-  if (ws.has_error()) return ws.error();
-  std::vector<CUdeviceptr> extra = first;  // the groups' first buffers, then dy
-  extra.push_back(reinterpret_cast<CUdeviceptr>(dy->untyped_data()));
-  static_assert(abi::kOutputDx == 0 && abi::kOutputDTopkWeights == 1,
+  static_assert(abi::kOutputDx == 0 && abi::kOutputDTopkWeights == 1 && abi::kOutputDBias0 == 2,
                 "outputs[] is built in abi.h's output order");
-  return RunProgram(stream, ordinal, x, w, ids, G, fused_gate_up, extra, addrs, 2 * G,
-                    {reinterpret_cast<CUdeviceptr>(dx->untyped_data()),
-                     reinterpret_cast<CUdeviceptr>(dw->untyped_data())},
+  std::vector<CUdeviceptr> outputs = {reinterpret_cast<CUdeviceptr>(dx->untyped_data()),
+                                      reinterpret_cast<CUdeviceptr>(dw->untyped_data())};
+  for (int64_t j = 0; j < nbias; ++j) {
+    auto g = rets.get<ffi::AnyBuffer>(n_grads + j);
+    if (g.has_error()) return g.error();
+    const int64_t n = j < 2 ? I : H;
+    auto d = (*g)->dimensions();
+    if ((*g)->element_type() != ffi::DataType::F32 || d.size() != 2 || d[0] != E || d[1] != n)
+      return ffi::Error::InvalidArgument(std::string("the gradient of the ") +
+                                         abi::kProjectionNames[j] + " bias must be float32 [E, " +
+                                         std::to_string(n) + "]");
+    outputs.push_back(reinterpret_cast<CUdeviceptr>((*g)->untyped_data()));
+  }
+  auto ws = rets.get<ffi::AnyBuffer>(n_grads + nbias);
+  if (ws.has_error()) return ws.error();
+  extra.push_back(reinterpret_cast<CUdeviceptr>(dy->untyped_data()));
+  return RunProgram(stream, ordinal, x, w, ids, G, fused_gate_up, extra, addrs, 2 * G, outputs,
                     *ws, blob, kernels, program, workspace_bytes, err_offset, w_aligned,
                     num_experts, check_ids);
 }
@@ -724,10 +736,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCudaTables, FusedMoeCudaTablesImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeBackwardCuda, FusedMoeBackwardCudaImpl,
                               NBX_PROGRAM_BIND
-                                  .RemainingArgs()               // weight groups, then dy
+                                  .RemainingArgs()               // weight groups, biases, dy
                                   .Ret<ffi::AnyBuffer>()         // dx [T, H]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // d(topk_weights) [T, k]
-                                  .RemainingRets()               // weight gradients, workspace
+                                  .RemainingRets()               // weight, bias gradients; workspace
                                   .Attr<ffi::Span<const uint8_t>>("blob")
                                   .Attr<ffi::Span<const int64_t>>("kernels")
                                   .Attr<ffi::Span<const int64_t>>("program")

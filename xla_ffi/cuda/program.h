@@ -40,8 +40,8 @@ struct LaunchRef {
 // wrong: a truncated header or argument list, a kernel index outside
 // [0, n_kernels), a negative argument count, an unknown argument kind, an
 // input index outside [0, n_inputs), a table index outside [0, n_tables), an
-// output index outside [0, n_outputs) (the forward has y; the backward dx and
-// d(topk_weights): abi::kOutputDx, kOutputDTopkWeights), a workspace offset
+// output index outside [0, n_outputs) (the forward has y; the backward dx,
+// d(topk_weights) and with biases their gradients: abi::kOutputDx, ...), a workspace offset
 // outside [0, workspace_bytes).
 inline std::string DecodeProgram(const int64_t* program, size_t size, int64_t n_kernels,
                                  int64_t n_inputs, int64_t n_tables, int64_t workspace_bytes,
