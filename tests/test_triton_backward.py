@@ -255,7 +255,7 @@ for wd, act, lay in ((np.float32, 2, None), (bf, 0, None), (np.float16, 3, None)
     prog = plan.build_backward(80, 40, 2, 6, 64, 32, wd, wd, act, layout=lay)
     blob, table = C.pack(prog, 90)
     names = {k.name for k, _, _ in prog.kernels()}
-    assert {"bwd_gemm1", "bwd_dtw", "bwd_dx", "bwd_combine", "bwd_dw", "expert_ranges"} <= names
+    assert {"bwd_gemm1", "bwd_dtw", "bwd_dx", "combine_slots", "bwd_dw", "expert_ranges"} <= names
     for row in table:
         assert bytes(blob[row[2]:row[2] + 4]) == b"\\x7fELF"
     print("compiled", len(table))

@@ -610,10 +610,11 @@ def bwd_dx(dg, du, sorted_slots, block_expert, gate_tbl, up_tbl, wref, dxs,
 
 
 @triton.jit
-def bwd_combine(dxs, ids, dx, H: tl.constexpr, E: tl.constexpr, K_TOP: tl.constexpr,
-                BH: tl.constexpr):
+def combine_slots(dxs, ids, dx, H: tl.constexpr, E: tl.constexpr, K_TOP: tl.constexpr,
+                  BH: tl.constexpr):
     """dx[t] = sum over j = 0..k-1 in order of dxs[t*k + j], leaving out the
-    slots whose id is outside [0, E) (never written)."""
+    slots whose id is outside [0, E) (skipped: their rows are never written).
+    The prefill forward's combine and the backward's."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
     m = offs < H

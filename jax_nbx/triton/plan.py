@@ -380,8 +380,14 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
             launches.append(Launch(g2, (mb, -(-H // c2.BN), 1),
                                    (ws(h_off, hf), ws(srt), ws(bexp), tbl[2], stbl[2], ztbl[2], wref, sref,
                                     bias_args[2], w_a, ws(out_off, "*fp32"))))
-        combine = Kernel("combine", (("H", H), ("ROWS", rows), ("BH", COMBINE_BLOCK)), 4, 1)
-        launches.append(Launch(combine, (tb, -(-H // COMBINE_BLOCK), 1), (ws(out_off, "*fp32"), y_a)))
+        if decode:  # every slot's chunks written (zeros for a skipped slot)
+            combine = Kernel("combine", (("H", H), ("ROWS", rows), ("BH", COMBINE_BLOCK)), 4, 1)
+            launches.append(Launch(combine, (tb, -(-H // COMBINE_BLOCK), 1), (ws(out_off, "*fp32"), y_a)))
+        else:  # gemm2 writes the rows of good slots only: skipped slots are left out
+            combine = Kernel("combine_slots", (("H", H), ("E", E), ("K_TOP", k), ("BH", COMBINE_BLOCK)),
+                             4, 1)
+            launches.append(Launch(combine, (tb, -(-H // COMBINE_BLOCK), 1),
+                                   (ws(out_off, "*fp32"), ids_a, y_a)))
     return Program(launches, lay.size, err, w_aligned, E)
 
 
@@ -424,7 +430,7 @@ def build_backward(T: int, band: int, k: int, E: int, H: int, I: int, xdtype, wd
     Per band: the forward's ordering (fill, count, offsets, scatter), then
     ``expert_ranges``, ``bwd_gemm1`` (recompute g, u; da = dy D^T; dg, du,
     wh and the per-tile d(topk_weight) partials), ``bwd_dtw``, ``bwd_dx`` +
-    ``bwd_combine`` (dx), ``bwd_dw`` (weight gradients, the first band
+    ``combine_slots`` (dx), ``bwd_dw`` (weight gradients, the first band
     storing, later bands adding to what is stored: band after band).  dx and
     d(topk_weights) are bit-identical whatever the bands (every band runs
     the tile configs of the call's T·k slots, so a row's sums never change
@@ -511,7 +517,7 @@ def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name
     kt = Kernel("bwd_dtw", (("E", E), ("NT", NT), ("NPS", n), ("BLOCK", COUNT_BLOCK)), 4, 1)
     kx = Kernel("bwd_dx", common + (("W_ALIGNED", w_aligned), ("IEEE", ieee)) + vw
                 + (("BM", BM), ("BN", c2.BN), ("BK", c2.BK)), c2.num_warps, c2.num_stages)
-    kb = Kernel("bwd_combine", (("H", H), ("E", E), ("K_TOP", k), ("BH", COMBINE_BLOCK)), 4, 1)
+    kb = Kernel("combine_slots", (("H", H), ("E", E), ("K_TOP", k), ("BH", COMBINE_BLOCK)), 4, 1)
 
     def kw(accum):
         return Kernel("bwd_dw", common + (("K_TOP", k), ("IEEE", ieee), ("ACCUM", accum)) + vw + vd
