@@ -11,8 +11,9 @@ the account's default budget for ``cuda:N`` is half of that pool's limit
 (``device.memory_stats()["bytes_limit"]``, i.e. the memory XLA took for the
 process), set at first use unless
 ``JAX_NBX_BUDGET`` or `jax_nbx.memory.set_budget(..., "cuda", N)` set one.
-Pointer tables (``3·E`` int64 per distinct set of expert addresses) are
-allocated outside the pool and counted under the tag ``"tables"``.
+Pointer tables (``3·E`` int64 per distinct set of expert addresses; the
+backward's ``6·E``: the weights' then their gradients') are allocated outside
+the pool and counted under the tag ``"tables"``.
 """
 from __future__ import annotations
 
@@ -72,6 +73,20 @@ def plan_band_tokens(T: int, k: int, E: int, H: int, I: int, wdtype,
 
     return memory.plan_bands(need, T, H, "cuda", max_workspace_bytes,
                              f"(E={E} k={k} H={H} I={I}) on cuda:0")
+
+
+def plan_backward_band_tokens(T: int, k: int, E: int, H: int, I: int, wdtype,
+                              max_workspace_bytes=None) -> int:
+    """Tokens per band of the CUDA backward so that one band's workspace
+    (`plan.backward_band_workspace`) fits cuda:0's budget."""
+    ensure_budget(0)
+    name = _device(0).device_kind
+
+    def need(t: int) -> int:
+        return P.backward_band_workspace(t, k, E, H, I, wdtype, name, call_tokens=T)
+
+    return memory.plan_bands(need, T, H, "cuda", max_workspace_bytes,
+                             f"(backward, E={E} k={k} H={H} I={I}) on cuda:0")
 
 
 def check_ids_enabled() -> bool:
@@ -150,6 +165,52 @@ def forward(x, w, ids, *arrays, activation, band_tokens: int, lists: bool = Fals
     y, _ = call(x, w, ids, *bufs, groups=np.int64(len(groups)), stacked=not lists, **attrs,
                 **layout.attrs())
     return y
+
+
+def backward(dy, x, w, ids, *arrays, activation, band_tokens: int, lists: bool = False,
+             skip_outside: bool = False, layout: WeightLayout | None = None):
+    """The raw CUDA backward call (``nbx_fused_moe_bwd_cuda``) on 2-D inputs:
+    ``(dx, dw, dweights)`` with ``dweights`` the float32 gradients of the
+    weight arrays in ``arrays``' order (`Experts.flat`: dense experts, any
+    layout, stacked or lists), cast here to the weights' dtypes, then with
+    ``layout.bias`` the three float32 gradients of the handler's biases
+    (``arrays`` ends with `Experts.handler_biases`, as for `forward`).
+    The kernels (`plan.build_backward`) recompute gate and up, order the
+    slots by expert like the forward and sum every gradient in a fixed order
+    (no atomics); weight gradients are accumulated band after band.
+    Not yet run on a GPU: written against the handler and the interpreter-
+    tested program only."""
+    from .triton import compile as C
+
+    T, H = x.shape
+    k = ids.shape[1]
+    if layout is None or layout.native:
+        groups, E, I, quant, wdtype, strides_ok = weight_groups(arrays, lists)
+        if quant is not None:
+            raise ValueError("the CUDA backward takes dense experts (quantized ones are frozen)")
+        biases, views = (), None
+        layout = WeightLayout(sum(P.plain_views(H, I), ()), I, False, False)
+    else:
+        groups, biases, E, wdtype, strides_ok = _view_groups(arrays, layout, lists)
+        I, views = int(layout.intermediate), layout
+    dev = _device(0)
+    prog = P.build_backward(T, band_tokens or T, k, E, H, I, np.dtype(x.dtype), wdtype, activation,
+                            dev.device_kind, w_aligned=strides_ok, layout=views)
+    blob, table = C.pack(prog, compute_capability(dev))
+    attrs = dict(blob=blob, kernels=table.reshape(-1), program=prog.encode(),
+                 workspace_bytes=np.int64(prog.workspace_bytes), err_offset=np.int64(prog.err_offset),
+                 w_aligned=bool(strides_ok), num_experts=np.int64(E),
+                 check_ids=bool(check_ids_enabled() and not skip_outside))
+    bufs = [b for g in groups for b in (g if lists else g[:1])]
+    bufs += [b.astype(np.float32) for b in biases]
+    weights = [b for g in groups for b in g] + list(biases)
+    outs = ([jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, np.float32)]
+            + [jax.ShapeDtypeStruct(a.shape, np.float32) for a in weights]
+            + [jax.ShapeDtypeStruct((max(prog.workspace_bytes, 1),), np.uint8)])
+    call = jax.ffi.ffi_call(_abi.TARGET_CUDA_BACKWARD, outs, vmap_method="sequential")
+    dx, dw, *dws, _ = call(x, w, ids, *bufs, dy.astype(x.dtype), groups=np.int64(len(groups)),
+                           stacked=not lists, **attrs, **layout.attrs())
+    return dx, dw, [d.astype(a.dtype) for d, a in zip(dws, weights)]
 
 
 def table_stats() -> dict:

@@ -421,7 +421,8 @@ def _ffi_op(activation: Activation, band_tokens: int, platform: str = "cpu", lis
             skip_outside: bool = False, max_workspace_bytes: int | str | None = None,
             layout: WeightLayout | None = None):
     """The FFI op on 2-D inputs with a batching rule and a derivative (on the
-    CPU the backward is its own handler; elsewhere the reference's VJP)."""
+    CPU the backward is its own handler; on CUDA, dense experts, the CUDA
+    backward handler; elsewhere the reference's VJP)."""
     raw = functools.partial(_ffi_forward, activation=activation, band_tokens=band_tokens,
                             platform=platform, lists=lists, skip_outside=skip_outside, layout=layout)
 
@@ -458,14 +459,23 @@ def _ffi_op(activation: Activation, band_tokens: int, platform: str = "cpu", lis
             _, vjp = jax.vjp(lambda x_, w_: moe_reference(x_, w_, ids, experts, activation), x, w)
             dx, dw = vjp(g)
             return dx, dw, None, None
-        if platform == "cpu":
+        if platform in ("cpu", "gpu"):
             T, H = x.shape
-            band = plan_band_tokens(T, ids.shape[1], experts.num_experts, H, experts.intermediate,
-                                    max_workspace_bytes, backward=True)
             flat = experts.flat()
-            dx, dw, dws = _ffi_backward(g, x, w, ids, *flat, *experts.handler_biases(),
-                                        activation=activation, band_tokens=band, lists=lists,
-                                        skip_outside=skip_outside, layout=layout)
+            if platform == "cpu":
+                band = plan_band_tokens(T, ids.shape[1], experts.num_experts, H, experts.intermediate,
+                                        max_workspace_bytes, backward=True)
+                backward = _ffi_backward
+            else:  # the CUDA backward (dense experts; not yet run on a GPU)
+                from . import _cuda
+
+                band = _cuda.plan_backward_band_tokens(T, ids.shape[1], experts.num_experts, H,
+                                                       experts.intermediate, experts.dtype,
+                                                       max_workspace_bytes)
+                backward = _cuda.backward
+            dx, dw, dws = backward(g, x, w, ids, *flat, *experts.handler_biases(),
+                                   activation=activation, band_tokens=band, lists=lists,
+                                   skip_outside=skip_outside, layout=layout)
             dexperts = _weight_grads(experts, dws[:len(flat)])
             if experts.has_bias:
                 dbias = _bias_grads(experts, dws[len(flat):])

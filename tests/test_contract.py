@@ -26,7 +26,8 @@ def test_target_names_are_the_abis():
                                            _abi.TARGET_BACKWARD_POISONED}
     if getattr(ffi, "has_cuda", False):
         assert set(ffi.cuda_handlers()) == {_abi.TARGET_CUDA_FORWARD,
-                                            _abi.TARGET_CUDA_FORWARD_TABLES}
+                                            _abi.TARGET_CUDA_FORWARD_TABLES,
+                                            _abi.TARGET_CUDA_BACKWARD}
     assert _registry.FORWARD_TARGET == _abi.TARGET_FORWARD
     assert _registry.CUDA_FORWARD_TARGET == _abi.TARGET_CUDA_FORWARD
 

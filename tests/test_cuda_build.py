@@ -17,6 +17,7 @@ def test_cuda_handler_built_where_nvcc_is():
     assert ffi.has_cuda, "nvcc is on PATH but the CUDA handler was not built"
     assert _abi.TARGET_CUDA_FORWARD in ffi.cuda_handlers()
     assert _abi.TARGET_CUDA_FORWARD_TABLES in ffi.cuda_handlers()
+    assert _abi.TARGET_CUDA_BACKWARD in ffi.cuda_handlers()
 
 
 def test_no_gpu_means_no_gpu_platform():

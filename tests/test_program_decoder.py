@@ -64,7 +64,7 @@ def test_decoder_reads_back_the_plans_launches(name):
     # the paths and bands the case is named for really are in the program
     kernels = {ln.kernel.name for ln in prog.launches}
     assert ("decode1" if name.startswith("decode") else "gemm1") in kernels
-    combines = sum(ln.kernel.name == "combine" for ln in prog.launches)
+    combines = sum(ln.kernel.name in ("combine", "combine_slots") for ln in prog.launches)
     T, band = PROGRAMS[name][:2]
     assert combines == -(-T // band)
     if "bands" in name:
@@ -85,6 +85,30 @@ def test_program_needs_every_group_of_its_format(name):
     assert used == set(range(groups))
     with pytest.raises(ValueError, match="bad table index"):
         _decode(prog, groups, n_tables=groups - 1)
+
+
+def test_backward_program_decodes_with_its_outputs_and_tables():
+    """The backward's program (plan.build_backward) reads inputs up to dy
+    (after the weight groups), outputs dx and d(topk_weights) only, and the
+    weights' tables then their gradients' (3 + 3); the decoder refuses it
+    with fewer of any."""
+    from jax_nbx.triton import plan as P
+
+    prog = P.build_backward(70, 40, 2, 5, 48, 40, np.float32, np.float32, 0)
+    n_in = P.backward_inputs(3) + 1
+    assert n_in == _abi.IN_GROUP0 + 4
+    got = ffi.decode_program(prog.encode(), len(prog.kernels()), n_in, 6, prog.workspace_bytes, 2)
+    assert got == _expected(prog)
+    outs = {a.index for ln in prog.launches for a in ln.args if a.kind == _abi.ARG_OUTPUT}
+    assert outs == {_abi.OUT_DX, _abi.OUT_DTOPK_WEIGHTS}
+    tables = {a.index for ln in prog.launches for a in ln.args if a.kind == _abi.ARG_TABLE}
+    assert tables == set(range(6))
+    with pytest.raises(ValueError, match="bad output index 1"):
+        ffi.decode_program(prog.encode(), len(prog.kernels()), n_in, 6, prog.workspace_bytes)
+    with pytest.raises(ValueError, match="bad table index 5"):
+        ffi.decode_program(prog.encode(), len(prog.kernels()), n_in, 5, prog.workspace_bytes, 2)
+    with pytest.raises(ValueError, match="bad input index"):
+        ffi.decode_program(prog.encode(), len(prog.kernels()), n_in - 1, 6, prog.workspace_bytes, 2)
 
 
 def test_encoding_layout_is_the_abis():

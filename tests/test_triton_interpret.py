@@ -152,6 +152,23 @@ def test_bad_expert_id_is_reported_never_read(T):
     assert err == (T // 2) * k + 1  # the first bad slot; the handler names topk_ids[t, j] from it
 
 
+@pytest.mark.parametrize("T", [5, 40], ids=["decode", "prefill"])
+def test_skipped_expert_id_contributes_nothing(T):
+    """With the check off (ids_outside="skip": sharded_moe's psum dispatch) a
+    slot with a bad id adds nothing to its token: the prefill path's gemm2
+    never writes its row, so the combine must leave it out (it used to add
+    unwritten workspace)."""
+    E, k = 4, 2
+    x, w, ids, gate, up, down = problem(5, T, E, k, 32, 16, F32, F32)
+    ids[T // 2, 1] = E + 7
+    prog = plan.build(T, T, k, E, 32, 16, F32, F32, 0)
+    y = np.full((T, 32), np.nan, np.float32)
+    interpret.run(prog, [x, w, ids, gate, up, down], y)
+    w0, ids0 = w.copy(), ids.copy()
+    w0[T // 2, 1], ids0[T // 2, 1] = 0.0, 0  # the same slot, weighted 0
+    assert rel_err(y, np_moe64(x, w0, ids0, gate, up, down)) < TOL[F32]
+
+
 def test_decode_and_prefill_paths_agree(monkeypatch):
     monkeypatch.setenv("JAX_NBX_CUDA_DECODE_SLOTS", "0")
     y_pre, _, inputs, p = run(6, 5, 2, 40, 24, F32, F32, seed=6)

@@ -22,6 +22,9 @@ inline constexpr const char* kTargetForward = "nbx_fused_moe_fwd";
 inline constexpr const char* kTargetBackward = "nbx_fused_moe_bwd";
 inline constexpr const char* kTargetCudaForward = "nbx_fused_moe_fwd_cuda";
 inline constexpr const char* kTargetCudaForwardTables = "nbx_fused_moe_fwd_cuda_tables";
+// The CUDA backward (dense experts, every group through pointer tables like
+// kTargetCudaForwardTables; see "CUDA backward" below).
+inline constexpr const char* kTargetCudaBackward = "nbx_fused_moe_bwd_cuda";
 // The Metal path (platform "cpu": JAX's CPU client, the handler dispatching
 // to the Metal device; metal/moe_metal.cc), the forward's attributes.
 inline constexpr const char* kTargetMetalForward = "nbx_fused_moe_fwd_metal";
@@ -119,6 +122,18 @@ inline constexpr int64_t kArgFields = 3;     // kind, index, offset
 // down) at kInputGroup0 + groups + j.  The kernels add each view's offset
 // themselves (a table holds each expert's whole array) and read its strides.
 inline constexpr int64_t kInputX = 0, kInputW = 1, kInputIds = 2, kInputGroup0 = 3;
+// The CUDA backward (kTargetCudaBackward): its inputs are the forward's, then
+// dy [T, H] in x's dtype at kInputGroup0 + groups (+ kNumBiases with
+// has_bias).  Its results: dx [T, H] in x's dtype, d(topk_weights) [T, k]
+// float32, then each weight group's float32 gradient buffers (the weights'
+// shapes: one per group when stacked, E per group with per-expert lists),
+// then with has_bias the kNumBiases float32 bias gradients ([E, I], [E, I],
+// [E, H]), then the workspace.  The program's kOutput arguments index dx
+// (kOutputDx), d(topk_weights) (kOutputDTopkWeights) and the bias gradients
+// (kOutputDBias0 + j); the kernels write the weight gradients through
+// pointer tables: table index groups + g holds the E addresses of group g's
+// gradient, as table g holds its weights'.
+inline constexpr int64_t kOutputDx = 0, kOutputDTopkWeights = 1, kOutputDBias0 = 2;
 // Kernel table: int64 fields per compiled kernel.
 inline constexpr int64_t kNumKernelFields = 7;
 inline constexpr const char* kKernelFieldNames[kNumKernelFields] = {

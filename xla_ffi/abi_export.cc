@@ -28,6 +28,7 @@ nb::dict AbiDict() {
   targets["backward"] = abi::kTargetBackward;
   targets["cuda_forward"] = abi::kTargetCudaForward;
   targets["cuda_forward_tables"] = abi::kTargetCudaForwardTables;
+  targets["cuda_backward"] = abi::kTargetCudaBackward;
   targets["metal_forward"] = abi::kTargetMetalForward;
   targets["forward_poisoned"] = abi::kTargetForwardPoisoned;
   targets["backward_poisoned"] = abi::kTargetBackwardPoisoned;
@@ -65,6 +66,11 @@ nb::dict AbiDict() {
   inputs["ids"] = abi::kInputIds;
   inputs["group0"] = abi::kInputGroup0;
   d["inputs"] = inputs;
+  nb::dict outputs;
+  outputs["dx"] = abi::kOutputDx;
+  outputs["dtopk_weights"] = abi::kOutputDTopkWeights;
+  outputs["dbias0"] = abi::kOutputDBias0;
+  d["backward_outputs"] = outputs;
   d["kernel_fields"] = Names(abi::kKernelFieldNames);
   d["err_none"] = abi::kErrNone;
   d["workspace_align"] = abi::kWorkspaceAlign;

@@ -162,6 +162,7 @@ NB_MODULE(_ffi, m) {
     nb::dict d;
     d[nbx::abi::kTargetCudaForward] = Capsule(nbx::FusedMoeForwardCuda);
     d[nbx::abi::kTargetCudaForwardTables] = Capsule(nbx::FusedMoeForwardCudaTables);
+    d[nbx::abi::kTargetCudaBackward] = Capsule(nbx::FusedMoeBackwardCuda);
     return d;
   }, "Handler capsules for platform 'CUDA', keyed by FFI target name.");
   m.def("cuda_driver_status", []() { return nbx::CudaDriverStatus(); },

@@ -85,23 +85,34 @@ class _HostTensor:
         return self
 
 
-def _patch_bf16_dot() -> None:
-    """Triton's interpreter stores bfloat16 as uint16 and multiplies those
-    integers in `tl.dot` (triton 3.6); convert bf16 operands to float32 first
-    (exact), as the GPU's bf16 dot accumulates in float32 anyway."""
+def _patch_dot() -> None:
+    """Two fixes to Triton's interpreter's `tl.dot` (triton 3.6):
+
+    * it stores bfloat16 as uint16 and multiplies those integers: bf16
+      operands are converted to float32 first (exact), as the GPU's bf16 dot
+      accumulates in float32 anyway;
+    * it calls ``np.matmul`` in float32, whose BLAS blocking makes a row's sum
+      depend on where the row sits in the tile (edge kernels), unlike the
+      GPU, where each element's K-sum depends on its row and column only.
+      The product is taken in float64 (float32/16-bit products are exact
+      there) and rounded once to the accumulator's dtype, so a row gives the
+      same bits wherever it lands (what banded == unbanded tests rely on).
+    """
     from triton.runtime import interpreter as itp
 
     if getattr(itp.InterpreterBuilder.create_dot, "_nbx", False):
         return
-    original = itp.InterpreterBuilder.create_dot
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        def f32(t):
+        def f64(t):
+            data = t.data
             if t.dtype.scalar == itp.tl.bfloat16:
-                data = itp._convert_float(t.data, itp.tl.bfloat16, itp.tl.float32, None).view(np.float32)
-                return itp.TensorHandle(data, itp.tl.float32)
-            return t
-        return original(self, f32(a), f32(b), d, input_precision, max_num_imprecise_acc)
+                data = itp._convert_float(data, itp.tl.bfloat16, itp.tl.float32, None).view(np.float32)
+            elif t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating():
+                data = itp._convert_float(data, t.dtype, itp.tl.float16, None).view(np.float16)
+            return data.astype(np.float64)
+        prod = np.matmul(f64(a), f64(b)).astype(d.data.dtype)
+        return itp.TensorHandle(prod + d.data, d.dtype.scalar)
 
     create_dot._nbx = True
     itp.InterpreterBuilder.create_dot = create_dot
@@ -111,14 +122,14 @@ def _interpreted(name: str):
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from triton.runtime.interpreter import InterpretedFunction
 
-    _patch_bf16_dot()
+    _patch_dot()
 
     from . import kernels
 
     fn = getattr(kernels, name)
     fn = getattr(fn, "fn", fn)  # the Python function under triton.jit
     # helpers called from kernels must be interpreted too
-    for helper in ("_glu", "_expert_ptr", "_view", "_wtile", "_block"):
+    for helper in ("_glu", "_glu_grad", "_expert_ptr", "_view", "_wtile", "_block"):
         h = getattr(kernels, helper)
         if not isinstance(h, InterpretedFunction):
             setattr(kernels, helper, InterpretedFunction(getattr(h, "fn", h)))
@@ -141,14 +152,17 @@ def pointer_tables(*groups) -> list[np.ndarray]:
     return out
 
 
-def run(prog: P.Program, inputs: list[np.ndarray], out: np.ndarray,
+def run(prog: P.Program, inputs: list[np.ndarray], out: np.ndarray | list[np.ndarray],
         tables: list[np.ndarray] | None = None, workspace: list | None = None) -> int:
     """Executes ``prog`` on host arrays (inputs in call order: x, w, ids, then
-    each weight group's first array; ``out`` written in place; ``tables``
+    each weight group's first array; ``out`` written in place: one array, or
+    a list indexed by the outputs' numbers (the backward's dx, dw); ``tables``
     default to the stacked arrays' own, for dense experts).  Returns the err word: the first slot
     with a bad expert id, or `_abi.ERR_NONE`.  ``workspace`` (a list) receives
     the workspace bytes, for debugging."""
     inputs = [np.ascontiguousarray(a) for a in inputs]
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    assert all(o.flags.c_contiguous for o in outs), "outputs are written in place: contiguous arrays"
     if tables is None:
         tables = pointer_tables(*inputs[_abi.IN_GROUP0:])
     align = _abi.WORKSPACE_ALIGN
@@ -162,7 +176,7 @@ def run(prog: P.Program, inputs: list[np.ndarray], out: np.ndarray,
             if a.kind == _abi.ARG_INPUT:
                 args.append(_HostTensor(inputs[a.index].ctypes.data + a.offset, a.ptype))
             elif a.kind == _abi.ARG_OUTPUT:
-                args.append(_HostTensor(out.ctypes.data + a.offset, a.ptype))
+                args.append(_HostTensor(outs[a.index].ctypes.data + a.offset, a.ptype))
             elif a.kind == _abi.ARG_WORKSPACE:
                 args.append(_HostTensor(ws_base + a.offset, a.ptype))
             elif a.kind == _abi.ARG_TABLE:

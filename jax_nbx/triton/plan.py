@@ -35,6 +35,8 @@ ARG_INPUT, ARG_OUTPUT, ARG_WORKSPACE, ARG_TABLE, ARG_I32 = (
 # then with biases the three float32 biases.  Tables are numbered by group the same way.
 _Q, _SCALE, _ZERO = (_abi.PARTS.index(part) for part in ("q", "scale", "zero"))
 IN_X, IN_W, IN_IDS, IN_GROUP0 = _abi.IN_X, _abi.IN_W, _abi.IN_IDS, _abi.IN_GROUP0
+# the backward's outputs: dx, d(topk_weights) (weight gradients: through tables)
+OUT_DX, OUT_DTW, OUT_DBIAS0 = _abi.OUT_DX, _abi.OUT_DTOPK_WEIGHTS, _abi.OUT_DBIAS0
 IN_GATE, IN_UP, IN_DOWN = (IN_GROUP0 + _abi.group_index(_Q, p) for p in range(len(_abi.PROJECTIONS)))
 # weight format (None = dense) -> the kernels' QUANT constexpr
 QUANT_CODES = _abi.FORMAT_CODES
@@ -378,6 +380,180 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
             launches.append(Launch(g2, (mb, -(-H // c2.BN), 1),
                                    (ws(h_off, hf), ws(srt), ws(bexp), tbl[2], stbl[2], ztbl[2], wref, sref,
                                     bias_args[2], w_a, ws(out_off, "*fp32"))))
-        combine = Kernel("combine", (("H", H), ("ROWS", rows), ("BH", COMBINE_BLOCK)), 4, 1)
-        launches.append(Launch(combine, (tb, -(-H // COMBINE_BLOCK), 1), (ws(out_off, "*fp32"), y_a)))
+        if decode:  # every slot's chunks written (zeros for a skipped slot)
+            combine = Kernel("combine", (("H", H), ("ROWS", rows), ("BH", COMBINE_BLOCK)), 4, 1)
+            launches.append(Launch(combine, (tb, -(-H // COMBINE_BLOCK), 1), (ws(out_off, "*fp32"), y_a)))
+        else:  # gemm2 writes the rows of good slots only: skipped slots are left out
+            combine = Kernel("combine_slots", (("H", H), ("E", E), ("K_TOP", k), ("BH", COMBINE_BLOCK)),
+                             4, 1)
+            launches.append(Launch(combine, (tb, -(-H // COMBINE_BLOCK), 1),
+                                   (ws(out_off, "*fp32"), ids_a, y_a)))
+    return Program(launches, lay.size, err, w_aligned, E)
+
+
+# --------------------------------------------------------------------------- backward
+
+def backward_inputs(n_groups: int, has_bias: bool = False) -> int:
+    """Input number of dy in a backward call (abi.h: the forward's inputs,
+    then dy)."""
+    return IN_GROUP0 + n_groups + (_abi.NUM_BIASES if has_bias else 0)
+
+
+def _bwd_dw_tile(wdtype) -> int:
+    return 32 if np.dtype(wdtype) == np.float32 else 64
+
+
+def backward_band_workspace(tokens: int, k: int, E: int, H: int, I: int, wdtype,
+                            device_name=None, call_tokens: int | None = None) -> int:
+    """Bytes of workspace of one backward band of ``tokens`` tokens (0: the
+    fixed part) in a call of ``call_tokens`` tokens (default: ``tokens``; the
+    tile configs are the call's)."""
+    return _build_backward(tokens, tokens, k, E, H, I, np.float32, wdtype, 0, device_name,
+                           layout_only=True, call_slots=(call_tokens or tokens) * k).workspace_bytes
+
+
+def build_backward(T: int, band: int, k: int, E: int, H: int, I: int, xdtype, wdtype,
+                   activation: int | Activation, device_name: str | None = None,
+                   w_aligned: bool = True, layout=None) -> Program:
+    """The program of one fused_moe backward call (dense experts, any
+    layout, with or without biases): T tokens in bands of ``band``.
+
+    Inputs (abi.h): x, topk_weights, topk_ids, the weight groups' first
+    buffers, [the biases], then dy [T, H] in x's dtype (`backward_inputs`).
+    Outputs: ``OUT_DX`` dx [T, H] (x's dtype), ``OUT_DTW`` d(topk_weights)
+    [T, k] float32, with biases ``OUT_DBIAS0 + j`` the float32 bias
+    gradients [E, I], [E, I], [E, H]; the weight gradients (float32, the
+    weights' shapes and views) are written through pointer tables ``G + g``
+    (g: the weights' group), built like the weights' own from the gradient
+    buffers.
+
+    Per band: the forward's ordering (fill, count, offsets, scatter), then
+    ``expert_ranges``, ``bwd_gemm1`` (recompute g, u; da = dy D^T; dg, du,
+    wh and the per-tile d(topk_weight) partials), ``bwd_dtw``, ``bwd_dx`` +
+    ``combine_slots`` (dx), ``bwd_dw`` (weight gradients, the first band
+    storing, later bands adding to what is stored: band after band).  dx and
+    d(topk_weights) are bit-identical whatever the bands (every band runs
+    the tile configs of the call's T·k slots, so a row's sums never change
+    shape); the weight gradients are deterministic, but a different band
+    size sums them in a different grouping."""
+    return _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name,
+                           w_aligned=w_aligned, layout=layout, call_slots=T * k)
+
+
+def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
+                    w_aligned=True, layout_only=False, layout=None, call_slots=0) -> Program:
+    band = max(1, min(int(band) or T, T)) if T else 1
+    xdtype, wdtype = np.dtype(xdtype), np.dtype(wdtype)
+    a = Activation(_abi.ACTIVATIONS[activation]) if isinstance(activation, int) else activation
+    act = (("ACT", a.code), ("ALPHA", float(a.alpha)), ("LIMIT", float(a.limit)))
+    views, fused, has_bias = views_of(layout, H, I)
+    group_of = (0, 0, 1) if fused else (0, 1, 2)
+    G = 2 if fused else len(_abi.PROJECTIONS)
+    (og, sk, sn), (ou, _, _), (od, skd, snd) = views
+    vw = (("OFF_G", og), ("OFF_U", ou), ("SK", sk), ("SN", sn))
+    vd = (("OFF_D", od), ("SK_D", skd), ("SN_D", snd), ("BIAS", has_bias))
+    xs = "*" + _tl_name(xdtype)
+    wt = "*" + _tl_name(wdtype)
+    ieee = wdtype == np.float32
+    hdtype = np.dtype("float32") if ieee else wdtype
+    hf = "*" + _tl_name(hdtype)
+    n = band * k
+    c1, c2 = gemm_configs(max(call_slots, n), E, H, I, wdtype, device_name)
+    BM = c1.BM
+    MB = max_mblocks(n, E, BM)
+    nblk = -(-n // COUNT_BLOCK)
+    EP = _pow2(E)
+    NT = -(-I // c1.BN)
+    BT = _bwd_dw_tile(wdtype)
+    lay = _Layout()
+    err = lay.take(4)
+    hist = lay.take(nblk * E * 4)
+    rank = lay.take(n * 4)
+    base = lay.take(nblk * E * 4)
+    bexp = lay.take(MB * 4)
+    srt = lay.take(MB * BM * 4)
+    erange = lay.take(2 * E * 4)
+    dg_off = lay.take(MB * BM * I * hdtype.itemsize)
+    du_off = lay.take(MB * BM * I * hdtype.itemsize)
+    wh_off = lay.take(MB * BM * I * hdtype.itemsize)
+    part = lay.take(NT * n * 4)
+    dxs = lay.take(n * H * 4)
+    if layout_only:
+        return Program([], lay.size, err, w_aligned, E)
+
+    launches: list[Launch] = []
+
+    def ws(off, t="*i32"):
+        return Arg(ARG_WORKSPACE, 0, off, t)
+
+    def inp(i, off, t):
+        return Arg(ARG_INPUT, i, off, t)
+
+    def i32(v):
+        return Arg(ARG_I32, 0, int(v), "i32")
+
+    def fill(off, count, value):
+        launches.append(Launch(Kernel("fill_i32", (("BLOCK", FILL_BLOCK),)),
+                               (-(-count // FILL_BLOCK), 1, 1), (ws(off), i32(count), i32(value))))
+
+    tbl = [Arg(ARG_TABLE, group_of[p], 0, "*i64") for p in range(len(_abi.PROJECTIONS))]
+    gtbl = [Arg(ARG_TABLE, G + group_of[p], 0, "*i64") for p in range(len(_abi.PROJECTIONS))]
+    wref = inp(IN_GATE, 0, wt)
+    gref = inp(IN_W, 0, "*fp32")  # any float32 pointer: types the gradient tables' addresses
+    dy_in = backward_inputs(G, has_bias)
+    # the biases (inputs after the weight groups) and their gradients (outputs
+    # OUT_DBIAS0 + j), or placeholders the kernels never touch
+    nbias = _abi.NUM_BIASES
+    bias_in = ([inp(IN_GROUP0 + G + j, 0, "*fp32") for j in range(nbias)] if has_bias
+               else [inp(IN_W, 0, "*fp32")] * nbias)
+    bias_out = ([Arg(ARG_OUTPUT, OUT_DBIAS0 + j, 0, "*fp32") for j in range(nbias)] if has_bias
+                else [Arg(ARG_OUTPUT, OUT_DTW, 0, "*fp32")] * nbias)
+    common = (("H", H), ("I", I))
+    kc = Kernel("count", (("E", E), ("EP", EP), ("BLOCK", COUNT_BLOCK)), 4, 1)
+    ks = Kernel("scatter", (("E", E), ("BLOCK", COUNT_BLOCK)), 4, 1)
+    k1 = Kernel("bwd_gemm1", common + (("K_TOP", k), ("NPS", n)) + act
+                + (("W_ALIGNED", w_aligned), ("IEEE", ieee)) + vw + vd
+                + (("BM", BM), ("BN", c1.BN), ("BK", c1.BK)), c1.num_warps, c1.num_stages)
+    kt = Kernel("bwd_dtw", (("E", E), ("NT", NT), ("NPS", n), ("BLOCK", COUNT_BLOCK)), 4, 1)
+    kx = Kernel("bwd_dx", common + (("W_ALIGNED", w_aligned), ("IEEE", ieee)) + vw
+                + (("BM", BM), ("BN", c2.BN), ("BK", c2.BK)), c2.num_warps, c2.num_stages)
+    kb = Kernel("combine_slots", (("H", H), ("E", E), ("K_TOP", k), ("BH", COMBINE_BLOCK)), 4, 1)
+
+    def kw(accum):
+        return Kernel("bwd_dw", common + (("K_TOP", k), ("IEEE", ieee), ("ACCUM", accum)) + vw + vd
+                      + (("BM", BM), ("BH", BT), ("BI", BT)), 4, 1 if ieee else 2)
+
+    fill(err, 1, ERR_NONE)
+    xb = xdtype.itemsize
+    # T = 0 still runs one empty band: its bwd_dw writes the (zero) weight gradients
+    for bi, t0 in enumerate(range(0, max(T, 1), band)):
+        tb = min(band, T - t0)
+        nb = tb * k
+        x_a = inp(IN_X, t0 * H * xb, xs)
+        dy_a = inp(dy_in, t0 * H * xb, xs)
+        w_a = inp(IN_W, t0 * k * 4, "*fp32")
+        ids_a = inp(IN_IDS, t0 * k * 4, "*i32")
+        dx_a = Arg(ARG_OUTPUT, OUT_DX, t0 * H * xb, xs)
+        dtw_a = Arg(ARG_OUTPUT, OUT_DTW, t0 * k * 4, "*fp32")
+        nblk_b = -(-nb // COUNT_BLOCK)
+        mb = max_mblocks(nb, E, BM)
+        fill(srt, mb * BM, -1)
+        launches.append(Launch(kc, (nblk_b, 1, 1), (ids_a, i32(nb), i32(t0 * k), ws(hist), ws(rank), ws(err))))
+        ko = Kernel("offsets", (("NBLK", nblk_b), ("NMB", mb), ("E", E), ("EP", EP), ("BM", BM),
+                                ("JB", 64)), 4, 1)
+        launches.append(Launch(ko, (1, 1, 1), (ws(hist), ws(base), ws(bexp))))
+        launches.append(Launch(ks, (nblk_b, 1, 1), (ids_a, i32(nb), ws(rank), ws(base), ws(srt))))
+        kr = Kernel("expert_ranges", (("NMB", mb), ("E", E), ("EP", EP), ("JB", 64)), 4, 1)
+        launches.append(Launch(kr, (1, 1, 1), (ws(bexp), ws(erange))))
+        wsd = (ws(dg_off, hf), ws(du_off, hf), ws(wh_off, hf))
+        launches.append(Launch(k1, (mb, NT, 1),
+                               (x_a, dy_a, w_a, ws(srt), ws(bexp), *tbl, wref, *bias_in, *wsd,
+                                ws(part, "*fp32"))))
+        launches.append(Launch(kt, (nblk_b, 1, 1), (ws(part, "*fp32"), ids_a, dtw_a, i32(nb))))
+        launches.append(Launch(kx, (mb, -(-H // c2.BN), 1),
+                               (ws(dg_off, hf), ws(du_off, hf), ws(srt), ws(bexp), tbl[0], tbl[1], wref,
+                                ws(dxs, "*fp32"))))
+        launches.append(Launch(kb, (tb, -(-H // COMBINE_BLOCK), 1), (ws(dxs, "*fp32"), ids_a, dx_a)))
+        launches.append(Launch(kw(bi > 0), (E, -(-H // BT), -(-I // BT)),
+                               (x_a, dy_a, w_a, *wsd, ws(srt), ws(erange), *gtbl, wref, gref, *bias_out)))
     return Program(launches, lay.size, err, w_aligned, E)

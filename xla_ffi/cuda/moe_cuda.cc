@@ -275,17 +275,20 @@ std::string GroupName(int64_t p, int64_t G, bool fused) {
   return name;
 }
 
-// Runs the program with the pointer table `addrs` ([G][E] absolute addresses,
-// G groups in abi.h's order, abi::GroupIndex(part, projection), or gate_up,
-// down when `fused`).  `extra` holds each group's first buffer (the
-// program's typed weight arguments are inputs abi::kInputGroup0 + group),
-// then the biases if any (inputs abi::kInputGroup0 + G + j).  The program
-// and the kernel table are decoded and checked (cuda/program.h) before
-// anything is reserved, uploaded or launched.
+// Runs the program with the pointer tables `addrs` ([n_tables][E] absolute
+// addresses: the G weight groups in abi.h's order, abi::GroupIndex(part,
+// projection), or gate_up, down when `fused`; the backward's then its G
+// gradient groups).  `extra` holds each group's first buffer (the program's
+// typed weight arguments are inputs abi::kInputGroup0 + group), then the
+// biases if any (inputs abi::kInputGroup0 + G + j), then the backward's dy.
+// `outputs`: the addresses the program's kOutput arguments index (y; or dx,
+// d(topk_weights)).  The program and the kernel table are decoded and
+// checked (cuda/program.h) before anything is reserved, uploaded or launched.
 ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Buffer<ffi::S32> ids, int64_t G, bool fused,
                       const std::vector<CUdeviceptr>& extra,
-                      const std::vector<int64_t>& addrs, ffi::Result<ffi::AnyBuffer> y,
+                      const std::vector<int64_t>& addrs, int64_t n_tables,
+                      const std::vector<CUdeviceptr>& outputs,
                       ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
                       ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
                       int64_t workspace_bytes, int64_t err_offset, bool w_aligned,
@@ -301,14 +304,15 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
   const int64_t n_kernels = static_cast<int64_t>(rows.size());
   std::vector<LaunchRef> launches;
   if (std::string why = DecodeProgram(program.begin(), program.size(), n_kernels,
-                                      abi::kInputGroup0 + static_cast<int64_t>(extra.size()), G,
-                                      workspace_bytes, &launches);
+                                      abi::kInputGroup0 + static_cast<int64_t>(extra.size()),
+                                      n_tables, workspace_bytes, &launches,
+                                      static_cast<int64_t>(outputs.size()));
       !why.empty())
     return ffi::Error::InvalidArgument(why);
-  if (static_cast<int64_t>(addrs.size()) != G * E)
+  if (static_cast<int64_t>(addrs.size()) != n_tables * E || n_tables < G)
     return ffi::Error::InvalidArgument("pointer table has " + std::to_string(addrs.size()) +
-                                       " entries; expected " + std::to_string(G) + " * E = " +
-                                       std::to_string(G * E));
+                                       " entries; expected " + std::to_string(n_tables) +
+                                       " * E = " + std::to_string(n_tables * E));
   if (w_aligned)
     for (int64_t p = 0; p < G; ++p)
       for (int64_t e = 0; e < E; ++e)
@@ -359,7 +363,6 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
                     abi::kInputGroup0 == 3,
                 "inputs[] is built in abi.h's input order");
   inputs.insert(inputs.end(), extra.begin(), extra.end());
-  const CUdeviceptr output = reinterpret_cast<CUdeviceptr>(y->untyped_data());
 
   // Every index and workspace offset was checked by DecodeProgram.
   std::vector<uint64_t> ptr_vals;
@@ -374,7 +377,7 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
       const ArgRef& r = ln.args[a];
       switch (r.kind) {
         case abi::ArgKind::kInput: ptr_vals[a] = inputs[r.index] + r.offset; break;
-        case abi::ArgKind::kOutput: ptr_vals[a] = output + r.offset; break;
+        case abi::ArgKind::kOutput: ptr_vals[a] = outputs[r.index] + r.offset; break;
         case abi::ArgKind::kWorkspace: ptr_vals[a] = ws + r.offset; break;
         case abi::ArgKind::kTable: ptr_vals[a] = table + r.index * E * sizeof(int64_t); break;
         case abi::ArgKind::kI32: i32_vals[a] = static_cast<int32_t>(r.offset); break;
@@ -433,7 +436,8 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
     first[p] = static_cast<CUdeviceptr>(base);
     for (int64_t e = 0; e < E; ++e) addrs[p * E + e] = base + e * stride;
   }
-  return RunProgram(stream, ordinal, x, w, ids, P, false, first, addrs, y, ws_buf, blob, kernels,
+  return RunProgram(stream, ordinal, x, w, ids, P, false, first, addrs, P,
+                    {reinterpret_cast<CUdeviceptr>(y->untyped_data())}, ws_buf, blob, kernels,
                     program, workspace_bytes, err_offset, w_aligned, num_experts, check_ids);
 }
 
@@ -472,6 +476,68 @@ std::string CheckViews(ffi::Span<const int64_t> views, int64_t H, int64_t I, boo
   return "";
 }
 
+// The weights' G groups of the tables handlers (`weights` from its start:
+// G groups of 1 stacked or E per-expert buffers): each expert's address per
+// group (addrs [G][E]), the elements of one expert's array per group (dense
+// groups; 0 for quantized ones), each group's first buffer.
+ffi::Error CollectGroups(ffi::RemainingArgs weights, int64_t E, int64_t G, bool stacked,
+                         bool fused_gate_up, std::vector<int64_t>* addrs,
+                         std::vector<int64_t>* elems, std::vector<CUdeviceptr>* first) {
+  const int64_t per_group = stacked ? 1 : E;
+  const bool quantized = G > abi::kNumProjections;
+  for (int64_t p = 0; p < G; ++p) {
+    size_t bytes0 = 0;
+    ffi::DataType type0 = ffi::DataType::INVALID;
+    for (int64_t i = 0; i < per_group; ++i) {
+      auto b = weights.get<ffi::AnyBuffer>(p * per_group + i);
+      if (b.has_error()) return b.error();
+      const int64_t base = reinterpret_cast<int64_t>(b->untyped_data());
+      if (i == 0) {
+        bytes0 = b->size_bytes();
+        type0 = b->element_type();
+        (*first)[p] = static_cast<CUdeviceptr>(base);
+      } else if (b->size_bytes() != bytes0 || b->element_type() != type0) {
+        return ffi::Error::InvalidArgument("weight group " + std::to_string(p) + " expert " +
+                                           std::to_string(i) +
+                                           " differs from expert 0 in size or dtype");
+      }
+      if (stacked) {
+        const int64_t stride = static_cast<int64_t>(bytes0) / E;
+        for (int64_t e = 0; e < E; ++e) (*addrs)[p * E + e] = base + e * stride;
+      } else {
+        (*addrs)[p * E + i] = base;
+      }
+    }
+    if (!quantized) {
+      const size_t es = ffi::ByteWidth(type0);
+      if (es == 0 || (type0 != ffi::DataType::F32 && type0 != ffi::DataType::BF16 &&
+                      type0 != ffi::DataType::F16))
+        return ffi::Error::InvalidArgument(GroupName(p, G, fused_gate_up) +
+                                           " must be float32, bfloat16 or float16");
+      (*elems)[p] = static_cast<int64_t>(bytes0 / es) / (stacked ? E : 1);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// The biases after the weight groups (`nbias` float32 buffers from index
+// `at` of `weights`: [E, I], [E, I], [E, H]), appended to `extra`.
+ffi::Error CollectBiases(ffi::RemainingArgs weights, int64_t at, int64_t nbias, int64_t E,
+                         int64_t H, int64_t I, std::vector<CUdeviceptr>* extra) {
+  for (int64_t j = 0; j < nbias; ++j) {
+    auto b = weights.get<ffi::AnyBuffer>(at + j);
+    if (b.has_error()) return b.error();
+    const int64_t n = j < 2 ? I : H;
+    auto d = b->dimensions();
+    if (b->element_type() != ffi::DataType::F32 || d.size() != 2 || d[0] != E || d[1] != n)
+      return ffi::Error::InvalidArgument(std::string("the ") + abi::kProjectionNames[j] +
+                                         " bias must be float32 [E=" + std::to_string(E) + ", " +
+                                         std::to_string(n) + "]");
+    extra->push_back(reinterpret_cast<CUdeviceptr>(b->untyped_data()));
+  }
+  return ffi::Error::Success();
+}
+
 // Weights as `groups` groups (gate, up, down; for quantized experts then
 // their scales, then (int4) their mins; gate_up, down when `fused_gate_up`),
 // each one stacked [E, ...] buffer (`stacked`) or E per-expert buffers, read
@@ -508,55 +574,109 @@ ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
   std::vector<int64_t> addrs(G * E);
   std::vector<int64_t> elems(G, 0);  // elements of one expert's array per group (dense)
   std::vector<CUdeviceptr> first(G);
-  for (int64_t p = 0; p < G; ++p) {
-    size_t bytes0 = 0;
-    ffi::DataType type0 = ffi::DataType::INVALID;
-    for (int64_t i = 0; i < per_group; ++i) {
-      auto b = weights.get<ffi::AnyBuffer>(p * per_group + i);
-      if (b.has_error()) return b.error();
-      const int64_t base = reinterpret_cast<int64_t>(b->untyped_data());
-      if (i == 0) {
-        bytes0 = b->size_bytes();
-        type0 = b->element_type();
-        first[p] = static_cast<CUdeviceptr>(base);
-      } else if (b->size_bytes() != bytes0 || b->element_type() != type0) {
-        return ffi::Error::InvalidArgument("weight group " + std::to_string(p) + " expert " +
-                                           std::to_string(i) +
-                                           " differs from expert 0 in size or dtype");
-      }
-      if (stacked) {
-        const int64_t stride = static_cast<int64_t>(bytes0) / E;
-        for (int64_t e = 0; e < E; ++e) addrs[p * E + e] = base + e * stride;
-      } else {
-        addrs[p * E + i] = base;
-      }
-    }
-    if (!quantized) {
-      const size_t es = ffi::ByteWidth(type0);
-      if (es == 0 || (type0 != ffi::DataType::F32 && type0 != ffi::DataType::BF16 &&
-                      type0 != ffi::DataType::F16))
-        return ffi::Error::InvalidArgument(GroupName(p, G, fused_gate_up) +
-                                           " must be float32, bfloat16 or float16");
-      elems[p] = static_cast<int64_t>(bytes0 / es) / (stacked ? E : 1);
-    }
-  }
+  if (ffi::Error e = CollectGroups(weights, E, G, stacked, fused_gate_up, &addrs, &elems, &first);
+      e.failure())
+    return e;
   if (std::string why = CheckViews(views, H, I, fused_gate_up, quantized, elems); !why.empty())
     return ffi::Error::InvalidArgument(why);
   std::vector<CUdeviceptr> extra = first;  // the groups' first buffers, then the biases
-  for (int64_t j = 0; j < nbias; ++j) {
-    auto b = weights.get<ffi::AnyBuffer>(G * per_group + j);
-    if (b.has_error()) return b.error();
-    const int64_t n = j < 2 ? I : H;
-    auto d = b->dimensions();
-    if (b->element_type() != ffi::DataType::F32 || d.size() != 2 || d[0] != E || d[1] != n)
-      return ffi::Error::InvalidArgument(std::string("the ") + abi::kProjectionNames[j] +
-                                         " bias must be float32 [E=" + std::to_string(E) + ", " +
-                                         std::to_string(n) + "]");
-    extra.push_back(reinterpret_cast<CUdeviceptr>(b->untyped_data()));
+  if (ffi::Error e = CollectBiases(weights, G * per_group, nbias, E, H, I, &extra); e.failure())
+    return e;
+  return RunProgram(stream, ordinal, x, w, ids, G, fused_gate_up, extra, addrs, G,
+                    {reinterpret_cast<CUdeviceptr>(y->untyped_data())}, ws_buf, blob, kernels,
+                    program, workspace_bytes, err_offset, w_aligned, num_experts, check_ids);
+}
+
+// The CUDA backward (abi.h "CUDA backward"; jax_nbx/triton/plan.py
+// build_backward): dense experts as the tables handler takes them (`groups`
+// groups of one stacked or E per-expert buffers, read through abi.h's views;
+// with `has_bias` the three float32 biases), then dy [T, H] in x's dtype.
+// Results: dx, d(topk_weights) float32 [T, k], then the weight gradients
+// (float32, the weights' shapes and grouping), then with `has_bias` the
+// bias gradients, then the workspace.  The gradients' addresses are pointer
+// tables groups..2*groups-1, after the weights' (the kernels write each
+// expert's gradient through them, stacked or per-expert alike).
+ffi::Error FusedMoeBackwardCudaImpl(
+    cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+    ffi::Buffer<ffi::S32> ids, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> dx,
+    ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::RemainingRets rets, ffi::Span<const uint8_t> blob,
+    ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program, int64_t workspace_bytes,
+    int64_t err_offset, bool w_aligned, int64_t num_experts, bool check_ids, int64_t groups,
+    bool stacked, ffi::Span<const int64_t> views, int64_t intermediate, bool fused_gate_up,
+    bool has_bias) {
+  const int64_t E = num_experts, G = groups;
+  const int64_t per_group = stacked ? 1 : E;
+  const int64_t nbias = has_bias ? abi::kNumBiases : 0;
+  const bool groups_ok = fused_gate_up ? G == 2 : G == abi::kNumProjections;
+  if (E < 1 || !groups_ok || static_cast<int64_t>(args.size()) != G * per_group + nbias + 1)
+    return ffi::Error::InvalidArgument(
+        "expected " + std::to_string(G * per_group + nbias + 1) + " buffers after topk_ids (" +
+        std::to_string(G) + " dense weight groups of " + std::to_string(per_group) +
+        (nbias ? ", 3 biases" : "") + ", then dy); got " + std::to_string(args.size()));
+  const int64_t n_grads = G * per_group;
+  if (static_cast<int64_t>(rets.size()) != n_grads + nbias + 1)
+    return ffi::Error::InvalidArgument("expected " + std::to_string(n_grads + nbias) +
+                                       " gradient results and the workspace; got " +
+                                       std::to_string(rets.size()) + " results after dx, dw");
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be [T, H]");
+  const int64_t T = xd[0], H = xd[1], I = intermediate;
+  std::vector<int64_t> addrs(2 * G * E);
+  std::vector<int64_t> elems(G, 0);
+  std::vector<CUdeviceptr> first(G);
+  if (ffi::Error e = CollectGroups(args, E, G, stacked, fused_gate_up, &addrs, &elems, &first);
+      e.failure())
+    return e;
+  if (std::string why = CheckViews(views, H, I, fused_gate_up, false, elems); !why.empty())
+    return ffi::Error::InvalidArgument(why);
+  std::vector<CUdeviceptr> extra = first;  // the groups' first buffers, the biases, then dy
+  if (ffi::Error e = CollectBiases(args, n_grads, nbias, E, H, I, &extra); e.failure()) return e;
+  auto dy = args.get<ffi::AnyBuffer>(n_grads + nbias);
+  if (dy.has_error()) return dy.error();
+  auto dyd = dy->dimensions();
+  if (dy->element_type() != x.element_type() || dyd.size() != 2 || dyd[0] != T || dyd[1] != H)
+    return ffi::Error::InvalidArgument("dy must have x's dtype and shape [T, H]");
+  auto dxd = dx->dimensions();
+  auto dwd = dw->dimensions();
+  auto idd = ids.dimensions();
+  if (dx->element_type() != x.element_type() || dxd.size() != 2 || dxd[0] != T || dxd[1] != H ||
+      dwd.size() != 2 || idd.size() != 2 || dwd[0] != idd[0] || dwd[1] != idd[1])
+    return ffi::Error::InvalidArgument(
+        "dx must have x's dtype and shape, d(topk_weights) topk_ids' shape");
+  for (int64_t p = 0; p < G; ++p) {
+    for (int64_t i = 0; i < per_group; ++i) {
+      auto g = rets.get<ffi::AnyBuffer>(p * per_group + i);
+      if (g.has_error()) return g.error();
+      if ((*g)->element_type() != ffi::DataType::F32 ||
+          static_cast<int64_t>((*g)->element_count()) != (stacked ? E : 1) * elems[p])
+        return ffi::Error::InvalidArgument("the gradient of " + GroupName(p, G, fused_gate_up) +
+                                           " must be float32 with the weight's shape");
+      const int64_t base = reinterpret_cast<int64_t>((*g)->untyped_data());
+      for (int64_t e = stacked ? 0 : i; e < (stacked ? E : i + 1); ++e)
+        addrs[(G + p) * E + e] = base + (stacked ? e * elems[p] * 4 : 0);
+    }
   }
-  return RunProgram(stream, ordinal, x, w, ids, G, fused_gate_up, extra, addrs, y, ws_buf, blob,
-                    kernels, program, workspace_bytes, err_offset, w_aligned, num_experts,
-                    check_ids);
+  static_assert(abi::kOutputDx == 0 && abi::kOutputDTopkWeights == 1 && abi::kOutputDBias0 == 2,
+                "outputs[] is built in abi.h's output order");
+  std::vector<CUdeviceptr> outputs = {reinterpret_cast<CUdeviceptr>(dx->untyped_data()),
+                                      reinterpret_cast<CUdeviceptr>(dw->untyped_data())};
+  for (int64_t j = 0; j < nbias; ++j) {
+    auto g = rets.get<ffi::AnyBuffer>(n_grads + j);
+    if (g.has_error()) return g.error();
+    const int64_t n = j < 2 ? I : H;
+    auto d = (*g)->dimensions();
+    if ((*g)->element_type() != ffi::DataType::F32 || d.size() != 2 || d[0] != E || d[1] != n)
+      return ffi::Error::InvalidArgument(std::string("the gradient of the ") +
+                                         abi::kProjectionNames[j] + " bias must be float32 [E, " +
+                                         std::to_string(n) + "]");
+    outputs.push_back(reinterpret_cast<CUdeviceptr>((*g)->untyped_data()));
+  }
+  auto ws = rets.get<ffi::AnyBuffer>(n_grads + nbias);
+  if (ws.has_error()) return ws.error();
+  extra.push_back(reinterpret_cast<CUdeviceptr>(dy->untyped_data()));
+  return RunProgram(stream, ordinal, x, w, ids, G, fused_gate_up, extra, addrs, 2 * G, outputs,
+                    *ws, blob, kernels, program, workspace_bytes, err_offset, w_aligned,
+                    num_experts, check_ids);
 }
 
 }  // namespace
@@ -609,6 +729,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCudaTables, FusedMoeCudaTablesImpl,
                                   .Attr<int64_t>("groups")
                                   .Attr<bool>("stacked")
                                   // abi.h "weight views"
+                                  .Attr<ffi::Span<const int64_t>>("views")
+                                  .Attr<int64_t>("intermediate")
+                                  .Attr<bool>("fused_gate_up")
+                                  .Attr<bool>("has_bias"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeBackwardCuda, FusedMoeBackwardCudaImpl,
+                              NBX_PROGRAM_BIND
+                                  .RemainingArgs()               // weight groups, biases, dy
+                                  .Ret<ffi::AnyBuffer>()         // dx [T, H]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // d(topk_weights) [T, k]
+                                  .RemainingRets()               // weight, bias gradients; workspace
+                                  .Attr<ffi::Span<const uint8_t>>("blob")
+                                  .Attr<ffi::Span<const int64_t>>("kernels")
+                                  .Attr<ffi::Span<const int64_t>>("program")
+                                  .Attr<int64_t>("workspace_bytes")
+                                  .Attr<int64_t>("err_offset")
+                                  .Attr<bool>("w_aligned")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<bool>("check_ids")
+                                  .Attr<int64_t>("groups")
+                                  .Attr<bool>("stacked")
                                   .Attr<ffi::Span<const int64_t>>("views")
                                   .Attr<int64_t>("intermediate")
                                   .Attr<bool>("fused_gate_up")

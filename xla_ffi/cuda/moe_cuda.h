@@ -9,6 +9,7 @@
 namespace nbx {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardCudaTables);  // lists and/or quantized experts
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeBackwardCuda);       // dense experts, every layout's groups
 
 void CudaTableStats(int64_t* entries, int64_t* hits, int64_t* misses, int64_t* evictions,
                     int64_t* bytes);

@@ -21,8 +21,8 @@
 
 namespace nbx {
 
-// One argument of a launch: an input's, the output's or the workspace's
-// address plus `offset` bytes, a weight group's pointer table (`index`), or
+// One argument of a launch: an input's, an output's (`index`) or the
+// workspace's address plus `offset` bytes, a weight group's pointer table (`index`), or
 // the int32 value `offset` (kI32).
 struct ArgRef {
   abi::ArgKind kind;
@@ -39,11 +39,13 @@ struct LaunchRef {
 // Decodes `program` (`size` int64 words) into `out`.  Returns "" or what is
 // wrong: a truncated header or argument list, a kernel index outside
 // [0, n_kernels), a negative argument count, an unknown argument kind, an
-// input index outside [0, n_inputs), a table index outside [0, n_tables), a
-// workspace offset outside [0, workspace_bytes).
+// input index outside [0, n_inputs), a table index outside [0, n_tables), an
+// output index outside [0, n_outputs) (the forward has y; the backward dx,
+// d(topk_weights) and with biases their gradients: abi::kOutputDx, ...), a workspace offset
+// outside [0, workspace_bytes).
 inline std::string DecodeProgram(const int64_t* program, size_t size, int64_t n_kernels,
                                  int64_t n_inputs, int64_t n_tables, int64_t workspace_bytes,
-                                 std::vector<LaunchRef>* out) {
+                                 std::vector<LaunchRef>* out, int64_t n_outputs = 1) {
   out->clear();
   size_t pc = 0;
   for (int64_t launch = 0; pc < size; ++launch) {
@@ -80,9 +82,12 @@ inline std::string DecodeProgram(const int64_t* program, size_t size, int64_t n_
       if (k == abi::ArgKind::kInput && (index < 0 || index >= n_inputs))
         return "bad input index " + std::to_string(index) + " in " + arg() + " (the call has " +
                std::to_string(n_inputs) + " inputs)";
+      if (k == abi::ArgKind::kOutput && (index < 0 || index >= n_outputs))
+        return "bad output index " + std::to_string(index) + " in " + arg() + " (the call has " +
+               std::to_string(n_outputs) + " outputs the program addresses)";
       if (k == abi::ArgKind::kTable && (index < 0 || index >= n_tables))
         return "bad table index " + std::to_string(index) + " in " + arg() + " (the call has " +
-               std::to_string(n_tables) + " weight groups)";
+               std::to_string(n_tables) + " pointer tables)";
       if (k == abi::ArgKind::kWorkspace && (offset < 0 || offset >= workspace_bytes))
         return "workspace offset " + std::to_string(offset) + " in " + arg() +
                " is outside the workspace of " + std::to_string(workspace_bytes) + " bytes";

@@ -17,10 +17,10 @@ void BindProgramTests(nb::module_& m) {
   m.def(
       "decode_program",
       [](const std::vector<int64_t>& program, int64_t n_kernels, int64_t n_inputs,
-         int64_t n_tables, int64_t workspace_bytes) {
+         int64_t n_tables, int64_t workspace_bytes, int64_t n_outputs) {
         std::vector<LaunchRef> launches;
         const std::string why = DecodeProgram(program.data(), program.size(), n_kernels, n_inputs,
-                                              n_tables, workspace_bytes, &launches);
+                                              n_tables, workspace_bytes, &launches, n_outputs);
         if (!why.empty()) throw nb::value_error(why.c_str());
         nb::list out;
         for (const LaunchRef& ln : launches) {
@@ -33,10 +33,10 @@ void BindProgramTests(nb::module_& m) {
         return out;
       },
       nb::arg("program"), nb::arg("n_kernels"), nb::arg("n_inputs"), nb::arg("n_tables"),
-      nb::arg("workspace_bytes"),
+      nb::arg("workspace_bytes"), nb::arg("n_outputs") = 1,
       "Decodes an int64 launch program as the CUDA handler does (xla_ffi/cuda/program.h): a\n"
       "list of (kernel, (gx, gy, gz), [(kind, index, offset), ...]); ValueError says what is\n"
-      "wrong with a malformed one.");
+      "wrong with a malformed one.  n_outputs: 1 (the forward's y), 2 (the backward's dx, dw).");
   m.def(
       "decode_kernel_table",
       [](const std::vector<int64_t>& table, int64_t blob_size) {
