@@ -149,6 +149,28 @@ def run_checks(rows):
         ok_all &= status == "PASS"
         rows.append([f"bad id, {note} path (T={T_})", "-", "-", f"{status}: {msg}"])
         log(rows[-1])
+    # JAX_NBX_CUDA_CHECK_IDS=deferred: the bad call returns; the next call on the device fails naming it
+    os.environ["JAX_NBX_CUDA_CHECK_IDS"] = "deferred"
+    try:
+        ids = jnp.zeros((5, 2), jnp.int32).at[2, 1].set(9)
+        ww = jnp.ones((5, 2), jnp.float32)
+        f = jax.jit(lambda a, b, c: nbx.fused_moe(a, b, c, ex, implementation="ffi"))
+        f(x, ww, ids).block_until_ready()
+        jax.block_until_ready(jnp.zeros(1))
+        time.sleep(0.1)
+        try:
+            f(x, ww, jnp.zeros((5, 2), jnp.int32)).block_until_ready()
+            status, msg = "FAIL (no error at the next call)", ""
+        except Exception as e:
+            msg = str(e).splitlines()[0][:120]
+            status = "PASS" if "topk_ids[2, 1] = 9" in str(e) and "earlier call" in str(e) else "FAIL"
+    except Exception as e:
+        status, msg = "FAIL (the bad call itself failed)", str(e).splitlines()[0][:120]
+    finally:
+        del os.environ["JAX_NBX_CUDA_CHECK_IDS"]
+    ok_all &= status == "PASS"
+    rows.append(["bad id, deferred check (T=5)", "-", "-", f"{status}: {msg}"])
+    log(rows[-1])
     for i, (T, E, k, H, I, wd) in enumerate(GRAD_CASES):
         t0 = time.perf_counter()
         try:
@@ -199,6 +221,16 @@ def dense_moe(x, w, ids, ex):
 
 def ours(x, w, ids, ex):
     return nbx.fused_moe(x, w, ids, ex, implementation="ffi")
+
+
+def ours_deferred(x, w, ids, ex):
+    """Ours with the expert-id check deferred to the next call (no stream
+    synchronization: JAX_NBX_CUDA_CHECK_IDS=deferred, read at trace time)."""
+    os.environ["JAX_NBX_CUDA_CHECK_IDS"] = "deferred"
+    try:
+        return ours(x, w, ids, ex)
+    finally:
+        del os.environ["JAX_NBX_CUDA_CHECK_IDS"]
 
 
 def ours_prefill(x, w, ids, ex):
@@ -296,9 +328,10 @@ def run_bench(models, tokens, rows, budget_s, gemm_n=8192, copy_mib=1024):
             reps = 50 if T <= 16 else (20 if T <= 512 else 5)
             base = norm_time(x, reps)
             res = {}
-            for label, fn in (("ours", ours), ("prefill", ours_prefill), ("ragged", ragged_moe),
-                              ("dense", dense_moe)):
-                if (label == "dense" and T * m.E * m.I * 2 * 3 > 8e9) or (label == "prefill" and T > 16):
+            for label, fn in (("ours", ours), ("deferred", ours_deferred), ("prefill", ours_prefill),
+                              ("ragged", ragged_moe), ("dense", dense_moe)):
+                if (label == "dense" and T * m.E * m.I * 2 * 3 > 8e9) or (label in ("prefill", "deferred")
+                                                                         and T > 16):
                     res[label] = float("nan")
                     continue
                 try:
@@ -312,11 +345,13 @@ def run_bench(models, tokens, rows, budget_s, gemm_n=8192, copy_mib=1024):
             tf = flops / res["ours"] / 1e12
             active = len(np.unique(np.asarray(ids)))
             floor = active * 3 * m.H * m.I * 2 / bw
-            row = [name, str(T), f"{res['ours'] * 1e3:.3f}", f"{res['prefill'] * 1e3:.3f}",
+            row = [name, str(T), f"{res['ours'] * 1e3:.3f}", f"{res['deferred'] * 1e3:.3f}",
+                   f"{res['prefill'] * 1e3:.3f}",
                    f"{res['ragged'] * 1e3:.3f}",
                    f"{res['dense'] * 1e3:.3f}", f"{res['ragged'] / res['ours']:.2f}",
                    f"{res['dense'] / res['ours']:.2f}", f"{tf:.1f}", f"{gemm / 1e12:.0f}", f"{tf * 1e12 / gemm:.3f}",
-                   f"{bw / 1e12:.2f}", f"{res['ours'] / floor:.2f}" if T <= 16 else "-"]
+                   f"{bw / 1e12:.2f}", f"{res['ours'] / floor:.2f}" if T <= 16 else "-",
+                   f"{res['deferred'] / floor:.2f}" if T <= 16 else "-"]
             rows.append(row)
             log(row)
 
@@ -429,8 +464,9 @@ def main(argv=None):
         ["case", "err", "tol", "status"], check_rows)
     if bench_rows:
         text += ("\n== timing, bf16, median of 5 jitted loops (ms per layer call)\n" + _bench.format_table(
-            ["model", "T", "ours ms", "prefill path ms", "ragged_dot ms", "dense ms", "ragged/ours", "dense/ours",
-             "TFLOP/s", "GEMM TFLOP/s", "of GEMM", "copy TB/s", "t/bw floor"], bench_rows))
+            ["model", "T", "ours ms", "deferred check ms", "prefill path ms", "ragged_dot ms", "dense ms",
+             "ragged/ours", "dense/ours", "TFLOP/s", "GEMM TFLOP/s", "of GEMM", "copy TB/s", "t/bw floor",
+             "deferred t/bw floor"], bench_rows))
     if quant_rows:
         text += ("\n== quantized decode (ms per layer call; speed relative to bf16)\n" + _bench.format_table(
             ["model", "T", "bf16 ms", "int8 ms", "int4 ms", "int8 speed", "int4 speed", "bf16 t/bw floor"],

@@ -77,6 +77,9 @@ OUT_DTOPK_WEIGHTS: int = _d["backward_outputs"]["dtopk_weights"]
 OUT_DBIAS0: int = _d["backward_outputs"]["dbias0"]  # then the bias gradients, with biases
 KERNEL_FIELDS: tuple[str, ...] = tuple(_d["kernel_fields"])
 ERR_NONE: int = _d["err_none"]
+# the CUDA handlers' check_ids attribute: off, sync (the call fails), deferred (the next call fails)
+ID_CHECK_OFF, ID_CHECK_SYNC, ID_CHECK_DEFERRED = _d["id_check_modes"]
+MAX_DEFERRED_ERR_WORDS: int = _d["max_deferred_err_words"]
 WORKSPACE_ALIGN: int = _d["workspace_align"]
 # slots (T * k) of one call: indexed with int32 by every handler
 MAX_SLOTS: int = _d["max_slots"]

@@ -89,11 +89,20 @@ def plan_backward_band_tokens(T: int, k: int, E: int, H: int, I: int, wdtype,
                              f"(backward, E={E} k={k} H={H} I={I}) on cuda:0")
 
 
-def check_ids_enabled() -> bool:
-    """``JAX_NBX_CUDA_CHECK_IDS=0`` skips the run-time read-back of the
-    expert-id check (bad ids are still never used as indices: their slots
-    are skipped, but the call then does not fail)."""
-    return _env.cuda_check_ids()
+def check_ids_mode(skip_outside: bool = False) -> int:
+    """The handlers' ``check_ids`` attribute (abi.h): ``JAX_NBX_CUDA_CHECK_IDS``
+    = 1 (default) reads the expert-id check back after the launches (one
+    stream synchronization; the call fails naming the slot and the id);
+    ``deferred`` copies it asynchronously into pinned memory and the next call
+    on the device fails naming the earlier call's slot (no synchronization;
+    calls of at most `_abi.MAX_DEFERRED_ERR_WORDS` slots, larger ones read it
+    back at once); 0 skips it.  Bad ids are never used as indices in any mode:
+    their slots are skipped.  ``skip_outside`` (sharded_moe's psum dispatch):
+    off."""
+    if skip_outside:
+        return _abi.ID_CHECK_OFF
+    return {"sync": _abi.ID_CHECK_SYNC, "deferred": _abi.ID_CHECK_DEFERRED,
+            "off": _abi.ID_CHECK_OFF}[_env.cuda_check_ids()]
 
 
 def _view_groups(arrays, layout: WeightLayout, lists: bool):
@@ -149,8 +158,9 @@ def forward(x, w, ids, *arrays, activation, band_tokens: int, lists: bool = Fals
     blob, table = C.pack(prog, compute_capability(dev))
     attrs = dict(blob=blob, kernels=table.reshape(-1), program=prog.encode(),
                  workspace_bytes=np.int64(prog.workspace_bytes), err_offset=np.int64(prog.err_offset),
+                 err_words=np.int64(prog.err_words),
                  w_aligned=bool(strides_ok), num_experts=np.int64(E),
-                 check_ids=bool(check_ids_enabled() and not skip_outside))
+                 check_ids=np.int64(check_ids_mode(skip_outside)))
     # The workspace is a second output that XLA allocates in its pool (stream
     # ordered, planned by XLA) and that is dropped here.
     outs = (jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -199,8 +209,9 @@ def backward(dy, x, w, ids, *arrays, activation, band_tokens: int, lists: bool =
     blob, table = C.pack(prog, compute_capability(dev))
     attrs = dict(blob=blob, kernels=table.reshape(-1), program=prog.encode(),
                  workspace_bytes=np.int64(prog.workspace_bytes), err_offset=np.int64(prog.err_offset),
+                 err_words=np.int64(prog.err_words),
                  w_aligned=bool(strides_ok), num_experts=np.int64(E),
-                 check_ids=bool(check_ids_enabled() and not skip_outside))
+                 check_ids=np.int64(check_ids_mode(skip_outside)))
     bufs = [b for g in groups for b in (g if lists else g[:1])]
     bufs += [b.astype(np.float32) for b in biases]
     weights = [b for g in groups for b in g] + list(biases)

@@ -12,7 +12,7 @@ is handed to them by the Python side (``apply_at_load``).
 | ``JAX_NBX_PROFILE`` | print the stages of each CPU band/group to stderr | off |
 | ``JAX_NBX_TABLE_CACHE`` | pointer-table LRU capacity (CUDA, Metal) | 256 |
 | ``JAX_NBX_METAL`` | the Metal device: ``apple``, ``sim`` (simulated: tests) or ``none`` | ``apple`` if built |
-| ``JAX_NBX_CUDA_CHECK_IDS`` | ``0`` skips the read-back of the expert-id check (CUDA) | on |
+| ``JAX_NBX_CUDA_CHECK_IDS`` | the expert-id check (CUDA): ``1`` sync, ``deferred`` (next call), ``0`` off | ``1`` |
 | ``JAX_NBX_CUDA_DECODE_SLOTS`` | at most this many slots take the CUDA decode path | 16 |
 | ``JAX_NBX_CUDA_DECODE_PROGRAMS`` | programs the CUDA decode path's split-K aims at | 1024 |
 | ``JAX_NBX_TRITON_CONFIGS`` | a tile-config JSON file instead of ``configs/<device>.json`` | - |
@@ -158,10 +158,19 @@ def metal() -> str | None:
     return parse("JAX_NBX_METAL", check)
 
 
-def cuda_check_ids() -> bool:
-    """``JAX_NBX_CUDA_CHECK_IDS`` (default on)."""
-    v = parse("JAX_NBX_CUDA_CHECK_IDS", _flag)
-    return True if v is None else v
+def cuda_check_ids() -> str:
+    """``JAX_NBX_CUDA_CHECK_IDS``: "sync" (default; 1/true/yes/on), "deferred"
+    or "off" (0/false/no/off)."""
+    def mode(v: str) -> str:
+        if v.strip().lower() == "deferred":
+            return "deferred"
+        try:
+            return "sync" if _flag(v) else "off"
+        except ValueError:
+            raise ValueError("expected 1 (sync), deferred or 0 (off)") from None
+
+    v = parse("JAX_NBX_CUDA_CHECK_IDS", mode)
+    return "sync" if v is None else v
 
 
 def cuda_decode_slots() -> int:

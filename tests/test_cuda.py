@@ -46,6 +46,21 @@ def test_cuda_bad_id_names_the_slot():
         nbx.fused_moe(x, w, ids, ex, implementation="ffi").block_until_ready()
 
 
+def test_cuda_deferred_id_check_fails_the_next_call(monkeypatch):
+    """JAX_NBX_CUDA_CHECK_IDS=deferred: a call with a bad id returns (its slot
+    skipped); the next call on the device fails naming that slot and id."""
+    monkeypatch.setenv("JAX_NBX_CUDA_CHECK_IDS", "deferred")
+    x, w, ids, ex = make_problem(4, 5, 4, 2, 64, 32, jnp.bfloat16, jnp.bfloat16)
+    f = jax.jit(lambda *a: nbx.fused_moe(*a, implementation="ffi"))
+    bad = ids.at[2, 1].set(9)
+    jax.block_until_ready(f(x, w, bad, ex))  # no error here
+    import time
+    time.sleep(0.1)  # the asynchronous copy lands
+    with pytest.raises(Exception, match=r"topk_ids\[2, 1\] = 9 is outside \[0, 4\) in an earlier call"):
+        jax.block_until_ready(f(x, w, ids, ex))
+    jax.block_until_ready(f(x, w, ids, ex))  # reported once: the next call runs
+
+
 def test_cuda_tables_cached():
     x, w, ids, ex = make_problem(5, 16, 8, 2, 64, 32, jnp.bfloat16, jnp.bfloat16)
     f = jax.jit(lambda *a: nbx.fused_moe(*a, implementation="ffi"))

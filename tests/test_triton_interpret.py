@@ -409,3 +409,55 @@ def test_cuda_forward_groups_match_the_handlers_inputs():
     q = nbx.quantize(nbx.Experts(G, U, D), "int8")
     with pytest.raises(ValueError, match="quantized experts in the plain layout only"):
         _cuda._view_groups(q.flat(), ex.weight_layout()._replace(bias=False), False)
+
+
+def test_decode_path_is_three_launches_with_a_check_word_per_slot():
+    """Decode: decode1 -> decode2 (the gated unit formed from decode1's
+    partials) -> combine, no fill launch: decode1 writes each slot's check
+    word.  Prefill: one word, filled first."""
+    prog = plan.build(3, 3, 2, 5, 40, 24, F32, F32, 0)
+    assert [ln.kernel.name for ln in prog.launches] == ["decode1", "decode2", "combine"]
+    assert prog.err_words == 6
+    pre = plan.build(40, 40, 2, 5, 40, 24, F32, F32, 0)
+    assert pre.err_words == 1 and pre.launches[0].kernel.name == "fill_i32"
+    # every word written (the interpreter's workspace starts poisoned: an
+    # unwritten word would read as a negative slot), several bands included
+    for T, band in ((3, 3), (7, 2)):
+        x, w, ids, gate, up, down = problem(11, T, 5, 2, 40, 24, F32, F32)
+        p = plan.build(T, band, 2, 5, 40, 24, F32, F32, 0)
+        assert p.launches[0].kernel.name == "decode1" and p.err_words == T * 2
+        y = np.full((T, 40), np.nan, np.float32)
+        assert interpret.run(p, [x, w, ids, gate, up, down], y) == plan.ERR_NONE
+        assert rel_err(y, np_moe64(x, w, ids, gate, up, down)) < TOL[F32]
+        ids[T - 1, 1] = -1
+        ids[1, 0] = 9
+        assert interpret.run(p, [x, w, ids, gate, up, down], y) == 2  # the smallest bad slot
+
+
+@pytest.mark.parametrize("value, mode", [(None, "sync"), ("1", "sync"), ("on", "sync"), ("deferred", "deferred"),
+                                         ("Deferred", "deferred"), ("0", "off"), ("off", "off")])
+def test_id_check_modes_from_the_environment(monkeypatch, value, mode):
+    from jax_nbx import _abi, _cuda, _env
+    if value is None:
+        monkeypatch.delenv("JAX_NBX_CUDA_CHECK_IDS", raising=False)
+    else:
+        monkeypatch.setenv("JAX_NBX_CUDA_CHECK_IDS", value)
+    assert _env.cuda_check_ids() == mode
+    codes = {"sync": _abi.ID_CHECK_SYNC, "deferred": _abi.ID_CHECK_DEFERRED, "off": _abi.ID_CHECK_OFF}
+    assert _cuda.check_ids_mode() == codes[mode]
+    assert _cuda.check_ids_mode(skip_outside=True) == _abi.ID_CHECK_OFF
+
+
+def test_id_check_mode_refuses_other_values(monkeypatch):
+    from jax_nbx import _env
+    monkeypatch.setenv("JAX_NBX_CUDA_CHECK_IDS", "later")
+    with pytest.raises(ValueError, match="JAX_NBX_CUDA_CHECK_IDS.*deferred"):
+        _env.cuda_check_ids()
+
+
+def test_no_tokens_leaves_a_clean_check_word():
+    prog = plan.build(0, 0, 2, 5, 40, 24, F32, F32, 0)
+    assert prog.err_words == 1 and [ln.kernel.name for ln in prog.launches] == ["fill_i32"]
+    y = np.zeros((0, 40), np.float32)
+    x, w, ids, gate, up, down = problem(1, 1, 5, 2, 40, 24, F32, F32)
+    assert interpret.run(prog, [x[:0], w[:0], ids[:0], gate, up, down], y) == plan.ERR_NONE

@@ -138,8 +138,19 @@ inline constexpr int64_t kOutputDx = 0, kOutputDTopkWeights = 1, kOutputDBias0 =
 inline constexpr int64_t kNumKernelFields = 7;
 inline constexpr const char* kKernelFieldNames[kNumKernelFields] = {
     "name_off", "name_len", "cubin_off", "cubin_len", "num_warps", "shared", "hash"};
-// The expert-id check word: the smallest bad slot, or this when none.
+// The expert-id check: `err_words` int32 words at the workspace's
+// err_offset (one word, filled with kErrNone and lowered by the kernels to
+// the smallest bad slot; or one word per slot, each written: its slot if
+// bad, else kErrNone); the handler reads the minimum.  The CUDA handlers'
+// attribute check_ids says when: kIdCheckOff (never: bad slots are still
+// skipped), kIdCheckSync (after the launches, with a stream synchronization:
+// the call itself fails), kIdCheckDeferred (an asynchronous copy into pinned
+// memory; the next call on the device reads it and fails naming the earlier
+// call -- no synchronization on the hot path; more than kMaxDeferredErrWords
+// words fall back to kIdCheckSync).
 inline constexpr int32_t kErrNone = 0x7fffffff;
+inline constexpr int64_t kIdCheckOff = 0, kIdCheckSync = 1, kIdCheckDeferred = 2;
+inline constexpr int64_t kMaxDeferredErrWords = 64;
 inline constexpr int64_t kWorkspaceAlign = 256;  // bytes; every workspace array starts aligned
 
 }  // namespace nbx::abi

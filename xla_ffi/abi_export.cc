@@ -73,6 +73,8 @@ nb::dict AbiDict() {
   d["backward_outputs"] = outputs;
   d["kernel_fields"] = Names(abi::kKernelFieldNames);
   d["err_none"] = abi::kErrNone;
+  d["id_check_modes"] = nb::make_tuple(abi::kIdCheckOff, abi::kIdCheckSync, abi::kIdCheckDeferred);
+  d["max_deferred_err_words"] = abi::kMaxDeferredErrWords;
   d["workspace_align"] = abi::kWorkspaceAlign;
   d["max_slots"] = abi::kMaxSlots;
   return d;

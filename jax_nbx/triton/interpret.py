@@ -189,5 +189,5 @@ def run(prog: P.Program, inputs: list[np.ndarray], out: np.ndarray | list[np.nda
     start = ws_base - ws.ctypes.data
     if workspace is not None:
         workspace.append(ws[start:start + prog.workspace_bytes])
-    err = np.frombuffer(ws, np.int32, 1, start + prog.err_offset)
-    return int(err[0])
+    err = np.frombuffer(ws, np.int32, prog.err_words, start + prog.err_offset)
+    return int(err.min())  # the handler's reading: the smallest word (the first bad slot)

@@ -31,15 +31,20 @@ Prefill path: ``count`` → ``offsets`` → ``scatter`` order the slots by exper
 each expert's group padded to ``BM`` rows (a block never mixes experts), then
 ``gemm1`` (gate‖up accumulated side by side, activation in the epilogue),
 ``gemm2`` (routed weight in the epilogue), ``combine``.
-Decode path (few slots): ``decode1`` → ``decode_act`` → ``decode2`` →
-``combine`` take one program per (slot, column tile, chunk of K): no
+Decode path (few slots): three launches, ``decode1`` → ``decode2`` →
+``combine``, each one program per (slot, column tile, chunk of K): no
 ordering, no padding, each weight tile read once per slot; the K axis is split
 into chunks (partial sums added in order by the next kernel) so that a
-handful of slots still gives the GPU enough programs.
+handful of slots still gives the GPU enough programs; ``decode2`` forms the
+gated unit from ``decode1``'s partial sums itself, and the expert-id check
+writes one word per slot (no fill launch).
 
 An expert id outside ``[0, E)`` is never used as an index: the slot is
-skipped and the smallest such slot is recorded in ``err`` (the handler reads
-it back and fails the call naming the slot and the id).
+skipped and recorded in ``err`` -- one word, filled with ERR_NONE first and
+lowered to the smallest bad slot (prefill: ``count``), or one word per slot
+(decode: ``decode1``).  The handler takes the minimum of the program's
+``err_words`` words and fails the call naming the slot and the id (at once,
+or at the next call on the device with ``JAX_NBX_CUDA_CHECK_IDS=deferred``).
 
 Every code shared with the handler and `plan.py` (the expert-id check word,
 activation and weight-format codes, the GELU constants) comes from
@@ -320,7 +325,10 @@ def decode1(x, ids, slot0, err, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl
     """Partial gate and up sums of one slot over one chunk of KCH rows of H
     (split-K: few slots still fill the GPU): part[slot, chunk, 0|1, n],
     float32; chunk 0's start from the biases.  Each weight element is read
-    once per slot."""
+    once per slot.  The expert-id check: the program of tile 0, chunk 0
+    writes the slot's own word err[slot0 + s] (the slot number if its id is
+    outside [0, E), else ERR_NONE), so the decode path needs no fill launch
+    and no atomics; the handler takes the minimum of the words."""
     s = tl.program_id(0)
     pid_n = tl.program_id(1)
     c = tl.program_id(2)
@@ -328,9 +336,10 @@ def decode1(x, ids, slot0, err, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl
     offs_n = pid_n * BN + tl.arange(0, BN)
     nmask = offs_n < I
     dst = part + ((s * S + c) * 2).to(tl.int64) * I + offs_n
-    if (e < 0) | (e >= E):
-        if (pid_n == 0) & (c == 0):
-            tl.atomic_min(err, slot0 + s)
+    bad = (e < 0) | (e >= E)
+    if (pid_n == 0) & (c == 0):
+        tl.store(err + slot0 + s, tl.where(bad, slot0 + s, ERR_NONE))
+    if bad:
         tl.store(dst, tl.zeros((BN,), tl.float32), mask=nmask)
         tl.store(dst + I, tl.zeros((BN,), tl.float32), mask=nmask)
         return
@@ -359,30 +368,17 @@ def decode1(x, ids, slot0, err, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl
 
 
 @triton.jit
-def decode_act(part, h, I: tl.constexpr, S: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr,
-               LIMIT: tl.constexpr, BN: tl.constexpr):
-    """h[slot, n] = glu(sum of gate partials, sum of up partials), chunks in order."""
-    s = tl.program_id(0)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    nmask = offs_n < I
-    g = tl.zeros((BN,), tl.float32)
-    u = tl.zeros((BN,), tl.float32)
-    for c in range(0, S):
-        src = part + ((s * S + c) * 2).to(tl.int64) * I + offs_n
-        g += tl.load(src, mask=nmask, other=0.0)
-        u += tl.load(src + I, mask=nmask, other=0.0)
-    tl.store(h + s.to(tl.int64) * I + offs_n, _glu(g, u, ACT, ALPHA, LIMIT), mask=nmask)
-
-
-@triton.jit
-def decode2(h, ids, down_tbl, ds_tbl, dz_tbl, wref, sref, db, w, out,
+def decode2(part, ids, down_tbl, ds_tbl, dz_tbl, wref, sref, db, w, out,
             H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, W_ALIGNED: tl.constexpr,
             QUANT: tl.constexpr, GS: tl.constexpr,
             OFF: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr, BIAS: tl.constexpr,
+            ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, S1: tl.constexpr,
             KCH: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out[slot, chunk, n] = w[slot] * (h[slot, chunk] @ down[e][chunk] (+ db[e]
     in chunk 0))[n]: one chunk of KCH rows of I per program; `combine` adds
-    the chunks."""
+    the chunks.  h = glu(gate, up) is formed here from decode1's S1 partial
+    sums (added in chunk order, the same float32 sums in every program), so
+    no launch of its own writes it."""
     s = tl.program_id(0)
     pid_n = tl.program_id(1)
     c = tl.program_id(2)
@@ -395,7 +391,13 @@ def decode2(h, ids, down_tbl, ds_tbl, dz_tbl, wref, sref, db, w, out,
         for j in range(0, KCH, BK):
             kk = c * KCH + j + offs_k
             kmask = kk < I
-            hv = tl.load(h + s * I + kk, mask=kmask, other=0.0)
+            g = tl.zeros((BK,), tl.float32)
+            u = tl.zeros((BK,), tl.float32)
+            for c1 in range(0, S1):
+                src = part + ((s * S1 + c1) * 2).to(tl.int64) * I + kk
+                g += tl.load(src, mask=kmask, other=0.0)
+                u += tl.load(src + I, mask=kmask, other=0.0)
+            hv = tl.where(kmask, _glu(g, u, ACT, ALPHA, LIMIT), 0.0)
             b = _wtile(down_tbl, ds_tbl, dz_tbl, e, wref, sref, kk, offs_n, H,
                        kmask[:, None] & nmask[None, :], QUANT, GS, W_ALIGNED, OFF, SK, SN)
             acc += tl.sum(hv[:, None] * b, axis=0)

@@ -97,6 +97,7 @@ class Program:
     err_offset: int
     w_aligned: bool
     num_experts: int
+    err_words: int = 1  # int32 words of the expert-id check at err_offset (the minimum counts)
 
     def kernels(self) -> list[tuple[Kernel, tuple[str, ...], tuple[bool, ...]]]:
         """Distinct (kernel, argument types, 16-byte alignment of pointer
@@ -267,8 +268,12 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
     ieee = wdtype == np.float32
     hdtype = np.dtype("float32") if ieee else wdtype
     n = band * k
+    decode = use_decode(n)
+    # the expert-id check: one word per slot on the decode path (decode1 writes
+    # each, no fill), else one word (filled, then lowered by `count`)
+    err_words = max(1, T * k) if decode else 1
     lay = _Layout()
-    err = lay.take(4)
+    err = lay.take(4 * err_words)
     launches: list[Launch] = []
 
     def ws(off, t="*i32"):
@@ -307,7 +312,6 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
     ztbl = tables(_ZERO) if QUANT == _INT4 else stbl
     qc = (("QUANT", QUANT), ("GS", gsize))
     common = (("H", H), ("I", I))
-    decode = use_decode(n)
     rows = k
     if decode:
         BN, BK = 64, 64
@@ -315,13 +319,11 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         KCH2, S2 = split_k(I, n * -(-H // BN), BK)
         rows = k * S2
         part_off = lay.take(n * S1 * 2 * I * 4)
-        h_off = lay.take(n * I * 4)
         out_off = lay.take(n * S2 * H * 4)
         d1 = Kernel("decode1", common + (("E", E), ("K_TOP", k), ("W_ALIGNED", w_aligned)) + qc + v1
                     + (("KCH", KCH1), ("S", S1), ("BN", BN), ("BK", BK)), 4, 1)
-        da = Kernel("decode_act", (("I", I), ("S", S1)) + act + (("BN", 256),), 4, 1)
-        d2 = Kernel("decode2", common + (("E", E), ("W_ALIGNED", w_aligned)) + qc + v2
-                    + (("KCH", KCH2), ("S", S2), ("BN", BN), ("BK", BK)), 4, 1)
+        d2 = Kernel("decode2", common + (("E", E), ("W_ALIGNED", w_aligned)) + qc + v2 + act
+                    + (("S1", S1), ("KCH", KCH2), ("S", S2), ("BN", BN), ("BK", BK)), 4, 1)
     else:
         c1, c2 = gemm_configs(n, E, H, I, wdtype, device_name,
                               f"{kind}g{gsize}" if kind == "int4" else (kind or ""))
@@ -345,9 +347,10 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         g2 = Kernel("gemm2", common + (("W_ALIGNED", w_aligned), ("IEEE", ieee)) + qc + v2
                     + (("BM", BM), ("BN", c2.BN), ("BK", c2.BK)), c2.num_warps, c2.num_stages)
     if layout_only:
-        return Program([], lay.size, err, w_aligned, E)
+        return Program([], lay.size, err, w_aligned, E, err_words)
 
-    fill(err, 1, ERR_NONE)
+    if not decode or T == 0:  # (T = 0: no decode1 writes the word)
+        fill(err, 1, ERR_NONE)
     xb, wb, ib = xdtype.itemsize, 4, 4
     for t0 in range(0, T, band):
         tb = min(band, T - t0)
@@ -356,15 +359,14 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         w_a = inp(IN_W, t0 * k * wb, "*fp32")
         ids_a = inp(IN_IDS, t0 * k * ib, "*i32")
         y_a = Arg(ARG_OUTPUT, 0, t0 * H * xb, xs)
-        hf = "*fp32" if decode else "*" + _tl_name(hdtype)
+        hf = "*" + _tl_name(hdtype)
         if decode:
             launches.append(Launch(d1, (nb, -(-I // BN), S1),
                                    (x_a, ids_a, i32(t0 * k), ws(err), tbl[0], tbl[1], stbl[0], stbl[1],
                                     ztbl[0], ztbl[1], wref, sref, *bias_args[:2], ws(part_off, "*fp32"))))
-            launches.append(Launch(da, (nb, -(-I // 256), 1), (ws(part_off, "*fp32"), ws(h_off, hf))))
             launches.append(Launch(d2, (nb, -(-H // BN), S2),
-                                   (ws(h_off, hf), ids_a, tbl[2], stbl[2], ztbl[2], wref, sref, bias_args[2],
-                                    w_a, ws(out_off, "*fp32"))))
+                                   (ws(part_off, "*fp32"), ids_a, tbl[2], stbl[2], ztbl[2], wref, sref,
+                                    bias_args[2], w_a, ws(out_off, "*fp32"))))
         else:
             nblk_b = -(-nb // COUNT_BLOCK)
             mb = max_mblocks(nb, E, BM)
@@ -388,7 +390,7 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
                              4, 1)
             launches.append(Launch(combine, (tb, -(-H // COMBINE_BLOCK), 1),
                                    (ws(out_off, "*fp32"), ids_a, y_a)))
-    return Program(launches, lay.size, err, w_aligned, E)
+    return Program(launches, lay.size, err, w_aligned, E, err_words)
 
 
 # --------------------------------------------------------------------------- backward

@@ -16,6 +16,7 @@
 // driver as an error if it is ever called there.
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -51,7 +52,8 @@ struct Driver {
   X(cuInit) X(cuGetErrorString) X(cuDeviceGet) X(cuDevicePrimaryCtxRetain)            \
   X(cuCtxPushCurrent) X(cuCtxPopCurrent) X(cuModuleLoadData) X(cuModuleGetFunction)   \
   X(cuFuncSetAttribute) X(cuLaunchKernel) X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoD)  \
-  X(cuMemcpyDtoHAsync) X(cuStreamSynchronize)
+  X(cuMemcpyDtoHAsync) X(cuStreamSynchronize) X(cuMemAllocHost) X(cuEventCreate)        \
+  X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize)
 #define NBX_DECLARE(fn) decltype(&::fn) fn = nullptr;
   NBX_DRIVER_FNS(NBX_DECLARE)
 #undef NBX_DECLARE
@@ -275,6 +277,120 @@ std::string GroupName(int64_t p, int64_t G, bool fused) {
   return name;
 }
 
+// Deferred expert-id checks (abi::kIdCheckDeferred): per device, a ring of
+// pinned host records.  A call copies its err words and its topk_ids (both
+// at most abi::kMaxDeferredErrWords) into the next record with asynchronous
+// copies on its stream and records an event -- no synchronization; every
+// later call on the device first reads the records whose events have
+// completed, oldest first, and fails naming the earliest bad slot it finds.
+// A full ring waits for its oldest record (the only wait).  The records'
+// pinned bytes are counted in the device's account ("id checks").
+class DeferredChecks {
+ public:
+  static DeferredChecks& Get() {
+    static DeferredChecks c;
+    return c;
+  }
+
+  // The message of the earliest completed check that found a bad slot (""
+  // if none); needs the device's context current.
+  std::string Poll(const Device& dev) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = rings_.find(dev.ordinal);
+    if (it == rings_.end()) return "";
+    return Drain(it->second, dev, /*wait_oldest=*/false);
+  }
+
+  // Enqueues this call's check: `words` err words at `err` and the n slots'
+  // ids at `ids` (n = T * k <= kMaxDeferredErrWords).  Returns an error for
+  // a CUDA failure, or a found bad slot of an earlier call (a full ring).
+  ffi::Error Enqueue(const Device& dev, CUstream stream, CUdeviceptr err, int64_t words,
+                     CUdeviceptr ids, int64_t n, int64_t k, int64_t E) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Ring& ring = rings_[dev.ordinal];
+    Driver& d = Driver::Get();
+    if (ring.host == nullptr) {
+      const int64_t bytes = kSlots * kRecordInts * static_cast<int64_t>(sizeof(int32_t));
+      std::string why;
+      void* unused = nullptr;
+      if (!Account::Get().Reserve(dev, bytes, "id checks", WorkShape{}, &why, &unused))
+        return ffi::Error(ffi::ErrorCode::kResourceExhausted, why);
+      void* p = nullptr;
+      NBX_CU("cuMemAllocHost (deferred id checks)", d.cuMemAllocHost(&p, bytes));
+      ring.host = static_cast<int32_t*>(p);
+      ring.events.assign(kSlots, nullptr);
+      for (CUevent& ev : ring.events)
+        NBX_CU("cuEventCreate", d.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING));
+      ring.meta.assign(kSlots, Meta{});
+    }
+    if (ring.meta[ring.tail].pending) {  // full: wait for the oldest record
+      if (std::string bad = Drain(ring, dev, /*wait_oldest=*/true); !bad.empty())
+        return ffi::Error::InvalidArgument(bad);
+    }
+    const int64_t slot = ring.tail;
+    int32_t* rec = ring.host + slot * kRecordInts;
+    NBX_CU("copying the expert-id check",
+           d.cuMemcpyDtoHAsync(rec, err, words * sizeof(int32_t), stream));
+    if (n > 0)
+      NBX_CU("copying topk_ids for the expert-id check",
+             d.cuMemcpyDtoHAsync(rec + abi::kMaxDeferredErrWords, ids, n * sizeof(int32_t), stream));
+    NBX_CU("cuEventRecord (deferred id check)", d.cuEventRecord(ring.events[slot], stream));
+    ring.meta[slot] = Meta{true, words, n, k, E, ++ring.calls};
+    ring.tail = (slot + 1) % kSlots;
+    return ffi::Error::Success();
+  }
+
+ private:
+  static constexpr int64_t kSlots = 64;
+  static constexpr int64_t kRecordInts = 2 * abi::kMaxDeferredErrWords;  // err words, then ids
+  struct Meta {
+    bool pending = false;
+    int64_t words = 0, n = 0, k = 1, E = 0, call = 0;
+  };
+  struct Ring {
+    int32_t* host = nullptr;
+    std::vector<CUevent> events;
+    std::vector<Meta> meta;
+    int64_t head = 0, tail = 0, calls = 0;
+  };
+
+  // Reads the completed records from the oldest (the oldest one at any rate
+  // with wait_oldest), freeing them; the first bad slot's message, or "".
+  std::string Drain(Ring& ring, const Device& dev, bool wait_oldest) {
+    Driver& d = Driver::Get();
+    while (ring.meta[ring.head].pending) {
+      const int64_t slot = ring.head;
+      CUresult r = wait_oldest ? d.cuEventSynchronize(ring.events[slot])
+                               : d.cuEventQuery(ring.events[slot]);
+      wait_oldest = false;
+      if (r == CUDA_ERROR_NOT_READY) return "";
+      Meta m = ring.meta[slot];
+      ring.meta[slot].pending = false;
+      ring.head = (slot + 1) % kSlots;
+      if (r != CUDA_SUCCESS)
+        return "the deferred expert-id check of call " + std::to_string(m.call) + " on " +
+               dev.Name() + " could not be read (CUresult " +
+               std::to_string(static_cast<int>(r)) + ")";
+      const int32_t* rec = ring.host + slot * kRecordInts;
+      int32_t bad = abi::kErrNone;
+      for (int64_t i = 0; i < m.words; ++i) bad = std::min(bad, rec[i]);
+      if (bad != abi::kErrNone)
+        return "topk_ids[" + std::to_string(bad / m.k) + ", " + std::to_string(bad % m.k) +
+               "] = " +
+               (bad >= 0 && bad < m.n ? std::to_string(rec[abi::kMaxDeferredErrWords + bad])
+                                      : std::string("?")) +
+               " is outside [0, " + std::to_string(m.E) + ") in an earlier call (call " +
+               std::to_string(m.call) + " of the fused MoE on " + dev.Name() +
+               "; JAX_NBX_CUDA_CHECK_IDS=deferred reports it at the next call; that slot was "
+               "skipped, not read)";
+    }
+    return "";
+  }
+
+  std::mutex mu_;
+  std::unordered_map<int32_t, Ring> rings_;
+};
+
 // Runs the program with the pointer tables `addrs` ([n_tables][E] absolute
 // addresses: the G weight groups in abi.h's order, abi::GroupIndex(part,
 // projection), or gate_up, down when `fused`; the backward's then its G
@@ -291,8 +407,8 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
                       const std::vector<CUdeviceptr>& outputs,
                       ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
                       ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
-                      int64_t workspace_bytes, int64_t err_offset, bool w_aligned,
-                      int64_t num_experts, bool check_ids) {
+                      int64_t workspace_bytes, int64_t err_offset, int64_t err_words,
+                      bool w_aligned, int64_t num_experts, int64_t check_ids) {
   Driver& d = Driver::Get();
   if (!d.ok) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, d.why);
   const Device dev{"cuda", ordinal};
@@ -340,12 +456,27 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
     return ffi::Error::InvalidArgument("workspace buffer of " + std::to_string(ws_buf->size_bytes()) +
                                        " bytes; the program needs " + std::to_string(workspace_bytes));
   const CUdeviceptr ws = reinterpret_cast<CUdeviceptr>(ws_buf->untyped_data());
+  if (err_words < 1 || err_offset < 0 || err_offset + 4 * err_words > workspace_bytes)
+    return ffi::Error::InvalidArgument("the expert-id check's " + std::to_string(err_words) +
+                                       " words at offset " + std::to_string(err_offset) +
+                                       " do not fit the workspace of " +
+                                       std::to_string(workspace_bytes) + " bytes");
   if (ws % abi::kWorkspaceAlign != 0)
     return ffi::Error::InvalidArgument("workspace buffer is not " +
                                        std::to_string(abi::kWorkspaceAlign) + "-byte aligned");
 
   ScopedContext ctx;
   if (auto e = ctx.Enter(ordinal); e.failure()) return e;
+  // Deferred id checks (small calls only: the copies are bounded): an earlier
+  // call's bad slot, once its copy has landed, fails this call.
+  const int64_t n_slots = static_cast<int64_t>(ids.element_count());
+  const int64_t kk = ids.dimensions().size() > 1 ? ids.dimensions()[1] : 1;
+  const bool deferred = check_ids == abi::kIdCheckDeferred &&
+                        err_words <= abi::kMaxDeferredErrWords &&
+                        n_slots <= abi::kMaxDeferredErrWords;
+  if (check_ids == abi::kIdCheckDeferred)
+    if (std::string bad = DeferredChecks::Get().Poll(dev); !bad.empty())
+      return ffi::Error::InvalidArgument(bad);
   std::shared_ptr<CudaTable> table_ref;
   if (auto e = TableCache::Get().Lookup(dev, addrs, &table_ref); e.failure()) return e;
   const CUdeviceptr table = table_ref->ptr;
@@ -397,14 +528,23 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
                             reinterpret_cast<CUstream>(stream), params.data(), nullptr));
   }
 
-  if (check_ids) {
-    int32_t bad = abi::kErrNone;
+  if (deferred) {
+    return DeferredChecks::Get().Enqueue(dev, reinterpret_cast<CUstream>(stream), ws + err_offset,
+                                         err_words, inputs[abi::kInputIds], n_slots, kk, E);
+  }
+  if (check_ids != abi::kIdCheckOff) {
+    std::vector<int32_t> words(static_cast<size_t>(err_words), abi::kErrNone);
     NBX_CU("reading the expert-id check",
-           d.cuMemcpyDtoHAsync(&bad, ws + err_offset, sizeof(bad), reinterpret_cast<CUstream>(stream)));
+           d.cuMemcpyDtoHAsync(words.data(), ws + err_offset, err_words * sizeof(int32_t),
+                               reinterpret_cast<CUstream>(stream)));
     NBX_CU("cuStreamSynchronize", d.cuStreamSynchronize(reinterpret_cast<CUstream>(stream)));
+    int32_t bad = abi::kErrNone;
+    for (int32_t v : words) bad = std::min(bad, v);
     if (bad != abi::kErrNone) {
+      if (bad < 0 || bad >= n_slots)  // never from our kernels; never read out of bounds either
+        return ffi::Error::Internal("the expert-id check holds slot " + std::to_string(bad) +
+                                    ", outside the call's " + std::to_string(n_slots) + " slots");
       int32_t id = 0;
-      const int64_t kk = ids.dimensions().size() > 1 ? ids.dimensions()[1] : 1;
       NBX_CU("reading the bad expert id",
              d.cuMemcpyDtoHAsync(&id, inputs[abi::kInputIds] + static_cast<int64_t>(bad) * 4, 4,
                                  reinterpret_cast<CUstream>(stream)));
@@ -423,8 +563,8 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                             ffi::AnyBuffer up, ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y,
                             ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
                             ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
-                            int64_t workspace_bytes, int64_t err_offset, bool w_aligned,
-                            int64_t num_experts, bool check_ids) {
+                            int64_t workspace_bytes, int64_t err_offset, int64_t err_words,
+                            bool w_aligned, int64_t num_experts, int64_t check_ids) {
   const int64_t E = num_experts;
   constexpr int P = abi::kNumProjections;
   const ffi::AnyBuffer* proj[P] = {&gate, &up, &down};
@@ -438,7 +578,8 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   }
   return RunProgram(stream, ordinal, x, w, ids, P, false, first, addrs, P,
                     {reinterpret_cast<CUdeviceptr>(y->untyped_data())}, ws_buf, blob, kernels,
-                    program, workspace_bytes, err_offset, w_aligned, num_experts, check_ids);
+                    program, workspace_bytes, err_offset, err_words, w_aligned, num_experts,
+                    check_ids);
 }
 
 // Checks abi.h's "weight views" against the weight buffers of the tables
@@ -549,8 +690,9 @@ ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
                                   ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y,
                                   ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
                                   ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
-                                  int64_t workspace_bytes, int64_t err_offset, bool w_aligned,
-                                  int64_t num_experts, bool check_ids, int64_t groups,
+                                  int64_t workspace_bytes, int64_t err_offset,
+                                  int64_t err_words, bool w_aligned, int64_t num_experts,
+                                  int64_t check_ids, int64_t groups,
                                   bool stacked, ffi::Span<const int64_t> views,
                                   int64_t intermediate, bool fused_gate_up, bool has_bias) {
   const int64_t E = num_experts, G = groups;
@@ -584,7 +726,8 @@ ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
     return e;
   return RunProgram(stream, ordinal, x, w, ids, G, fused_gate_up, extra, addrs, G,
                     {reinterpret_cast<CUdeviceptr>(y->untyped_data())}, ws_buf, blob, kernels,
-                    program, workspace_bytes, err_offset, w_aligned, num_experts, check_ids);
+                    program, workspace_bytes, err_offset, err_words, w_aligned, num_experts,
+                    check_ids);
 }
 
 // The CUDA backward (abi.h "CUDA backward"; jax_nbx/triton/plan.py
@@ -601,7 +744,8 @@ ffi::Error FusedMoeBackwardCudaImpl(
     ffi::Buffer<ffi::S32> ids, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> dx,
     ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::RemainingRets rets, ffi::Span<const uint8_t> blob,
     ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program, int64_t workspace_bytes,
-    int64_t err_offset, bool w_aligned, int64_t num_experts, bool check_ids, int64_t groups,
+    int64_t err_offset, int64_t err_words, bool w_aligned, int64_t num_experts,
+    int64_t check_ids, int64_t groups,
     bool stacked, ffi::Span<const int64_t> views, int64_t intermediate, bool fused_gate_up,
     bool has_bias) {
   const int64_t E = num_experts, G = groups;
@@ -675,8 +819,8 @@ ffi::Error FusedMoeBackwardCudaImpl(
   if (ws.has_error()) return ws.error();
   extra.push_back(reinterpret_cast<CUdeviceptr>(dy->untyped_data()));
   return RunProgram(stream, ordinal, x, w, ids, G, fused_gate_up, extra, addrs, 2 * G, outputs,
-                    *ws, blob, kernels, program, workspace_bytes, err_offset, w_aligned,
-                    num_experts, check_ids);
+                    *ws, blob, kernels, program, workspace_bytes, err_offset, err_words,
+                    w_aligned, num_experts, check_ids);
 }
 
 }  // namespace
@@ -711,9 +855,10 @@ std::string CudaDriverStatus() {
       .Attr<ffi::Span<const int64_t>>("program")                           \
       .Attr<int64_t>("workspace_bytes")                                    \
       .Attr<int64_t>("err_offset")                                         \
+      .Attr<int64_t>("err_words")                                          \
       .Attr<bool>("w_aligned")                                             \
       .Attr<int64_t>("num_experts")                                        \
-      .Attr<bool>("check_ids")
+      .Attr<int64_t>("check_ids")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCuda, FusedMoeCudaImpl,
                               NBX_PROGRAM_BIND
@@ -745,9 +890,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeBackwardCuda, FusedMoeBackwardCudaImpl,
                                   .Attr<ffi::Span<const int64_t>>("program")
                                   .Attr<int64_t>("workspace_bytes")
                                   .Attr<int64_t>("err_offset")
+                                  .Attr<int64_t>("err_words")
                                   .Attr<bool>("w_aligned")
                                   .Attr<int64_t>("num_experts")
-                                  .Attr<bool>("check_ids")
+                                  .Attr<int64_t>("check_ids")
                                   .Attr<int64_t>("groups")
                                   .Attr<bool>("stacked")
                                   .Attr<ffi::Span<const int64_t>>("views")
