@@ -9,7 +9,7 @@ fastest per family (the default's unless another is faster by more than
 ``tolerance``)::
 
     import jax_nbx as nbx
-    cal = nbx.calibrate_isa()        # a second or two; cached for the process
+    cal = nbx.calibrate_isa()        # seconds (three compilations); cached for the process
     print(cal.chosen, cal.times_ms)  # e.g. "avx2" {"packed": {"avx512": 41.2, "avx2": 33.0, ...}, ...}
 
 Calibration trades reproducibility for speed: two processes may time the
@@ -19,7 +19,6 @@ differ in the last bits.  The default never changes from run to run.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from collections.abc import Callable, Mapping
 
@@ -50,7 +49,8 @@ class Calibration:
 
     ``chosen``: the composition (as `jax_nbx.cpu.isa` prints it);
     ``families``: family -> instruction set; ``default``: the fixed rule's
-    choice; ``times_ms``: family -> instruction set -> median milliseconds;
+    choice; ``times_ms``: family -> instruction set -> the fastest round's
+    milliseconds (the least disturbed by other work on the machine);
     ``rounds``, ``tolerance``: how it was measured."""
     chosen: str
     families: dict[str, str]
@@ -133,7 +133,7 @@ def calibrate_isa(rounds: int = 5, tolerance: float = 0.03, apply: bool = True,
                     t = _time_ms(fn)
                     if r:
                         runs[i].append(t)
-            times[family] = {i: statistics.median(v) for i, v in runs.items()}
+            times[family] = {i: min(v) for i, v in runs.items()}
     finally:
         cpu.set_isa(before)
     families = {f: choose(times[f], default[f], tolerance) for f in cpu.FAMILIES}
