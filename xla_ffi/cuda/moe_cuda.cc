@@ -53,7 +53,7 @@ struct Driver {
   X(cuCtxPushCurrent) X(cuCtxPopCurrent) X(cuModuleLoadData) X(cuModuleGetFunction)   \
   X(cuFuncSetAttribute) X(cuLaunchKernel) X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoD)  \
   X(cuMemcpyDtoHAsync) X(cuStreamSynchronize) X(cuMemAllocHost) X(cuEventCreate)        \
-  X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize)
+  X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize) X(cuMemcpyHtoDAsync)
 #define NBX_DECLARE(fn) decltype(&::fn) fn = nullptr;
   NBX_DRIVER_FNS(NBX_DECLARE)
 #undef NBX_DECLARE
@@ -277,6 +277,61 @@ std::string GroupName(int64_t p, int64_t G, bool fused) {
   return name;
 }
 
+// Tables that change with every call (the backward's gradient tables: XLA
+// gives the gradients new buffers each time): not cached -- one device
+// buffer per (device, stream), grown as needed and counted in the account
+// ("call tables"), refilled by each call with an asynchronous copy on its
+// stream (from pageable memory: the driver stages it before returning), so
+// calls on one stream never see each other's tables and nothing waits.
+class CallTables {
+ public:
+  static CallTables& Get() {
+    static CallTables c;
+    return c;
+  }
+  ffi::Error Upload(const Device& dev, CUstream stream, const int64_t* addrs, int64_t n,
+                    CUdeviceptr* out) {
+    const int64_t bytes = n * static_cast<int64_t>(sizeof(int64_t));
+    std::lock_guard<std::mutex> lock(mu_);
+    Buffer& b = buffers_[{dev.ordinal, reinterpret_cast<uintptr_t>(stream)}];
+    Driver& d = Driver::Get();
+    if (b.bytes < bytes) {
+      std::string why;
+      void* unused = nullptr;
+      if (!Account::Get().Reserve(dev, bytes, "call tables", WorkShape{}, &why, &unused))
+        return ffi::Error(ffi::ErrorCode::kResourceExhausted, why);
+      CUdeviceptr p = 0;
+      if (CUresult r = d.cuMemAlloc(&p, bytes); r != CUDA_SUCCESS) {
+        Account::Get().Release(dev, bytes, "call tables", nullptr);
+        return CudaError("call table allocation", r);
+      }
+      if (b.ptr != 0) {  // the old one may still be read by launches in flight on this stream
+        NBX_CU("cuStreamSynchronize (growing a call table)", d.cuStreamSynchronize(stream));
+        d.cuMemFree(b.ptr);
+        Account::Get().Release(dev, b.bytes, "call tables", nullptr);
+      }
+      b.ptr = p;
+      b.bytes = bytes;
+    }
+    NBX_CU("call table upload", d.cuMemcpyHtoDAsync(b.ptr, addrs, bytes, stream));
+    *out = b.ptr;
+    return ffi::Error::Success();
+  }
+
+ private:
+  struct Buffer {
+    CUdeviceptr ptr = 0;
+    int64_t bytes = 0;
+  };
+  struct KeyHash {
+    size_t operator()(const std::pair<int32_t, uintptr_t>& k) const {
+      return std::hash<uintptr_t>()(k.second) * 31 + static_cast<size_t>(k.first);
+    }
+  };
+  std::mutex mu_;
+  std::unordered_map<std::pair<int32_t, uintptr_t>, Buffer, KeyHash> buffers_;
+};
+
 // Deferred expert-id checks (abi::kIdCheckDeferred): per device, a ring of
 // pinned host records.  A call copies its err words and its topk_ids (both
 // at most abi::kMaxDeferredErrWords) into the next record with asynchronous
@@ -477,9 +532,18 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
   if (check_ids == abi::kIdCheckDeferred)
     if (std::string bad = DeferredChecks::Get().Poll(dev); !bad.empty())
       return ffi::Error::InvalidArgument(bad);
+  // The weights' G tables: cached (the weights stay put); tables G.. (the
+  // backward's gradients, new buffers every call): uploaded per call.
   std::shared_ptr<CudaTable> table_ref;
-  if (auto e = TableCache::Get().Lookup(dev, addrs, &table_ref); e.failure()) return e;
+  const std::vector<int64_t> weight_addrs(addrs.begin(), addrs.begin() + G * E);
+  if (auto e = TableCache::Get().Lookup(dev, weight_addrs, &table_ref); e.failure()) return e;
   const CUdeviceptr table = table_ref->ptr;
+  CUdeviceptr call_table = 0;
+  if (n_tables > G)
+    if (auto e = CallTables::Get().Upload(dev, reinterpret_cast<CUstream>(stream),
+                                          addrs.data() + G * E, (n_tables - G) * E, &call_table);
+        e.failure())
+      return e;
 
   std::vector<LoadedKernel> loaded(n_kernels);
   for (int64_t i = 0; i < n_kernels; ++i)
@@ -510,7 +574,10 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
         case abi::ArgKind::kInput: ptr_vals[a] = inputs[r.index] + r.offset; break;
         case abi::ArgKind::kOutput: ptr_vals[a] = outputs[r.index] + r.offset; break;
         case abi::ArgKind::kWorkspace: ptr_vals[a] = ws + r.offset; break;
-        case abi::ArgKind::kTable: ptr_vals[a] = table + r.index * E * sizeof(int64_t); break;
+        case abi::ArgKind::kTable:
+          ptr_vals[a] = r.index < G ? table + r.index * E * sizeof(int64_t)
+                                    : call_table + (r.index - G) * E * sizeof(int64_t);
+          break;
         case abi::ArgKind::kI32: i32_vals[a] = static_cast<int32_t>(r.offset); break;
       }
       params.push_back(r.kind == abi::ArgKind::kI32 ? static_cast<void*>(&i32_vals[a])
