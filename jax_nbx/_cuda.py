@@ -89,6 +89,19 @@ def plan_backward_band_tokens(T: int, k: int, E: int, H: int, I: int, wdtype,
                              f"(backward, E={E} k={k} H={H} I={I}) on cuda:0")
 
 
+def _program_attrs(prog, dev, strides_ok: bool, E: int, skip_outside: bool) -> dict:
+    """The attributes every CUDA handler takes with its program (abi.h): the
+    compiled kernels, the encoded launches, the workspace and the expert-id
+    check."""
+    from .triton import compile as C  # imports Triton: only when a CUDA call is traced
+
+    blob, table = C.pack(prog, compute_capability(dev))
+    return dict(blob=blob, kernels=table.reshape(-1), program=prog.encode(),
+                workspace_bytes=np.int64(prog.workspace_bytes), err_offset=np.int64(prog.err_offset),
+                err_words=np.int64(prog.err_words), w_aligned=bool(strides_ok), num_experts=np.int64(E),
+                check_ids=np.int64(check_ids_mode(skip_outside)))
+
+
 def check_ids_mode(skip_outside: bool = False) -> int:
     """The handlers' ``check_ids`` attribute (abi.h): ``JAX_NBX_CUDA_CHECK_IDS``
     = 1 (default) reads the expert-id check back after the launches (one
@@ -141,8 +154,6 @@ def forward(x, w, ids, *arrays, activation, band_tokens: int, lists: bool = Fals
     biases.  ``skip_outside``: ids outside [0, E) are skipped without an error
     (the kernels never use them as indices either way).
     """
-    from .triton import compile as C
-
     T, H = x.shape
     k = ids.shape[1]
     if layout is None or layout.native:
@@ -155,12 +166,7 @@ def forward(x, w, ids, *arrays, activation, band_tokens: int, lists: bool = Fals
     dev = _device(0)
     prog = P.build(T, band_tokens or T, k, E, H, I, np.dtype(x.dtype), wdtype, activation,
                    dev.device_kind, w_aligned=strides_ok, quant=quant, layout=views)
-    blob, table = C.pack(prog, compute_capability(dev))
-    attrs = dict(blob=blob, kernels=table.reshape(-1), program=prog.encode(),
-                 workspace_bytes=np.int64(prog.workspace_bytes), err_offset=np.int64(prog.err_offset),
-                 err_words=np.int64(prog.err_words),
-                 w_aligned=bool(strides_ok), num_experts=np.int64(E),
-                 check_ids=np.int64(check_ids_mode(skip_outside)))
+    attrs = _program_attrs(prog, dev, strides_ok, E, skip_outside)
     # The workspace is a second output that XLA allocates in its pool (stream
     # ordered, planned by XLA) and that is dropped here.
     outs = (jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -190,8 +196,6 @@ def backward(dy, x, w, ids, *arrays, activation, band_tokens: int, lists: bool =
     (no atomics); weight gradients are accumulated band after band.
     Not yet run on a GPU: written against the handler and the interpreter-
     tested program only."""
-    from .triton import compile as C
-
     T, H = x.shape
     k = ids.shape[1]
     if layout is None or layout.native:
@@ -206,12 +210,7 @@ def backward(dy, x, w, ids, *arrays, activation, band_tokens: int, lists: bool =
     dev = _device(0)
     prog = P.build_backward(T, band_tokens or T, k, E, H, I, np.dtype(x.dtype), wdtype, activation,
                             dev.device_kind, w_aligned=strides_ok, layout=views)
-    blob, table = C.pack(prog, compute_capability(dev))
-    attrs = dict(blob=blob, kernels=table.reshape(-1), program=prog.encode(),
-                 workspace_bytes=np.int64(prog.workspace_bytes), err_offset=np.int64(prog.err_offset),
-                 err_words=np.int64(prog.err_words),
-                 w_aligned=bool(strides_ok), num_experts=np.int64(E),
-                 check_ids=np.int64(check_ids_mode(skip_outside)))
+    attrs = _program_attrs(prog, dev, strides_ok, E, skip_outside)
     bufs = [b for g in groups for b in (g if lists else g[:1])]
     bufs += [b.astype(np.float32) for b in biases]
     weights = [b for g in groups for b in g] + list(biases)

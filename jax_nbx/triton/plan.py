@@ -255,6 +255,47 @@ def views_of(layout, H: int, I: int, quant=None) -> tuple[tuple[tuple[int, int, 
     return views, fused, bias
 
 
+def _ws(off: int, t: str = "*i32") -> Arg:
+    """A workspace argument at byte ``off``."""
+    return Arg(ARG_WORKSPACE, 0, off, t)
+
+
+def _inp(i: int, off: int, t: str) -> Arg:
+    """Input ``i`` (abi.h's numbering) at byte ``off``."""
+    return Arg(ARG_INPUT, i, off, t)
+
+
+def _i32(v: int) -> Arg:
+    """An int32 value."""
+    return Arg(ARG_I32, 0, int(v), "i32")
+
+
+def _order_slots(launches: list, ids_a: Arg, nb: int, slot0: int, E: int, BM: int, err: int, hist: int,
+                 rank: int, base: int, bexp: int, srt: int) -> int:
+    """Appends the launches ordering a band's ``nb`` slots by expert (each
+    expert's group padded to BM rows; bad ids lower the check word at
+    ``err``): fill the sorted slots with -1, count, offsets, scatter.
+    Workspace offsets as laid out by the caller.  Returns the band's number
+    of BM-row blocks (`max_mblocks`)."""
+    nblk = -(-nb // COUNT_BLOCK)
+    mb = max_mblocks(nb, E, BM)
+    EP = _pow2(E)
+    _fill(launches, srt, mb * BM, -1)
+    kc = Kernel("count", (("E", E), ("EP", EP), ("BLOCK", COUNT_BLOCK)), 4, 1)
+    launches.append(Launch(kc, (nblk, 1, 1), (ids_a, _i32(nb), _i32(slot0), _ws(hist), _ws(rank), _ws(err))))
+    ko = Kernel("offsets", (("NBLK", nblk), ("NMB", mb), ("E", E), ("EP", EP), ("BM", BM), ("JB", 64)), 4, 1)
+    launches.append(Launch(ko, (1, 1, 1), (_ws(hist), _ws(base), _ws(bexp))))
+    ks = Kernel("scatter", (("E", E), ("BLOCK", COUNT_BLOCK)), 4, 1)
+    launches.append(Launch(ks, (nblk, 1, 1), (ids_a, _i32(nb), _ws(rank), _ws(base), _ws(srt))))
+    return mb
+
+
+def _fill(launches: list, off: int, count: int, value: int) -> None:
+    """Appends a launch writing ``value`` to ``count`` int32 words of workspace at ``off``."""
+    launches.append(Launch(Kernel("fill_i32", (("BLOCK", FILL_BLOCK),)),
+                           (-(-count // FILL_BLOCK), 1, 1), (_ws(off), _i32(count), _i32(value))))
+
+
 def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
            w_aligned=True, layout_only=False, quant=None, layout=None) -> Program:
     band = max(1, min(int(band) or T, T)) if T else 1
@@ -275,19 +316,10 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
     lay = _Layout()
     err = lay.take(4 * err_words)
     launches: list[Launch] = []
-
-    def ws(off, t="*i32"):
-        return Arg(ARG_WORKSPACE, 0, off, t)
-
-    def inp(i, off, t):
-        return Arg(ARG_INPUT, i, off, t)
-
-    def i32(v):
-        return Arg(ARG_I32, 0, int(v), "i32")
+    ws, inp, i32 = _ws, _inp, _i32
 
     def fill(off, count, value):
-        launches.append(Launch(Kernel("fill_i32", (("BLOCK", FILL_BLOCK),)),
-                               (-(-count // FILL_BLOCK), 1, 1), (ws(off), i32(count), i32(value))))
+        _fill(launches, off, count, value)
 
     views, fused, has_bias = views_of(layout, H, I, quant)
     group_of = (0, 0, 1) if fused else (0, 1, 2)  # each projection's buffer group (dense)
@@ -331,7 +363,6 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         assert c2.BM == BM, "gemm1 and gemm2 share the row blocks"
         MB = max_mblocks(n, E, BM)
         nblk = -(-n // COUNT_BLOCK)
-        EP = _pow2(E)
         hist = lay.take(nblk * E * 4)
         rank = lay.take(n * 4)
         base = lay.take(nblk * E * 4)
@@ -339,8 +370,6 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         srt = lay.take(MB * BM * 4)
         h_off = lay.take(MB * BM * I * hdtype.itemsize)
         out_off = lay.take(n * H * 4)
-        kc = Kernel("count", (("E", E), ("EP", EP), ("BLOCK", COUNT_BLOCK)), 4, 1)
-        ks = Kernel("scatter", (("E", E), ("BLOCK", COUNT_BLOCK)), 4, 1)
         g1 = Kernel("gemm1", common + (("K_TOP", k),) + act + (("W_ALIGNED", w_aligned),
                                        ("IEEE", ieee)) + qc + v1 + (("BM", BM), ("BN", c1.BN), ("BK", c1.BK)),
                     c1.num_warps, c1.num_stages)
@@ -368,14 +397,7 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
                                    (ws(part_off, "*fp32"), ids_a, tbl[2], stbl[2], ztbl[2], wref, sref,
                                     bias_args[2], w_a, ws(out_off, "*fp32"))))
         else:
-            nblk_b = -(-nb // COUNT_BLOCK)
-            mb = max_mblocks(nb, E, BM)
-            fill(srt, mb * BM, -1)
-            launches.append(Launch(kc, (nblk_b, 1, 1), (ids_a, i32(nb), i32(t0 * k), ws(hist), ws(rank), ws(err))))
-            ko = Kernel("offsets", (("NBLK", nblk_b), ("NMB", mb), ("E", E), ("EP", EP), ("BM", BM),
-                                    ("JB", 64)), 4, 1)
-            launches.append(Launch(ko, (1, 1, 1), (ws(hist), ws(base), ws(bexp))))
-            launches.append(Launch(ks, (nblk_b, 1, 1), (ids_a, i32(nb), ws(rank), ws(base), ws(srt))))
+            mb = _order_slots(launches, ids_a, nb, t0 * k, E, BM, err, hist, rank, base, bexp, srt)
             launches.append(Launch(g1, (mb, -(-I // c1.BN), 1),
                                    (x_a, ws(srt), ws(bexp), tbl[0], tbl[1], stbl[0], stbl[1], ztbl[0],
                                     ztbl[1], wref, sref, *bias_args[:2], ws(h_off, hf))))
@@ -484,19 +506,10 @@ def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name
         return Program([], lay.size, err, w_aligned, E)
 
     launches: list[Launch] = []
-
-    def ws(off, t="*i32"):
-        return Arg(ARG_WORKSPACE, 0, off, t)
-
-    def inp(i, off, t):
-        return Arg(ARG_INPUT, i, off, t)
-
-    def i32(v):
-        return Arg(ARG_I32, 0, int(v), "i32")
+    ws, inp, i32 = _ws, _inp, _i32
 
     def fill(off, count, value):
-        launches.append(Launch(Kernel("fill_i32", (("BLOCK", FILL_BLOCK),)),
-                               (-(-count // FILL_BLOCK), 1, 1), (ws(off), i32(count), i32(value))))
+        _fill(launches, off, count, value)
 
     tbl = [Arg(ARG_TABLE, group_of[p], 0, "*i64") for p in range(len(_abi.PROJECTIONS))]
     gtbl = [Arg(ARG_TABLE, G + group_of[p], 0, "*i64") for p in range(len(_abi.PROJECTIONS))]
@@ -511,8 +524,6 @@ def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name
     bias_out = ([Arg(ARG_OUTPUT, OUT_DBIAS0 + j, 0, "*fp32") for j in range(nbias)] if has_bias
                 else [Arg(ARG_OUTPUT, OUT_DTW, 0, "*fp32")] * nbias)
     common = (("H", H), ("I", I))
-    kc = Kernel("count", (("E", E), ("EP", EP), ("BLOCK", COUNT_BLOCK)), 4, 1)
-    ks = Kernel("scatter", (("E", E), ("BLOCK", COUNT_BLOCK)), 4, 1)
     k1 = Kernel("bwd_gemm1", common + (("K_TOP", k), ("NPS", n)) + act
                 + (("W_ALIGNED", w_aligned), ("IEEE", ieee)) + vw + vd
                 + (("BM", BM), ("BN", c1.BN), ("BK", c1.BK)), c1.num_warps, c1.num_stages)
@@ -537,21 +548,14 @@ def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name
         ids_a = inp(IN_IDS, t0 * k * 4, "*i32")
         dx_a = Arg(ARG_OUTPUT, OUT_DX, t0 * H * xb, xs)
         dtw_a = Arg(ARG_OUTPUT, OUT_DTW, t0 * k * 4, "*fp32")
-        nblk_b = -(-nb // COUNT_BLOCK)
-        mb = max_mblocks(nb, E, BM)
-        fill(srt, mb * BM, -1)
-        launches.append(Launch(kc, (nblk_b, 1, 1), (ids_a, i32(nb), i32(t0 * k), ws(hist), ws(rank), ws(err))))
-        ko = Kernel("offsets", (("NBLK", nblk_b), ("NMB", mb), ("E", E), ("EP", EP), ("BM", BM),
-                                ("JB", 64)), 4, 1)
-        launches.append(Launch(ko, (1, 1, 1), (ws(hist), ws(base), ws(bexp))))
-        launches.append(Launch(ks, (nblk_b, 1, 1), (ids_a, i32(nb), ws(rank), ws(base), ws(srt))))
+        mb = _order_slots(launches, ids_a, nb, t0 * k, E, BM, err, hist, rank, base, bexp, srt)
         kr = Kernel("expert_ranges", (("NMB", mb), ("E", E), ("EP", EP), ("JB", 64)), 4, 1)
         launches.append(Launch(kr, (1, 1, 1), (ws(bexp), ws(erange))))
         wsd = (ws(dg_off, hf), ws(du_off, hf), ws(wh_off, hf))
         launches.append(Launch(k1, (mb, NT, 1),
                                (x_a, dy_a, w_a, ws(srt), ws(bexp), *tbl, wref, *bias_in, *wsd,
                                 ws(part, "*fp32"))))
-        launches.append(Launch(kt, (nblk_b, 1, 1), (ws(part, "*fp32"), ids_a, dtw_a, i32(nb))))
+        launches.append(Launch(kt, (-(-nb // COUNT_BLOCK), 1, 1), (ws(part, "*fp32"), ids_a, dtw_a, i32(nb))))
         launches.append(Launch(kx, (mb, -(-H // c2.BN), 1),
                                (ws(dg_off, hf), ws(du_off, hf), ws(srt), ws(bexp), tbl[0], tbl[1], wref,
                                 ws(dxs, "*fp32"))))

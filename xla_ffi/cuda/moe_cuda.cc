@@ -914,10 +914,9 @@ std::string CudaDriverStatus() {
       .Arg<ffi::AnyBuffer>()        /* topk_weights [T, k] */ \
       .Arg<ffi::Buffer<ffi::S32>>() /* topk_ids [T, k] */
 
-#define NBX_PROGRAM_RETS_AND_ATTRS                                         \
-  .Ret<ffi::AnyBuffer>()                   /* y [T, H] */                  \
-      .Ret<ffi::AnyBuffer>()               /* workspace (u8, discarded) */ \
-      .Attr<ffi::Span<const uint8_t>>("blob")                              \
+// The program's attributes (every CUDA handler; jax_nbx/_cuda.py _program_attrs).
+#define NBX_PROGRAM_ATTRS                                                  \
+  .Attr<ffi::Span<const uint8_t>>("blob")                                  \
       .Attr<ffi::Span<const int64_t>>("kernels")                           \
       .Attr<ffi::Span<const int64_t>>("program")                           \
       .Attr<int64_t>("workspace_bytes")                                    \
@@ -926,6 +925,20 @@ std::string CudaDriverStatus() {
       .Attr<bool>("w_aligned")                                             \
       .Attr<int64_t>("num_experts")                                        \
       .Attr<int64_t>("check_ids")
+
+// The weight groups' attributes of the tables handlers (forward and backward).
+#define NBX_GROUP_ATTRS                                                    \
+  .Attr<int64_t>("groups")                                                 \
+      .Attr<bool>("stacked")                                               \
+      .Attr<ffi::Span<const int64_t>>("views") /* abi.h "weight views" */  \
+      .Attr<int64_t>("intermediate")                                       \
+      .Attr<bool>("fused_gate_up")                                         \
+      .Attr<bool>("has_bias")
+
+#define NBX_PROGRAM_RETS_AND_ATTRS                                         \
+  .Ret<ffi::AnyBuffer>()                   /* y [T, H] */                  \
+      .Ret<ffi::AnyBuffer>()               /* workspace (u8, discarded) */ \
+      NBX_PROGRAM_ATTRS
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCuda, FusedMoeCudaImpl,
                               NBX_PROGRAM_BIND
@@ -938,13 +951,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCudaTables, FusedMoeCudaTablesImpl,
                               NBX_PROGRAM_BIND
                                   .RemainingArgs()               // weight groups
                                   NBX_PROGRAM_RETS_AND_ATTRS
-                                  .Attr<int64_t>("groups")
-                                  .Attr<bool>("stacked")
-                                  // abi.h "weight views"
-                                  .Attr<ffi::Span<const int64_t>>("views")
-                                  .Attr<int64_t>("intermediate")
-                                  .Attr<bool>("fused_gate_up")
-                                  .Attr<bool>("has_bias"));
+                                  NBX_GROUP_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeBackwardCuda, FusedMoeBackwardCudaImpl,
                               NBX_PROGRAM_BIND
@@ -952,20 +959,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeBackwardCuda, FusedMoeBackwardCudaImpl,
                                   .Ret<ffi::AnyBuffer>()         // dx [T, H]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // d(topk_weights) [T, k]
                                   .RemainingRets()               // weight, bias gradients; workspace
-                                  .Attr<ffi::Span<const uint8_t>>("blob")
-                                  .Attr<ffi::Span<const int64_t>>("kernels")
-                                  .Attr<ffi::Span<const int64_t>>("program")
-                                  .Attr<int64_t>("workspace_bytes")
-                                  .Attr<int64_t>("err_offset")
-                                  .Attr<int64_t>("err_words")
-                                  .Attr<bool>("w_aligned")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("check_ids")
-                                  .Attr<int64_t>("groups")
-                                  .Attr<bool>("stacked")
-                                  .Attr<ffi::Span<const int64_t>>("views")
-                                  .Attr<int64_t>("intermediate")
-                                  .Attr<bool>("fused_gate_up")
-                                  .Attr<bool>("has_bias"));
+                                  NBX_PROGRAM_ATTRS
+                                  NBX_GROUP_ATTRS);
 
 }  // namespace nbx
