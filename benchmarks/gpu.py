@@ -28,6 +28,7 @@ A table is printed last; full logs go to --out (or $JAX_NBX_BENCH_OUT).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -104,6 +105,25 @@ def check_grad_case(T, E, k, H, I, wd, seed=0):
     return max(errs), finite and max(errs) < tol, tol
 
 
+def _deferred_check(x, ex):
+    """A call with topk_ids[2, 1] = 9 (E = 4) under JAX_NBX_CUDA_CHECK_IDS=deferred
+    must return; the next call must fail naming it: (status, message)."""
+    try:
+        ids = jnp.zeros((5, 2), jnp.int32).at[2, 1].set(9)
+        ww = jnp.ones((5, 2), jnp.float32)
+        f = jax.jit(lambda a, b, c: nbx.fused_moe(a, b, c, ex, implementation="ffi"))
+        f(x, ww, ids).block_until_ready()
+        time.sleep(0.1)  # the asynchronous copy lands
+    except Exception as e:
+        return "FAIL (the bad call itself failed)", str(e).splitlines()[0][:120]
+    try:
+        f(x, ww, jnp.zeros((5, 2), jnp.int32)).block_until_ready()
+        return "FAIL (no error at the next call)", ""
+    except Exception as e:
+        msg = str(e).splitlines()[0][:120]
+        return ("PASS" if "topk_ids[2, 1] = 9" in str(e) and "earlier call" in str(e) else "FAIL"), msg
+
+
 def run_checks(rows):
     cases = [
         # T, E, k, H, I, x dtype, w dtype, activation, band cap
@@ -150,24 +170,8 @@ def run_checks(rows):
         rows.append([f"bad id, {note} path (T={T_})", "-", "-", f"{status}: {msg}"])
         log(rows[-1])
     # JAX_NBX_CUDA_CHECK_IDS=deferred: the bad call returns; the next call on the device fails naming it
-    os.environ["JAX_NBX_CUDA_CHECK_IDS"] = "deferred"
-    try:
-        ids = jnp.zeros((5, 2), jnp.int32).at[2, 1].set(9)
-        ww = jnp.ones((5, 2), jnp.float32)
-        f = jax.jit(lambda a, b, c: nbx.fused_moe(a, b, c, ex, implementation="ffi"))
-        f(x, ww, ids).block_until_ready()
-        jax.block_until_ready(jnp.zeros(1))
-        time.sleep(0.1)
-        try:
-            f(x, ww, jnp.zeros((5, 2), jnp.int32)).block_until_ready()
-            status, msg = "FAIL (no error at the next call)", ""
-        except Exception as e:
-            msg = str(e).splitlines()[0][:120]
-            status = "PASS" if "topk_ids[2, 1] = 9" in str(e) and "earlier call" in str(e) else "FAIL"
-    except Exception as e:
-        status, msg = "FAIL (the bad call itself failed)", str(e).splitlines()[0][:120]
-    finally:
-        del os.environ["JAX_NBX_CUDA_CHECK_IDS"]
+    with _env("JAX_NBX_CUDA_CHECK_IDS", "deferred"):
+        status, msg = _deferred_check(x, ex)
     ok_all &= status == "PASS"
     rows.append(["bad id, deferred check (T=5)", "-", "-", f"{status}: {msg}"])
     log(rows[-1])
@@ -223,23 +227,32 @@ def ours(x, w, ids, ex):
     return nbx.fused_moe(x, w, ids, ex, implementation="ffi")
 
 
+@contextlib.contextmanager
+def _env(name, value):
+    """``name=value`` in the environment for the block (read at trace time),
+    then what it was."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
 def ours_deferred(x, w, ids, ex):
     """Ours with the expert-id check deferred to the next call (no stream
     synchronization: JAX_NBX_CUDA_CHECK_IDS=deferred, read at trace time)."""
-    os.environ["JAX_NBX_CUDA_CHECK_IDS"] = "deferred"
-    try:
+    with _env("JAX_NBX_CUDA_CHECK_IDS", "deferred"):
         return ours(x, w, ids, ex)
-    finally:
-        del os.environ["JAX_NBX_CUDA_CHECK_IDS"]
 
 
 def ours_prefill(x, w, ids, ex):
     """Ours forced onto the prefill path (ordering + tensor-core GEMMs) at any T."""
-    os.environ["JAX_NBX_CUDA_DECODE_SLOTS"] = "0"
-    try:
+    with _env("JAX_NBX_CUDA_DECODE_SLOTS", "0"):
         return ours(x, w, ids, ex)
-    finally:
-        del os.environ["JAX_NBX_CUDA_DECODE_SLOTS"]
 
 
 def _median_loop_time(run, arg, reps):
@@ -431,36 +444,8 @@ def run_quant_decode(models, tokens, rows, copy_mib=1024):
             log(rows[-1])
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check-only", action="store_true")
-    ap.add_argument("--skip-checks", action="store_true", help="time only (e.g. after tuning)")
-    ap.add_argument("--models", default="mixtral-8x7b,olmoe-1b-7b,qwen3-30b-a3b")
-    ap.add_argument("--tokens", default="1,16,512,4096")
-    ap.add_argument("--bench-seconds", type=float, default=240.0)
-    ap.add_argument("--out", default=os.environ.get("JAX_NBX_BENCH_OUT"))
-    ap.add_argument("--gemm-n", type=int, default=8192, help="the GEMM anchor's n (n x n x n bf16)")
-    ap.add_argument("--copy-mib", type=int, default=1024, help="the copy anchor's size in MiB")
-    ap.add_argument("--train-tokens", default="4096", help="training-step rows' T ('' for none)")
-    ap.add_argument("--quant-tokens", default="1", help="quantized decode rows' T ('' for none)")
-    args = ap.parse_args(argv)
-    dev = jax.devices()[0]
-    log(f"device: {dev.device_kind}, jax {jax.__version__}, backend {jax.default_backend()}, "
-        f"nbx platforms {nbx._registry.platforms()}, cuda path: {_cuda.unavailable_reason() or 'available'}")
-    check_rows: list = []
-    ok = True if args.skip_checks else run_checks(check_rows)
-    bench_rows: list = []
-    train_rows: list = []
-    quant_rows: list = []
-    models = args.models.split(",")
-    ints = lambda s_: [int(t) for t in s_.split(",") if t]  # noqa: E731
-    if not args.check_only:
-        t0 = time.perf_counter()
-        run_bench(models, ints(args.tokens), bench_rows, args.bench_seconds, args.gemm_n, args.copy_mib)
-        left = args.bench_seconds - (time.perf_counter() - t0)
-        run_quant_decode(models, ints(args.quant_tokens), quant_rows, args.copy_mib)
-        run_train(models, ints(args.train_tokens), train_rows, max(left, 30.0), args.gemm_n)
-    text = "" if args.skip_checks else "\n== correctness (max |y-ref| / max |ref| vs float64)\n" + _bench.format_table(
+def _tables(check_rows, bench_rows, quant_rows, train_rows, with_checks=True) -> str:
+    text = "" if not with_checks else "\n== correctness (max |y-ref| / max |ref| vs float64)\n" + _bench.format_table(
         ["case", "err", "tol", "status"], check_rows)
     if bench_rows:
         text += ("\n== timing, bf16, median of 5 jitted loops (ms per layer call)\n" + _bench.format_table(
@@ -475,11 +460,61 @@ def main(argv=None):
         text += ("\n== training step, bf16 (forward + backward of sum(y^2); ms per step)\n" + _bench.format_table(
             ["model", "T", "ours ms", "ragged_dot ms", "ragged/ours", "TFLOP/s (3x fwd)", "GEMM TFLOP/s", "of GEMM"],
             train_rows))
-    print(text, flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_table.md"), "w") as f:
-            f.write(f"device {dev.device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}\n{text}\n")
+    return text
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--skip-checks", action="store_true", help="time only (e.g. after tuning)")
+    ap.add_argument("--models", default="mixtral-8x7b,olmoe-1b-7b,qwen3-30b-a3b")
+    ap.add_argument("--tokens", default="1,16,512,4096")
+    ap.add_argument("--bench-seconds", type=float, default=240.0)
+    ap.add_argument("--deadline-seconds", type=float, default=float("inf"),
+                    help="from start: no timing section starts after it (the checks always run); "
+                         "the tables are written after every section")
+    ap.add_argument("--out", default=os.environ.get("JAX_NBX_BENCH_OUT"))
+    ap.add_argument("--gemm-n", type=int, default=8192, help="the GEMM anchor's n (n x n x n bf16)")
+    ap.add_argument("--copy-mib", type=int, default=1024, help="the copy anchor's size in MiB")
+    ap.add_argument("--train-tokens", default="4096", help="training-step rows' T ('' for none)")
+    ap.add_argument("--quant-tokens", default="1", help="quantized decode rows' T ('' for none)")
+    args = ap.parse_args(argv)
+    start = time.perf_counter()
+    left = lambda: args.deadline_seconds - (time.perf_counter() - start)  # noqa: E731
+    dev = jax.devices()[0]
+    log(f"device: {dev.device_kind}, jax {jax.__version__}, backend {jax.default_backend()}, "
+        f"nbx platforms {nbx._registry.platforms()}, cuda path: {_cuda.unavailable_reason() or 'available'}")
+    rows: dict[str, list] = {"check": [], "bench": [], "quant": [], "train": []}
+
+    def write() -> str:
+        text = _tables(rows["check"], rows["bench"], rows["quant"], rows["train"], not args.skip_checks)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "gpu_table.md"), "w") as f:
+                f.write(f"device {dev.device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}\n{text}\n")
+        return text
+
+    ok = True if args.skip_checks else run_checks(rows["check"])
+    write()
+    models = args.models.split(",")
+    ints = lambda s_: [int(t) for t in s_.split(",") if t]  # noqa: E731
+    if not args.check_only:
+        # each section gets what is left, the timing rows at most --bench-seconds
+        log(f"== timing ({left():.0f} s left)")
+        if left() > 30:
+            run_bench(models, ints(args.tokens), rows["bench"], min(args.bench_seconds, left() - 30),
+                      args.gemm_n, args.copy_mib)
+            write()
+        log(f"== quantized decode ({left():.0f} s left)")
+        if left() > 20:
+            run_quant_decode(models, ints(args.quant_tokens), rows["quant"], args.copy_mib)
+            write()
+        log(f"== training step ({left():.0f} s left)")
+        if left() > 20:
+            run_train(models, ints(args.train_tokens), rows["train"], left() - 20, args.gemm_n)
+        else:
+            log("deadline: quantized decode / training rows skipped")
+    print(write(), flush=True)
     return 0 if ok else 1
 
 

@@ -11,9 +11,10 @@ the account's default budget for ``cuda:N`` is half of that pool's limit
 (``device.memory_stats()["bytes_limit"]``, i.e. the memory XLA took for the
 process), set at first use unless
 ``JAX_NBX_BUDGET`` or `jax_nbx.memory.set_budget(..., "cuda", N)` set one.
-Pointer tables (``3·E`` int64 per distinct set of expert addresses; the
-backward's ``6·E``: the weights' then their gradients') are allocated outside
-the pool and counted under the tag ``"tables"``.
+Pointer tables (``3·E`` int64 per distinct set of expert addresses) are
+allocated outside the pool and counted under the tag ``"tables"``; the
+backward's gradient tables (new buffers every call) go in the first bytes of
+its workspace instead.
 """
 from __future__ import annotations
 
@@ -186,9 +187,10 @@ def forward(x, w, ids, *arrays, activation, band_tokens: int, lists: bool = Fals
 def backward(dy, x, w, ids, *arrays, activation, band_tokens: int, lists: bool = False,
              skip_outside: bool = False, layout: WeightLayout | None = None):
     """The raw CUDA backward call (``nbx_fused_moe_bwd_cuda``) on 2-D inputs:
-    ``(dx, dw, dweights)`` with ``dweights`` the float32 gradients of the
-    weight arrays in ``arrays``' order (`Experts.flat`: dense experts, any
-    layout, stacked or lists), cast here to the weights' dtypes, then with
+    ``(dx, dw, dweights)`` with ``dweights`` the gradients of the weight
+    arrays in ``arrays``' order (`Experts.flat`: dense experts, any layout,
+    stacked or lists) in the weights' dtypes (the handler writes them so when
+    the call is one band, else float32 cast here), then with
     ``layout.bias`` the three float32 gradients of the handler's biases
     (``arrays`` ends with `Experts.handler_biases`, as for `forward`).
     The kernels (`plan.build_backward`) recompute gate and up, order the
@@ -210,16 +212,21 @@ def backward(dy, x, w, ids, *arrays, activation, band_tokens: int, lists: bool =
     dev = _device(0)
     prog = P.build_backward(T, band_tokens or T, k, E, H, I, np.dtype(x.dtype), wdtype, activation,
                             dev.device_kind, w_aligned=strides_ok, layout=views)
-    attrs = _program_attrs(prog, dev, strides_ok, E, skip_outside)
+    # no id check of its own: the forward checked these ids (the residuals);
+    # the kernels still skip a bad slot
+    attrs = _program_attrs(prog, dev, strides_ok, E, skip_outside=True)
     bufs = [b for g in groups for b in (g if lists else g[:1])]
     bufs += [b.astype(np.float32) for b in biases]
     weights = [b for g in groups for b in g] + list(biases)
+    n_w = len(weights) - len(biases)  # weight gradients in prog.grad_dtype, bias gradients float32
     outs = ([jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, np.float32)]
-            + [jax.ShapeDtypeStruct(a.shape, np.float32) for a in weights]
+            + [jax.ShapeDtypeStruct(a.shape, prog.grad_dtype if i < n_w else np.float32)
+               for i, a in enumerate(weights)]
             + [jax.ShapeDtypeStruct((max(prog.workspace_bytes, 1),), np.uint8)])
     call = jax.ffi.ffi_call(_abi.TARGET_CUDA_BACKWARD, outs, vmap_method="sequential")
     dx, dw, *dws, _ = call(x, w, ids, *bufs, dy.astype(x.dtype), groups=np.int64(len(groups)),
-                           stacked=not lists, **attrs, **layout.attrs())
+                           stacked=not lists, **attrs, **layout.attrs(),
+                           grad_f32=prog.grad_dtype == "float32")
     return dx, dw, [d.astype(a.dtype) for d, a in zip(dws, weights)]
 
 

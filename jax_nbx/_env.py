@@ -162,12 +162,12 @@ def cuda_check_ids() -> str:
     """``JAX_NBX_CUDA_CHECK_IDS``: "sync" (default; 1/true/yes/on), "deferred"
     or "off" (0/false/no/off)."""
     def mode(v: str) -> str:
-        if v.strip().lower() == "deferred":
-            return "deferred"
+        if v.strip().lower() in ("deferred", "sync"):
+            return v.strip().lower()
         try:
             return "sync" if _flag(v) else "off"
         except ValueError:
-            raise ValueError("expected 1 (sync), deferred or 0 (off)") from None
+            raise ValueError("expected 1 or sync, deferred, or 0 or off") from None
 
     v = parse("JAX_NBX_CUDA_CHECK_IDS", mode)
     return "sync" if v is None else v

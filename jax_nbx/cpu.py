@@ -61,7 +61,11 @@ def set_isa(name: str | Mapping[str, str]) -> None:
     (``"avx2"``), or a composition, as a string ``"packed=avx2,stream=generic"``
     or a mapping ``{"packed": "avx2"}`` (families not named take the
     default's).  ValueError names an unknown family or instruction set, or one
-    this CPU lacks.  Takes effect for calls that start after it."""
+    this CPU lacks.  Takes effect for calls that start after it.  On x86,
+    composing "generic" (no FMA) with avx2/avx512 makes a token's float32
+    result depend on how many rows its expert has in the call (up to 6 rows
+    stream, more run the packed kernels); `jax_nbx.calibrate_isa` never
+    composes it so."""
     if isinstance(name, Mapping):
         name = ",".join(f"{f}={i}" for f, i in name.items())
     if not isinstance(name, str) or not name:

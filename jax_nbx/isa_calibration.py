@@ -31,7 +31,7 @@ from .experts import Experts
 from .ops import fused_moe
 from .quant import quantize
 
-__all__ = ["Calibration", "calibrate_isa", "choose"]
+__all__ = ["Calibration", "calibrate_isa", "candidates", "choose"]
 
 # family -> (T, E, k, H, I, weights): small enough to time in milliseconds,
 # shaped so the whole call runs that family's kernels (packed: every expert
@@ -60,8 +60,19 @@ class Calibration:
     tolerance: float
 
 
+def candidates() -> list[str]:
+    """The instruction sets calibration composes: every supported one but
+    "generic" where another exists.  On x86 the generic kernels have no FMA, so
+    a composition of generic with avx2/avx512 would make a token's result
+    depend on how many rows its expert has (an expert with up to 6 rows
+    streams, a larger one runs the packed kernels: each family in its own
+    arithmetic); avx2 and avx512 both fuse every multiply-add."""
+    isas = cpu.supported_isas()
+    return [i for i in isas if i != "generic"] or isas
+
+
 def choose(times: Mapping[str, float], default: str, tolerance: float) -> str:
-    """The instruction set to use for one family given its median times: the
+    """The instruction set to use for one family given its times: the
     fastest, unless ``default``'s time is within ``tolerance`` (a fraction)
     of it, when the default stays (results then match the uncalibrated run)."""
     if not times:
@@ -101,7 +112,8 @@ _CACHE: dict[tuple, Calibration] = {}
 def calibrate_isa(rounds: int = 5, tolerance: float = 0.03, apply: bool = True,
                   force: bool = False) -> Calibration:
     """Times every kernel family under every instruction set this CPU
-    supports and composes the fastest per family (`choose`).
+    supports (`candidates`: generic only where nothing else runs) and
+    composes the fastest per family (`choose`).
 
     ``rounds``: timed runs per (family, instruction set), interleaved across
     the instruction sets so that all of one round run seconds apart (plus one
@@ -121,7 +133,7 @@ def calibrate_isa(rounds: int = 5, tolerance: float = 0.03, apply: bool = True,
         return cal
     before = cpu.isa()
     default = _default_families()
-    isas = cpu.supported_isas()
+    isas = candidates()
     times: dict[str, dict[str, float]] = {}
     try:
         for family in cpu.FAMILIES:

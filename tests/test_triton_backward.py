@@ -98,18 +98,21 @@ def problem(seed, T, E, k, H, I, xd, wd, routing="topk", scale=1.0):
     return x, w, ids, gate, up, down, dy
 
 
-def run_backward(inputs, act=0, band=None, lists=False):
+def run_backward(inputs, act=0, band=None, lists=False, grad_dtype=None):
     """Runs the backward program on ``inputs`` (x, w, ids, gate, up, down, dy);
     returns (err, dx, dw, [dgate, dup, ddown], program).  Every output starts
-    NaN; the weight gradients are E per-expert arrays each with ``lists``."""
+    NaN; the weight gradients (in the program's grad_dtype) are E per-expert
+    arrays each with ``lists``."""
     x, w, ids, gate, up, down, dy = inputs
     (T, k), (E, H, I) = ids.shape, gate.shape
     wd = gate.dtype
     aligned = lists or (H * I * wd.itemsize) % 16 == 0
-    prog = plan.build_backward(T, band or T, k, E, H, I, x.dtype, wd, act, w_aligned=aligned)
+    prog = plan.build_backward(T, band or T, k, E, H, I, x.dtype, wd, act, w_aligned=aligned,
+                               grad_dtype=grad_dtype)
+    gd = np.dtype(ml_dtypes.bfloat16) if prog.grad_dtype == "bfloat16" else np.dtype(prog.grad_dtype)
     dx = np.full((T, H), np.nan, x.dtype)
     dw = np.full((T, k), np.nan, np.float32)
-    grads = [np.full(a.shape, np.nan, np.float32) for a in (gate, up, down)]
+    grads = [np.full(a.shape, np.nan, gd) for a in (gate, up, down)]
     if lists:  # separate buffers, scattered in memory, for the weights and their gradients
         wl = [[np.array(a[e]) for e in range(E)] for a in (gate, up, down)]
         gl = [[np.array(g[e]) for e in range(E)] for g in grads]
@@ -220,6 +223,23 @@ def test_no_tokens_gives_zero_weight_gradients():
         np.testing.assert_array_equal(g, 0.0)
 
 
+@pytest.mark.parametrize("wd", [BF16, np.dtype("float16")], ids=["bf16", "f16"])
+def test_one_band_writes_16bit_gradients_rounded_once(wd):
+    """One band, 16-bit weights: bwd_dw stores the weights' dtype (the cast XLA
+    would make on a float32 copy, fused): the float32 program's gradients
+    rounded once, bit for bit.  Several bands stay float32."""
+    inputs = problem(12, 33, 6, 2, 40, 24, wd, wd)
+    *_, g16, p16 = run_backward(inputs)
+    *_, g32, p32 = run_backward(inputs, grad_dtype="float32")
+    assert np.dtype(p16.grad_dtype) == wd and p32.grad_dtype == "float32"
+    for a, b in zip(g16, g32):
+        assert a.dtype == wd and b.dtype == np.float32
+        np.testing.assert_array_equal(a.view(np.uint16), b.astype(wd).view(np.uint16))
+    assert run_backward(inputs, band=16)[-1].grad_dtype == "float32"
+    with pytest.raises(ValueError, match="grad_dtype"):
+        plan.build_backward(33, 16, 2, 6, 40, 24, wd, wd, 0, grad_dtype=wd)
+
+
 def test_workspace_offsets_and_encoding():
     prog = plan.build_backward(300, 100, 8, 64, 256, 128, BF16, BF16, 0)
     for ln in prog.launches:
@@ -318,7 +338,8 @@ def test_cuda_backward_call_matches_the_handlers_contract(lists, bias, monkeypat
     ops, outs, attrs = seen["operands"], seen["outs"], seen["attrs"]
     assert len(ops) == 3 + len(arrays) + 1 and ops[-1].shape == (T, H)
     assert [o.shape for o in outs[2:-1]] == [a.shape for a in arrays]
-    assert all(o.dtype == np.float32 for o in outs[1:-1]) and outs[0].dtype == x.dtype
+    assert all(o.dtype == np.float32 for o in outs[1:-1]) and outs[0].dtype == x.dtype  # 3 bands
+    assert attrs["grad_f32"] is True
     assert attrs["groups"] == n_groups and attrs["stacked"] == (not lists)
     assert attrs["has_bias"] == bias
     assert [d.dtype for d in dws] == [a.dtype for a in arrays]

@@ -132,7 +132,9 @@ inline constexpr int64_t kInputX = 0, kInputW = 1, kInputIds = 2, kInputGroup0 =
 // (kOutputDx), d(topk_weights) (kOutputDTopkWeights) and the bias gradients
 // (kOutputDBias0 + j); the kernels write the weight gradients through
 // pointer tables: table index groups + g holds the E addresses of group g's
-// gradient, as table g holds its weights'.
+// gradient, as table g holds its weights'.  Those gradient tables are the
+// first groups * E int64 of the workspace (the handler uploads them there on
+// every call; the weights' tables are cached).
 inline constexpr int64_t kOutputDx = 0, kOutputDTopkWeights = 1, kOutputDBias0 = 2;
 // Kernel table: int64 fields per compiled kernel.
 inline constexpr int64_t kNumKernelFields = 7;
@@ -146,8 +148,8 @@ inline constexpr const char* kKernelFieldNames[kNumKernelFields] = {
 // skipped), kIdCheckSync (after the launches, with a stream synchronization:
 // the call itself fails), kIdCheckDeferred (an asynchronous copy into pinned
 // memory; the next call on the device reads it and fails naming the earlier
-// call -- no synchronization on the hot path; more than kMaxDeferredErrWords
-// words fall back to kIdCheckSync).
+// call -- no synchronization on the hot path; a call of more than
+// kMaxDeferredErrWords slots, i.e. words, falls back to kIdCheckSync).
 inline constexpr int32_t kErrNone = 0x7fffffff;
 inline constexpr int64_t kIdCheckOff = 0, kIdCheckSync = 1, kIdCheckDeferred = 2;
 inline constexpr int64_t kMaxDeferredErrWords = 64;

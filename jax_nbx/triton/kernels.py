@@ -464,6 +464,22 @@ def _glu_grad(g, u, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr)
 
 
 @triton.jit
+def _round(v, dt: tl.constexpr):
+    """float32 v in dt, rounded to nearest, ties to even (XLA's convert).
+    bfloat16 in integer arithmetic on the bits (NaN stays a quiet NaN): the
+    same on the GPU and in Triton's interpreter, whose float32 -> bfloat16
+    cast truncates."""
+    if dt == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        r = tl.where(v != v, 0x7FC0, r)
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    if dt == tl.float32:
+        return v
+    return v.to(dt)
+
+
+@triton.jit
 def expert_ranges(block_expert, erange, NMB: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
                   JB: tl.constexpr):
     """One program: erange[e] = (first BM-row block of expert e, its number of
@@ -639,7 +655,8 @@ def bwd_dw(x, dy, w, dg, du, wh, sorted_slots, erange, dgate_tbl, dup_tbl, ddown
     """Expert e = program 0, a BH x BI tile: dG_e = x_e^T dg_e, dU_e = x_e^T du_e,
     dD_e = wh_e^T dy_e over the expert's row blocks in order (float32,
     written through the gradients' tables in the weights' views; gref: a
-    float32 pointer giving the type).  ACCUM: added to what earlier bands
+    pointer giving their type: float32, or the weights' 16-bit dtype when
+    the call has one band, the float32 sums rounded once here).  ACCUM: added to what earlier bands
     stored (band after band); an expert without rows gets zeros.  BIAS: the
     float32 bias gradients [E, I], [E, I], [E, H]: dgb = sum of dg's rows,
     dub = of du's (stored by the programs of H tile 0), ddb = of w*dy's
@@ -695,12 +712,13 @@ def bwd_dw(x, dy, w, dg, du, wh, sorted_slots, erange, dgate_tbl, dup_tbl, ddown
     o2 = _view(offs_i, offs_h, OFF_D, SK_D, SN_D)
     m2 = imask[:, None] & hmask[None, :]
     if ACCUM:
-        acc_g += tl.load(gp + OFF_G + o1, mask=m1, other=0.0)
-        acc_u += tl.load(upp + OFF_U + o1, mask=m1, other=0.0)
-        acc_d += tl.load(dp + o2, mask=m2, other=0.0)
-    tl.store(gp + OFF_G + o1, acc_g, mask=m1)
-    tl.store(upp + OFF_U + o1, acc_u, mask=m1)
-    tl.store(dp + o2, acc_d, mask=m2)
+        acc_g += tl.load(gp + OFF_G + o1, mask=m1, other=0.0).to(tl.float32)
+        acc_u += tl.load(upp + OFF_U + o1, mask=m1, other=0.0).to(tl.float32)
+        acc_d += tl.load(dp + o2, mask=m2, other=0.0).to(tl.float32)
+    gt = gref.dtype.element_ty  # float32, or (one band) the weights' dtype: the cast fused here
+    tl.store(gp + OFF_G + o1, _round(acc_g, gt), mask=m1)
+    tl.store(upp + OFF_U + o1, _round(acc_u, gt), mask=m1)
+    tl.store(dp + o2, _round(acc_d, gt), mask=m2)
     if BIAS:
         bi = e.to(tl.int64) * I + offs_i
         bh = e.to(tl.int64) * H + offs_h

@@ -98,6 +98,7 @@ class Program:
     w_aligned: bool
     num_experts: int
     err_words: int = 1  # int32 words of the expert-id check at err_offset (the minimum counts)
+    grad_dtype: str = "float32"  # the backward's weight gradients (build_backward)
 
     def kernels(self) -> list[tuple[Kernel, tuple[str, ...], tuple[bool, ...]]]:
         """Distinct (kernel, argument types, 16-byte alignment of pointer
@@ -438,7 +439,7 @@ def backward_band_workspace(tokens: int, k: int, E: int, H: int, I: int, wdtype,
 
 def build_backward(T: int, band: int, k: int, E: int, H: int, I: int, xdtype, wdtype,
                    activation: int | Activation, device_name: str | None = None,
-                   w_aligned: bool = True, layout=None) -> Program:
+                   w_aligned: bool = True, layout=None, grad_dtype=None) -> Program:
     """The program of one fused_moe backward call (dense experts, any
     layout, with or without biases): T tokens in bands of ``band``.
 
@@ -446,10 +447,12 @@ def build_backward(T: int, band: int, k: int, E: int, H: int, I: int, xdtype, wd
     buffers, [the biases], then dy [T, H] in x's dtype (`backward_inputs`).
     Outputs: ``OUT_DX`` dx [T, H] (x's dtype), ``OUT_DTW`` d(topk_weights)
     [T, k] float32, with biases ``OUT_DBIAS0 + j`` the float32 bias
-    gradients [E, I], [E, I], [E, H]; the weight gradients (float32, the
-    weights' shapes and views) are written through pointer tables ``G + g``
-    (g: the weights' group), built like the weights' own from the gradient
-    buffers.
+    gradients [E, I], [E, I], [E, H]; the weight gradients (the weights'
+    shapes and views; ``Program.grad_dtype``: float32, or the weights' own
+    16-bit dtype when the call is one band -- the float32 sums rounded once
+    in `bwd_dw`, the cast XLA would otherwise make on a float32 copy) are
+    written through pointer tables ``G + g`` (g: the weights' group), built
+    like the weights' own from the gradient buffers.
 
     Per band: the forward's ordering (fill, count, offsets, scatter), then
     ``expert_ranges``, ``bwd_gemm1`` (recompute g, u; da = dy D^T; dg, du,
@@ -459,15 +462,23 @@ def build_backward(T: int, band: int, k: int, E: int, H: int, I: int, xdtype, wd
     d(topk_weights) are bit-identical whatever the bands (every band runs
     the tile configs of the call's T·k slots, so a row's sums never change
     shape); the weight gradients are deterministic, but a different band
-    size sums them in a different grouping."""
+    size sums them in a different grouping.  ``grad_dtype``: "float32" forces
+    float32 weight gradients (default: as above)."""
     return _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name,
-                           w_aligned=w_aligned, layout=layout, call_slots=T * k)
+                           w_aligned=w_aligned, layout=layout, call_slots=T * k, grad_dtype=grad_dtype)
 
 
 def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
-                    w_aligned=True, layout_only=False, layout=None, call_slots=0) -> Program:
+                    w_aligned=True, layout_only=False, layout=None, call_slots=0,
+                    grad_dtype=None) -> Program:
     band = max(1, min(int(band) or T, T)) if T else 1
     xdtype, wdtype = np.dtype(xdtype), np.dtype(wdtype)
+    # one band: 16-bit weights get their gradients in their own dtype (no later band adds to them)
+    if grad_dtype is None:
+        grad_dtype = wdtype if (band >= T and wdtype.itemsize == 2) else np.float32
+    grad_dtype = np.dtype(grad_dtype)
+    if grad_dtype not in (np.dtype(np.float32), wdtype) or (grad_dtype != np.float32 and band < T):
+        raise ValueError(f"grad_dtype: float32, or the weights' {wdtype} with one band; got {grad_dtype}")
     a = Activation(_abi.ACTIVATIONS[activation]) if isinstance(activation, int) else activation
     act = (("ACT", a.code), ("ALPHA", float(a.alpha)), ("LIMIT", float(a.limit)))
     views, fused, has_bias = views_of(layout, H, I)
@@ -482,7 +493,9 @@ def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name
     hdtype = np.dtype("float32") if ieee else wdtype
     hf = "*" + _tl_name(hdtype)
     n = band * k
-    c1, c2 = gemm_configs(max(call_slots, n), E, H, I, wdtype, device_name)
+    # the defaults, never a tuned file: tune_gpu.py times the forward's kernels, and a config
+    # that fits gemm1/gemm2 can exceed shared memory in bwd_gemm1/bwd_dx (more tiles per stage)
+    c1, c2 = _default_gemm_configs(max(call_slots, n) / E, wdtype)
     BM = c1.BM
     MB = max_mblocks(n, E, BM)
     nblk = -(-n // COUNT_BLOCK)
@@ -490,6 +503,9 @@ def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name
     NT = -(-I // c1.BN)
     BT = _bwd_dw_tile(wdtype)
     lay = _Layout()
+    # the gradients' G pointer tables come first: the handler uploads them at
+    # offset 0 of the workspace on every call (abi.h "CUDA backward")
+    assert lay.take(G * E * 8) == 0
     err = lay.take(4)
     hist = lay.take(nblk * E * 4)
     rank = lay.take(n * 4)
@@ -503,7 +519,7 @@ def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name
     part = lay.take(NT * n * 4)
     dxs = lay.take(n * H * 4)
     if layout_only:
-        return Program([], lay.size, err, w_aligned, E)
+        return Program([], lay.size, err, w_aligned, E, grad_dtype=grad_dtype.name)
 
     launches: list[Launch] = []
     ws, inp, i32 = _ws, _inp, _i32
@@ -514,7 +530,8 @@ def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name
     tbl = [Arg(ARG_TABLE, group_of[p], 0, "*i64") for p in range(len(_abi.PROJECTIONS))]
     gtbl = [Arg(ARG_TABLE, G + group_of[p], 0, "*i64") for p in range(len(_abi.PROJECTIONS))]
     wref = inp(IN_GATE, 0, wt)
-    gref = inp(IN_W, 0, "*fp32")  # any float32 pointer: types the gradient tables' addresses
+    # any pointer of the gradients' dtype: types the gradient tables' addresses
+    gref = inp(IN_GATE, 0, wt) if grad_dtype != np.float32 else inp(IN_W, 0, "*fp32")
     dy_in = backward_inputs(G, has_bias)
     # the biases (inputs after the weight groups) and their gradients (outputs
     # OUT_DBIAS0 + j), or placeholders the kernels never touch
@@ -562,4 +579,4 @@ def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name
         launches.append(Launch(kb, (tb, -(-H // COMBINE_BLOCK), 1), (ws(dxs, "*fp32"), ids_a, dx_a)))
         launches.append(Launch(kw(bi > 0), (E, -(-H // BT), -(-I // BT)),
                                (x_a, dy_a, w_a, *wsd, ws(srt), ws(erange), *gtbl, wref, gref, *bias_out)))
-    return Program(launches, lay.size, err, w_aligned, E)
+    return Program(launches, lay.size, err, w_aligned, E, grad_dtype=grad_dtype.name)

@@ -53,7 +53,8 @@ struct Driver {
   X(cuCtxPushCurrent) X(cuCtxPopCurrent) X(cuModuleLoadData) X(cuModuleGetFunction)   \
   X(cuFuncSetAttribute) X(cuLaunchKernel) X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoD)  \
   X(cuMemcpyDtoHAsync) X(cuStreamSynchronize) X(cuMemAllocHost) X(cuEventCreate)        \
-  X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize) X(cuMemcpyHtoDAsync)
+  X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize) X(cuMemcpyHtoDAsync)         \
+  X(cuMemFreeHost)
 #define NBX_DECLARE(fn) decltype(&::fn) fn = nullptr;
   NBX_DRIVER_FNS(NBX_DECLARE)
 #undef NBX_DECLARE
@@ -277,61 +278,6 @@ std::string GroupName(int64_t p, int64_t G, bool fused) {
   return name;
 }
 
-// Tables that change with every call (the backward's gradient tables: XLA
-// gives the gradients new buffers each time): not cached -- one device
-// buffer per (device, stream), grown as needed and counted in the account
-// ("call tables"), refilled by each call with an asynchronous copy on its
-// stream (from pageable memory: the driver stages it before returning), so
-// calls on one stream never see each other's tables and nothing waits.
-class CallTables {
- public:
-  static CallTables& Get() {
-    static CallTables c;
-    return c;
-  }
-  ffi::Error Upload(const Device& dev, CUstream stream, const int64_t* addrs, int64_t n,
-                    CUdeviceptr* out) {
-    const int64_t bytes = n * static_cast<int64_t>(sizeof(int64_t));
-    std::lock_guard<std::mutex> lock(mu_);
-    Buffer& b = buffers_[{dev.ordinal, reinterpret_cast<uintptr_t>(stream)}];
-    Driver& d = Driver::Get();
-    if (b.bytes < bytes) {
-      std::string why;
-      void* unused = nullptr;
-      if (!Account::Get().Reserve(dev, bytes, "call tables", WorkShape{}, &why, &unused))
-        return ffi::Error(ffi::ErrorCode::kResourceExhausted, why);
-      CUdeviceptr p = 0;
-      if (CUresult r = d.cuMemAlloc(&p, bytes); r != CUDA_SUCCESS) {
-        Account::Get().Release(dev, bytes, "call tables", nullptr);
-        return CudaError("call table allocation", r);
-      }
-      if (b.ptr != 0) {  // the old one may still be read by launches in flight on this stream
-        NBX_CU("cuStreamSynchronize (growing a call table)", d.cuStreamSynchronize(stream));
-        d.cuMemFree(b.ptr);
-        Account::Get().Release(dev, b.bytes, "call tables", nullptr);
-      }
-      b.ptr = p;
-      b.bytes = bytes;
-    }
-    NBX_CU("call table upload", d.cuMemcpyHtoDAsync(b.ptr, addrs, bytes, stream));
-    *out = b.ptr;
-    return ffi::Error::Success();
-  }
-
- private:
-  struct Buffer {
-    CUdeviceptr ptr = 0;
-    int64_t bytes = 0;
-  };
-  struct KeyHash {
-    size_t operator()(const std::pair<int32_t, uintptr_t>& k) const {
-      return std::hash<uintptr_t>()(k.second) * 31 + static_cast<size_t>(k.first);
-    }
-  };
-  std::mutex mu_;
-  std::unordered_map<std::pair<int32_t, uintptr_t>, Buffer, KeyHash> buffers_;
-};
-
 // Deferred expert-id checks (abi::kIdCheckDeferred): per device, a ring of
 // pinned host records.  A call copies its err words and its topk_ids (both
 // at most abi::kMaxDeferredErrWords) into the next record with asynchronous
@@ -371,17 +317,21 @@ class DeferredChecks {
       if (!Account::Get().Reserve(dev, bytes, "id checks", WorkShape{}, &why, &unused))
         return ffi::Error(ffi::ErrorCode::kResourceExhausted, why);
       void* p = nullptr;
-      NBX_CU("cuMemAllocHost (deferred id checks)", d.cuMemAllocHost(&p, bytes));
-      ring.host = static_cast<int32_t*>(p);
-      ring.events.assign(kSlots, nullptr);
-      for (CUevent& ev : ring.events)
-        NBX_CU("cuEventCreate", d.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING));
+      std::vector<CUevent> events(kSlots, nullptr);
+      CUresult r = d.cuMemAllocHost(&p, bytes);
+      for (size_t i = 0; r == CUDA_SUCCESS && i < events.size(); ++i)
+        r = d.cuEventCreate(&events[i], CU_EVENT_DISABLE_TIMING);
+      if (r != CUDA_SUCCESS) {  // nothing half-built stays behind (a few events may leak)
+        if (p != nullptr) d.cuMemFreeHost(p);
+        Account::Get().Release(dev, bytes, "id checks", nullptr);
+        return CudaError("setting up the deferred id checks", r);
+      }
+      ring.events = std::move(events);
       ring.meta.assign(kSlots, Meta{});
+      ring.host = static_cast<int32_t*>(p);  // last: a built ring
     }
-    if (ring.meta[ring.tail].pending) {  // full: wait for the oldest record
-      if (std::string bad = Drain(ring, dev, /*wait_oldest=*/true); !bad.empty())
-        return ffi::Error::InvalidArgument(bad);
-    }
+    std::string earlier;  // a bad slot of an earlier call, found waiting for room
+    if (ring.meta[ring.tail].pending) earlier = Drain(ring, dev, /*wait_oldest=*/true);
     const int64_t slot = ring.tail;
     int32_t* rec = ring.host + slot * kRecordInts;
     NBX_CU("copying the expert-id check",
@@ -392,7 +342,8 @@ class DeferredChecks {
     NBX_CU("cuEventRecord (deferred id check)", d.cuEventRecord(ring.events[slot], stream));
     ring.meta[slot] = Meta{true, words, n, k, E, ++ring.calls};
     ring.tail = (slot + 1) % kSlots;
-    return ffi::Error::Success();
+    // this call's own check is recorded either way; an earlier bad slot fails it now
+    return earlier.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(earlier);
   }
 
  private:
@@ -538,12 +489,21 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
   const std::vector<int64_t> weight_addrs(addrs.begin(), addrs.begin() + G * E);
   if (auto e = TableCache::Get().Lookup(dev, weight_addrs, &table_ref); e.failure()) return e;
   const CUdeviceptr table = table_ref->ptr;
-  CUdeviceptr call_table = 0;
-  if (n_tables > G)
-    if (auto e = CallTables::Get().Upload(dev, reinterpret_cast<CUstream>(stream),
-                                          addrs.data() + G * E, (n_tables - G) * E, &call_table);
-        e.failure())
-      return e;
+  // The backward's gradient tables: at offset 0 of this call's workspace (abi.h
+  // "CUDA backward"), uploaded on the call's stream before its launches.  From
+  // pageable memory: the driver copies `addrs` before returning (it may wait
+  // for the stream to do so, per CUDA's documented behaviour).
+  const CUdeviceptr call_table = ws;
+  if (n_tables > G) {
+    const int64_t bytes = (n_tables - G) * E * static_cast<int64_t>(sizeof(int64_t));
+    if (bytes > workspace_bytes || err_offset < bytes)
+      return ffi::Error::InvalidArgument(
+          "the workspace does not start with the gradients' pointer tables (" +
+          std::to_string(bytes) + " bytes)");
+    NBX_CU("uploading the gradients' pointer tables",
+           d.cuMemcpyHtoDAsync(call_table, addrs.data() + G * E, bytes,
+                               reinterpret_cast<CUstream>(stream)));
+  }
 
   std::vector<LoadedKernel> loaded(n_kernels);
   for (int64_t i = 0; i < n_kernels; ++i)
@@ -814,7 +774,7 @@ ffi::Error FusedMoeBackwardCudaImpl(
     int64_t err_offset, int64_t err_words, bool w_aligned, int64_t num_experts,
     int64_t check_ids, int64_t groups,
     bool stacked, ffi::Span<const int64_t> views, int64_t intermediate, bool fused_gate_up,
-    bool has_bias) {
+    bool has_bias, bool grad_f32) {
   const int64_t E = num_experts, G = groups;
   const int64_t per_group = stacked ? 1 : E;
   const int64_t nbias = has_bias ? abi::kNumBiases : 0;
@@ -826,9 +786,10 @@ ffi::Error FusedMoeBackwardCudaImpl(
         (nbias ? ", 3 biases" : "") + ", then dy); got " + std::to_string(args.size()));
   const int64_t n_grads = G * per_group;
   if (static_cast<int64_t>(rets.size()) != n_grads + nbias + 1)
-    return ffi::Error::InvalidArgument("expected " + std::to_string(n_grads + nbias) +
-                                       " gradient results and the workspace; got " +
-                                       std::to_string(rets.size()) + " results after dx, dw");
+    return ffi::Error::InvalidArgument(
+        "expected " + std::to_string(n_grads + nbias + 1) + " results after dx, dw (" +
+        std::to_string(n_grads + nbias) + " gradients, then the workspace); got " +
+        std::to_string(rets.size()));
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be [T, H]");
   const int64_t T = xd[0], H = xd[1], I = intermediate;
@@ -850,6 +811,11 @@ ffi::Error FusedMoeBackwardCudaImpl(
   auto dxd = dx->dimensions();
   auto dwd = dw->dimensions();
   auto idd = ids.dimensions();
+  auto wd = w.dimensions();  // the kernels read topk_weights and topk_ids at every slot
+  if (w.element_type() != ffi::DataType::F32 || wd.size() != 2 || idd.size() != 2 ||
+      wd[0] != idd[0] || wd[1] != idd[1] || idd[0] != T)
+    return ffi::Error::InvalidArgument(
+        "topk_weights must be float32 with topk_ids' shape [T, k], T = x's rows");
   if (dx->element_type() != x.element_type() || dxd.size() != 2 || dxd[0] != T || dxd[1] != H ||
       dwd.size() != 2 || idd.size() != 2 || dwd[0] != idd[0] || dwd[1] != idd[1])
     return ffi::Error::InvalidArgument(
@@ -858,13 +824,20 @@ ffi::Error FusedMoeBackwardCudaImpl(
     for (int64_t i = 0; i < per_group; ++i) {
       auto g = rets.get<ffi::AnyBuffer>(p * per_group + i);
       if (g.has_error()) return g.error();
-      if ((*g)->element_type() != ffi::DataType::F32 ||
+      // float32, or (grad_f32 false: the program's bwd_dw stores the weights'
+      // 16-bit dtype) the weight's own dtype
+      auto wt = args.get<ffi::AnyBuffer>(p * per_group);
+      if (wt.has_error()) return wt.error();
+      const ffi::DataType want = grad_f32 ? ffi::DataType::F32 : wt->element_type();
+      if ((*g)->element_type() != want ||
           static_cast<int64_t>((*g)->element_count()) != (stacked ? E : 1) * elems[p])
-        return ffi::Error::InvalidArgument("the gradient of " + GroupName(p, G, fused_gate_up) +
-                                           " must be float32 with the weight's shape");
+        return ffi::Error::InvalidArgument(
+            "the gradient of " + GroupName(p, G, fused_gate_up) + " must be " +
+            (grad_f32 ? "float32" : "in the weight's dtype") + " with the weight's shape");
       const int64_t base = reinterpret_cast<int64_t>((*g)->untyped_data());
       for (int64_t e = stacked ? 0 : i; e < (stacked ? E : i + 1); ++e)
-        addrs[(G + p) * E + e] = base + (stacked ? e * elems[p] * 4 : 0);
+        addrs[(G + p) * E + e] =
+            base + (stacked ? e * elems[p] * static_cast<int64_t>(ffi::ByteWidth(want)) : 0);
     }
   }
   static_assert(abi::kOutputDx == 0 && abi::kOutputDTopkWeights == 1 && abi::kOutputDBias0 == 2,
@@ -960,6 +933,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeBackwardCuda, FusedMoeBackwardCudaImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // d(topk_weights) [T, k]
                                   .RemainingRets()               // weight, bias gradients; workspace
                                   NBX_PROGRAM_ATTRS
-                                  NBX_GROUP_ATTRS);
+                                  NBX_GROUP_ATTRS
+                                  .Attr<bool>("grad_f32"));
 
 }  // namespace nbx
