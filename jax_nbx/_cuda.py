@@ -92,15 +92,16 @@ def plan_backward_band_tokens(T: int, k: int, E: int, H: int, I: int, wdtype,
 
 def _program_attrs(prog, dev, strides_ok: bool, E: int, skip_outside: bool) -> dict:
     """The attributes every CUDA handler takes with its program (abi.h): the
-    compiled kernels, the encoded launches, the workspace and the expert-id
-    check."""
+    compiled kernels, the encoded launches, the workspace, the expert-id
+    check and whether the launches go as one CUDA graph
+    (``JAX_NBX_CUDA_GRAPHS``)."""
     from .triton import compile as C  # imports Triton: only when a CUDA call is traced
 
     blob, table = C.pack(prog, compute_capability(dev))
     return dict(blob=blob, kernels=table.reshape(-1), program=prog.encode(),
                 workspace_bytes=np.int64(prog.workspace_bytes), err_offset=np.int64(prog.err_offset),
                 err_words=np.int64(prog.err_words), w_aligned=bool(strides_ok), num_experts=np.int64(E),
-                check_ids=np.int64(check_ids_mode(skip_outside)))
+                check_ids=np.int64(check_ids_mode(skip_outside)), graph=_env.cuda_graphs())
 
 
 def check_ids_mode(skip_outside: bool = False) -> int:

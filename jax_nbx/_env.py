@@ -13,6 +13,7 @@ is handed to them by the Python side (``apply_at_load``).
 | ``JAX_NBX_TABLE_CACHE`` | pointer-table LRU capacity (CUDA, Metal) | 256 |
 | ``JAX_NBX_METAL`` | the Metal device: ``apple``, ``sim`` (simulated: tests) or ``none`` | ``apple`` if built |
 | ``JAX_NBX_CUDA_CHECK_IDS`` | the expert-id check (CUDA): ``1`` sync, ``deferred`` (next call), ``0`` off | ``1`` |
+| ``JAX_NBX_CUDA_GRAPHS`` | launch each CUDA program as one CUDA graph (arguments updated per call) | off |
 | ``JAX_NBX_CUDA_DECODE_SLOTS`` | at most this many slots take the CUDA decode path | 16 |
 | ``JAX_NBX_CUDA_DECODE_PROGRAMS`` | programs the CUDA decode path's split-K aims at | 1024 |
 | ``JAX_NBX_TRITON_CONFIGS`` | a tile-config JSON file instead of ``configs/<device>.json`` | - |
@@ -25,7 +26,7 @@ import re
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["budget", "isa", "profile", "table_cache", "metal", "cuda_check_ids", "cuda_decode_slots",
+__all__ = ["budget", "isa", "profile", "table_cache", "metal", "cuda_check_ids", "cuda_graphs", "cuda_decode_slots",
            "cuda_decode_programs", "triton_configs", "parse", "parse_bytes", "available_memory"]
 
 T = TypeVar("T")
@@ -171,6 +172,14 @@ def cuda_check_ids() -> str:
 
     v = parse("JAX_NBX_CUDA_CHECK_IDS", mode)
     return "sync" if v is None else v
+
+
+def cuda_graphs() -> bool:
+    """``JAX_NBX_CUDA_GRAPHS`` (default off): the CUDA handlers launch a
+    call's kernels as one CUDA graph (built once per program shape and
+    device; each call updates its nodes' arguments) instead of one
+    ``cuLaunchKernel`` each.  Read when a call is traced."""
+    return bool(parse("JAX_NBX_CUDA_GRAPHS", _flag))
 
 
 def cuda_decode_slots() -> int:

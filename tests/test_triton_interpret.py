@@ -455,6 +455,29 @@ def test_id_check_mode_refuses_other_values(monkeypatch):
         _env.cuda_check_ids()
 
 
+@pytest.mark.parametrize("value, on", [(None, False), ("0", False), ("off", False), ("1", True), ("yes", True)])
+def test_graph_mode_from_the_environment(monkeypatch, value, on):
+    """JAX_NBX_CUDA_GRAPHS reaches every CUDA handler as the `graph` attribute."""
+    from jax_nbx import _cuda, _env
+    from jax_nbx.triton import compile as C
+    if value is None:
+        monkeypatch.delenv("JAX_NBX_CUDA_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("JAX_NBX_CUDA_GRAPHS", value)
+    assert _env.cuda_graphs() is on
+    monkeypatch.setattr(C, "pack", lambda prog, cc: (np.zeros(1, np.uint8), np.zeros((1, 7), np.int64)))
+    monkeypatch.setattr(_cuda, "compute_capability", lambda dev: (9, 0))
+    attrs = _cuda._program_attrs(plan.build(1, 1, 2, 4, 32, 16, F32, F32, 0), None, True, 4, False)
+    assert attrs["graph"] is on
+
+
+def test_graph_mode_refuses_other_values(monkeypatch):
+    from jax_nbx import _env
+    monkeypatch.setenv("JAX_NBX_CUDA_GRAPHS", "maybe")
+    with pytest.raises(ValueError, match="JAX_NBX_CUDA_GRAPHS"):
+        _env.cuda_graphs()
+
+
 def test_no_tokens_leaves_a_clean_check_word():
     prog = plan.build(0, 0, 2, 5, 40, 24, F32, F32, 0)
     assert prog.err_words == 1 and [ln.kernel.name for ln in prog.launches] == ["fill_i32"]

@@ -55,9 +55,16 @@ struct Driver {
   X(cuMemcpyDtoHAsync) X(cuStreamSynchronize) X(cuMemAllocHost) X(cuEventCreate)        \
   X(cuEventRecord) X(cuEventQuery) X(cuEventSynchronize) X(cuMemcpyHtoDAsync)         \
   X(cuMemFreeHost)
+// CUDA graphs (JAX_NBX_CUDA_GRAPHS): optional, so a driver without them
+// still runs the plain launches; `graphs_why` says what is missing.
+#define NBX_GRAPH_FNS(X)                                                              \
+  X(cuGraphCreate) X(cuGraphDestroy) X(cuGraphAddKernelNode) X(cuGraphInstantiate)    \
+  X(cuGraphExecKernelNodeSetParams) X(cuGraphLaunch) X(cuGraphExecDestroy)
 #define NBX_DECLARE(fn) decltype(&::fn) fn = nullptr;
   NBX_DRIVER_FNS(NBX_DECLARE)
+  NBX_GRAPH_FNS(NBX_DECLARE)
 #undef NBX_DECLARE
+  std::string graphs_why;
 
   static Driver& Get() {
     static Driver d = Load();
@@ -80,6 +87,12 @@ struct Driver {
   }
     NBX_DRIVER_FNS(NBX_LOAD)
 #undef NBX_LOAD
+#define NBX_LOAD_OPTIONAL(fn)                                                        \
+  d.fn = reinterpret_cast<decltype(&::fn)>(dlsym(h, NBX_STR(fn)));                   \
+  if (d.fn == nullptr && d.graphs_why.empty())                                       \
+    d.graphs_why = "the CUDA driver lacks " NBX_STR(fn) " (JAX_NBX_CUDA_GRAPHS needs it)";
+    NBX_GRAPH_FNS(NBX_LOAD_OPTIONAL)
+#undef NBX_LOAD_OPTIONAL
     CUresult r = d.cuInit(0);
     if (r != CUDA_SUCCESS) {
       d.why = "cuInit failed with CUresult " + std::to_string(static_cast<int>(r));
@@ -266,6 +279,121 @@ class TableCache {
   FingerprintLru<CudaTable> lru_{256};
 };
 
+// ---------------------------------------------------------------- CUDA graphs
+
+// JAX_NBX_CUDA_GRAPHS (the handlers' attribute `graph`): a program's launches
+// as one CUDA graph -- a chain of kernel nodes built and instantiated on the
+// first call of a program shape on a device, then per call every node's
+// arguments updated (cuGraphExecKernelNodeSetParams copies them) and the graph
+// launched once on XLA's stream.  A graph executable is keyed by its device
+// and every launch's function, grid, block and shared memory; at most
+// kGraphCacheEntries are kept (least recently used dropped: an executable
+// still running is freed by the driver when it completes).  Updates and the
+// launch of one executable happen under its mutex, so concurrent calls never
+// interleave them; the driver orders launches of one executable.
+struct CudaGraph {
+  int ordinal = 0;
+  CUgraph graph = nullptr;
+  CUgraphExec exec = nullptr;
+  std::vector<CUgraphNode> nodes;
+  std::mutex mu;
+  CudaGraph() = default;
+  CudaGraph(const CudaGraph&) = delete;
+  CudaGraph& operator=(const CudaGraph&) = delete;
+  ~CudaGraph() {
+    Driver& d = Driver::Get();
+    ScopedContext ctx;
+    if (ctx.Enter(ordinal).failure()) return;
+    if (exec != nullptr) d.cuGraphExecDestroy(exec);
+    if (graph != nullptr) d.cuGraphDestroy(graph);
+  }
+};
+
+constexpr size_t kGraphCacheEntries = 64;
+
+// One launch of a program as the driver takes it.
+struct KernelCall {
+  CUfunction fn;
+  unsigned grid[3];
+  unsigned block;
+  unsigned shared;
+  void** params;
+};
+
+CUDA_KERNEL_NODE_PARAMS NodeParams(const KernelCall& c) {
+  CUDA_KERNEL_NODE_PARAMS p;
+  std::memset(&p, 0, sizeof p);
+  p.func = c.fn;
+  p.gridDimX = c.grid[0];
+  p.gridDimY = c.grid[1];
+  p.gridDimZ = c.grid[2];
+  p.blockDimX = c.block;
+  p.blockDimY = 1;
+  p.blockDimZ = 1;
+  p.sharedMemBytes = c.shared;
+  p.kernelParams = c.params;
+  return p;
+}
+
+class GraphCache {
+ public:
+  static GraphCache& Get() {
+    static GraphCache c;
+    return c;
+  }
+
+  // Runs `calls` (in order) on `stream` as the graph of their shape,
+  // building it on first use.
+  ffi::Error Launch(int ordinal, const std::vector<KernelCall>& calls, CUstream stream) {
+    Driver& d = Driver::Get();
+    if (!d.graphs_why.empty())
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, d.graphs_why);
+    if (calls.empty()) return ffi::Error::Success();
+    std::vector<int64_t> key = {ordinal};
+    for (const KernelCall& c : calls)
+      key.insert(key.end(), {static_cast<int64_t>(reinterpret_cast<uintptr_t>(c.fn)), c.grid[0],
+                             c.grid[1], c.grid[2], c.block, c.shared});
+    std::shared_ptr<CudaGraph> g;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      g = lru_.Find(key);
+    }
+    if (g == nullptr) {  // built outside the cache's lock; a racing twin is harmless
+      auto fresh = std::make_shared<CudaGraph>();
+      fresh->ordinal = ordinal;
+      NBX_CU("cuGraphCreate", d.cuGraphCreate(&fresh->graph, 0));
+      for (const KernelCall& c : calls) {
+        const CUDA_KERNEL_NODE_PARAMS p = NodeParams(c);
+        CUgraphNode node;
+        NBX_CU("cuGraphAddKernelNode",
+               d.cuGraphAddKernelNode(&node, fresh->graph,
+                                      fresh->nodes.empty() ? nullptr : &fresh->nodes.back(),
+                                      fresh->nodes.empty() ? 0 : 1, &p));
+        fresh->nodes.push_back(node);
+      }
+      NBX_CU("cuGraphInstantiate", d.cuGraphInstantiate(&fresh->exec, fresh->graph, 0));
+      std::lock_guard<std::mutex> glock(fresh->mu);
+      NBX_CU("cuGraphLaunch", d.cuGraphLaunch(fresh->exec, stream));
+      std::lock_guard<std::mutex> lock(mu_);
+      lru_.Insert(key, std::move(fresh));
+      return ffi::Error::Success();
+    }
+    std::lock_guard<std::mutex> glock(g->mu);
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const CUDA_KERNEL_NODE_PARAMS p = NodeParams(calls[i]);
+      NBX_CU("cuGraphExecKernelNodeSetParams",
+             d.cuGraphExecKernelNodeSetParams(g->exec, g->nodes[i], &p));
+    }
+    NBX_CU("cuGraphLaunch", d.cuGraphLaunch(g->exec, stream));
+    return ffi::Error::Success();
+  }
+
+
+ private:
+  std::mutex mu_;
+  FingerprintLru<CudaGraph> lru_{kGraphCacheEntries};
+};
+
 // ---------------------------------------------------------------- the handler
 
 // A weight group's name in errors: experts.gate (dense), experts.gate.q /
@@ -414,7 +542,7 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
                       ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
                       ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
                       int64_t workspace_bytes, int64_t err_offset, int64_t err_words,
-                      bool w_aligned, int64_t num_experts, int64_t check_ids) {
+                      bool w_aligned, int64_t num_experts, int64_t check_ids, bool graph) {
   Driver& d = Driver::Get();
   if (!d.ok) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, d.why);
   const Device dev{"cuda", ordinal};
@@ -519,15 +647,23 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
                 "inputs[] is built in abi.h's input order");
   inputs.insert(inputs.end(), extra.begin(), extra.end());
 
-  // Every index and workspace offset was checked by DecodeProgram.
-  std::vector<uint64_t> ptr_vals;
-  std::vector<int32_t> i32_vals;
-  std::vector<void*> params;
-  for (const LaunchRef& ln : launches) {
+  // Every index and workspace offset was checked by DecodeProgram.  The
+  // argument values of every launch stay alive until the launches are made
+  // (one by one, or as a graph).
+  const size_t n_launches = launches.size();
+  std::vector<std::vector<uint64_t>> ptr_store(n_launches);
+  std::vector<std::vector<int32_t>> i32_store(n_launches);
+  std::vector<std::vector<void*>> param_store(n_launches);
+  std::vector<KernelCall> calls;
+  static uint64_t null_scratch = 0;  // Triton's global and profile scratch: unused
+  for (size_t li = 0; li < n_launches; ++li) {
+    const LaunchRef& ln = launches[li];
     const size_t nargs = ln.args.size();
+    std::vector<uint64_t>& ptr_vals = ptr_store[li];
+    std::vector<int32_t>& i32_vals = i32_store[li];
+    std::vector<void*>& params = param_store[li];
     ptr_vals.assign(nargs, 0);
     i32_vals.assign(nargs, 0);
-    params.clear();
     for (size_t a = 0; a < nargs; ++a) {
       const ArgRef& r = ln.args[a];
       switch (r.kind) {
@@ -543,16 +679,26 @@ ffi::Error RunProgram(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
       params.push_back(r.kind == abi::ArgKind::kI32 ? static_cast<void*>(&i32_vals[a])
                                                     : static_cast<void*>(&ptr_vals[a]));
     }
-    static uint64_t null_scratch = 0;  // Triton's global and profile scratch: unused
     params.push_back(&null_scratch);
     params.push_back(&null_scratch);
     const LoadedKernel& k = loaded[ln.kernel];
     const int64_t gx = ln.grid[0], gy = ln.grid[1], gz = ln.grid[2];
     if (gx * gy * gz == 0) continue;
-    NBX_CU("cuLaunchKernel",
-           d.cuLaunchKernel(k.fn, static_cast<unsigned>(gx), static_cast<unsigned>(gy),
-                            static_cast<unsigned>(gz), 32 * k.num_warps, 1, 1, k.shared,
-                            reinterpret_cast<CUstream>(stream), params.data(), nullptr));
+    calls.push_back(KernelCall{k.fn,
+                               {static_cast<unsigned>(gx), static_cast<unsigned>(gy),
+                                static_cast<unsigned>(gz)},
+                               static_cast<unsigned>(32 * k.num_warps),
+                               static_cast<unsigned>(k.shared), params.data()});
+  }
+  if (graph) {
+    if (auto e = GraphCache::Get().Launch(ordinal, calls, reinterpret_cast<CUstream>(stream));
+        e.failure())
+      return e;
+  } else {
+    for (const KernelCall& c : calls)
+      NBX_CU("cuLaunchKernel",
+             d.cuLaunchKernel(c.fn, c.grid[0], c.grid[1], c.grid[2], c.block, 1, 1, c.shared,
+                              reinterpret_cast<CUstream>(stream), c.params, nullptr));
   }
 
   if (deferred) {
@@ -591,7 +737,7 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                             ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
                             ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
                             int64_t workspace_bytes, int64_t err_offset, int64_t err_words,
-                            bool w_aligned, int64_t num_experts, int64_t check_ids) {
+                            bool w_aligned, int64_t num_experts, int64_t check_ids, bool graph) {
   const int64_t E = num_experts;
   constexpr int P = abi::kNumProjections;
   const ffi::AnyBuffer* proj[P] = {&gate, &up, &down};
@@ -606,7 +752,7 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   return RunProgram(stream, ordinal, x, w, ids, P, false, first, addrs, P,
                     {reinterpret_cast<CUdeviceptr>(y->untyped_data())}, ws_buf, blob, kernels,
                     program, workspace_bytes, err_offset, err_words, w_aligned, num_experts,
-                    check_ids);
+                    check_ids, graph);
 }
 
 // Checks abi.h's "weight views" against the weight buffers of the tables
@@ -719,7 +865,7 @@ ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
                                   ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
                                   int64_t workspace_bytes, int64_t err_offset,
                                   int64_t err_words, bool w_aligned, int64_t num_experts,
-                                  int64_t check_ids, int64_t groups,
+                                  int64_t check_ids, bool graph, int64_t groups,
                                   bool stacked, ffi::Span<const int64_t> views,
                                   int64_t intermediate, bool fused_gate_up, bool has_bias) {
   const int64_t E = num_experts, G = groups;
@@ -754,7 +900,7 @@ ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
   return RunProgram(stream, ordinal, x, w, ids, G, fused_gate_up, extra, addrs, G,
                     {reinterpret_cast<CUdeviceptr>(y->untyped_data())}, ws_buf, blob, kernels,
                     program, workspace_bytes, err_offset, err_words, w_aligned, num_experts,
-                    check_ids);
+                    check_ids, graph);
 }
 
 // The CUDA backward (abi.h "CUDA backward"; jax_nbx/triton/plan.py
@@ -772,7 +918,7 @@ ffi::Error FusedMoeBackwardCudaImpl(
     ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::RemainingRets rets, ffi::Span<const uint8_t> blob,
     ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program, int64_t workspace_bytes,
     int64_t err_offset, int64_t err_words, bool w_aligned, int64_t num_experts,
-    int64_t check_ids, int64_t groups,
+    int64_t check_ids, bool graph, int64_t groups,
     bool stacked, ffi::Span<const int64_t> views, int64_t intermediate, bool fused_gate_up,
     bool has_bias, bool grad_f32) {
   const int64_t E = num_experts, G = groups;
@@ -860,7 +1006,7 @@ ffi::Error FusedMoeBackwardCudaImpl(
   extra.push_back(reinterpret_cast<CUdeviceptr>(dy->untyped_data()));
   return RunProgram(stream, ordinal, x, w, ids, G, fused_gate_up, extra, addrs, 2 * G, outputs,
                     *ws, blob, kernels, program, workspace_bytes, err_offset, err_words,
-                    w_aligned, num_experts, check_ids);
+                    w_aligned, num_experts, check_ids, graph);
 }
 
 }  // namespace
@@ -897,7 +1043,8 @@ std::string CudaDriverStatus() {
       .Attr<int64_t>("err_words")                                          \
       .Attr<bool>("w_aligned")                                             \
       .Attr<int64_t>("num_experts")                                        \
-      .Attr<int64_t>("check_ids")
+      .Attr<int64_t>("check_ids")                                          \
+      .Attr<bool>("graph")
 
 // The weight groups' attributes of the tables handlers (forward and backward).
 #define NBX_GROUP_ATTRS                                                    \
