@@ -22,6 +22,8 @@ SRC = ROOT / "xla_ffi"
 ISA_FLAGS = {
     "cpu/kernels_avx2.cc": ["-mavx2", "-mfma"],
     "cpu/kernels_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
+    "cpu/kernels_dot_avx512bf16.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2",
+                                      "-mfma"],
 }
 CUDA_INCLUDE = pathlib.Path("/usr/local/cuda/include")
 

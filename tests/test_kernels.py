@@ -34,3 +34,32 @@ def test_unknown_names_raise():
         _ffi.run_kernel_tests("sse1", "gemm1", 0)
     with pytest.raises(ValueError, match="unknown kernel"):
         _ffi.run_kernel_tests(jax_nbx.cpu.supported_isas()[-1], "gemm3", 0)
+
+
+# The bfloat16 dot-product kernels (xla_ffi/cpu/kernels_dot.h): the emulated
+# table everywhere, the avx512_bf16 one where the CPU has the instruction.
+_DOT_CASES = [(table, kernel) for table in _ffi.cpu_supported_dot_kernels().split(",")
+              for kernel in _ffi.dot_kernel_names()
+              if kernel != "semantics" or table == "emulated"]  # the documented bits: the emulation's
+
+
+@pytest.mark.parametrize("table, kernel", _DOT_CASES)
+def test_dot_kernel(table, kernel):
+    seed = random.SystemRandom().randrange(2**32)
+    failures = _ffi.run_dot_kernel_tests(table, kernel, seed)
+    assert not failures, (
+        f"{table} {kernel}: {len(failures)} failing cases with seed={seed} (reproduce: "
+        f"jax_nbx._ffi.run_dot_kernel_tests({table!r}, {kernel!r}, {seed})); the first 20:\n"
+        + "\n".join(failures[:20]))
+
+
+def test_dot_kernels_listed_and_unknown_names_raise():
+    tables = _ffi.cpu_supported_dot_kernels().split(",")
+    assert tables[-1] == "emulated" and set(tables) <= {"avx512_bf16", "emulated"}
+    with open("/proc/cpuinfo") as f:
+        has_bf16 = " avx512_bf16" in f.read()
+    assert ("avx512_bf16" in tables) == has_bf16
+    with pytest.raises(ValueError, match="dot kernels 'amx'"):
+        _ffi.run_dot_kernel_tests("amx", "gemm1", 0)
+    with pytest.raises(ValueError, match="unknown dot kernel"):
+        _ffi.run_dot_kernel_tests("emulated", "gemm3", 0)

@@ -233,6 +233,33 @@ const KernelTable* ActiveKernels() {
   return t;
 }
 
+// avx512_bf16: the AVX-512 table's requirements plus CPUID leaf 7 subleaf 1
+// EAX bit 5 (the compiler's cpu-supports name for it varies by version).
+static bool SupportsAvx512Bf16() {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (!Supports("avx512")) return false;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_max(0, nullptr) < 7) return false;
+  __cpuid_count(7, 1, a, b, c, d);
+  return (a >> 5) & 1u;
+#else
+  return false;
+#endif
+}
+
+const DotKernelTable* DotKernelsByName(const char* name) {
+  if (name == nullptr) return nullptr;
+  if (std::strcmp(name, "emulated") == 0) return DotKernelsEmulated();
+#if defined(__x86_64__) || defined(_M_X64)
+  if (std::strcmp(name, "avx512_bf16") == 0 && SupportsAvx512Bf16()) return DotKernelsAvx512Bf16();
+#endif
+  return nullptr;
+}
+
+const char* SupportedDotKernels() {
+  return SupportsAvx512Bf16() ? "avx512_bf16,emulated" : "emulated";
+}
+
 const char* SupportedIsas() {
   static const char* list = [] {
     static char buf[64] = "";

@@ -128,6 +128,21 @@ struct KernelTable {
                          int64_t ld, int64_t K, int ncols, float* acc, float* out);
 };
 
+// The bfloat16 dot-product kernels (kernels_dot.h: VDPBF16PS's arithmetic on
+// operands packed as bfloat16 pairs, dot_pack.h): packed GEMM1 / GEMM2 of
+// one m-panel and one K-block of P pairs of rows, as gemm1 / gemm2 above
+// (PartialFlags, the same epilogues; no column scales).
+struct DotKernelTable {
+  const char* name;  // "avx512_bf16" (the instruction), "emulated"
+  int vl;            // float32 lanes per accumulator (columns per half micro-panel)
+  int mr;            // rows per packed m-panel
+  int kc;            // rows per K-block (even)
+  void (*gemm1)(const uint32_t* a, const uint32_t* b, int64_t P, const Glu& act, int rows,
+                int cols, float* out, int64_t rs, int64_t cs, float* c, int flags);
+  void (*gemm2)(const uint32_t* a, const uint32_t* b, int64_t P, const float* w, int rows,
+                int cols, float* out, int64_t rs, float* c, int flags);
+};
+
 // Defined where the target supports them (x86-64: all three).
 const KernelTable* KernelsGeneric();
 const KernelTable* KernelsAvx2();
@@ -163,5 +178,14 @@ const KernelTable* ActiveKernels();
 const KernelTable* DefaultKernels();
 bool SelectIsa(const char* name, std::string* error);
 const char* SupportedIsas();  // "avx512,avx2,generic"-style list for this CPU
+
+// The dot-kernel tables: the emulated one everywhere, the avx512_bf16 one on
+// x86-64 CPUs with AVX-512 F/BW/VL and avx512_bf16 (CPUID leaf 7 subleaf 1
+// EAX bit 5).  DotKernelsByName: nullptr for an unknown name or one this CPU
+// cannot run.  SupportedDotKernels: "avx512_bf16,emulated" or "emulated".
+const DotKernelTable* DotKernelsEmulated();
+const DotKernelTable* DotKernelsAvx512Bf16();  // x86-64 only
+const DotKernelTable* DotKernelsByName(const char* name);
+const char* SupportedDotKernels();
 
 }  // namespace nbx

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/dot_pack.h"
 #include "testing/kernel_test_support.h"
 
 namespace nb = nanobind;
@@ -446,6 +447,154 @@ void SweepQPack(const KernelTable& t, Rng& rng, Report& report) {
     }
 }
 
+// ---------------------------------------------------------------- bfloat16 dot kernels
+
+// VDPBF16PS on one lane as the Intel SDM documents it, written apart from
+// kernels_dot.h: acc += hi(a)*hi(b), then += lo(a)*lo(b), each a float32
+// fused multiply-add (round to nearest even), inputs' denormals read as zero,
+// results' flushed to zero.  The emulated table must give exactly these bits.
+float RefDotLane(float acc, uint32_t a, uint32_t b) {
+  const auto in = [](uint32_t h) {
+    return (h & 0x7f80u) != 0 ? BitsToFloat(h << 16) : BitsToFloat((h & 0x8000u) << 16);
+  };
+  const auto out = [](float v) {
+    return std::fpclassify(v) == FP_SUBNORMAL ? std::copysign(0.0f, v) : v;
+  };
+  acc = out(std::fma(in(a >> 16), in(b >> 16), acc));
+  return out(std::fma(in(a & 0xffffu), in(b & 0xffffu), acc));
+}
+
+// Even split points for the K-blocks (a block holds whole pairs of rows).
+std::vector<int64_t> SplitKEven(int64_t K, Rng& rng) {
+  std::vector<int64_t> at = SplitK(K, rng);
+  for (size_t i = 1; i + 1 < at.size(); ++i) at[i] &= ~int64_t{1};
+  return at;
+}
+
+// gemm1 / gemm2 of a dot-kernel table: x and the weights bfloat16 (x given
+// as a float32 packed panel of bfloat16 values, packed into pairs by
+// dot_pack.h as the drivers will), every output against float64 (the
+// products are exact; the float32 sums are rounded once per product, as the
+// float32 kernels' are: the same tolerance), unwritten and stray elements,
+// and K-blocks through the partial sums giving the bits of one pass.
+struct DotGemmTester {
+  std::string Describe() const {
+    return Fmt("rows=%d cols=%d K=%lld", rows, cols, (long long)K) +
+           (down ? "" : Fmt(" act=%s", ActName(act))) + " out " +
+           OutputGrid(rows, cols, column_major).Name();
+  }
+
+  void Test(Rng& rng, Report& report) const {
+    Issues issues;
+    const int mr = t.mr, vl = t.vl;
+    std::vector<float> a = RandomRows(K, rows, mr, 0.0f, rng);  // packed A, float32
+    for (float& v : a) v = ToFloat(FromFloat<bf16>(v));          // of bfloat16 values
+    const DenseWeights first(K, cols, cols + 1, true, false, rng);
+    std::optional<DenseWeights> second;
+    if (!down) second.emplace(K, cols, cols + 1, true, false, rng);
+    const std::vector<float> w = RandomRows(1, rows, mr, kNaN, rng);
+    const std::vector<double> ad = RowsF64(a, mr, rows, K);
+    const Expected want = down ? ExpectDown(w, ad, rows, first.Ref())
+                               : ExpectGlu(act, ad, rows, first.Ref(), second->Ref());
+    const Grid grid = OutputGrid(rows, cols, column_major), cgrid = FlatGrid(mr * 2 * vl);
+    const bf16* mats[2] = {static_cast<const bf16*>(first.Data()),
+                           second ? static_cast<const bf16*>(second->Data()) : nullptr};
+    // one K-block [k0, k0+kc) packed and run
+    const auto call = [&](int64_t k0, int64_t kc, std::vector<float>& out, float* c, int flags) {
+      const int64_t P = (kc + 1) / 2;
+      std::vector<uint32_t> pa(static_cast<size_t>(std::max<int64_t>(P, 1) * mr));
+      std::vector<uint32_t> pb(static_cast<size_t>(std::max<int64_t>(P, 1) * 2 * vl));
+      PackPanelPairs(a.data(), k0, static_cast<int>(kc), mr, pa.data());
+      if (down) PackRowsPairs<1>(mats, cols + 1, k0, static_cast<int>(kc), 0, cols, vl, pb.data());
+      else PackRowsPairs<2>(mats, cols + 1, k0, static_cast<int>(kc), 0, cols, vl, pb.data());
+      float* o = out.data() + grid.base;
+      if (down) t.gemm2(pa.data(), pb.data(), P, w.data(), rows, cols, o, grid.rs, c, flags);
+      else t.gemm1(pa.data(), pb.data(), P, TestGlu(act), rows, cols, o, grid.rs, grid.cs, c, flags);
+    };
+    std::vector<float> whole = grid.Fresh(), c = cgrid.Fresh();
+    call(0, K, whole, c.data() + cgrid.base, 0);
+    ScanGrid("whole K: out", whole, grid, true, want, issues);
+    ExpectUntouched("whole K: c", c, issues);
+
+    const std::vector<int64_t> at = SplitKEven(K, rng);
+    const std::string tag = "K-blocks " + JoinInts(at, "|");
+    std::vector<float> blocked = grid.Fresh();
+    c = cgrid.Fresh();
+    for (size_t i = 0; i + 1 < at.size(); ++i) {
+      const bool last = i + 2 == at.size();
+      const int flags = (i > 0 ? kLoadPartial : 0) | (last ? 0 : kStorePartial);
+      call(at[i], at[i + 1] - at[i], blocked, c.data() + cgrid.base, flags);
+      const std::string step = tag + Fmt(" call %zu (flags %d)", i, flags);
+      if (!last) {
+        ScanGrid(step + ": c", c, cgrid, true, NoCheck{}, issues);
+        ExpectUntouched(step + ": out", blocked, issues);
+      }
+    }
+    CompareBits(tag + " vs whole K", blocked, whole, grid, issues);
+    report.Add(Describe(), issues);
+  }
+
+  const DotKernelTable& t;
+  bool down;
+  int rows, cols;
+  int64_t K;
+  int act;
+  bool column_major;
+};
+
+void SweepDotGemm(const DotKernelTable& t, bool down, Rng& rng, Report& report) {
+  std::vector<int> cols = {1, t.vl - 1, t.vl};
+  if (down) cols.insert(cols.end(), {t.vl + 1, 2 * t.vl - 1, 2 * t.vl});
+  for (int64_t K : kKs)
+    for (int act : Acts(down))
+      for (int rows : {1, 5, t.mr - 1, t.mr})
+        for (int nc : cols)
+          DotGemmTester{t, down, rows, nc, K, act, !down && rng.Bit()}.Test(rng, report);
+}
+
+// The arithmetic itself, bit for bit: operands straight as bfloat16 words
+// from a palette of normal values, values whose products fall below float32's
+// normal range (flushed), denormal bfloat16 (read as zero), zeros of both
+// signs and large values; the sums gemm2 stores (kStorePartial) against
+// RefDotLane chained over the pairs.  Run on the emulated table: the
+// instruction's own bits are its hardware's (its tables are held to the
+// float64 tests above).
+void SweepDotSemantics(const DotKernelTable& t, Rng& rng, Report& report) {
+  const int mr = t.mr, w = 2 * t.vl;
+  const auto word = [&rng]() {
+    uint32_t h[2];
+    for (uint32_t& v : h) {
+      const uint32_t sign = rng.Bit() ? 0x8000u : 0u;
+      switch (rng.Int(0, 5)) {
+        case 0: v = sign | static_cast<uint32_t>(rng.Int(1, 0x7f)); break;                // denormal
+        case 1: v = sign | static_cast<uint32_t>(rng.Int(0x1c00, 0x1cff)); break;         // ~2^-70
+        case 2: v = sign; break;                                                          // +-0
+        case 3: v = sign | static_cast<uint32_t>(rng.Int(0x5f00, 0x5fff)); break;         // ~2^63
+        default: v = FromFloat<bf16>(rng.Uniform()).bits; break;                          // normal
+      }
+    }
+    return Bf16Pair(static_cast<uint16_t>(h[0]), static_cast<uint16_t>(h[1]));
+  };
+  for (int64_t P : {1, 2, 3, 17, 64}) {
+    Issues issues;
+    std::vector<uint32_t> a(static_cast<size_t>(P * mr)), b(static_cast<size_t>(P * w));
+    for (uint32_t& v : a) v = word();
+    for (uint32_t& v : b) v = word();
+    const Grid cgrid = FlatGrid(mr * w);
+    std::vector<float> c = cgrid.Fresh(), ref(static_cast<size_t>(mr * w), 0.0f);
+    for (int r = 0; r < mr; ++r)
+      for (int j = 0; j < w; ++j)
+        for (int64_t p = 0; p < P; ++p)
+          ref[r * w + j] = RefDotLane(ref[r * w + j], a[p * mr + r], b[p * w + j]);
+    std::vector<float> want = cgrid.Fresh();
+    std::copy(ref.begin(), ref.end(), want.begin() + cgrid.base);
+    t.gemm2(a.data(), b.data(), P, nullptr, mr, w, nullptr, w, c.data() + cgrid.base, kStorePartial);
+    CompareBits("stored sums vs the documented semantics", c, want, cgrid, issues);
+    report.Add(Fmt("pairs=%lld", (long long)P), issues);
+  }
+}
+
+// ---------------------------------------------------------------- registry
 // ---------------------------------------------------------------- registry
 
 struct KernelEntry {
@@ -473,9 +622,48 @@ const KernelEntry kKernels[] = {
     {"qpack", [](const KernelTable& t, Rng& g, Report& r) { SweepQPack(t, g, r); }},
 };
 
+struct DotKernelEntry {
+  const char* name;
+  void (*sweep)(const DotKernelTable&, Rng&, Report&);
+  bool emulated_only;  // the documented bits, checked on the emulation
+};
+
+const DotKernelEntry kDotKernels[] = {
+    {"gemm1", [](const DotKernelTable& t, Rng& g, Report& r) { SweepDotGemm(t, false, g, r); }, false},
+    {"gemm2", [](const DotKernelTable& t, Rng& g, Report& r) { SweepDotGemm(t, true, g, r); }, false},
+    {"semantics", SweepDotSemantics, true},
+};
+
 }  // namespace
 
 void BindKernelTests(nb::module_& m) {
+  m.def("dot_kernel_names", [] {
+    std::vector<std::string> names;
+    for (const DotKernelEntry& k : kDotKernels) names.push_back(k.name);
+    return names;
+  }, "The bfloat16 dot-product kernels run_dot_kernel_tests covers.");
+  m.def("cpu_supported_dot_kernels", [] { return std::string(SupportedDotKernels()); },
+        "The dot-kernel tables this CPU runs: 'avx512_bf16,emulated' or 'emulated'.");
+  m.def("run_dot_kernel_tests", [](const std::string& table, const std::string& kernel, uint32_t seed) {
+    const DotKernelTable* t = DotKernelsByName(table.c_str());
+    if (t == nullptr)
+      throw nb::value_error(("dot kernels '" + table + "' are unknown or this CPU cannot run them (supported: " +
+                             SupportedDotKernels() + ")").c_str());
+    const DotKernelEntry* entry = nullptr;
+    for (const DotKernelEntry& k : kDotKernels)
+      if (kernel == k.name) entry = &k;
+    if (entry == nullptr) throw nb::value_error(("unknown dot kernel '" + kernel + "' (see dot_kernel_names())").c_str());
+    Report report(table + " " + kernel);
+    if (entry->emulated_only && std::string(t->name) != "emulated") return report.Lines();
+    {
+      nb::gil_scoped_release release;
+      Rng rng(seed);
+      entry->sweep(*t, rng, report);
+    }
+    return report.Lines();
+  }, nb::arg("table"), nb::arg("kernel"), nb::arg("seed"),
+     "Sweeps one bfloat16 dot-product kernel of one table ('avx512_bf16', 'emulated') with random "
+     "inputs from `seed`; returns one line per failing case (empty: all passed).");
   m.def("kernel_names", [] {
     std::vector<std::string> names;
     for (const KernelEntry& k : kKernels) names.push_back(k.name);
