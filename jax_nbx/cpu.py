@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from . import _registry
 
 __all__ = ["FAMILIES", "isa", "isa_families", "default_isa", "supported_isas", "set_isa",
-           "planned_workers"]
+           "dot_kernels", "set_dot_kernels", "planned_workers"]
 
 FAMILIES = ("packed", "stream", "qstream")
 
@@ -71,6 +71,24 @@ def set_isa(name: str | Mapping[str, str]) -> None:
     if not isinstance(name, str) or not name:
         raise ValueError(f"set_isa: expected an instruction set name or a family=isa composition, got {name!r}")
     _ffi().set_cpu_isa(name)
+
+
+def dot_kernels() -> str:
+    """The bfloat16 dot-product kernels that ``fused_moe(..., precision="bfloat16")``
+    runs on the CPU now: ``"avx512_bf16"`` (the VDPBF16PS instruction, on CPUs
+    with avx512_bf16) or ``"emulated"`` (a scalar emulation of that
+    instruction's documented arithmetic: the same bits, much slower; every
+    other CPU, or after ``set_dot_kernels("emulated")``)."""
+    return _ffi().cpu_dot_kernels()
+
+
+def set_dot_kernels(name: str) -> None:
+    """``"auto"`` (default: the instruction where the CPU has it) or
+    ``"emulated"`` (always the emulation: tests, reproducing another
+    machine's bits).  Takes effect for calls that start after it."""
+    if name not in ("auto", "emulated"):
+        raise ValueError(f"set_dot_kernels: expected 'auto' or 'emulated', got {name!r}")
+    _ffi().set_cpu_dot_kernels(name)
 
 
 def planned_workers() -> int:

@@ -40,15 +40,18 @@ def set_budget(nbytes: int | float | str, platform: str = "cpu", device: int = 0
     return n
 
 
-def fused_moe_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int) -> int:
+def fused_moe_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int,
+                              bf16_dot: bool = False) -> int:
     """Bytes of workspace the CPU handler takes for one band of ``tokens``
     tokens: per padded slot the packed x row and activations, plus per worker
     a scratch sized to H and I (a packed K-block of a weight tile, and a
-    chunk's partial sums only when a sum spans several K-blocks).
-    ``tokens=0`` gives the part that does not shrink with the band.  The same
-    formula the handler allocates by and `fused_moe` plans with."""
+    chunk's partial sums only when a sum spans several K-blocks;
+    ``bf16_dot``, ``precision="bfloat16"``: a chunk's x or activations as
+    bfloat16 pairs besides).  ``tokens=0`` gives the part that does not
+    shrink with the band.  The same formula the handler allocates by and
+    `fused_moe` plans with."""
     return int(_ffi().forward_workspace_bytes(int(tokens), int(k), int(E), int(H), int(I),
-                                              cpu.planned_workers()))
+                                              cpu.planned_workers(), bool(bf16_dot)))
 
 
 def fused_moe_backward_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int) -> int:

@@ -262,14 +262,17 @@ def _resolve_implementation(implementation: str | None, quantized: bool = False,
 
 
 def plan_band_tokens(T: int, k: int, E: int, H: int, I: int,
-                     max_workspace_bytes: int | None = None, backward: bool = False) -> int:
+                     max_workspace_bytes: int | None = None, backward: bool = False,
+                     bf16_dot: bool = False) -> int:
     """Tokens per band so that one band's workspace fits the CPU budget
     (or ``max_workspace_bytes``); equal-sized bands.  ``backward=True``: the
     bands of the CPU backward handler (its workspace holds ``2H + 3I``
     float32 values per slot).  Raises DeviceOOMError with the advice when a
     single token does not fit."""
-    workspace = (memory.fused_moe_backward_workspace_bytes if backward
-                 else memory.fused_moe_workspace_bytes)
+    if backward:
+        workspace = memory.fused_moe_backward_workspace_bytes
+    else:
+        workspace = functools.partial(memory.fused_moe_workspace_bytes, bf16_dot=bf16_dot)
     return memory.plan_bands(lambda t: workspace(t, k, E, H, I), T, H, "cpu", max_workspace_bytes,
                              f"({'backward, ' if backward else ''}E={E} k={k} H={H} I={I})")
 
@@ -306,7 +309,8 @@ def _num_experts(weights, layout: WeightLayout, lists: bool) -> int:
 
 def _ffi_forward(x, w, ids, *arrays, activation: str | Activation, band_tokens: int,
                  poison: bool = False, platform: str = "cpu", lists: bool = False,
-                 skip_outside: bool = False, layout: WeightLayout | None = None):
+                 skip_outside: bool = False, layout: WeightLayout | None = None,
+                 bf16_dot: bool = False):
     """The raw FFI call on 2-D inputs (no batching rule, no derivative).
 
     ``arrays``: the weights as `Experts.flat` gives them (groups gate, up,
@@ -321,6 +325,7 @@ def _ffi_forward(x, w, ids, *arrays, activation: str | Activation, band_tokens: 
     ``poison=True`` (tests, CPU) hands the handler an output buffer filled with
     NaN, so any row it fails to write shows.  ``platform="gpu"``: the CUDA handler.
     ``skip_outside``: slots whose id is outside ``[0, E)`` are skipped, not an error.
+    ``bf16_dot``: ``precision="bfloat16"`` (CPU: the bfloat16 dot-product kernels).
     """
     _check_slots(*ids.shape)  # (a vmapped batch folds into the tokens: checked again here)
     activation = as_activation(activation)
@@ -331,6 +336,8 @@ def _ffi_forward(x, w, ids, *arrays, activation: str | Activation, band_tokens: 
     if platform == "metal" and not layout.native:
         raise ValueError(f"the {platform} handler reads the plain layout only (no biases, no fused or "
                          "transposed weights)")
+    if bf16_dot and platform != "cpu":
+        raise ValueError(f"precision='bfloat16' runs on the CPU handler only (this call: {platform})")
     if platform == "gpu":
         from . import _cuda
 
@@ -348,7 +355,8 @@ def _ffi_forward(x, w, ids, *arrays, activation: str | Activation, band_tokens: 
                  band_tokens=np.int64(band_tokens), max_workers=np.int64(planned_workers()),
                  skip_outside=bool(skip_outside), num_experts=np.int64(E),
                  format=np.int32(_abi.FORMAT_CODES[quant[0] if quant else None]),
-                 stacked=not lists, group_size=np.int64(quant[1] if quant else 0))
+                 stacked=not lists, group_size=np.int64(quant[1] if quant else 0),
+                 bf16_dot=bool(bf16_dot))
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
     if poison:
         (y,) = _poisoned_call(_abi.TARGET_FORWARD_POISONED, [out], [x, w, ids, *bufs], attrs)
@@ -419,12 +427,13 @@ def _bias_grads(experts: Experts, dbiases) -> Experts | None:
 @functools.cache
 def _ffi_op(activation: Activation, band_tokens: int, platform: str = "cpu", lists: bool = False,
             skip_outside: bool = False, max_workspace_bytes: int | str | None = None,
-            layout: WeightLayout | None = None):
+            layout: WeightLayout | None = None, bf16_dot: bool = False):
     """The FFI op on 2-D inputs with a batching rule and a derivative (on the
     CPU the backward is its own handler; on CUDA, dense experts, the CUDA
     backward handler; elsewhere the reference's VJP)."""
     raw = functools.partial(_ffi_forward, activation=activation, band_tokens=band_tokens,
-                            platform=platform, lists=lists, skip_outside=skip_outside, layout=layout)
+                            platform=platform, lists=lists, skip_outside=skip_outside, layout=layout,
+                            bf16_dot=bf16_dot)
 
     @custom_vmap
     def forward(x, w, ids, *weights):
@@ -504,6 +513,7 @@ def fused_moe(
     ids_outside: Literal["error", "skip"] = "error",
     weights_on: Literal["output", "input"] = "output",
     shared_experts: SharedExperts | None = None,
+    precision: Literal["float32", "bfloat16"] | None = None,
 ) -> jax.Array:
     """The MoE feed-forward block: route each token to its k experts, run each
     expert's gated MLP on the tokens it received, add the results back
@@ -567,6 +577,22 @@ def fused_moe(
         and added (DeepSeek, Qwen2-MoE with its sigmoid gate, Llama-4); they
         take the same ``activation`` and ``implementation``, and run as one
         more pass of the same handler over the tokens (its own experts, E=S).
+      precision: the CPU handler's arithmetic, in the spirit of
+        ``jax.lax.Precision``: ``None`` or ``"float32"`` (default: every
+        product in float32, x and the intermediate kept in float32) or
+        ``"bfloat16"`` (x and the intermediate ``act(x@gate) * (x@up)``
+        rounded to bfloat16, each sum taken over pairs of products as the
+        x86 instruction VDPBF16PS does: float32 fused multiply-adds, the
+        odd row of a pair first, denormals flushed; `jax_nbx.cpu.dot_kernels`
+        says whether the instruction (``"avx512_bf16"``) or its emulation
+        (``"emulated"``: the same bits, far slower) runs.  Error: about one
+        bfloat16 rounding of x and of the intermediate, i.e. a relative
+        ``~2**-8`` per element against the float32 arithmetic, the rounding
+        HF transformers' bfloat16 models do.  For dense bfloat16 experts
+        stored by rows (``layout="in_out"``, not interleaved), on the CPU
+        handler; every expert runs the packed kernels (none is streamed), so
+        decode is not faster.  Gradients are those of the float32 arithmetic
+        (the roundings pass gradients through unchanged).
 
     Returns:
       ``y`` with x's shape and dtype; accumulation is float32.
@@ -607,8 +633,12 @@ def fused_moe(
     E, H, I, k = _validate(x, topk_weights, topk_ids, experts, activation, ids_outside == "skip")
     activation = as_activation(activation)
     impl = _resolve_implementation(implementation, is_quantized(experts), experts.is_plain)
+    bf16_dot = _bf16_dot(precision, impl, experts)
+    if shared_experts is not None and bf16_dot:
+        _bf16_dot(precision, impl, shared_experts.experts, "shared_experts")
     run = functools.partial(_routed, activation=activation, implementation=implementation,
-                            max_workspace_bytes=max_workspace_bytes, ids_outside=ids_outside)
+                            max_workspace_bytes=max_workspace_bytes, ids_outside=ids_outside,
+                            bf16_dot=bf16_dot)
 
     lead = x.shape[:-1]
     T = int(np.prod(lead, dtype=np.int64))
@@ -627,6 +657,26 @@ def fused_moe(
         y = y.astype(jnp.float32) + _shared(x2, shared_experts, run, activation, implementation)
         y = y.astype(x.dtype)
     return y.reshape(x.shape)
+
+
+def _bf16_dot(precision, impl: str, experts, what: str = "experts") -> bool:
+    """Whether ``precision`` asks for the bfloat16 dot-product kernels;
+    ValueError where they cannot run (names the argument and the value)."""
+    if precision is None or precision == "float32":
+        return False
+    if precision != "bfloat16":
+        raise ValueError(f"precision must be None, 'float32' or 'bfloat16'; got {precision!r}")
+    platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    if impl != "ffi" or platform != "cpu":
+        raise ValueError("precision='bfloat16' runs on the CPU handler only (implementation='ffi' on "
+                         f"the CPU); this call resolves to implementation={impl!r} on {platform!r}")
+    if is_quantized(experts) or np.dtype(experts.dtype) != np.dtype(jnp.bfloat16):
+        kind = "quantized" if is_quantized(experts) else np.dtype(experts.dtype).name
+        raise ValueError(f"precision='bfloat16' needs dense bfloat16 {what}; these are {kind}")
+    if experts.layout != "in_out" or experts.fusion == "interleaved":
+        raise ValueError(f"precision='bfloat16' reads {what} stored by rows (layout='in_out', not "
+                         f"interleaved); these have layout={experts.layout!r}, fusion={experts.fusion!r}")
+    return True
 
 
 def _shared(x2, shared: SharedExperts, run, activation: Activation, implementation) -> jax.Array:
@@ -656,7 +706,8 @@ def _shared(x2, shared: SharedExperts, run, activation: Activation, implementati
 
 
 def _routed(x2, w2, ids2, experts: Experts, impl: str, E: int, H: int, I: int, k: int, *,
-            activation: Activation, implementation, max_workspace_bytes, ids_outside: str) -> jax.Array:
+            activation: Activation, implementation, max_workspace_bytes, ids_outside: str,
+            bf16_dot: bool = False) -> jax.Array:
     """One pass of the chosen implementation on 2-D inputs (validated)."""
     T = x2.shape[0]
     if impl != "xla":
@@ -685,11 +736,11 @@ def _routed(x2, w2, ids2, experts: Experts, impl: str, E: int, H: int, I: int, k
         band = _cuda.plan_band_tokens(T, k, E, H, I, experts.dtype, max_workspace_bytes,
                                       quant_format(experts))
     else:
-        band = plan_band_tokens(T, k, E, H, I, max_workspace_bytes)
+        band = plan_band_tokens(T, k, E, H, I, max_workspace_bytes, bf16_dot=bf16_dot)
     layout = experts.weight_layout()
     try:
         y = _ffi_op(activation, band, platform, experts.is_list, ids_outside == "skip",
-                    max_workspace_bytes, layout)(x2, w2, ids2, experts)
+                    max_workspace_bytes, layout, bf16_dot)(x2, w2, ids2, experts)
         if not isinstance(y, jax.core.Tracer):  # eager: surface a refusal here
             y.block_until_ready()
     except (jax.errors.JaxRuntimeError, ValueError) as e:  # eager errors may arrive as either

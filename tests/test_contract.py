@@ -85,7 +85,7 @@ def _raw_forward(x, w, ids, ex, **overrides):
                  band_tokens=np.int64(0), max_workers=np.int64(2),
                  skip_outside=False, num_experts=np.int64(ex.num_experts),
                  format=np.int32(_abi.FORMAT_CODES["dense"]), stacked=True, group_size=np.int64(0),
-                 **ex.weight_layout().attrs())
+                 bf16_dot=False, **ex.weight_layout().attrs())
     attrs.update(overrides)
     call = jax.ffi.ffi_call(_abi.TARGET_FORWARD, jax.ShapeDtypeStruct(x.shape, x.dtype),
                             vmap_method="sequential")
@@ -120,7 +120,7 @@ def test_weight_buffers_are_checked_against_the_format():
                                    act_limit=np.float32(7.0), band_tokens=np.int64(0),
                                    max_workers=np.int64(2), skip_outside=False,
                                    num_experts=np.int64(4), format=np.int32(0), stacked=True,
-                                   group_size=np.int64(0), **ex.weight_layout().attrs()))
+                                   group_size=np.int64(0), bf16_dot=False, **ex.weight_layout().attrs()))
     # int8 experts passed as dense: the decoder names the group count it expected
     q = nbx.quantize(ex, "int8")
     with pytest.raises(jax.errors.JaxRuntimeError, match="expected 3 dense weight buffers"):
@@ -131,7 +131,7 @@ def test_weight_buffers_are_checked_against_the_format():
                                    act_limit=np.float32(7.0), band_tokens=np.int64(0),
                                    max_workers=np.int64(2), skip_outside=False,
                                    num_experts=np.int64(4), format=np.int32(0), stacked=True,
-                                   group_size=np.int64(0), **ex.weight_layout().attrs()))
+                                   group_size=np.int64(0), bf16_dot=False, **ex.weight_layout().attrs()))
 
 
 def test_views_and_biases_are_checked_by_the_handler():
@@ -156,7 +156,7 @@ def test_views_and_biases_are_checked_by_the_handler():
     attrs = dict(activation=np.int32(0), act_alpha=np.float32(1.702), act_limit=np.float32(7.0),
                  band_tokens=np.int64(0), max_workers=np.int64(2), skip_outside=False,
                  num_experts=np.int64(E), format=np.int32(0), stacked=True, group_size=np.int64(0),
-                 **ex.weight_layout()._replace(bias=True).attrs())
+                 bf16_dot=False, **ex.weight_layout()._replace(bias=True).attrs())
     biases = [jnp.zeros((E, I), jnp.float32), jnp.zeros((E, I), jnp.float32), jnp.zeros((E, H + 1), jnp.float32)]
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"the down bias must be float32 \[E=4, 16\]"):
         jax.block_until_ready(call(x, w, ids, ex.gate, ex.up, ex.down, *biases, **attrs))

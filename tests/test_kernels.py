@@ -37,10 +37,9 @@ def test_unknown_names_raise():
 
 
 # The bfloat16 dot-product kernels (xla_ffi/cpu/kernels_dot.h): the emulated
-# table everywhere, the avx512_bf16 one where the CPU has the instruction.
-_DOT_CASES = [(table, kernel) for table in _ffi.cpu_supported_dot_kernels().split(",")
-              for kernel in _ffi.dot_kernel_names()
-              if kernel != "semantics" or table == "emulated"]  # the documented bits: the emulation's
+# tables everywhere, the avx512_bf16 ones where the CPU has the instruction.
+_DOT_CASES = [(table, kernel) for table in _ffi.dot_kernel_tables() for kernel in _ffi.dot_kernel_names()
+              if kernel != "semantics" or table.startswith("emulated/")]  # the documented bits: the emulation's
 
 
 @pytest.mark.parametrize("table, kernel", _DOT_CASES)
@@ -53,13 +52,17 @@ def test_dot_kernel(table, kernel):
         + "\n".join(failures[:20]))
 
 
-def test_dot_kernels_listed_and_unknown_names_raise():
-    tables = _ffi.cpu_supported_dot_kernels().split(",")
-    assert tables[-1] == "emulated" and set(tables) <= {"avx512_bf16", "emulated"}
+def test_dot_kernel_tables_follow_the_cpu():
+    tables = _ffi.dot_kernel_tables()
+    assert {"emulated/16x12", "emulated/8x6", "emulated/4x6"} <= set(tables)
     with open("/proc/cpuinfo") as f:
         has_bf16 = " avx512_bf16" in f.read()
-    assert ("avx512_bf16" in tables) == has_bf16
-    with pytest.raises(ValueError, match="dot kernels 'amx'"):
-        _ffi.run_dot_kernel_tests("amx", "gemm1", 0)
+    assert ({"avx512_bf16/16x12", "avx512_bf16/8x6"} <= set(tables)) == has_bf16
+    assert jax_nbx.cpu.dot_kernels() == ("avx512_bf16" if has_bf16 else "emulated")
+
+
+def test_dot_kernels_unknown_names_raise():
+    with pytest.raises(ValueError, match="dot kernels 'amx/16x12'"):
+        _ffi.run_dot_kernel_tests("amx/16x12", "gemm1", 0)
     with pytest.raises(ValueError, match="unknown dot kernel"):
-        _ffi.run_dot_kernel_tests("emulated", "gemm3", 0)
+        _ffi.run_dot_kernel_tests("emulated/16x12", "gemm3", 0)

@@ -78,11 +78,12 @@ NB_MODULE(_ffi, m) {
         "Prints the CPU handlers' stage timings to stderr (JAX_NBX_PROFILE).");
 
   m.def("forward_workspace_bytes", [](int64_t tokens, int64_t k, int64_t E, int64_t H,
-                                      int64_t I, int workers) {
+                                      int64_t I, int workers, bool bf16_dot) {
     CheckFormulaArgs(tokens, k, E, H, I, workers);
-    return nbx::SaturatedBytes(nbx::ForwardWorkspaceBytes(tokens, k, E, H, I, workers));
+    return nbx::SaturatedBytes(nbx::ForwardWorkspaceBytes(tokens, k, E, H, I, workers, bf16_dot));
   }, nb::arg("tokens"), nb::arg("k"), nb::arg("E"), nb::arg("H"), nb::arg("I"),
-     nb::arg("workers"), "Workspace bytes of one CPU forward band of `tokens` tokens.");
+     nb::arg("workers"), nb::arg("bf16_dot") = false,
+     "Workspace bytes of one CPU forward band of `tokens` tokens (`bf16_dot`: precision='bfloat16').");
   m.def("backward_workspace_bytes", [](int64_t tokens, int64_t k, int64_t E, int64_t H,
                                        int64_t I, int workers) {
     CheckFormulaArgs(tokens, k, E, H, I, workers);
@@ -152,6 +153,14 @@ NB_MODULE(_ffi, m) {
     if (!nbx::SelectIsa(name.c_str(), &why))
       throw nb::value_error((std::string("cannot use instruction set '") + name + "': " + why +
                              " (this CPU supports: " + nbx::SupportedIsas() + ")").c_str());
+  }, nb::arg("name"));
+  m.def("cpu_dot_kernels", []() {
+    return std::string(nbx::ActiveDotKernels(*nbx::ActiveKernels())->name);
+  }, "The bfloat16 dot-product kernels precision='bfloat16' runs now: 'avx512_bf16' or 'emulated'.");
+  m.def("cpu_dot_kernels_choice", []() { return std::string(nbx::DotKernelsChoice()); });
+  m.def("set_cpu_dot_kernels", [](const std::string& name) {
+    std::string why;
+    if (!nbx::SelectDotKernels(name.c_str(), &why)) throw nb::value_error(why.c_str());
   }, nb::arg("name"));
   m.def("format_bytes", [](double b) { return nbx::FormatBytes(b); });
 

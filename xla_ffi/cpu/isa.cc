@@ -247,14 +247,67 @@ static bool SupportsAvx512Bf16() {
 #endif
 }
 
-const DotKernelTable* DotKernelsByName(const char* name) {
-  if (name == nullptr) return nullptr;
-  if (std::strcmp(name, "emulated") == 0) return DotKernelsEmulated();
+namespace {
+std::atomic<bool> g_dot_emulated{false};
+
+const DotKernelTable* const* DotTables(int* n) {
+  static const DotKernelTable* tables[5];
+  static const int count = [] {
+    int c = 0;
 #if defined(__x86_64__) || defined(_M_X64)
-  if (std::strcmp(name, "avx512_bf16") == 0 && SupportsAvx512Bf16()) return DotKernelsAvx512Bf16();
+    if (SupportsAvx512Bf16()) {
+      tables[c++] = DotKernelsAvx512Bf16x16x12();
+      tables[c++] = DotKernelsAvx512Bf16x8x6();
+    }
 #endif
+    tables[c++] = DotKernelsEmulated16x12();
+    tables[c++] = DotKernelsEmulated8x6();
+    tables[c++] = DotKernelsEmulated4x6();
+    return c;
+  }();
+  *n = count;
+  return tables;
+}
+}  // namespace
+
+int NumDotKernelTables() {
+  int n;
+  DotTables(&n);
+  return n;
+}
+
+const DotKernelTable* DotKernelTableAt(int i) {
+  int n;
+  const DotKernelTable* const* t = DotTables(&n);
+  return i >= 0 && i < n ? t[i] : nullptr;
+}
+
+const DotKernelTable* DotKernelsByName(const char* name, int vl, int mr) {
+  if (name == nullptr) return nullptr;
+  int n;
+  const DotKernelTable* const* t = DotTables(&n);
+  for (int i = 0; i < n; ++i)
+    if (std::strcmp(t[i]->name, name) == 0 && t[i]->vl == vl && t[i]->mr == mr) return t[i];
   return nullptr;
 }
+
+const DotKernelTable* ActiveDotKernels(const KernelTable& kt) {
+  const DotKernelTable* t =
+      g_dot_emulated.load() ? nullptr : DotKernelsByName("avx512_bf16", kt.vl, kt.mr);
+  return t != nullptr ? t : DotKernelsByName("emulated", kt.vl, kt.mr);
+}
+
+bool SelectDotKernels(const char* name, std::string* error) {
+  if (std::strcmp(name, "auto") == 0 || std::strcmp(name, "emulated") == 0) {
+    g_dot_emulated.store(std::strcmp(name, "emulated") == 0);
+    error->clear();
+    return true;
+  }
+  *error = std::string("unknown dot kernels '") + name + "' (expected 'auto' or 'emulated')";
+  return false;
+}
+
+const char* DotKernelsChoice() { return g_dot_emulated.load() ? "emulated" : "auto"; }
 
 const char* SupportedDotKernels() {
   return SupportsAvx512Bf16() ? "avx512_bf16,emulated" : "emulated";

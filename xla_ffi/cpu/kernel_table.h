@@ -179,13 +179,31 @@ const KernelTable* DefaultKernels();
 bool SelectIsa(const char* name, std::string* error);
 const char* SupportedIsas();  // "avx512,avx2,generic"-style list for this CPU
 
-// The dot-kernel tables: the emulated one everywhere, the avx512_bf16 one on
-// x86-64 CPUs with AVX-512 F/BW/VL and avx512_bf16 (CPUID leaf 7 subleaf 1
-// EAX bit 5).  DotKernelsByName: nullptr for an unknown name or one this CPU
-// cannot run.  SupportedDotKernels: "avx512_bf16,emulated" or "emulated".
-const DotKernelTable* DotKernelsEmulated();
-const DotKernelTable* DotKernelsAvx512Bf16();  // x86-64 only
-const DotKernelTable* DotKernelsByName(const char* name);
+// The dot-kernel tables, one per blocking (vl, mr) of the packed tables
+// (16x12: avx512's; 8x6: avx2's; 4x6: generic's): the emulated ones
+// everywhere; the avx512_bf16 ones (16x12 on 512-bit registers, 8x6 on
+// 256-bit) on x86-64 CPUs with AVX-512 F/BW/VL and avx512_bf16 (CPUID leaf 7
+// subleaf 1 EAX bit 5).
+const DotKernelTable* DotKernelsEmulated16x12();
+const DotKernelTable* DotKernelsEmulated8x6();
+const DotKernelTable* DotKernelsEmulated4x6();
+const DotKernelTable* DotKernelsAvx512Bf16x16x12();  // x86-64 only
+const DotKernelTable* DotKernelsAvx512Bf16x8x6();    // x86-64 only
+// Every table this CPU runs.
+int NumDotKernelTables();
+const DotKernelTable* DotKernelTableAt(int i);
+// The table of `name` ("avx512_bf16", "emulated") for a packed table's
+// blocking, or nullptr (unknown name, no such blocking, or a CPU without it).
+const DotKernelTable* DotKernelsByName(const char* name, int vl, int mr);
+// The table the forward's bfloat16 precision uses with packed table `kt`:
+// avx512_bf16 where the CPU has it (unless SelectDotKernels chose
+// "emulated"), else the emulation.
+const DotKernelTable* ActiveDotKernels(const KernelTable& kt);
+// "auto" (the instruction where the CPU has it) or "emulated"; false with
+// the reason for anything else.
+bool SelectDotKernels(const char* name, std::string* error);
+const char* DotKernelsChoice();  // "auto" or "emulated"
+// "avx512_bf16,emulated" or "emulated": the dot kernels this CPU runs.
 const char* SupportedDotKernels();
 
 }  // namespace nbx

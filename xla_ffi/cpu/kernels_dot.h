@@ -163,22 +163,23 @@ void Gemm2Dot(const uint32_t* a, const uint32_t* b, int64_t P, const float* w, i
 }  // namespace nbx
 
 // Defines the dot-kernel table FN() of policy D (VL lanes), MR rows per
-// m-panel, KC rows (even) per K-block.
+// m-panel, KC rows (even) per K-block (several tables per file: the kernels
+// are named after FN).
 #define NBX_DEFINE_DOT_KERNELS(FN, NAME, D, MR, KC)                                           \
   namespace nbx {                                                                           \
   namespace {                                                                               \
   static_assert((KC) % 2 == 0, "K-blocks hold whole pairs of rows");                        \
-  void DG1(const uint32_t* a, const uint32_t* b, int64_t P, const Glu& act, int rows,       \
-           int cols, float* out, int64_t rs, int64_t cs, float* c, int flags) {             \
+  void FN##G1(const uint32_t* a, const uint32_t* b, int64_t P, const Glu& act, int rows,    \
+              int cols, float* out, int64_t rs, int64_t cs, float* c, int flags) {          \
     Gemm1Dot<D, MR>(a, b, P, act, rows, cols, out, rs, cs, c, flags);                       \
   }                                                                                         \
-  void DG2(const uint32_t* a, const uint32_t* b, int64_t P, const float* w, int rows,       \
-           int cols, float* out, int64_t rs, float* c, int flags) {                         \
+  void FN##G2(const uint32_t* a, const uint32_t* b, int64_t P, const float* w, int rows,    \
+              int cols, float* out, int64_t rs, float* c, int flags) {                      \
     Gemm2Dot<D, MR>(a, b, P, w, rows, cols, out, rs, c, flags);                             \
   }                                                                                         \
   }                                                                                         \
   const DotKernelTable* FN() {                                                              \
-    static const DotKernelTable t = {NAME, D::kVl, MR, KC, DG1, DG2};                       \
+    static const DotKernelTable t = {NAME, D::kVl, MR, KC, FN##G1, FN##G2};                 \
     return &t;                                                                              \
   }                                                                                         \
   }

@@ -1,8 +1,10 @@
 // The bfloat16 dot-product kernels on VDPBF16PS (this file is compiled with
 // -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mfma; isa.cc calls it only on
-// a CPU with avx512_bf16).  The same blocking as the emulated table: 16
-// lanes, 12 rows per m-panel (24 accumulators, two B vectors and a broadcast
-// in the 32 registers), K-blocks of 256 rows (128 pairs).
+// a CPU with avx512_bf16), with the packed tables' blockings: 16 lanes x 12
+// rows on 512-bit registers (the avx512 table's: 24 accumulators, two B
+// vectors and a broadcast in the 32 registers) and 8 lanes x 6 rows on
+// 256-bit ones (the avx2 table's, chosen on double-pumped cores such as
+// Zen 4); K-blocks of 128 rows.
 #include <immintrin.h>
 
 #include "cpu/kernels_dot.h"
@@ -10,7 +12,7 @@
 namespace nbx {
 namespace {
 
-struct DotAvx512Bf16 {
+struct DotZmm {
   static constexpr int kVl = 16;
   typedef __m512 Acc;
   typedef __m512i B;
@@ -24,7 +26,24 @@ struct DotAvx512Bf16 {
   }
 };
 
+struct DotYmm {
+  static constexpr int kVl = 8;
+  typedef __m256 Acc;
+  typedef __m256i B;
+  static NBX_AI Acc Zero() { return _mm256_setzero_ps(); }
+  static NBX_AI Acc LoadAcc(const float* p) { return _mm256_loadu_ps(p); }
+  static NBX_AI void StoreAcc(float* p, const Acc& v) { _mm256_storeu_ps(p, v); }
+  static NBX_AI B LoadB(const uint32_t* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  static NBX_AI Acc Dot(Acc acc, uint32_t a, const B& b) {
+    const __m256i av = _mm256_set1_epi32(static_cast<int>(a));
+    return _mm256_dpbf16_ps(acc, (__m256bh)av, (__m256bh)b);
+  }
+};
+
 }  // namespace
 }  // namespace nbx
 
-NBX_DEFINE_DOT_KERNELS(DotKernelsAvx512Bf16, "avx512_bf16", DotAvx512Bf16, 12, 256)
+NBX_DEFINE_DOT_KERNELS(DotKernelsAvx512Bf16x16x12, "avx512_bf16", DotZmm, 12, 128)
+NBX_DEFINE_DOT_KERNELS(DotKernelsAvx512Bf16x8x6, "avx512_bf16", DotYmm, 6, 128)

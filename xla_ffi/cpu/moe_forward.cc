@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "account.h"
+#include "cpu/dot_pack.h"
 #include "cpu/gemm_driver.h"
 #include "cpu/handler_common.h"
 #include "cpu/kernel_table.h"
@@ -61,10 +62,11 @@ int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 struct ScratchLayout {
   int64_t part_offset;
   int64_t raw_offset;  // GEMM1's streamed sums before the gated unit (2 * rows * cols)
+  int64_t dot_a_offset;  // precision="bfloat16": a chunk's m-panels of one K-block as pairs
   int64_t stride;  // whole pages (1024 floats): workers' blocks keep one alignment
 };
 
-ScratchLayout LayOutScratch(int64_t H, int64_t I, const KernelTable& kt) {
+ScratchLayout LayOutScratch(int64_t H, int64_t I, const KernelTable& kt, bool dot) {
   const int64_t mr = kt.mr, vl = kt.vl;
   const int64_t cols1 = 2 * RoundUp(std::min<int64_t>(kt.nc, I), vl);  // gate||up
   const int64_t cols2 = RoundUp(std::min<int64_t>(kt.nc, H), 2 * vl);  // down
@@ -78,7 +80,12 @@ ScratchLayout LayOutScratch(int64_t H, int64_t I, const KernelTable& kt) {
   // (also one m-panel's GEMM1 sums, when they are stored for the epilogue
   // within a single K-block)
   const int64_t raw_floats = std::max(rows * 2 * std::min(kStreamCols, I), mr * 2 * vl);
-  return {packed, raw, RoundUp(raw + raw_floats + std::max(cols1, cols2), 1024)};
+  // (precision="bfloat16": a chunk's packed A of one K-block as pairs, 4-byte words)
+  const int64_t dot_a =
+      dot ? kt.chunk_panels * mr * ((std::min<int64_t>(kt.kc, std::max(H, I)) + 1) / 2) : 0;
+  const int64_t dot_a_offset = raw + raw_floats;
+  return {packed, raw, dot_a_offset,
+          RoundUp(dot_a_offset + dot_a + std::max(cols1, cols2), 1024)};
 }
 
 
@@ -98,7 +105,7 @@ struct Band {
 // base == nullptr it only measures: the one layout both sizes the
 // allocation (and the Python plan) and carves it.
 size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int workers,
-                 const KernelTable& kt, Band* b) {
+                 const KernelTable& kt, bool dot, Band* b) {
   const int64_t P = MaxPaddedRows(S, E, kt.mr);
   const int64_t C = MaxChunks(P, E, int64_t{kt.mr} * kt.chunk_panels);
   Carver cv(base);
@@ -115,14 +122,15 @@ size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int wor
   b->chunks.end = cv.Take<int64_t>(C);
   b->XO = cv.Take<float>(P, H);
   b->A2 = cv.Take<float>(P, I);
-  b->scratch_layout = LayOutScratch(H, I, kt);
+  b->scratch_layout = LayOutScratch(H, I, kt, dot);
   b->scratch = cv.Take<float>(workers, b->scratch_layout.stride);
   return cv.used();
 }
 
-size_t BandBytes(int64_t S, int64_t E, int64_t H, int64_t I, int workers, const KernelTable& kt) {
+size_t BandBytes(int64_t S, int64_t E, int64_t H, int64_t I, int workers, const KernelTable& kt,
+                 bool dot) {
   Band unused;
-  return CarveBand(nullptr, S, E, H, I, workers, kt, &unused);
+  return CarveBand(nullptr, S, E, H, I, workers, kt, dot, &unused);
 }
 
 struct Problem {
@@ -134,6 +142,9 @@ struct Problem {
   const ExpertWeights* w;  // every expert's matrices, read in place
   void* y;
   Glu act;
+  // precision="bfloat16": the dot-product kernels (bfloat16 weights stored by
+  // rows; every expert packed, none streamed), else nullptr (float32).
+  const DotKernelTable* dot = nullptr;
 };
 
 template <typename W>
@@ -230,8 +241,12 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
   const bool raw_glu = first && (bias_g != nullptr || interleaved);
   // stored by columns (out x in): the column-streaming kernels, column n at n*sn
   const bool by_columns = !WS::kQuant && sk == 1 && sn != 1;
-  const bool can_stream = (WS::kQuant || sizeof(W) == 4 || p.w->dtype == ffi::DataType::BF16) &&
+  // (precision="bfloat16" packs every expert: one arithmetic for all rows)
+  const bool can_stream = p.dot == nullptr &&
+                          (WS::kQuant || sizeof(W) == 4 || p.w->dtype == ffi::DataType::BF16) &&
                           (sn == 1 || interleaved || by_columns);
+  // the dot kernels' operands: bfloat16 weights by rows (checked by the handler)
+  const DotKernelTable* const dot = std::is_same_v<W, bf16> ? p.dot : nullptr;
   const int64_t ldw = by_columns ? sn : sk;  // the streaming kernels' ld
   const int64_t col_step = by_columns ? sn : 1;  // elements from column n to n + 1
   static const float kOnes[kMaxStreamRows] = {1, 1, 1, 1, 1, 1};
@@ -329,6 +344,16 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
           if constexpr (WS::kQuant) {
             for (int s = 0; s < ns; ++s)
               kt.qpack(mats[s], k0, kc, n0, nc, width, packed + s * width, 2 * vl, kc * 2 * vl);
+          } else if (dot != nullptr) {  // pairs of rows; then the chunk's A panels
+            if constexpr (std::is_same_v<W, bf16>) {
+              auto* words = reinterpret_cast<uint32_t*>(packed);
+              if (first) PackRowsPairs<2>(mats, sk, k0, kc, n0, nc, vl, words);
+              else PackRowsPairs<1>(mats, sk, k0, kc, n0, nc, vl, words);
+              auto* a_pairs = reinterpret_cast<uint32_t*>(scratch + b.scratch_layout.dot_a_offset);
+              const int64_t pairs = (kc + 1) / 2;
+              for (int64_t pi = 0; pi < panels; ++pi)
+                PackPanelPairs(A + (m0 / mr + pi) * K * mr, k0, kc, mr, a_pairs + pi * pairs * mr);
+            }
           } else if constexpr (first) {
             PackView<2>(kt, mats, sk, sn, k0, kc, n0, nc, packed);
           } else {
@@ -340,26 +365,37 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
           int flags = BlockFlags(k0, kc, K);
           const bool last = k0 + kc >= K;
           if (raw_glu) flags |= kStorePartial;  // the epilogue runs below, on the stored sums
+          const int64_t pairs = (kc + 1) / 2;
+          const auto* a_pairs =
+              reinterpret_cast<const uint32_t*>(scratch + b.scratch_layout.dot_a_offset);
           for (int q = 0; q < nsub; ++q) {
             const int cols = std::min(width, nc - q * width);
             const float* bq = packed + q * kc * 2 * vl;
+            const uint32_t* bq_pairs = reinterpret_cast<const uint32_t*>(packed) + q * pairs * 2 * vl;
             const float* sq = scale ? scale + q * 2 * vl : nullptr;
             for (int64_t pi = 0; pi < panels; ++pi) {
               const int64_t m = m0 + pi * mr, panel = m / mr;
               const int rows = static_cast<int>(std::min<int64_t>(mr, m1 - m));
               const float* a = A + panel * K * mr + k0 * mr;
+              const uint32_t* ap = a_pairs + pi * pairs * mr;
               // (one K-block: a stored GEMM1 sum is read back at once, one panel's room)
               float* pp = K > kt.kc ? part + (pi * nsub + q) * mr * 2 * vl
                                     : scratch + b.scratch_layout.raw_offset;
               if constexpr (first) {
                 float* out1 = b.A2 + panel * I * mr + (n0 + q * vl) * mr;
-                kt.gemm1(a, bq, kc, p.act, rows, cols, out1, 1, mr, pp, flags, sq);
+                if (dot != nullptr)
+                  dot->gemm1(ap, bq_pairs, pairs, p.act, rows, cols, out1, 1, mr, pp, flags);
+                else
+                  kt.gemm1(a, bq, kc, p.act, rows, cols, out1, 1, mr, pp, flags, sq);
                 if (raw_glu && last) {
                   const int64_t col = e * I + n0 + q * vl;
                   kt.glu(pp, pp + vl, 2 * vl, 1, rows, cols, bias_g ? bias_g + col : nullptr,
                          bias_u ? bias_u + col : nullptr, p.act, out1, 1, mr);
                 }
               }
+              else if (dot != nullptr)
+                dot->gemm2(ap, bq_pairs, pairs, b.row_weight + m, rows, cols,
+                           O + m * H + n0 + q * 2 * vl, H, pp, flags);
               else
                 kt.gemm2(a, bq, kc, b.row_weight + m, rows, cols, O + m * H + n0 + q * 2 * vl, H,
                          pp, flags, sq);
@@ -453,12 +489,13 @@ void RunExpertGroups(const Problem& p, const KernelTable& kt, ffi::ThreadPool& p
 // Allocates a band of S slots (`tokens` tokens) in the account and carves it.
 ffi::Error AllocateBand(int64_t S, int64_t tokens, const Problem& p, int workers,
                         const KernelTable& kt, Workspace* ws, Band* b) {
-  if (ffi::Error e = AllocateWorkspace(BandBytes(S, p.E, p.H, p.I, workers, kt),
-                                       BandBytes(0, p.E, p.H, p.I, workers, kt), tokens, p.H,
+  const bool dot = p.dot != nullptr;
+  if (ffi::Error e = AllocateWorkspace(BandBytes(S, p.E, p.H, p.I, workers, kt, dot),
+                                       BandBytes(0, p.E, p.H, p.I, workers, kt, dot), tokens, p.H,
                                        "workspace", ws);
       e.failure())
     return e;
-  CarveBand(ws->data(), S, p.E, p.H, p.I, workers, kt, b);
+  CarveBand(ws->data(), S, p.E, p.H, p.I, workers, kt, dot, b);
   return ffi::Error::Success();
 }
 
@@ -495,13 +532,29 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
     std::memset(y->untyped_data(), 0, y->size_bytes());
     return ffi::Error::Success();
   }
+  const KernelTable& kt = *ActiveKernels();
+  const DotKernelTable* dot = nullptr;
+  if (a.bf16_dot) {
+    if (w.quantized() || w.dtype != ffi::DataType::BF16)
+      return ffi::Error::InvalidArgument(
+          "precision='bfloat16' needs dense bfloat16 weights; these are " +
+          std::string(w.quantized() ? "quantized" : "not bfloat16"));
+    if (w.sn[0] != 1 || w.sn[2] != 1)
+      return ffi::Error::InvalidArgument(
+          "precision='bfloat16' reads weights stored by rows (layout 'in_out', gate and up "
+          "not interleaved); these are stored with column stride " +
+          std::to_string(w.sn[0] != 1 ? w.sn[0] : w.sn[2]));
+    dot = ActiveDotKernels(kt);
+    if (dot == nullptr || dot->kc != kt.kc)
+      return ffi::Error::Internal(std::string("no bfloat16 dot kernels for the ") + kt.isa +
+                                  " packed kernels' blocking");
+  }
   const Problem p{T, H, w.I, w.E, k, x.untyped_data(), x.element_type(), topk_w.typed_data(),
                   ids, &w, y->untyped_data(),
-                  Glu{static_cast<int>(a.activation), a.act_alpha, a.act_limit}};
+                  Glu{static_cast<int>(a.activation), a.act_alpha, a.act_limit}, dot};
   const int64_t band = (a.band_tokens <= 0) ? T : std::min(a.band_tokens, T);
   // The plan counted scratch for max_workers; never use more.
   const int workers = static_cast<int>(std::clamp<int64_t>(a.max_workers, 1, MaxWorkers(pool)));
-  const KernelTable& kt = *ActiveKernels();
   if (x.element_type() == ffi::DataType::F32) {
     // One workspace of a band of `band` tokens, run in expert-major groups.
     Workspace ws;
@@ -529,8 +582,8 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
 }
 
 size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
-                             int workers) {
-  return BandBytes(tokens * k, E, H, I, workers, *ActiveKernels());
+                             int workers, bool bf16_dot) {
+  return BandBytes(tokens * k, E, H, I, workers, *ActiveKernels(), bf16_dot);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCpu, FusedMoeForwardImpl, NBX_FORWARD_BINDING);

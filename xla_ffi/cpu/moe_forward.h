@@ -24,6 +24,10 @@ struct ForwardAttrs {
   bool stacked;  // one [E, ...] buffer per group, else E per-expert buffers
   int64_t group_size;  // int4: rows of K per group
   WeightViewAttrs views;  // abi.h "weight views"
+  // precision="bfloat16": x and the activations rounded to bfloat16, products
+  // summed in pairs as VDPBF16PS does (kernels_dot.h); bfloat16 weights
+  // stored by rows only, every expert through the packed kernels.
+  bool bf16_dot;
 };
 
 // The forward on x [T, H], topk_weights/topk_ids [T, k] and the weight
@@ -37,9 +41,10 @@ xla::ffi::Error FusedMoeForward(xla::ffi::ThreadPool pool, xla::ffi::AnyBuffer x
 
 // Bytes of workspace the CPU forward allocates for one band of `tokens`
 // tokens (0 gives the part that does not shrink with the band: the
-// per-expert arrays and the per-worker scratch, sized to H and I).
+// per-expert arrays and the per-worker scratch, sized to H and I);
+// `bf16_dot`: with precision="bfloat16"'s scratch.
 size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
-                             int workers);
+                             int workers, bool bf16_dot = false);
 
 }  // namespace nbx
 
@@ -66,17 +71,18 @@ size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, in
       .Attr<::xla::ffi::Span<const int64_t>>("views")               \
       .Attr<int64_t>("intermediate")                                \
       .Attr<bool>("fused_gate_up")                                  \
-      .Attr<bool>("has_bias")
+      .Attr<bool>("has_bias")                                       \
+      .Attr<bool>("bf16_dot")
 
 // Forwards the binding's attributes as a ForwardAttrs.
 #define NBX_FORWARD_ATTR_PARAMS                                                         \
   ::nbx::abi::Activation activation, float act_alpha, float act_limit, int64_t band_tokens, \
       int64_t max_workers, bool skip_outside, int64_t num_experts, ::nbx::abi::WeightFormat format, \
       bool stacked, int64_t group_size, ::xla::ffi::Span<const int64_t> views, int64_t intermediate, \
-      bool fused_gate_up, bool has_bias
+      bool fused_gate_up, bool has_bias, bool bf16_dot
 #define NBX_FORWARD_ATTRS                                                              \
   ::nbx::ForwardAttrs {                                                                \
     activation, act_alpha, act_limit, band_tokens, max_workers, skip_outside, num_experts, \
         format, stacked, group_size,                                                   \
-        ::nbx::WeightViewAttrs{views, intermediate, fused_gate_up, has_bias}           \
+        ::nbx::WeightViewAttrs{views, intermediate, fused_gate_up, has_bias}, bf16_dot \
   }

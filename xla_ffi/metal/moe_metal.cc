@@ -110,6 +110,7 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
   if (ffi::Error e = CheckActivation(activation, act_alpha, act_limit); e.failure()) return e;
   if (format != abi::WeightFormat::kDense)
     return Fail("quantized experts are not supported on the Metal path yet");
+  if (bf16_dot) return Fail("precision='bfloat16' runs on the CPU handler only");
   if (!IsFloatType(x.element_type()) || y->element_type() != x.element_type())
     return Fail("the Metal path takes x and y of one dtype: float32, bfloat16 or float16");
   ExpertWeights w;

@@ -642,19 +642,30 @@ void BindKernelTests(nb::module_& m) {
     for (const DotKernelEntry& k : kDotKernels) names.push_back(k.name);
     return names;
   }, "The bfloat16 dot-product kernels run_dot_kernel_tests covers.");
-  m.def("cpu_supported_dot_kernels", [] { return std::string(SupportedDotKernels()); },
-        "The dot-kernel tables this CPU runs: 'avx512_bf16,emulated' or 'emulated'.");
+  m.def("dot_kernel_tables", [] {
+    std::vector<std::string> names;
+    for (int i = 0; i < NumDotKernelTables(); ++i) {
+      const DotKernelTable* t = DotKernelTableAt(i);
+      names.push_back(std::string(t->name) + "/" + std::to_string(t->vl) + "x" + std::to_string(t->mr));
+    }
+    return names;
+  }, "Every bfloat16 dot-kernel table this CPU runs, as 'name/VLxMR' (e.g. 'emulated/16x12').");
   m.def("run_dot_kernel_tests", [](const std::string& table, const std::string& kernel, uint32_t seed) {
-    const DotKernelTable* t = DotKernelsByName(table.c_str());
+    const DotKernelTable* t = nullptr;
+    for (int i = 0; i < NumDotKernelTables(); ++i) {
+      const DotKernelTable* c = DotKernelTableAt(i);
+      if (table == std::string(c->name) + "/" + std::to_string(c->vl) + "x" + std::to_string(c->mr)) t = c;
+    }
     if (t == nullptr)
       throw nb::value_error(("dot kernels '" + table + "' are unknown or this CPU cannot run them (supported: " +
-                             SupportedDotKernels() + ")").c_str());
+                             SupportedDotKernels() + "; see dot_kernel_tables())").c_str());
     const DotKernelEntry* entry = nullptr;
     for (const DotKernelEntry& k : kDotKernels)
       if (kernel == k.name) entry = &k;
     if (entry == nullptr) throw nb::value_error(("unknown dot kernel '" + kernel + "' (see dot_kernel_names())").c_str());
     Report report(table + " " + kernel);
-    if (entry->emulated_only && std::string(t->name) != "emulated") return report.Lines();
+    if (entry->emulated_only && std::string(t->name) != "emulated")
+      throw nb::value_error(("'" + kernel + "' checks the emulation's bits; " + table + " is not emulated").c_str());
     {
       nb::gil_scoped_release release;
       Rng rng(seed);
@@ -662,7 +673,7 @@ void BindKernelTests(nb::module_& m) {
     }
     return report.Lines();
   }, nb::arg("table"), nb::arg("kernel"), nb::arg("seed"),
-     "Sweeps one bfloat16 dot-product kernel of one table ('avx512_bf16', 'emulated') with random "
+     "Sweeps one bfloat16 dot-product kernel of one table (dot_kernel_tables()) with random "
      "inputs from `seed`; returns one line per failing case (empty: all passed).");
   m.def("kernel_names", [] {
     std::vector<std::string> names;
