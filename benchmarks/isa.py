@@ -4,11 +4,15 @@ with the anchors measured beside each row (issue #19's benchmark method).
     python benchmarks/isa.py                                  # OLMoE and Qwen3, the default rows
     python benchmarks/isa.py --models olmoe-1b-7b --rows prefill-f32,decode-int4 --rounds 5
     python benchmarks/isa.py --json isa.json
+    python benchmarks/isa.py --rows prefill-f32,prefill-bf16dot   # bf16 dot products (avx512_bf16)
 
 A row is one (model layer, T, weight format): prefill T=512 with float32 and
 bfloat16 weights; decode T=1 and T=8 with float32, bfloat16, int8 and int4
 (group 128) weights; x float32 (bf16 for the quantized rows, as
-benchmarks/quant.py).  Each round runs, for that row, numpy's sgemm (1024^3,
+benchmarks/quant.py); and prefill T=512 with bfloat16 x and weights under
+``precision="bfloat16"`` (the VDPBF16PS kernels; issue #19's target: >= 1.3 x
+the sgemm rate; an ISA whose dot kernels would be the emulation -- a CPU
+without avx512_bf16, or the generic table -- is not timed on that row).  Each round runs, for that row, numpy's sgemm (1024^3,
 float32), a numpy copy, and the op once under each ISA (`jax_nbx.cpu.set_isa`)
 -- so every ratio compares times taken seconds apart; the medians over the
 rounds are printed:
@@ -41,16 +45,18 @@ import numpy as np
 import jax_nbx as nbx
 from jax_nbx._bench import format_table, machine, make_layer
 
-ROWS = {  # name -> (T, weights, x dtype)
-    "prefill-f32": (512, "f32", jnp.float32),
-    "prefill-bf16": (512, "bf16", jnp.float32),
-    "decode-f32": (1, "f32", jnp.float32),
-    "decode-bf16": (1, "bf16", jnp.float32),
-    "decode-int8": (1, "int8", jnp.bfloat16),
-    "decode-int4": (1, "int4", jnp.bfloat16),
-    "decode8-bf16": (8, "bf16", jnp.float32),
-    "decode8-int4": (8, "int4", jnp.bfloat16),
+ROWS = {  # name -> (T, weights, x dtype, precision)
+    "prefill-f32": (512, "f32", jnp.float32, None),
+    "prefill-bf16": (512, "bf16", jnp.float32, None),
+    "prefill-bf16dot": (512, "bf16", jnp.bfloat16, "bfloat16"),
+    "decode-f32": (1, "f32", jnp.float32, None),
+    "decode-bf16": (1, "bf16", jnp.float32, None),
+    "decode-int8": (1, "int8", jnp.bfloat16, None),
+    "decode-int4": (1, "int4", jnp.bfloat16, None),
+    "decode8-bf16": (8, "bf16", jnp.float32, None),
+    "decode8-int4": (8, "int4", jnp.bfloat16, None),
 }
+DEFAULT_ROWS = [r for r in ROWS if r != "prefill-bf16dot"]
 
 
 def _family(T, fmt) -> str:
@@ -84,7 +90,7 @@ def _time(fn) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="olmoe-1b-7b,qwen3-30b-a3b")
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated of {', '.join(ROWS)}")
+    ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated of {', '.join(ROWS)}")
     ap.add_argument("--isas", default=None, help="comma-separated (default: every ISA this CPU supports)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
@@ -102,36 +108,62 @@ def main(argv=None) -> int:
         if i not in nbx.cpu.supported_isas():
             ap.error(f"--isas: {i!r} is not supported here (supported: {nbx.cpu.supported_isas()})")
     print(f"{machine()}; ISA chosen: {chosen}{' (calibrated)' if calibration else ''}; "
-          f"measured side by side: {', '.join(isas)}", flush=True)
+          f"measured side by side: {', '.join(isas)}; bf16 dot kernels: {nbx.cpu.dot_kernels()}", flush=True)
 
     rng = np.random.default_rng(0)
     A = rng.random((1024, 1024), dtype=np.float32)
     B = rng.random((1024, 1024), dtype=np.float32)
     src = np.ones(64 * 2 ** 20, np.float32)
     dst = np.empty_like(src)
-    f = jax.jit(nbx.fused_moe)
+    jitted = {p: jax.jit(lambda *a, p=p: nbx.fused_moe(*a, precision=p)) for p in (None, "bfloat16")}
     table, results = [], []
     try:
         for name in a.models.split(","):
             m = nbx.MODELS[name]
             for row in rows_wanted:
-                T, fmt, xdt = ROWS[row]
+                T, fmt, xdt, precision = ROWS[row]
                 x, w, ids, ex = _experts(m, fmt, T)
                 x = x.astype(xdt)
+                f = jitted[precision]
                 fn = lambda: f(x, w, ids, ex)  # noqa: E731
-                times = {i: [] for i in isas}
+                row_isas = isas
+                if precision == "bfloat16":  # only where the instruction runs (the emulation: far slower)
+                    row_isas = []
+                    for i in isas:
+                        nbx.cpu.set_isa(i)
+                        if nbx.cpu.dot_kernels() != "emulated":
+                            row_isas.append(i)
+                    nbx.cpu.set_isa(chosen)
+                    if row_isas:  # the instruction's bits against its emulation's, on a small layer
+                        xs, ws_, is_, es = make_layer(m, 16, jnp.bfloat16)
+                        y_native = f(xs, ws_, is_, es)
+                        nbx.cpu.set_dot_kernels("emulated")
+                        try:
+                            emul = jax.jit(lambda *a: nbx.fused_moe(*a, precision="bfloat16"))
+                            y_emul = emul(xs, ws_, is_, es)
+                        finally:
+                            nbx.cpu.set_dot_kernels("auto")
+                        differ = int(jnp.sum(y_native != y_emul))
+                        print(f"{name} T=16 precision=bfloat16: avx512_bf16 vs emulated: "
+                              f"{'identical bits' if differ == 0 else f'{differ} of {y_native.size} differ'}",
+                              flush=True)
+                    if not row_isas:
+                        print(f"{name} {row}: not timed (no ISA here runs the dot kernels on avx512_bf16; "
+                              f"they would be the emulation)", flush=True)
+                        continue
+                times = {i: [] for i in row_isas}
                 sg, bw = [], []
                 for r in range(a.rounds + 1):  # round 0 warms up
                     t_sg = _time(lambda: A @ B)
                     t_cp = _time(lambda: np.copyto(dst, src))
                     per = {}
-                    for i in isas:
+                    for i in row_isas:
                         nbx.cpu.set_isa(i)
                         per[i] = _time(fn)
                     if r:
                         sg.append(2 * 1024 ** 3 / t_sg)
                         bw.append(src.nbytes / t_cp)  # the copy's read rate
-                        for i in isas:
+                        for i in row_isas:
                             times[i].append(per[i])
                     sys.stderr.write(f"\r{name} {row} round {r}/{a.rounds}   ")
                 sys.stderr.write("\n")
@@ -140,7 +172,7 @@ def main(argv=None) -> int:
                 best = min(med.values())
                 flops = m.routed_flops(T)
                 floor = _weight_bytes(m, fmt, ids) / read_bw
-                for i in isas:
+                for i in row_isas:
                     t = med[i]
                     # prefill: also t over the roofline max(flops / sgemm rate, weight bytes / read
                     # rate): with few rows per expert the weights' traffic, not the FLOPs, bounds it
@@ -152,17 +184,19 @@ def main(argv=None) -> int:
                     table.append([name, row, i + mark, f"{t * 1e3:.2f}", anchor,
                                   f"{t / best:.2f}"])
                 results.append({"model": name, "row": row, "T": T, "weights": fmt, "x": str(np.dtype(xdt)),
+                                "precision": precision or "float32",
                                 "median_ms": {i: v * 1e3 for i, v in med.items()},
                                 "all_ms": {i: [t * 1e3 for t in v] for i, v in times.items()},
                                 "sgemm_gflops_median": rate / 1e9, "copy_read_gbs_median": read_bw / 1e9,
                                 "weight_floor_ms": floor * 1e3, "flops": flops})
-                print(table[-len(isas):], flush=True)
+                print(table[-len(row_isas):], flush=True)
     finally:
         nbx.cpu.set_isa(chosen)
     print(format_table(["model", "row", "ISA", "ms", "vs anchors (same rounds)", "÷ best"], table))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"machine": machine(), "isa_chosen": chosen, "isa_families": families,
+                       "dot_kernels": nbx.cpu.dot_kernels(),
                        "calibration": calibration and calibration.times_ms, "isas": isas, "rounds": a.rounds,
                        "rows": results}, fh, indent=1)
         print(f"wrote {a.json}")

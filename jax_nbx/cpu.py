@@ -77,8 +77,10 @@ def dot_kernels() -> str:
     """The bfloat16 dot-product kernels that ``fused_moe(..., precision="bfloat16")``
     runs on the CPU now: ``"avx512_bf16"`` (the VDPBF16PS instruction, on CPUs
     with avx512_bf16) or ``"emulated"`` (a scalar emulation of that
-    instruction's documented arithmetic: the same bits, much slower; every
-    other CPU, or after ``set_dot_kernels("emulated")``)."""
+    instruction's arithmetic as Intel's SDM documents it, much slower; every
+    other CPU, or after ``set_dot_kernels("emulated")``).  Whether a CPU's
+    instruction gives the emulation's bits is checked by
+    ``benchmarks/isa.py --rows prefill-bf16dot`` on that CPU."""
     return _ffi().cpu_dot_kernels()
 
 

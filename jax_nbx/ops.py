@@ -585,7 +585,7 @@ def fused_moe(
         x86 instruction VDPBF16PS does: float32 fused multiply-adds, the
         odd row of a pair first, denormals flushed; `jax_nbx.cpu.dot_kernels`
         says whether the instruction (``"avx512_bf16"``) or its emulation
-        (``"emulated"``: the same bits, far slower) runs.  Error: about one
+        (``"emulated"``: the documented arithmetic, far slower) runs.  Error: about one
         bfloat16 rounding of x and of the intermediate, i.e. a relative
         ``~2**-8`` per element against the float32 arithmetic, the rounding
         HF transformers' bfloat16 models do.  For dense bfloat16 experts

@@ -152,9 +152,13 @@ def test_close_to_float32_and_jit_and_grad():
     assert bool(jnp.all(g == g32))
 
 
-def test_emulation_is_the_instruction_bits():
-    """Where the CPU has avx512_bf16, the instruction and its emulation give
-    the same bits through the op (skipped elsewhere: only the emulation runs)."""
+def test_emulation_agrees_with_the_instruction():
+    """Where the CPU has avx512_bf16, the instruction and its emulation agree
+    through the op within float32 rounding of the same sums (their bits are
+    compared by benchmarks/isa.py's prefill-bf16dot row, not asserted: the
+    SDM documents the arithmetic, and no CPU with the instruction has run
+    this yet).  Skipped elsewhere:
+    only the emulation runs."""
     if nbx.cpu.dot_kernels() != "avx512_bf16":
         pytest.skip("no avx512_bf16 on this CPU")
     x, w, ids, ex = make_problem(9, 50, 8, 2, 130, 66, jnp.float32, jnp.bfloat16)
@@ -164,7 +168,10 @@ def test_emulation_is_the_instruction_bits():
         ye = _run(x, w, ids, ex)
     finally:
         nbx.cpu.set_dot_kernels("auto")
-    assert bool(jnp.all(y == ye))
+    _check(y, x, w, ids, ex)
+    _check(ye, x, w, ids, ex)
+    _, tol = np_moe_bf16(x, w, ids, ex)
+    assert np.all(np.abs(f64(y) - f64(ye)) <= 2 * tol)
 
 
 def test_errors_name_the_argument():
