@@ -12,8 +12,8 @@ bfloat16 weights; decode T=1 and T=8 with float32, bfloat16, int8 and int4
 benchmarks/quant.py); and prefill T=512 with bfloat16 x and weights under
 ``precision="bfloat16"`` (the VDPBF16PS kernels; issue #19's target: >= 1.3 x
 the sgemm rate; an ISA whose dot kernels would be the emulation -- a CPU
-without avx512_bf16, or the generic table -- is not timed on that row).  Each round runs, for that row, numpy's sgemm (1024^3,
-float32), a numpy copy, and the op once under each ISA (`jax_nbx.cpu.set_isa`)
+without avx512_bf16, or the generic table -- is not timed on that row).
+Each round runs, for that row, numpy's sgemm (1024^3, float32), a numpy copy, and the op once under each ISA (`jax_nbx.cpu.set_isa`)
 -- so every ratio compares times taken seconds apart; the medians over the
 rounds are printed:
 
