@@ -13,8 +13,8 @@ benchmarks/quant.py); and prefill T=512 with bfloat16 x and weights under
 ``precision="bfloat16"`` (the VDPBF16PS kernels; issue #19's target: >= 1.3 x
 the sgemm rate; an ISA whose dot kernels would be the emulation -- a CPU
 without avx512_bf16, or the generic table -- is not timed on that row).
-Each round runs, for that row, numpy's sgemm (1024^3, float32), a numpy copy, and the op once under each ISA (`jax_nbx.cpu.set_isa`)
--- so every ratio compares times taken seconds apart; the medians over the
+Each round runs, for that row, numpy's sgemm (1024^3, float32), a numpy
+copy, and the op once under each ISA (`jax_nbx.cpu.set_isa`) -- so every ratio compares times taken seconds apart; the medians over the
 rounds are printed:
 
 * prefill: GFLOP/s of the routed work and its ratio to the sgemm rate of the
