@@ -14,8 +14,9 @@ benchmarks/quant.py); and prefill T=512 with bfloat16 x and weights under
 the sgemm rate; an ISA whose dot kernels would be the emulation -- a CPU
 without avx512_bf16, or the generic table -- is not timed on that row).
 Each round runs, for that row, numpy's sgemm (1024^3, float32), a numpy
-copy, and the op once under each ISA (`jax_nbx.cpu.set_isa`) -- so every ratio compares times taken seconds apart; the medians over the
-rounds are printed:
+copy, and the op once under each ISA (`jax_nbx.cpu.set_isa`) -- so every
+ratio compares times taken seconds apart; the medians over the rounds are
+printed:
 
 * prefill: GFLOP/s of the routed work and its ratio to the sgemm rate of the
   same rounds (issue #19's target: >= 0.85), and the time over the roofline
