@@ -4,7 +4,9 @@
 # session's device time leaves room for a rerun):
 #   1. build with the CUDA handler required;
 #   2. the GPU tests (tests/test_cuda.py: forward, the CUDA backward, lists, quantized);
-#   3. the CPU micro-kernels of every ISA this machine's CPU has (tests/test_kernels.py);
+#   3. the CPU micro-kernels of every ISA this machine's CPU has (tests/test_kernels.py) and
+#      precision="bfloat16" through the op (tests/test_precision.py: the avx512_bf16 kernels
+#      where the CPU has them);
 #   4. benchmarks/gpu.py: forward and gradient checks against float64 / float32, then the
 #      timing table (prefill and decode vs ragged_dot and dense and the anchors, quantized
 #      decode, training step);
@@ -40,7 +42,8 @@ echo "== GPU tests"
 timeout "$(left 120)" $PY -m pytest -q --maxfail=5 tests/test_cuda.py -p no:cacheprovider > "$LOGS/tests.log" 2>&1
 echo "pytest exit $?"; tail -15 "$LOGS/tests.log"
 echo "== CPU micro-kernels of every ISA this machine's CPU has (its flags: machine.txt)"
-timeout "$(left 45)" $PY -m pytest -q tests/test_kernels.py -p no:cacheprovider > "$LOGS/cpu_kernels.log" 2>&1
+timeout "$(left 60)" $PY -m pytest -q tests/test_kernels.py tests/test_precision.py -p no:cacheprovider \
+  > "$LOGS/cpu_kernels.log" 2>&1
 echo "pytest exit $?"; tail -3 "$LOGS/cpu_kernels.log"
 echo "== check and time ($(( DEADLINE - $(date +%s) )) s left)"
 # gpu.py keeps its own deadline (a little inside the stage's) and writes its tables after
@@ -58,5 +61,11 @@ if (( DEADLINE - $(date +%s) >= 200 )); then
     --out "$LOGS/after_tuning" 2>&1 | tee "$LOGS/after_tuning.log" | tail -8
 else
   echo "== tuning skipped: under 200 s left"
+fi
+if (( DEADLINE - $(date +%s) >= 60 )); then  # issue #19 on this machine's CPU: f32 vs bf16 dot prefill
+  echo "== CPU prefill, float32 vs precision=bfloat16 ($(( DEADLINE - $(date +%s) )) s left)"
+  timeout "$(left 50)" $PY benchmarks/isa.py --models olmoe-1b-7b --rows prefill-f32,prefill-bf16dot \
+    --rounds 2 --json "$LOGS/isa_bf16dot.json" > "$LOGS/isa_bf16dot.log" 2>&1
+  tail -8 "$LOGS/isa_bf16dot.log"
 fi
 echo "== done in $(( $(date +%s) - START )) s"
