@@ -109,17 +109,24 @@ NBX_AI void AccumulatePairs(const uint32_t* a, const uint32_t* b, int64_t P, con
   }
 }
 
-// The MR x 2VL sums in memory, row r at s + r*2VL (lo then hi): the stored
-// partial sums' layout, and what the epilogues read.
+// The MR x 2VL sums of one m-panel over one K-block of P pairs, row r at
+// + r*2VL (lo then hi: the stored partial sums' layout): stored to c when
+// more K-blocks follow (flags & kStorePartial; returns false: no epilogue),
+// else to s (returns true).  c also holds the earlier blocks' sums (flags &
+// kLoadPartial).
 template <class D, int MR>
-NBX_AI void StoreSums(const typename D::Acc (&lo)[MR], const typename D::Acc (&hi)[MR],
+NBX_AI bool PanelSums(const uint32_t* a, const uint32_t* b, int64_t P, float* c, int flags,
                       float* s) {
   constexpr int VL = D::kVl;
+  typename D::Acc lo[MR], hi[MR];
+  AccumulatePairs<D, MR>(a, b, P, (flags & kLoadPartial) ? c : nullptr, lo, hi);
+  float* dst = (flags & kStorePartial) ? c : s;
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
-    D::StoreAcc(s + r * 2 * VL, lo[r]);
-    D::StoreAcc(s + r * 2 * VL + VL, hi[r]);
+    D::StoreAcc(dst + r * 2 * VL, lo[r]);
+    D::StoreAcc(dst + r * 2 * VL + VL, hi[r]);
   }
+  return !(flags & kStorePartial);
 }
 
 // GEMM1 on one packed m-panel, one K-block of P pairs (flags: PartialFlags,
@@ -128,14 +135,8 @@ template <class D, int MR>
 void Gemm1Dot(const uint32_t* a, const uint32_t* b, int64_t P, const Glu& act, int rows,
               int cols, float* out, int64_t rs, int64_t cs, float* c, int flags) {
   constexpr int VL = D::kVl;
-  typename D::Acc g[MR], u[MR];
-  AccumulatePairs<D, MR>(a, b, P, (flags & kLoadPartial) ? c : nullptr, g, u);
-  if (flags & kStorePartial) {
-    StoreSums<D, MR>(g, u, c);
-    return;
-  }
   float s[MR * 2 * VL];
-  StoreSums<D, MR>(g, u, s);
+  if (!PanelSums<D, MR>(a, b, P, c, flags, s)) return;
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < cols; ++j)
       out[r * rs + j * cs] = GluOf(act, s[r * 2 * VL + j], s[r * 2 * VL + VL + j]);
@@ -147,14 +148,8 @@ template <class D, int MR>
 void Gemm2Dot(const uint32_t* a, const uint32_t* b, int64_t P, const float* w, int rows,
               int cols, float* out, int64_t rs, float* c, int flags) {
   constexpr int VL = D::kVl;
-  typename D::Acc lo[MR], hi[MR];
-  AccumulatePairs<D, MR>(a, b, P, (flags & kLoadPartial) ? c : nullptr, lo, hi);
-  if (flags & kStorePartial) {
-    StoreSums<D, MR>(lo, hi, c);
-    return;
-  }
   float s[MR * 2 * VL];
-  StoreSums<D, MR>(lo, hi, s);
+  if (!PanelSums<D, MR>(a, b, P, c, flags, s)) return;
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < cols; ++j) out[r * rs + j] = w[r] * s[r * 2 * VL + j];
 }

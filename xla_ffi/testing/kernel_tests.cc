@@ -634,6 +634,32 @@ const DotKernelEntry kDotKernels[] = {
     {"semantics", SweepDotSemantics, true},
 };
 
+std::string DotTableName(const DotKernelTable& t) {
+  return std::string(t.name) + "/" + std::to_string(t.vl) + "x" + std::to_string(t.mr);
+}
+
+// The entry of `entries` named `name`, else a ValueError naming it.
+template <class Entry, size_t N>
+const Entry* FindEntry(const Entry (&entries)[N], const std::string& name, const char* what,
+                       const char* listing) {
+  for (const Entry& k : entries)
+    if (name == k.name) return &k;
+  throw nb::value_error(("unknown " + std::string(what) + " '" + name + "' (see " + listing + ")").c_str());
+}
+
+// One entry's sweep over one table, without the GIL; the failing cases' lines.
+template <class Entry, class Table>
+std::vector<std::string> RunSweep(const Entry& entry, const Table& t, const std::string& label,
+                                  uint32_t seed) {
+  Report report(label);
+  {
+    nb::gil_scoped_release release;
+    Rng rng(seed);
+    entry.sweep(t, rng, report);
+  }
+  return report.Lines();
+}
+
 }  // namespace
 
 void BindKernelTests(nb::module_& m) {
@@ -644,34 +670,20 @@ void BindKernelTests(nb::module_& m) {
   }, "The bfloat16 dot-product kernels run_dot_kernel_tests covers.");
   m.def("dot_kernel_tables", [] {
     std::vector<std::string> names;
-    for (int i = 0; i < NumDotKernelTables(); ++i) {
-      const DotKernelTable* t = DotKernelTableAt(i);
-      names.push_back(std::string(t->name) + "/" + std::to_string(t->vl) + "x" + std::to_string(t->mr));
-    }
+    for (int i = 0; i < NumDotKernelTables(); ++i) names.push_back(DotTableName(*DotKernelTableAt(i)));
     return names;
   }, "Every bfloat16 dot-kernel table this CPU runs, as 'name/VLxMR' (e.g. 'emulated/16x12').");
   m.def("run_dot_kernel_tests", [](const std::string& table, const std::string& kernel, uint32_t seed) {
     const DotKernelTable* t = nullptr;
-    for (int i = 0; i < NumDotKernelTables(); ++i) {
-      const DotKernelTable* c = DotKernelTableAt(i);
-      if (table == std::string(c->name) + "/" + std::to_string(c->vl) + "x" + std::to_string(c->mr)) t = c;
-    }
+    for (int i = 0; i < NumDotKernelTables(); ++i)
+      if (table == DotTableName(*DotKernelTableAt(i))) t = DotKernelTableAt(i);
     if (t == nullptr)
       throw nb::value_error(("dot kernels '" + table + "' are unknown or this CPU cannot run them (supported: " +
                              SupportedDotKernels() + "; see dot_kernel_tables())").c_str());
-    const DotKernelEntry* entry = nullptr;
-    for (const DotKernelEntry& k : kDotKernels)
-      if (kernel == k.name) entry = &k;
-    if (entry == nullptr) throw nb::value_error(("unknown dot kernel '" + kernel + "' (see dot_kernel_names())").c_str());
-    Report report(table + " " + kernel);
+    const DotKernelEntry* entry = FindEntry(kDotKernels, kernel, "dot kernel", "dot_kernel_names()");
     if (entry->emulated_only && std::string(t->name) != "emulated")
       throw nb::value_error(("'" + kernel + "' checks the emulation's bits; " + table + " is not emulated").c_str());
-    {
-      nb::gil_scoped_release release;
-      Rng rng(seed);
-      entry->sweep(*t, rng, report);
-    }
-    return report.Lines();
+    return RunSweep(*entry, *t, table + " " + kernel, seed);
   }, nb::arg("table"), nb::arg("kernel"), nb::arg("seed"),
      "Sweeps one bfloat16 dot-product kernel of one table (dot_kernel_tables()) with random "
      "inputs from `seed`; returns one line per failing case (empty: all passed).");
@@ -685,17 +697,7 @@ void BindKernelTests(nb::module_& m) {
     if (t == nullptr)
       throw nb::value_error(("instruction set '" + isa + "' is unknown or this CPU cannot run it (supported: " +
                              SupportedIsas() + ")").c_str());
-    const KernelEntry* entry = nullptr;
-    for (const KernelEntry& k : kKernels)
-      if (kernel == k.name) entry = &k;
-    if (entry == nullptr) throw nb::value_error(("unknown kernel '" + kernel + "' (see kernel_names())").c_str());
-    Report report(isa + " " + kernel);
-    {
-      nb::gil_scoped_release release;
-      Rng rng(seed);
-      entry->sweep(*t, rng, report);
-    }
-    return report.Lines();
+    return RunSweep(*FindEntry(kKernels, kernel, "kernel", "kernel_names()"), *t, isa + " " + kernel, seed);
   }, nb::arg("isa"), nb::arg("kernel"), nb::arg("seed"),
      "Sweeps one kernel of one instruction set's table over its parameter space with random "
      "inputs from `seed`; returns one line per failing case (empty: all passed).");
