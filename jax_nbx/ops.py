@@ -659,6 +659,12 @@ def fused_moe(
     return y.reshape(x.shape)
 
 
+def _ffi_platform() -> str:
+    """The handler platform ``implementation="ffi"`` reaches from the default
+    backend: "gpu" (the CUDA handler) or "cpu"."""
+    return "gpu" if jax.default_backend() == "gpu" else "cpu"
+
+
 def _bf16_dot(precision, impl: str, experts, what: str = "experts") -> bool:
     """Whether ``precision`` asks for the bfloat16 dot-product kernels;
     ValueError where they cannot run (names the argument and the value)."""
@@ -666,7 +672,7 @@ def _bf16_dot(precision, impl: str, experts, what: str = "experts") -> bool:
         return False
     if precision != "bfloat16":
         raise ValueError(f"precision must be None, 'float32' or 'bfloat16'; got {precision!r}")
-    platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    platform = _ffi_platform()
     if impl != "ffi" or platform != "cpu":
         raise ValueError("precision='bfloat16' runs on the CPU handler only (implementation='ffi' on "
                          f"the CPU); this call resolves to implementation={impl!r} on {platform!r}")
@@ -716,7 +722,7 @@ def _routed(x2, w2, ids2, experts: Experts, impl: str, E: int, H: int, I: int, k
         raise ValueError("quantized experts are not supported on the Metal path yet")
     if impl == "xla":
         return moe_reference(x2, w2, ids2, experts, activation)
-    platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    platform = _ffi_platform()
     if impl == "metal":
         platform = "metal"
     if platform == "metal" and not experts.is_plain:

@@ -22,11 +22,16 @@ pytestmark = pytest.mark.fast
 @pytest.mark.parametrize("kernel", _ffi.kernel_names())
 @pytest.mark.parametrize("isa", jax_nbx.cpu.supported_isas())
 def test_kernel(isa, kernel):
+    _sweep(_ffi.run_kernel_tests, isa, kernel)
+
+
+def _sweep(run, table: str, kernel: str) -> None:
+    """One tester sweep (`run(table, kernel, seed)`) on fresh inputs: no failing case."""
     seed = random.SystemRandom().randrange(2**32)  # fresh inputs every run
-    failures = _ffi.run_kernel_tests(isa, kernel, seed)
+    failures = run(table, kernel, seed)
     assert not failures, (
-        f"{isa} {kernel}: {len(failures)} failing cases with seed={seed} (reproduce: "
-        f"jax_nbx._ffi.run_kernel_tests({isa!r}, {kernel!r}, {seed})); the first 20:\n"
+        f"{table} {kernel}: {len(failures)} failing cases with seed={seed} (reproduce: "
+        f"jax_nbx._ffi.{run.__name__}({table!r}, {kernel!r}, {seed})); the first 20:\n"
         + "\n".join(failures[:20]))
 
 
@@ -45,12 +50,7 @@ _DOT_CASES = [(table, kernel) for table in _ffi.dot_kernel_tables() for kernel i
 
 @pytest.mark.parametrize("table, kernel", _DOT_CASES)
 def test_dot_kernel(table, kernel):
-    seed = random.SystemRandom().randrange(2**32)
-    failures = _ffi.run_dot_kernel_tests(table, kernel, seed)
-    assert not failures, (
-        f"{table} {kernel}: {len(failures)} failing cases with seed={seed} (reproduce: "
-        f"jax_nbx._ffi.run_dot_kernel_tests({table!r}, {kernel!r}, {seed})); the first 20:\n"
-        + "\n".join(failures[:20]))
+    _sweep(_ffi.run_dot_kernel_tests, table, kernel)
 
 
 def test_dot_kernel_tables_follow_the_cpu():

@@ -157,7 +157,6 @@ NB_MODULE(_ffi, m) {
   m.def("cpu_dot_kernels", []() {
     return std::string(nbx::ActiveDotKernels(*nbx::ActiveKernels())->name);
   }, "The bfloat16 dot-product kernels precision='bfloat16' runs now: 'avx512_bf16' or 'emulated'.");
-  m.def("cpu_dot_kernels_choice", []() { return std::string(nbx::DotKernelsChoice()); });
   m.def("set_cpu_dot_kernels", [](const std::string& name) {
     std::string why;
     if (!nbx::SelectDotKernels(name.c_str(), &why)) throw nb::value_error(why.c_str());

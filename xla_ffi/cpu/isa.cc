@@ -307,8 +307,6 @@ bool SelectDotKernels(const char* name, std::string* error) {
   return false;
 }
 
-const char* DotKernelsChoice() { return g_dot_emulated.load() ? "emulated" : "auto"; }
-
 const char* SupportedDotKernels() {
   return SupportsAvx512Bf16() ? "avx512_bf16,emulated" : "emulated";
 }

@@ -202,7 +202,6 @@ const DotKernelTable* ActiveDotKernels(const KernelTable& kt);
 // "auto" (the instruction where the CPU has it) or "emulated"; false with
 // the reason for anything else.
 bool SelectDotKernels(const char* name, std::string* error);
-const char* DotKernelsChoice();  // "auto" or "emulated"
 // "avx512_bf16,emulated" or "emulated": the dot kernels this CPU runs.
 const char* SupportedDotKernels();
 

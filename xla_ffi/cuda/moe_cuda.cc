@@ -388,7 +388,6 @@ class GraphCache {
     return ffi::Error::Success();
   }
 
-
  private:
   std::mutex mu_;
   FingerprintLru<CudaGraph> lru_{kGraphCacheEntries};

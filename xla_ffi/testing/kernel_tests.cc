@@ -43,6 +43,28 @@ std::vector<int64_t> SplitK(int64_t K, Rng& rng) {
   return {0, std::min(p, q), std::max(p, q), K};
 }
 
+// K-blocks [at[i], at[i+1]) run in turn through the partial sums in c by
+// call(k0, kc, out, c, flags): every call before the last stores all MR x 2VL
+// sums to c and leaves `out` untouched, the last reads c without writing it,
+// and the result equals `whole` (one pass over K) bit for bit.
+template <class Call>
+void CheckKBlocks(const std::vector<int64_t>& at, const std::vector<float>& whole, const Grid& grid,
+                  const Grid& cgrid, const Call& call, Issues& issues) {
+  const std::string tag = "K-blocks " + JoinInts(at, "|");
+  std::vector<float> blocked = grid.Fresh(), c = cgrid.Fresh();
+  for (size_t i = 0; i + 1 < at.size(); ++i) {
+    const bool last = i + 2 == at.size();
+    const int flags = (i > 0 ? kLoadPartial : 0) | (last ? 0 : kStorePartial);
+    const std::vector<float> before = c;
+    call(at[i], at[i + 1] - at[i], blocked, c.data() + cgrid.base, flags);
+    const std::string step = tag + Fmt(" call %zu (flags %d)", i, flags);
+    ScanGrid(step + ": c", c, cgrid, !last, NoCheck{}, issues);  // all MR x 2VL sums stored
+    if (last) CompareBits(step + ": c changed", c, before, cgrid, issues);
+    else ExpectUntouched(step + ": out", blocked, issues);
+  }
+  CompareBits(tag + " vs whole K", blocked, whole, grid, issues);
+}
+
 struct PackedGemmTester {
   std::string Describe() const {
     return Fmt("rows=%d cols=%d K=%lld", rows, cols, (long long)K) +
@@ -71,22 +93,11 @@ struct PackedGemmTester {
     ExpectUntouched("whole K: c", c, issues);
 
     // (b) three K-blocks through the partial sums in c: the same bits
-    const std::vector<int64_t> at = SplitK(K, rng);
-    const std::string tag = "K-blocks " + JoinInts(at, "|");
-    std::vector<float> blocked = grid.Fresh();
-    c = cgrid.Fresh();
-    const PackedCall call = Call(a, pb, w, blocked, grid);
-    for (size_t i = 0; i + 1 < at.size(); ++i) {
-      const bool last = i + 2 == at.size();
-      const int flags = (i > 0 ? kLoadPartial : 0) | (last ? 0 : kStorePartial);
-      const std::vector<float> before = c;
-      call(at[i], at[i + 1] - at[i], c.data() + cgrid.base, flags);
-      const std::string step = tag + Fmt(" call %zu (flags %d)", i, flags);
-      ScanGrid(step + ": c", c, cgrid, !last, NoCheck{}, issues);  // all MR x 2VL sums stored
-      if (last) CompareBits(step + ": c changed", c, before, cgrid, issues);
-      else ExpectUntouched(step + ": out", blocked, issues);
-    }
-    CompareBits(tag + " vs whole K", blocked, whole, grid, issues);
+    CheckKBlocks(SplitK(K, rng), whole, grid, cgrid,
+                 [&](int64_t k0, int64_t kc, std::vector<float>& out, float* cp, int flags) {
+                   Call(a, pb, w, out, grid)(k0, kc, cp, flags);
+                 },
+                 issues);
     report.Add(Describe(), issues);
   }
 
@@ -516,21 +527,7 @@ struct DotGemmTester {
     ScanGrid("whole K: out", whole, grid, true, want, issues);
     ExpectUntouched("whole K: c", c, issues);
 
-    const std::vector<int64_t> at = SplitKEven(K, rng);
-    const std::string tag = "K-blocks " + JoinInts(at, "|");
-    std::vector<float> blocked = grid.Fresh();
-    c = cgrid.Fresh();
-    for (size_t i = 0; i + 1 < at.size(); ++i) {
-      const bool last = i + 2 == at.size();
-      const int flags = (i > 0 ? kLoadPartial : 0) | (last ? 0 : kStorePartial);
-      call(at[i], at[i + 1] - at[i], blocked, c.data() + cgrid.base, flags);
-      const std::string step = tag + Fmt(" call %zu (flags %d)", i, flags);
-      if (!last) {
-        ScanGrid(step + ": c", c, cgrid, true, NoCheck{}, issues);
-        ExpectUntouched(step + ": out", blocked, issues);
-      }
-    }
-    CompareBits(tag + " vs whole K", blocked, whole, grid, issues);
+    CheckKBlocks(SplitKEven(K, rng), whole, grid, cgrid, call, issues);
     report.Add(Describe(), issues);
   }
 
