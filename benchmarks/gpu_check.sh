@@ -64,7 +64,7 @@ else
 fi
 if (( DEADLINE - $(date +%s) >= 60 )); then  # issue #19 on this machine's CPU: f32 vs bf16 dot prefill
   echo "== CPU prefill, float32 vs precision=bfloat16 ($(( DEADLINE - $(date +%s) )) s left)"
-  timeout "$(left 50)" $PY benchmarks/isa.py --models olmoe-1b-7b --rows prefill-f32,prefill-bf16dot \
+  timeout "$(left 50)" $PY benchmarks/isa.py --models olmoe-1b-7b --rows prefill-f32,prefill-bf16dot,decode-bf16dot \
     --rounds 2 --json "$LOGS/isa_bf16dot.json" > "$LOGS/isa_bf16dot.log" 2>&1
   tail -8 "$LOGS/isa_bf16dot.log"
 fi

@@ -4,15 +4,19 @@ with the anchors measured beside each row (issue #19's benchmark method).
     python benchmarks/isa.py                                  # OLMoE and Qwen3, the default rows
     python benchmarks/isa.py --models olmoe-1b-7b --rows prefill-f32,decode-int4 --rounds 5
     python benchmarks/isa.py --json isa.json
-    python benchmarks/isa.py --rows prefill-f32,prefill-bf16dot   # bf16 dot products (avx512_bf16)
+    python benchmarks/isa.py --rows prefill-f32,prefill-bf16,prefill-bf16dot   # bf16 dot products
+    python benchmarks/isa.py --rows decode-bf16,decode-bf16dot,decode8-bf16,decode8-bf16dot
 
 A row is one (model layer, T, weight format): prefill T=512 with float32 and
 bfloat16 weights; decode T=1 and T=8 with float32, bfloat16, int8 and int4
 (group 128) weights; x float32 (bf16 for the quantized rows, as
 benchmarks/quant.py); and prefill T=512 with bfloat16 x and weights under
-``precision="bfloat16"`` (the VDPBF16PS kernels; issue #19's target: >= 1.3 x
-the sgemm rate; an ISA whose dot kernels would be the emulation -- a CPU
-without avx512_bf16, or the generic table -- is not timed on that row).
+``precision="bfloat16"`` (and decode T=1 / T=8 under it; the dot-product kernels: VDPBF16PS where the CPU
+has avx512_bf16, issue #19's target >= 1.3 x the sgemm rate; else the fma
+kernels, the same arithmetic on float32 FMAs; an ISA whose dot kernels would
+be the emulation -- the generic table -- is not timed on that row; the ISA
+column names the dot kernels, and a T=16 layer's bits are compared with the
+emulation's).
 Each round runs, for that row, numpy's sgemm (1024^3, float32), a numpy
 copy, and the op once under each ISA (`jax_nbx.cpu.set_isa`) -- so every
 ratio compares times taken seconds apart; the medians over the rounds are
@@ -56,8 +60,10 @@ ROWS = {  # name -> (T, weights, x dtype, precision)
     "decode-int4": (1, "int4", jnp.bfloat16, None),
     "decode8-bf16": (8, "bf16", jnp.float32, None),
     "decode8-int4": (8, "int4", jnp.bfloat16, None),
+    "decode-bf16dot": (1, "bf16", jnp.bfloat16, "bfloat16"),
+    "decode8-bf16dot": (8, "bf16", jnp.bfloat16, "bfloat16"),
 }
-DEFAULT_ROWS = [r for r in ROWS if r != "prefill-bf16dot"]
+DEFAULT_ROWS = [r for r, v in ROWS.items() if v[3] is None]  # (the precision="bfloat16" rows: by name)
 
 
 def _family(T, fmt) -> str:
@@ -128,14 +134,17 @@ def main(argv=None) -> int:
                 f = jitted[precision]
                 fn = lambda: f(x, w, ids, ex)  # noqa: E731
                 row_isas = isas
-                if precision == "bfloat16":  # only where the instruction runs (the emulation: far slower)
+                dot = {}  # ISA -> its dot kernels (precision="bfloat16" rows)
+                if precision == "bfloat16":  # not where the emulation would run (far slower)
                     row_isas = []
                     for i in isas:
                         nbx.cpu.set_isa(i)
                         if nbx.cpu.dot_kernels() != "emulated":
                             row_isas.append(i)
+                            dot[i] = nbx.cpu.dot_kernels()
                     nbx.cpu.set_isa(chosen)
-                    if row_isas:  # the instruction's bits against its emulation's, on a small layer
+                    for i in row_isas:  # the kernels' bits against the emulation's, on a small layer
+                        nbx.cpu.set_isa(i)
                         xs, ws_, is_, es = make_layer(m, 16, jnp.bfloat16)
                         y_native = f(xs, ws_, is_, es)
                         nbx.cpu.set_dot_kernels("emulated")
@@ -144,13 +153,14 @@ def main(argv=None) -> int:
                             y_emul = emul(xs, ws_, is_, es)
                         finally:
                             nbx.cpu.set_dot_kernels("auto")
+                            nbx.cpu.set_isa(chosen)
                         differ = int(jnp.sum(y_native != y_emul))
-                        print(f"{name} T=16 precision=bfloat16: avx512_bf16 vs emulated: "
+                        print(f"{name} T=16 precision=bfloat16 under {i}: {dot[i]} vs emulated: "
                               f"{'identical bits' if differ == 0 else f'{differ} of {y_native.size} differ'}",
                               flush=True)
                     if not row_isas:
-                        print(f"{name} {row}: not timed (no ISA here runs the dot kernels on avx512_bf16; "
-                              f"they would be the emulation)", flush=True)
+                        print(f"{name} {row}: not timed (no ISA here has dot kernels other than the "
+                              f"emulation)", flush=True)
                         continue
                 times = {i: [] for i in row_isas}
                 sg, bw = [], []
@@ -182,10 +192,11 @@ def main(argv=None) -> int:
                               f"{t / roof:.2f} x roofline ({'flops' if flops / rate >= floor else 'bytes'})"
                               if T > 8 else f"{t / floor:.2f} x bw floor")
                     mark = "*" if i == families[_family(T, fmt)] else ""
-                    table.append([name, row, i + mark, f"{t * 1e3:.2f}", anchor,
+                    label = i + mark + (f" ({dot[i]})" if i in dot else "")
+                    table.append([name, row, label, f"{t * 1e3:.2f}", anchor,
                                   f"{t / best:.2f}"])
                 results.append({"model": name, "row": row, "T": T, "weights": fmt, "x": str(np.dtype(xdt)),
-                                "precision": precision or "float32",
+                                "precision": precision or "float32", "dot_kernels": dot,
                                 "median_ms": {i: v * 1e3 for i, v in med.items()},
                                 "all_ms": {i: [t * 1e3 for t in v] for i, v in times.items()},
                                 "sgemm_gflops_median": rate / 1e9, "copy_read_gbs_median": read_bw / 1e9,

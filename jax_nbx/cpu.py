@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from . import _registry
 
 __all__ = ["FAMILIES", "isa", "isa_families", "default_isa", "supported_isas", "set_isa",
-           "dot_kernels", "set_dot_kernels", "planned_workers"]
+           "dot_kernels", "supported_dot_kernels", "set_dot_kernels", "planned_workers"]
 
 FAMILIES = ("packed", "stream", "qstream")
 
@@ -75,21 +75,34 @@ def set_isa(name: str | Mapping[str, str]) -> None:
 
 def dot_kernels() -> str:
     """The bfloat16 dot-product kernels that ``fused_moe(..., precision="bfloat16")``
-    runs on the CPU now: ``"avx512_bf16"`` (the VDPBF16PS instruction, on CPUs
-    with avx512_bf16) or ``"emulated"`` (a scalar emulation of that
-    instruction's arithmetic as Intel's SDM documents it, much slower; every
-    other CPU, or after ``set_dot_kernels("emulated")``).  Whether a CPU's
-    instruction gives the emulation's bits is checked by
-    ``benchmarks/isa.py --rows prefill-bf16dot`` on that CPU."""
+    runs on the CPU now, for the packed kernels' blocking:
+
+    - ``"avx512_bf16"``: the VDPBF16PS instruction, on CPUs with avx512_bf16;
+    - ``"fma"``: the same arithmetic on float32 fused multiply-adds under
+      MXCSR DAZ|FTZ (x86-64 CPUs with AVX2 or AVX-512), vector speed;
+    - ``"emulated"``: a scalar emulation of that arithmetic, much slower
+      (every other CPU, and the generic kernels' blocking).
+
+    The emulated and fma kernels give the same bits (the arithmetic as Intel's
+    SDM documents it; tests check them bit for bit).  Whether a CPU's
+    instruction gives those bits is checked by ``benchmarks/isa.py --rows
+    prefill-bf16dot`` on that CPU."""
     return _ffi().cpu_dot_kernels()
 
 
+def supported_dot_kernels() -> list[str]:
+    """The dot-product kernels this CPU runs, fastest first (``"emulated"`` last)."""
+    return _ffi().cpu_supported_dot_kernels().split(",")
+
+
 def set_dot_kernels(name: str) -> None:
-    """``"auto"`` (default: the instruction where the CPU has it) or
-    ``"emulated"`` (always the emulation: tests, reproducing another
-    machine's bits).  Takes effect for calls that start after it."""
-    if name not in ("auto", "emulated"):
-        raise ValueError(f"set_dot_kernels: expected 'auto' or 'emulated', got {name!r}")
+    """``"auto"`` (default: the fastest this CPU has) or one of
+    ``supported_dot_kernels()`` (tests, benchmarks, reproducing another
+    machine's bits); where the forced kind has no kernels for the packed
+    blocking in use, the emulation runs.  Takes effect for calls that start
+    after it."""
+    if name != "auto" and name not in supported_dot_kernels():
+        raise ValueError(f"set_dot_kernels: expected 'auto' or one of {supported_dot_kernels()}, got {name!r}")
     _ffi().set_cpu_dot_kernels(name)
 
 

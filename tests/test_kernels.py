@@ -43,9 +43,15 @@ def test_unknown_names_raise():
 
 
 # The bfloat16 dot-product kernels (xla_ffi/cpu/kernels_dot.h): the emulated
-# tables everywhere, the avx512_bf16 ones where the CPU has the instruction.
+# tables everywhere, the fma ones on x86-64 with AVX2 (8x6) or AVX-512 (16x12),
+# the avx512_bf16 ones where the CPU has the instruction.  "semantics" checks
+# the documented bits: the emulation's and the fma tables' (the instruction's
+# are its hardware's).
+# stream1/stream2 (bit for bit against the table's packed kernels) where the
+# table streams (dot_streaming_tables(): the fma ones).
 _DOT_CASES = [(table, kernel) for table in _ffi.dot_kernel_tables() for kernel in _ffi.dot_kernel_names()
-              if kernel != "semantics" or table.startswith("emulated/")]  # the documented bits: the emulation's
+              if (kernel != "semantics" or not table.startswith("avx512_bf16/"))
+              and (not kernel.startswith("stream") or table in _ffi.dot_streaming_tables())]
 
 
 @pytest.mark.parametrize("table, kernel", _DOT_CASES)
@@ -53,15 +59,42 @@ def test_dot_kernel(table, kernel):
     _sweep(_ffi.run_dot_kernel_tests, table, kernel)
 
 
+def _cpu_flags() -> set[str]:
+    if platform.machine() not in ("x86_64", "AMD64"):  # (under qemu-aarch64, /proc/cpuinfo is the host's)
+        return set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
 def test_dot_kernel_tables_follow_the_cpu():
-    tables = _ffi.dot_kernel_tables()
-    assert {"emulated/16x12", "emulated/8x6", "emulated/4x6"} <= set(tables)
-    has_bf16 = False
-    if platform.machine() in ("x86_64", "AMD64"):  # (under qemu-aarch64, /proc/cpuinfo is the host's)
-        with open("/proc/cpuinfo") as f:
-            has_bf16 = " avx512_bf16" in f.read()
-    assert ({"avx512_bf16/16x12", "avx512_bf16/8x6"} <= set(tables)) == has_bf16
-    assert jax_nbx.cpu.dot_kernels() == ("avx512_bf16" if has_bf16 else "emulated")
+    tables = set(_ffi.dot_kernel_tables())
+    assert {"emulated/16x12", "emulated/8x6", "emulated/4x6"} <= tables
+    flags = _cpu_flags()
+    isas = jax_nbx.cpu.supported_isas()
+    has_bf16 = "avx512_bf16" in flags and "avx512" in isas
+    assert ({"avx512_bf16/16x12", "avx512_bf16/8x6"} <= tables) == has_bf16
+    assert ("fma/8x6" in tables) == ("avx2" in isas)
+    assert ("fma/16x12" in tables) == ("avx512" in isas)
+    assert set(_ffi.dot_streaming_tables()) == {t for t in tables if t.startswith("fma/")}
+    assert jax_nbx.cpu.dot_kernels() == ("avx512_bf16" if has_bf16 else "fma" if "avx2" in isas else "emulated")
+
+
+def test_set_dot_kernels_forces_and_restores():
+    supported = jax_nbx.cpu.supported_dot_kernels()
+    assert supported[-1] == "emulated"
+    auto = jax_nbx.cpu.dot_kernels()
+    try:
+        for name in supported:
+            jax_nbx.cpu.set_dot_kernels(name)
+            assert jax_nbx.cpu.dot_kernels() == name
+    finally:
+        jax_nbx.cpu.set_dot_kernels("auto")
+    assert jax_nbx.cpu.dot_kernels() == auto
+    with pytest.raises(ValueError, match="set_dot_kernels: expected"):
+        jax_nbx.cpu.set_dot_kernels("amx")
 
 
 def test_dot_kernels_unknown_names_raise():
@@ -69,3 +102,5 @@ def test_dot_kernels_unknown_names_raise():
         _ffi.run_dot_kernel_tests("amx/16x12", "gemm1", 0)
     with pytest.raises(ValueError, match="unknown dot kernel"):
         _ffi.run_dot_kernel_tests("emulated/16x12", "gemm3", 0)
+    with pytest.raises(ValueError, match="has no streaming kernels"):
+        _ffi.run_dot_kernel_tests("emulated/8x6", "stream1", 0)

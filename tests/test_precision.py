@@ -12,9 +12,10 @@ sum |a * w|, plus, for an intermediate whose float32 value sits so near a
 bfloat16 rounding boundary that its float32 error could flip the rounding,
 one bfloat16 step of that element's contribution.
 
-Where the CPU lacks avx512_bf16 these run the emulated instruction
-(`jax_nbx.cpu.dot_kernels()` says which); with it, the instruction, and the
-emulation besides (`set_dot_kernels("emulated")`).
+The tests run on every dot-kernel kind this CPU has
+(`jax_nbx.cpu.supported_dot_kernels()`): the emulated instruction everywhere,
+the fma kernels on x86-64 with AVX2 or AVX-512, the instruction itself where
+the CPU has avx512_bf16.
 """
 from __future__ import annotations
 
@@ -94,11 +95,9 @@ def _check(y, x, w, ids, ex, activation="swiglu"):
                            f"{np.max(np.abs(yd - ref) / tol):.3g} x tol")
 
 
-@pytest.fixture(params=["auto", "emulated"])
+@pytest.fixture(params=nbx.cpu.supported_dot_kernels())
 def dot_kernels(request):
-    """Each dot-kernel table this CPU runs (the emulation always)."""
-    if request.param == "auto" and nbx.cpu.dot_kernels() == "emulated":
-        pytest.skip("this CPU has no avx512_bf16: 'auto' is the emulation")
+    """Each dot-kernel kind this CPU runs (the emulation always)."""
     nbx.cpu.set_dot_kernels(request.param)
     yield nbx.cpu.dot_kernels()
     nbx.cpu.set_dot_kernels("auto")
@@ -129,6 +128,24 @@ def test_every_row_written_and_bands_identical(dot_kernels):
     _check(y0, x, w, ids, ex)
 
 
+@pytest.mark.parametrize("xd", ["float32", "bfloat16"])
+def test_decode_tokens_match_the_batch(dot_kernels, xd):
+    """A token alone (its experts stream, where the dot kernels stream: fma)
+    gets the bits it gets in a batch of 90 (its experts pack), for plain,
+    biased and concatenated gate||up experts."""
+    x, w, ids, ex = make_problem(31, 90, 4, 2, 136, 75, jnp.dtype(xd), jnp.bfloat16)
+    rng = np.random.default_rng(5)
+    b = [jnp.asarray(rng.standard_normal(s) * 0.1, jnp.bfloat16) for s in ((4, 75), (4, 75), (4, 136))]
+    variants = [ex, nbx.Experts(ex.gate, ex.up, ex.down, gate_bias=b[0], up_bias=b[1], down_bias=b[2]),
+                nbx.Experts.fused(jnp.concatenate([ex.gate, ex.up], axis=-1), ex.down)]
+    for e in variants:
+        y = _run(x, w, ids, e)
+        for t in (0, 1, 57):
+            yt = _run(x[t:t + 1], w[t:t + 1], ids[t:t + 1], e)
+            assert bool(jnp.all(yt[0] == y[t])), (dot_kernels, t)
+    _check(y, x, w, ids, ex)  # (the last variant: fused gate||up, the same values)
+
+
 def test_biases_concat_and_lists():
     x, w, ids, ex = make_problem(12, 20, 6, 2, 48, 40, jnp.float32, jnp.bfloat16)
     rng = np.random.default_rng(3)
@@ -150,6 +167,28 @@ def test_close_to_float32_and_jit_and_grad():
     g = jax.grad(lambda x: _run(x, w, ids, ex).sum())(x)
     g32 = jax.grad(lambda x: nbx.fused_moe(x, w, ids, ex, implementation="ffi").sum())(x)
     assert bool(jnp.all(g == g32))
+
+
+def test_fma_kernels_give_the_emulation_bits():
+    """The fma kernels (float32 fused multiply-adds under MXCSR DAZ|FTZ) and
+    the emulation give the same bits through the op, banded and not, float32
+    and bfloat16 x.  Skipped where the CPU has no fma kernels (not x86-64, or
+    no AVX2)."""
+    if "fma" not in nbx.cpu.supported_dot_kernels():
+        pytest.skip("no fma dot kernels on this CPU")
+    for seed, xd in ((21, jnp.float32), (22, jnp.bfloat16)):
+        x, w, ids, ex = make_problem(seed, 45, 8, 3, 131, 70, xd, jnp.bfloat16)
+        ys = {}
+        for name in ("fma", "emulated"):
+            nbx.cpu.set_dot_kernels(name)
+            try:
+                ys[name] = [_ffi_forward(x, w, ids, *ex.flat(), activation="swiglu", band_tokens=band,
+                                         bf16_dot=True) for band in (0, 8)]
+            finally:
+                nbx.cpu.set_dot_kernels("auto")
+        for a, b in zip(ys["fma"], ys["emulated"]):
+            assert bool(jnp.all(a == b))
+        _check(ys["fma"][0], x, w, ids, ex)
 
 
 def test_emulation_agrees_with_the_instruction():

@@ -156,7 +156,9 @@ NB_MODULE(_ffi, m) {
   }, nb::arg("name"));
   m.def("cpu_dot_kernels", []() {
     return std::string(nbx::ActiveDotKernels(*nbx::ActiveKernels())->name);
-  }, "The bfloat16 dot-product kernels precision='bfloat16' runs now: 'avx512_bf16' or 'emulated'.");
+  }, "The bfloat16 dot-product kernels precision='bfloat16' runs now: 'avx512_bf16', 'fma' or 'emulated'.");
+  m.def("cpu_supported_dot_kernels", []() { return std::string(nbx::SupportedDotKernels()); },
+        "The bfloat16 dot-product kernels this CPU runs, fastest first ('avx512_bf16,fma,emulated'-style).");
   m.def("set_cpu_dot_kernels", [](const std::string& name) {
     std::string why;
     if (!nbx::SelectDotKernels(name.c_str(), &why)) throw nb::value_error(why.c_str());

@@ -31,6 +31,29 @@ inline void PackPanelPairs(const float* a, int64_t k0, int kc, int mr, uint32_t*
   }
 }
 
+// Packed A for a table of a_words = 2 (the fma kernels): each pair as two
+// float32, the odd row's bfloat16 value then the even row's (0 for a missing
+// odd row), dst[(p*mr + r)*2 + {0, 1}], rounded as PackPanelPairs rounds.
+inline void PackPanelSplit(const float* a, int64_t k0, int kc, int mr, uint32_t* dst) {
+  const int pairs = (kc + 1) / 2;
+  for (int p = 0; p < pairs; ++p) {
+    const float* even = a + (k0 + 2 * p) * mr;
+    const bool has_odd = 2 * p + 1 < kc;
+    for (int r = 0; r < mr; ++r) {
+      uint32_t* d = dst + (static_cast<int64_t>(p) * mr + r) * 2;
+      d[0] = has_odd ? static_cast<uint32_t>(FromFloat<bf16>(even[mr + r]).bits) << 16 : 0u;
+      d[1] = static_cast<uint32_t>(FromFloat<bf16>(even[r]).bits) << 16;
+    }
+  }
+}
+
+// Packed A of a dot table whose a_words is `a_words` (DotKernelTable):
+// rows [k0, k0+kc) of one float32 m-panel, ceil(kc/2) * mr * a_words words.
+inline void PackDotPanel(int a_words, const float* a, int64_t k0, int kc, int mr, uint32_t* dst) {
+  if (a_words == 2) PackPanelSplit(a, k0, kc, mr, dst);
+  else PackPanelPairs(a, k0, kc, mr, dst);
+}
+
 // Packed B: rows [k0, k0+kc) of columns [n0, n0+nc) of NS bfloat16
 // row-major matrices m[s] (leading dimension ld) as micro-panels 2vl words
 // wide (panel q at dst + q*P*2vl, pair p at + p*2vl, P = ceil(kc/2)), each

@@ -248,10 +248,14 @@ static bool SupportsAvx512Bf16() {
 }
 
 namespace {
-std::atomic<bool> g_dot_emulated{false};
+// The dot kernels' names, fastest first ("auto" takes the first this CPU has
+// for the packed table's blocking).
+const char* const kDotNames[] = {"avx512_bf16", "fma", "emulated"};
+constexpr int kNumDotNames = 3;
+std::atomic<int> g_dot_forced{-1};  // an index of kDotNames, or -1: "auto"
 
 const DotKernelTable* const* DotTables(int* n) {
-  static const DotKernelTable* tables[5];
+  static const DotKernelTable* tables[7];
   static const int count = [] {
     int c = 0;
 #if defined(__x86_64__) || defined(_M_X64)
@@ -259,6 +263,8 @@ const DotKernelTable* const* DotTables(int* n) {
       tables[c++] = DotKernelsAvx512Bf16x16x12();
       tables[c++] = DotKernelsAvx512Bf16x8x6();
     }
+    if (Supports("avx512")) tables[c++] = DotKernelsFma16x12();
+    if (Supports("avx2")) tables[c++] = DotKernelsFma8x6();
 #endif
     tables[c++] = DotKernelsEmulated16x12();
     tables[c++] = DotKernelsEmulated8x6();
@@ -267,6 +273,14 @@ const DotKernelTable* const* DotTables(int* n) {
   }();
   *n = count;
   return tables;
+}
+
+bool HasDotKernels(const char* name) {
+  int n;
+  const DotKernelTable* const* t = DotTables(&n);
+  for (int i = 0; i < n; ++i)
+    if (std::strcmp(t[i]->name, name) == 0) return true;
+  return false;
 }
 }  // namespace
 
@@ -292,23 +306,39 @@ const DotKernelTable* DotKernelsByName(const char* name, int vl, int mr) {
 }
 
 const DotKernelTable* ActiveDotKernels(const KernelTable& kt) {
-  const DotKernelTable* t =
-      g_dot_emulated.load() ? nullptr : DotKernelsByName("avx512_bf16", kt.vl, kt.mr);
-  return t != nullptr ? t : DotKernelsByName("emulated", kt.vl, kt.mr);
+  const int forced = g_dot_forced.load();
+  for (int i = forced < 0 ? 0 : forced; i < kNumDotNames; ++i) {
+    const DotKernelTable* t = DotKernelsByName(kDotNames[i], kt.vl, kt.mr);
+    if (t != nullptr) return t;
+    if (forced >= 0) break;
+  }
+  return DotKernelsByName("emulated", kt.vl, kt.mr);
 }
 
 bool SelectDotKernels(const char* name, std::string* error) {
-  if (std::strcmp(name, "auto") == 0 || std::strcmp(name, "emulated") == 0) {
-    g_dot_emulated.store(std::strcmp(name, "emulated") == 0);
-    error->clear();
+  error->clear();
+  if (std::strcmp(name, "auto") == 0) {
+    g_dot_forced.store(-1);
     return true;
   }
-  *error = std::string("unknown dot kernels '") + name + "' (expected 'auto' or 'emulated')";
+  for (int i = 0; i < kNumDotNames; ++i) {
+    if (std::strcmp(name, kDotNames[i]) == 0 && HasDotKernels(name)) {
+      g_dot_forced.store(i);
+      return true;
+    }
+  }
+  *error = std::string("unknown dot kernels '") + name + "' (this CPU runs: auto," + SupportedDotKernels() + ")";
   return false;
 }
 
 const char* SupportedDotKernels() {
-  return SupportsAvx512Bf16() ? "avx512_bf16,emulated" : "emulated";
+  static const std::string list = [] {
+    std::string s;
+    for (const char* name : kDotNames)
+      if (HasDotKernels(name)) s += (s.empty() ? "" : ",") + std::string(name);
+    return s;
+  }();
+  return list.c_str();
 }
 
 const char* SupportedIsas() {

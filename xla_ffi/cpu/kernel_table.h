@@ -128,19 +128,34 @@ struct KernelTable {
                          int64_t ld, int64_t K, int ncols, float* acc, float* out);
 };
 
+// The most words per (pair, row) of any dot table's packed A.
+constexpr int kMaxDotAWords = 2;
+
 // The bfloat16 dot-product kernels (kernels_dot.h: VDPBF16PS's arithmetic on
 // operands packed as bfloat16 pairs, dot_pack.h): packed GEMM1 / GEMM2 of
 // one m-panel and one K-block of P pairs of rows, as gemm1 / gemm2 above
 // (PartialFlags, the same epilogues; no column scales).
 struct DotKernelTable {
-  const char* name;  // "avx512_bf16" (the instruction), "emulated"
+  const char* name;  // "avx512_bf16" (the instruction), "fma", "emulated"
   int vl;            // float32 lanes per accumulator (columns per half micro-panel)
   int mr;            // rows per packed m-panel
   int kc;            // rows per K-block (even)
+  int a_words;       // packed A's words per (pair, row): PackDotPanel (dot_pack.h)
   void (*gemm1)(const uint32_t* a, const uint32_t* b, int64_t P, const Glu& act, int rows,
                 int cols, float* out, int64_t rs, int64_t cs, float* c, int flags);
   void (*gemm2)(const uint32_t* a, const uint32_t* b, int64_t P, const float* w, int rows,
                 int cols, float* out, int64_t rs, float* c, int flags);
+  // Streaming (decode) over bfloat16 weights by rows, as KernelTable's
+  // stream1[1] / stream2[1] (a float32, rounded to bfloat16 by the kernel):
+  // the bits of gemm1 / gemm2 on the same operands.  Null where the table
+  // has none (then every expert packs): the emulation (slow) and the
+  // instruction (whose bits are its hardware's; the streaming kernels'
+  // are the documented ones).
+  void (*stream1)(const float* a, int64_t as, int rows, const void* wg, const void* wu,
+                  int64_t ld, int64_t K, int ncols, const Glu& act, float* acc, float* out,
+                  int64_t rs, int64_t cs);
+  void (*stream2)(const float* a, int64_t as, int rows, const void* wd, int64_t ld, int64_t K,
+                  int ncols, const float* w, float* acc, float* out, int64_t rs);
 };
 
 // Defined where the target supports them (x86-64: all three).
@@ -181,28 +196,33 @@ const char* SupportedIsas();  // "avx512,avx2,generic"-style list for this CPU
 
 // The dot-kernel tables, one per blocking (vl, mr) of the packed tables
 // (16x12: avx512's; 8x6: avx2's; 4x6: generic's): the emulated ones
-// everywhere; the avx512_bf16 ones (16x12 on 512-bit registers, 8x6 on
-// 256-bit) on x86-64 CPUs with AVX-512 F/BW/VL and avx512_bf16 (CPUID leaf 7
-// subleaf 1 EAX bit 5).
+// everywhere; on x86-64, the fma ones (16x12 on a CPU that runs the avx512
+// table, 8x6 on one that runs avx2's) and the avx512_bf16 ones (16x12 on
+// 512-bit registers, 8x6 on 256-bit) on CPUs with AVX-512 F/BW/VL and
+// avx512_bf16 (CPUID leaf 7 subleaf 1 EAX bit 5).
 const DotKernelTable* DotKernelsEmulated16x12();
 const DotKernelTable* DotKernelsEmulated8x6();
 const DotKernelTable* DotKernelsEmulated4x6();
+const DotKernelTable* DotKernelsFma16x12();          // x86-64 only
+const DotKernelTable* DotKernelsFma8x6();            // x86-64 only
 const DotKernelTable* DotKernelsAvx512Bf16x16x12();  // x86-64 only
 const DotKernelTable* DotKernelsAvx512Bf16x8x6();    // x86-64 only
 // Every table this CPU runs.
 int NumDotKernelTables();
 const DotKernelTable* DotKernelTableAt(int i);
-// The table of `name` ("avx512_bf16", "emulated") for a packed table's
-// blocking, or nullptr (unknown name, no such blocking, or a CPU without it).
+// The table of `name` ("avx512_bf16", "fma", "emulated") for a packed
+// table's blocking, or nullptr (unknown name, no such blocking, or a CPU
+// without it).
 const DotKernelTable* DotKernelsByName(const char* name, int vl, int mr);
 // The table the forward's bfloat16 precision uses with packed table `kt`:
-// avx512_bf16 where the CPU has it (unless SelectDotKernels chose
-// "emulated"), else the emulation.
+// the one SelectDotKernels forced, else the first of avx512_bf16, fma and
+// emulated that this CPU has for kt's blocking (the emulation when the
+// forced one has none).
 const DotKernelTable* ActiveDotKernels(const KernelTable& kt);
-// "auto" (the instruction where the CPU has it) or "emulated"; false with
-// the reason for anything else.
+// "auto" (the fastest this CPU has) or a name SupportedDotKernels lists;
+// false with the reason for anything else.
 bool SelectDotKernels(const char* name, std::string* error);
-// "avx512_bf16,emulated" or "emulated": the dot kernels this CPU runs.
+// "avx512_bf16,fma,emulated"-style list: the dot kernels this CPU runs.
 const char* SupportedDotKernels();
 
 }  // namespace nbx

@@ -78,6 +78,17 @@ NBX_AI float GluOf(const Glu& p, float g, float u) {
   }
 }
 
+// v rounded to the nearest bfloat16 (even on ties; a NaN made quiet), as
+// float32: dtypes.h's FromFloat<bf16>, in the kernels' own copy.
+NBX_AI float RoundToBf16(float v) {
+  uint32_t u;
+  memcpy(&u, &v, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) u = (u | 0x00400000u) & 0xffff0000u;
+  else u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  memcpy(&v, &u, sizeof v);
+  return v;
+}
+
 // f(RowsC<R>{}) with R = rows as a compile-time constant, 1..kMaxStreamRows
 // (the streaming kernels' row counts).
 template <int N>

@@ -210,23 +210,34 @@ NBX_AI void Bf16Pass(const float (&av)[NW][R], const uint16_t* const (&w)[NW], i
   }
 }
 
-template <int VL, int R>
+// kDot: the bfloat16 dot-product kernels' streaming (kernels_dot.h, run under
+// their policy's MXCSR DAZ|FTZ): a rounded to bfloat16 (RoundToBf16) and the
+// chain over pairs of rows, row kk+1 before row kk (an odd K's missing last
+// odd row adds 0 * 0 = +0): the packed dot kernels' bits.
+template <int VL, int R, bool kDot = false>
 void AccumulateRowsBf16R(const float* a, int64_t as, const uint16_t* w, int64_t ld, int64_t K,
                          int ncols, float* acc) {
   const int nb = ncols / (2 * VL) * (2 * VL);
+  const auto in = [](float v) {
+    if constexpr (kDot) return RoundToBf16(v);
+    else return v;
+  };
   for (int i = 0; i < R * ncols; ++i) acc[i] = 0.0f;
   int64_t kk = 0;
   for (; kk + 1 < K; kk += 2) {
+    const int64_t k0 = kDot ? kk + 1 : kk, k1 = kDot ? kk : kk + 1;
     float av[2][R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) av[0][r] = a[kk * as + r], av[1][r] = a[(kk + 1) * as + r];
-    const uint16_t* const wr[2] = {w + kk * ld, w + (kk + 1) * ld};
+    for (int r = 0; r < R; ++r) av[0][r] = in(a[k0 * as + r]), av[1][r] = in(a[k1 * as + r]);
+    const uint16_t* const wr[2] = {w + k0 * ld, w + k1 * ld};
     Bf16Pass<VL, R, 2>(av, wr, ncols, acc);
   }
   if (kk < K) {  // K odd: the last row alone
+    if constexpr (kDot)
+      for (int i = 0; i < R * ncols; ++i) acc[i] += 0.0f;
     float av[1][R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) av[0][r] = a[kk * as + r];
+    for (int r = 0; r < R; ++r) av[0][r] = in(a[kk * as + r]);
     const uint16_t* const wr[1] = {w + kk * ld};
     Bf16Pass<VL, R, 1>(av, wr, ncols, acc);
   }

@@ -4,6 +4,10 @@
 // of the kernel logic, instantiated per "dot" policy by kernels_dot_<name>.cc:
 //   avx512_bf16  the instruction itself (_mm512_dpbf16_ps), compiled with
 //                -mavx512bf16, chosen at run time where the CPU has it;
+//   fma          the same arithmetic on float32 fused multiply-adds under
+//                MXCSR DAZ|FTZ (AVX2+FMA on ymm, AVX-512F on zmm): the
+//                emulation's bits at vector speed, on x86-64 CPUs without
+//                the instruction;
 //   emulated     a scalar emulation of the instruction's documented semantics
 //                (portable: runs and is tested everywhere).
 // Included ONLY by those files (kernels_base.h's rules: internal linkage, no
@@ -13,24 +17,47 @@
 //   acc += float(a.bf16[2j+1]) * float(b.bf16[2j+1])
 //   acc += float(a.bf16[2j])   * float(b.bf16[2j])
 // each a float32 fused multiply-add rounded to nearest even, the inputs'
-// denormals read as zero (DAZ) and each result's flushed to zero (FTZ); MXCSR
-// is neither read nor written.  So a K-sum runs over pairs of rows (2p+1,
+// denormals read as zero (DAZ) and each result flushed to zero when tiny
+// (FTZ; tininess after rounding, as x86's fused multiply-add under MXCSR.FTZ
+// detects it: FmaFtz).  The instruction neither
+// reads nor writes MXCSR; the fma policy sets DAZ|FTZ around each panel's
+// sums (Mode) and restores the caller's.  So a K-sum runs over pairs of rows (2p+1,
 // then 2p), and results are the same bits whichever implementation ran them,
 // whatever the rows' place in their panel, and across K-blocks (partial sums
 // in c, as kernels_dense.h).
 //
 // Layouts (uint32 words, each two bfloat16: the low half row 2p, the high
 // half row 2p+1; a missing row 2p+1 of an odd K is 0), built by dot_pack.h:
-//   packed A  one m-panel of MR rows: a[p*MR + r]
+//   packed A  one m-panel of MR rows: a[p*MR + r] (a policy's kAWords = 1),
+//             or two words a[(p*MR + r)*2 + {0, 1}], the float32 bits of
+//             the odd row's bfloat16 value, then the even row's (kAWords =
+//             2: the fma policies, which then broadcast each from memory)
 //   packed B  one micro-panel of 2VL columns: b[p*2VL + c]
 //             GEMM1: c < VL gate columns, c >= VL the same columns of up
 //             GEMM2: 2VL columns of down
 #pragma once
 
 #include "cpu/kernels_base.h"
+#include "cpu/kernels_dense.h"
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 namespace nbx {
 namespace {
+
+// A policy's Mode brackets the sums of one panel (PanelSums): nothing for
+// the instruction and the emulation, DAZ|FTZ for the fma policies.
+struct NoMode {};
+#if defined(__SSE__)
+struct FlushDenormals {  // MXCSR DAZ (bit 6) and FTZ (bit 15); the caller's restored
+  unsigned saved;
+  FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+};
+#endif
 
 // One lane of the instruction, exactly as documented (the emulation).
 NBX_AI float DazBf16(uint32_t bits16) {
@@ -39,30 +66,41 @@ NBX_AI float DazBf16(uint32_t bits16) {
   memcpy(&f, &u, sizeof f);
   return f;
 }
-NBX_AI float Ftz(float v) {
-  uint32_t u;
-  memcpy(&u, &v, sizeof u);
-  if ((u & 0x7f800000u) == 0) u &= 0x80000000u;
-  memcpy(&v, &u, sizeof v);
-  return v;
+// One step: a*b + acc rounded to nearest even, then flushed to a signed zero
+// when tiny after rounding as IEEE 754 defines it (rounded to 24 bits with
+// an unbounded exponent: 2^-126 - 2^-151 is not tiny, 2^-126 - 2^-150 is,
+// although both round to 2^-126 in float32), as x86's fused multiply-add
+// does under MXCSR.FTZ.  Only a result at most 2^-126 can be tiny; then the
+// operands are small (|acc| and |a*b| below 2^-99: a sum of larger ones is a
+// multiple of 2^-123), so the same sum 2^64 times larger is exact to scale
+// and tells.
+NBX_AI float FmaFtz(float a, float b, float acc) {
+  const float r = fmaf(a, b, acc);
+  if (!(fabsf(r) <= 0x1p-126f)) return r;
+  const float s = fmaf(a * 0x1p64f, b, acc * 0x1p64f);
+  return s != 0.0f && fabsf(s) < 0x1p-62f ? copysignf(0.0f, s) : r;
 }
 NBX_AI float DotPairLane(float acc, uint32_t a, uint32_t b) {
-  acc = Ftz(fmaf(DazBf16(a >> 16), DazBf16(b >> 16), acc));
-  return Ftz(fmaf(DazBf16(a & 0xffffu), DazBf16(b & 0xffffu), acc));
+  acc = FmaFtz(DazBf16(a >> 16), DazBf16(b >> 16), acc);
+  return FmaFtz(DazBf16(a & 0xffffu), DazBf16(b & 0xffffu), acc);
 }
 
-// The policies: Acc (VL float32 sums), B (VL words of packed B), and
-// Zero/LoadAcc/StoreAcc/LoadB/Dot on them.  The emulation's are plain arrays
+// The policies: Acc (VL float32 sums), B (VL words of packed B, as the
+// policy holds them), Mode (above), kAWords (packed A's layout), and
+// Zero/LoadAcc/StoreAcc/LoadB/Dot (Dot given a row's packed A words).  The emulation's are plain arrays
 // (no vector types: the same 16 lanes as the instruction on any target).
 template <int VL>
 struct DotEmulated {
   static constexpr int kVl = VL;
+  static constexpr int kAWords = 1;
+  static constexpr bool kStreams = false;  // (too slow to stream)
   struct Acc {
     float v[VL];
   };
   struct B {
     uint32_t v[VL];
   };
+  typedef NoMode Mode;
   static NBX_AI Acc Zero() { return Acc{}; }
   static NBX_AI Acc LoadAcc(const float* p) {
     Acc r;
@@ -75,8 +113,8 @@ struct DotEmulated {
     memcpy(r.v, p, sizeof r.v);
     return r;
   }
-  static NBX_AI Acc Dot(Acc acc, uint32_t a, const B& b) {
-    for (int j = 0; j < VL; ++j) acc.v[j] = DotPairLane(acc.v[j], a, b.v[j]);
+  static NBX_AI Acc Dot(Acc acc, const uint32_t* a, const B& b) {
+    for (int j = 0; j < VL; ++j) acc.v[j] = DotPairLane(acc.v[j], *a, b.v[j]);
     return acc;
   }
 };
@@ -100,32 +138,42 @@ NBX_AI void AccumulatePairs(const uint32_t* a, const uint32_t* b, int64_t P, con
   for (int64_t p = 0; p < P; ++p) {
     const typename D::B b0 = D::LoadB(b + p * 2 * VL);
     const typename D::B b1 = D::LoadB(b + p * 2 * VL + VL);
-    const uint32_t* ap = a + p * MR;
+    const uint32_t* ap = a + p * MR * D::kAWords;
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      lo[r] = D::Dot(lo[r], ap[r], b0);
-      hi[r] = D::Dot(hi[r], ap[r], b1);
+      lo[r] = D::Dot(lo[r], ap + r * D::kAWords, b0);
+      hi[r] = D::Dot(hi[r], ap + r * D::kAWords, b1);
     }
   }
 }
 
-// The MR x 2VL sums of one m-panel over one K-block of P pairs, row r at
-// + r*2VL (lo then hi: the stored partial sums' layout): stored to c when
-// more K-blocks follow (flags & kStorePartial; returns false: no epilogue),
-// else to s (returns true).  c also holds the earlier blocks' sums (flags &
-// kLoadPartial).
+// The MR x 2VL sums of one m-panel over P pairs (from c0's sums, or 0),
+// stored to dst, row r at + r*2VL (lo then hi: the stored partial sums'
+// layout).  Out of line, so that PanelSums' Mode brackets all of its
+// arithmetic: no float32 operation moves across a call.
 template <class D, int MR>
-NBX_AI bool PanelSums(const uint32_t* a, const uint32_t* b, int64_t P, float* c, int flags,
-                      float* s) {
+__attribute__((noinline)) void StorePairSums(const uint32_t* a, const uint32_t* b, int64_t P,
+                                             const float* c0, float* dst) {
   constexpr int VL = D::kVl;
   typename D::Acc lo[MR], hi[MR];
-  AccumulatePairs<D, MR>(a, b, P, (flags & kLoadPartial) ? c : nullptr, lo, hi);
-  float* dst = (flags & kStorePartial) ? c : s;
+  AccumulatePairs<D, MR>(a, b, P, c0, lo, hi);
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     D::StoreAcc(dst + r * 2 * VL, lo[r]);
     D::StoreAcc(dst + r * 2 * VL + VL, hi[r]);
   }
+}
+
+// The sums of one m-panel over one K-block of P pairs, under the policy's
+// Mode: stored to c when more K-blocks follow (flags & kStorePartial;
+// returns false: no epilogue), else to s (returns true).  c also holds the
+// earlier blocks' sums (flags & kLoadPartial).
+template <class D, int MR>
+NBX_AI bool PanelSums(const uint32_t* a, const uint32_t* b, int64_t P, float* c, int flags,
+                      float* s) {
+  [[maybe_unused]] const typename D::Mode mode{};
+  StorePairSums<D, MR>(a, b, P, (flags & kLoadPartial) ? c : nullptr,
+                       (flags & kStorePartial) ? c : s);
   return !(flags & kStorePartial);
 }
 
@@ -154,6 +202,55 @@ void Gemm2Dot(const uint32_t* a, const uint32_t* b, int64_t P, const float* w, i
     for (int j = 0; j < cols; ++j) out[r * rs + j] = w[r] * s[r * 2 * VL + j];
 }
 
+// Streaming (decode), the policies with kStreams (the fma ones, whose vector
+// FMAs under Mode are the documented arithmetic): kernels_dense.h's bfloat16
+// streaming sums in the pair order (AccumulateRowsBf16R<..., true>), out of
+// line under Mode as PanelSums, then the streaming epilogues.
+template <class D>
+__attribute__((noinline)) void StreamPairSums(const float* a, int64_t as, int rows,
+                                              const void* w, int64_t ld, int64_t K, int ncols,
+                                              float* acc) {
+  WithRows(rows, [&](auto r) {
+    AccumulateRowsBf16R<D::kVl, decltype(r)::value, true>(
+        a, as, static_cast<const uint16_t*>(w), ld, K, ncols, acc);
+  });
+}
+
+template <class D>
+void DotStream1(const float* a, int64_t as, int rows, const void* wg, const void* wu, int64_t ld,
+                int64_t K, int ncols, const Glu& act, float* acc, float* out, int64_t rs,
+                int64_t cs) {
+  float* accu = acc + rows * ncols;
+  {
+    [[maybe_unused]] const typename D::Mode mode{};
+    StreamPairSums<D>(a, as, rows, wg, ld, K, ncols, acc);
+    StreamPairSums<D>(a, as, rows, wu, ld, K, ncols, accu);
+  }
+  StreamGluEpilogue(acc, accu, rows, ncols, act, out, rs, cs);
+}
+
+template <class D>
+void DotStream2(const float* a, int64_t as, int rows, const void* wd, int64_t ld, int64_t K,
+                int ncols, const float* w, float* acc, float* out, int64_t rs) {
+  {
+    [[maybe_unused]] const typename D::Mode mode{};
+    StreamPairSums<D>(a, as, rows, wd, ld, K, ncols, acc);
+  }
+  StreamWeightEpilogue(acc, rows, ncols, w, out, rs);
+}
+
+// The table's streaming entries: D's, or null.
+template <class D>
+constexpr decltype(DotKernelTable::stream1) DotStream1Of() {
+  if constexpr (D::kStreams) return DotStream1<D>;
+  else return nullptr;
+}
+template <class D>
+constexpr decltype(DotKernelTable::stream2) DotStream2Of() {
+  if constexpr (D::kStreams) return DotStream2<D>;
+  else return nullptr;
+}
+
 }  // namespace
 }  // namespace nbx
 
@@ -174,7 +271,8 @@ void Gemm2Dot(const uint32_t* a, const uint32_t* b, int64_t P, const float* w, i
   }                                                                                         \
   }                                                                                         \
   const DotKernelTable* FN() {                                                              \
-    static const DotKernelTable t = {NAME, D::kVl, MR, KC, FN##G1, FN##G2};                 \
+    static const DotKernelTable t = {NAME,   D::kVl, MR, KC, D::kAWords, FN##G1,             \
+                                     FN##G2, DotStream1Of<D>(), DotStream2Of<D>()};        \
     return &t;                                                                              \
   }                                                                                         \
   }

@@ -14,30 +14,36 @@ namespace {
 
 struct DotZmm {
   static constexpr int kVl = 16;
+  static constexpr int kAWords = 1;
+  static constexpr bool kStreams = false;  // (its bits are the hardware's)
   typedef __m512 Acc;
   typedef __m512i B;
+  typedef NoMode Mode;
   static NBX_AI Acc Zero() { return _mm512_setzero_ps(); }
   static NBX_AI Acc LoadAcc(const float* p) { return _mm512_loadu_ps(p); }
   static NBX_AI void StoreAcc(float* p, const Acc& v) { _mm512_storeu_ps(p, v); }
   static NBX_AI B LoadB(const uint32_t* p) { return _mm512_loadu_si512(p); }
-  static NBX_AI Acc Dot(Acc acc, uint32_t a, const B& b) {
-    const __m512i av = _mm512_set1_epi32(static_cast<int>(a));
+  static NBX_AI Acc Dot(Acc acc, const uint32_t* a, const B& b) {
+    const __m512i av = _mm512_set1_epi32(static_cast<int>(*a));
     return _mm512_dpbf16_ps(acc, (__m512bh)av, (__m512bh)b);
   }
 };
 
 struct DotYmm {
   static constexpr int kVl = 8;
+  static constexpr int kAWords = 1;
+  static constexpr bool kStreams = false;  // (its bits are the hardware's)
   typedef __m256 Acc;
   typedef __m256i B;
+  typedef NoMode Mode;
   static NBX_AI Acc Zero() { return _mm256_setzero_ps(); }
   static NBX_AI Acc LoadAcc(const float* p) { return _mm256_loadu_ps(p); }
   static NBX_AI void StoreAcc(float* p, const Acc& v) { _mm256_storeu_ps(p, v); }
   static NBX_AI B LoadB(const uint32_t* p) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   }
-  static NBX_AI Acc Dot(Acc acc, uint32_t a, const B& b) {
-    const __m256i av = _mm256_set1_epi32(static_cast<int>(a));
+  static NBX_AI Acc Dot(Acc acc, const uint32_t* a, const B& b) {
+    const __m256i av = _mm256_set1_epi32(static_cast<int>(*a));
     return _mm256_dpbf16_ps(acc, (__m256bh)av, (__m256bh)b);
   }
 };

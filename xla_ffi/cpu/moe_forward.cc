@@ -80,9 +80,11 @@ ScratchLayout LayOutScratch(int64_t H, int64_t I, const KernelTable& kt, bool do
   // (also one m-panel's GEMM1 sums, when they are stored for the epilogue
   // within a single K-block)
   const int64_t raw_floats = std::max(rows * 2 * std::min(kStreamCols, I), mr * 2 * vl);
-  // (precision="bfloat16": a chunk's packed A of one K-block as pairs, 4-byte words)
-  const int64_t dot_a =
-      dot ? kt.chunk_panels * mr * ((std::min<int64_t>(kt.kc, std::max(H, I)) + 1) / 2) : 0;
+  // (precision="bfloat16": a chunk's packed A of one K-block, up to kMaxDotAWords
+  // 4-byte words per pair and row)
+  const int64_t dot_a = dot ? kt.chunk_panels * mr * kMaxDotAWords *
+                                  ((std::min<int64_t>(kt.kc, std::max(H, I)) + 1) / 2)
+                            : 0;
   const int64_t dot_a_offset = raw + raw_floats;
   return {packed, raw, dot_a_offset,
           RoundUp(dot_a_offset + dot_a + std::max(cols1, cols2), 1024)};
@@ -143,7 +145,8 @@ struct Problem {
   void* y;
   Glu act;
   // precision="bfloat16": the dot-product kernels (bfloat16 weights stored by
-  // rows; every expert packed, none streamed), else nullptr (float32).
+  // rows; experts of few rows stream where the table has streaming kernels:
+  // the same bits), else nullptr (float32).
   const DotKernelTable* dot = nullptr;
 };
 
@@ -241,8 +244,9 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
   const bool raw_glu = first && (bias_g != nullptr || interleaved);
   // stored by columns (out x in): the column-streaming kernels, column n at n*sn
   const bool by_columns = !WS::kQuant && sk == 1 && sn != 1;
-  // (precision="bfloat16" packs every expert: one arithmetic for all rows)
-  const bool can_stream = p.dot == nullptr &&
+  // (precision="bfloat16" streams only with dot kernels that stream: their
+  // bits are the packed dot kernels'; else every expert packs)
+  const bool can_stream = (p.dot == nullptr || p.dot->stream1 != nullptr) &&
                           (WS::kQuant || sizeof(W) == 4 || p.w->dtype == ffi::DataType::BF16) &&
                           (sn == 1 || interleaved || by_columns);
   // the dot kernels' operands: bfloat16 weights by rows (checked by the handler)
@@ -274,7 +278,9 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
         if constexpr (WS::kQuant) {
           kt.qstream1(a, mr, rows, mats[0], mats[1], n0, K, cols, p.act, scratch, out, 1, mr);
         } else if (!raw_glu) {
-          auto* stream1 = by_columns ? kt.stream1_cols[w_index] : kt.stream1[w_index];
+          auto* stream1 = dot     ? dot->stream1
+                          : by_columns ? kt.stream1_cols[w_index]
+                                       : kt.stream1[w_index];
           stream1(a, mr, rows, mats[0] + n0 * col_step, mats[1] + n0 * col_step, ldw, K, cols,
                   p.act, scratch, out, 1, mr);
         } else {
@@ -286,12 +292,14 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
             kt.stream_pair[w_index](a, mr, rows, mats[0] + 2 * n0, mats[0] + 2 * n0 + cols, sk,
                                     K, cols, scratch, raw);
             kt.glu(raw, raw + 1, 2 * cols, 2, rows, cols, bg, bu, p.act, out, 1, mr);
-          } else if (!by_columns && mats[1] == mats[0] + cols) {  // concatenated, one run
+          } else if (!by_columns && dot == nullptr && mats[1] == mats[0] + cols) {  // concatenated
             kt.stream_pair[w_index](a, mr, rows, mats[0] + n0, mats[1] + n0, sk, K, cols,
                                     scratch, raw);
             kt.glu(raw, raw + cols, 2 * cols, 1, rows, cols, bg, bu, p.act, out, 1, mr);
           } else {
-            auto* stream2 = by_columns ? kt.stream2_cols[w_index] : kt.stream2[w_index];
+            auto* stream2 = dot     ? dot->stream2
+                            : by_columns ? kt.stream2_cols[w_index]
+                                         : kt.stream2[w_index];
             stream2(a, mr, rows, mats[0] + n0 * col_step, ldw, K, cols, kOnes, scratch, raw,
                     2 * cols);
             stream2(a, mr, rows, mats[1] + n0 * col_step, ldw, K, cols, kOnes, scratch,
@@ -304,7 +312,7 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
         if constexpr (WS::kQuant)
           kt.qstream2(a, mr, rows, mats[0], n0, K, cols, b.row_weight + m0, scratch, out, H);
         else
-          (by_columns ? kt.stream2_cols[w_index] : kt.stream2[w_index])(
+          (dot ? dot->stream2 : by_columns ? kt.stream2_cols[w_index] : kt.stream2[w_index])(
               a, mr, rows, mats[0] + n0 * col_step, ldw, K, cols, b.row_weight + m0, scratch,
               out, H);
         if (bias_d) AddDownBias(bias_d + e * H, b.row_weight, m0, m1, n0, cols, O, H);
@@ -352,7 +360,8 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
               auto* a_pairs = reinterpret_cast<uint32_t*>(scratch + b.scratch_layout.dot_a_offset);
               const int64_t pairs = (kc + 1) / 2;
               for (int64_t pi = 0; pi < panels; ++pi)
-                PackPanelPairs(A + (m0 / mr + pi) * K * mr, k0, kc, mr, a_pairs + pi * pairs * mr);
+                PackDotPanel(dot->a_words, A + (m0 / mr + pi) * K * mr, k0, kc, mr,
+                             a_pairs + pi * pairs * mr * dot->a_words);
             }
           } else if constexpr (first) {
             PackView<2>(kt, mats, sk, sn, k0, kc, n0, nc, packed);
@@ -377,7 +386,7 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
               const int64_t m = m0 + pi * mr, panel = m / mr;
               const int rows = static_cast<int>(std::min<int64_t>(mr, m1 - m));
               const float* a = A + panel * K * mr + k0 * mr;
-              const uint32_t* ap = a_pairs + pi * pairs * mr;
+              const uint32_t* ap = dot != nullptr ? a_pairs + pi * pairs * mr * dot->a_words : nullptr;
               // (one K-block: a stored GEMM1 sum is read back at once, one panel's room)
               float* pp = K > kt.kc ? part + (pi * nsub + q) * mr * 2 * vl
                                     : scratch + b.scratch_layout.raw_offset;
