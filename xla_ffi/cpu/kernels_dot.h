@@ -119,6 +119,49 @@ struct DotEmulated {
   }
 };
 
+#if defined(__SSE__)
+// The fma policies: the arithmetic above on VL-lane float32 vectors (vector
+// extensions; each a*b + acc one fused multiply-add: kernel sources build
+// with -ffp-contract=fast and an FMA instruction set; the kernel testers
+// check the bits) under MXCSR DAZ|FTZ.  B's pairs split into their two
+// float32 (the high half masked, the low half shifted up); A comes split by
+// its packer (PackPanelSplit, kAWords = 2), a float32 per row of the pair,
+// broadcast.
+template <int VL>
+struct DotFma {
+  using V = typename VecT<VL>::type;
+  using U = typename U32T<VL>::type;
+  static constexpr int kVl = VL;
+  static constexpr int kAWords = 2;
+  static constexpr bool kStreams = true;
+  typedef V Acc;
+  struct B {
+    V odd, even;
+  };
+  typedef FlushDenormals Mode;
+  static NBX_AI Acc Zero() { return V{}; }
+  static NBX_AI Acc LoadAcc(const float* p) { return Load<VL>(p); }
+  static NBX_AI void StoreAcc(float* p, const Acc& v) { memcpy(p, &v, sizeof v); }
+  static NBX_AI B LoadB(const uint32_t* p) {
+    U w;
+    memcpy(&w, p, sizeof w);
+    const U odd = w & 0xffff0000u, even = w << 16;
+    B b;
+    memcpy(&b.odd, &odd, sizeof odd);
+    memcpy(&b.even, &even, sizeof even);
+    return b;
+  }
+  static NBX_AI Acc Dot(Acc acc, const uint32_t* a, const B& b) {
+    float odd, even;
+    memcpy(&odd, a, sizeof odd);
+    memcpy(&even, a + 1, sizeof even);
+    acc += odd * b.odd;
+    acc += even * b.even;
+    return acc;
+  }
+};
+#endif
+
 // lo[r] = c0 + the pair sums of a's row r with b's VL lo columns, hi[r] with
 // the VL hi columns, over P pairs of rows (c0: 0, or c's stored sums).
 template <class D, int MR>
