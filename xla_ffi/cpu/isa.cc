@@ -327,7 +327,10 @@ bool SelectDotKernels(const char* name, std::string* error) {
       return true;
     }
   }
-  *error = std::string("unknown dot kernels '") + name + "' (this CPU runs: auto," + SupportedDotKernels() + ")";
+  bool known = false;
+  for (const char* n : kDotNames) known = known || std::strcmp(name, n) == 0;
+  *error = std::string(known ? "dot kernels '" : "unknown dot kernels '") + name +
+           (known ? "' are not supported on this CPU" : "'") + " (this CPU runs: auto," + SupportedDotKernels() + ")";
   return false;
 }
 

@@ -22,6 +22,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
 #include "cpu/dot_pack.h"
 #include "testing/kernel_test_support.h"
 
@@ -620,6 +624,17 @@ void SweepDotStream(const DotKernelTable& t, bool down, Rng& rng, Report& report
   ForEachStreamShape(t, down, Ks, rng, [&](const StreamShape& s) { DotStreamTester{t, s}.Test(rng, report); });
 }
 
+// The caller's MXCSR control bits (x86; 0 elsewhere; not the sticky
+// exception flags, bits 0-5): the fma kernels set DAZ|FTZ for their sums only
+// and must leave them as they found them.
+unsigned Mxcsr() {
+#if defined(__SSE__)
+  return _mm_getcsr() & ~0x3fu;
+#else
+  return 0;
+#endif
+}
+
 // Pairs words[p*mr + r] (bfloat16 bits, as PackPanelPairs lays them out) as
 // table t's packed A: the float32 panel of their values through its packer
 // (a bfloat16 value, denormal or signed zero included, packs to itself).
@@ -699,8 +714,41 @@ void SweepDotSemantics(const DotKernelTable& t, Rng& rng, Report& report) {
           ref[r * w + j] = RefDotLane(ref[r * w + j], a[p * mr + r], b[p * w + j]);
     std::vector<float> want = cgrid.Fresh();
     std::copy(ref.begin(), ref.end(), want.begin() + cgrid.base);
+    const unsigned csr = Mxcsr();
     t.gemm2(packed_a.data(), b.data(), P, nullptr, mr, w, nullptr, w, c.data() + cgrid.base, kStorePartial);
     CompareBits("stored sums vs the documented semantics", c, want, cgrid, issues);
+    // the epilogue under the caller's MXCSR: row weights 2^-140 (denormal),
+    // products kept denormal, not flushed
+    const std::vector<float> tiny(static_cast<size_t>(mr), 0x1p-140f);
+    const Grid ogrid = MakeGrid(mr, w, w, 1);
+    std::vector<float> out = ogrid.Fresh(), out_want = ogrid.Fresh();
+    for (int r = 0; r < mr; ++r)
+      for (int j = 0; j < w; ++j) out_want[ogrid.At(r, j)] = tiny[r] * ref[r * w + j];
+    t.gemm2(packed_a.data(), b.data(), P, tiny.data(), mr, w, out.data() + ogrid.base, w, nullptr, 0);
+    CompareBits("w * sums (the epilogue, denormal products kept)", out, out_want, ogrid, issues);
+    if (t.stream2 != nullptr) {  // the streaming kernel on the same operands (row weights 1)
+      const int rows = std::min(mr, kMaxStreamRows), K = static_cast<int>(2 * P);
+      std::vector<float> as(static_cast<size_t>(K * rows));
+      std::vector<uint16_t> ws(static_cast<size_t>(K * w));
+      for (int64_t p = 0; p < P; ++p) {
+        for (int r = 0; r < rows; ++r) {
+          as[(2 * p) * rows + r] = BitsToFloat((a[p * mr + r] & 0xffffu) << 16);
+          as[(2 * p + 1) * rows + r] = BitsToFloat(a[p * mr + r] >> 16 << 16);
+        }
+        for (int j = 0; j < w; ++j) {
+          ws[(2 * p) * w + j] = static_cast<uint16_t>(b[p * w + j] & 0xffffu);
+          ws[(2 * p + 1) * w + j] = static_cast<uint16_t>(b[p * w + j] >> 16);
+        }
+      }
+      const std::vector<float> ones(static_cast<size_t>(rows), 1.0f);
+      const Grid sgrid = MakeGrid(rows, w, w, 1);
+      std::vector<float> sout = sgrid.Fresh(), swant = sgrid.Fresh(), acc(static_cast<size_t>(2 * rows * w));
+      for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < w; ++j) swant[sgrid.At(r, j)] = ref[r * w + j];
+      t.stream2(as.data(), rows, rows, ws.data(), w, K, w, ones.data(), acc.data(), sout.data() + sgrid.base, w);
+      CompareBits("streamed sums vs the documented semantics", sout, swant, sgrid, issues);
+    }
+    if (Mxcsr() != csr) issues.push_back(Fmt("MXCSR %08x after the kernels, %08x before", Mxcsr(), csr));
     report.Add(Fmt("pairs=%lld", (long long)P), issues);
   }
 }
