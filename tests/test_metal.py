@@ -136,10 +136,19 @@ def test_one_wrap_per_allocation_however_many_experts():
 
 
 def test_untracked_arrays_with_touching_pages_share_a_wrap():
-    a = arena(5 * PAGE, track=False)
-    pins = F.metal_pin([(ptr(a), PAGE), (ptr(a) + PAGE, PAGE), (ptr(a) + 3 * PAGE, 100)])
-    assert pins.wraps == 1
-    pins.release()
+    """Ranges share a wrap when their 16 KiB pages touch, and not across an
+    untouched page.  The ranges are placed against a page boundary found in
+    the array, not at numpy's address: 1000 bytes past it, range 2 ends in
+    the page before range 3's (one wrap); on it, page 2 lies between them
+    (two).  (Placed at ptr(a), this test failed whenever numpy's allocation
+    happened to start on a 16 KiB boundary.)"""
+    a = arena(6 * PAGE, track=False)
+    boundary = ptr(a) + (-ptr(a)) % PAGE
+    for offset, wraps in ((1000, 1), (0, 2)):
+        p = boundary + offset
+        pins = F.metal_pin([(p, PAGE), (p + PAGE, PAGE), (p + 3 * PAGE, 100)])
+        assert pins.wraps == wraps, offset
+        pins.release()
 
 
 def test_unaligned_memory_is_wrapped_by_rounding_to_16k_pages():
