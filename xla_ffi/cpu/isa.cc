@@ -235,7 +235,7 @@ const KernelTable* ActiveKernels() {
 
 // avx512_bf16: the AVX-512 table's requirements plus CPUID leaf 7 subleaf 1
 // EAX bit 5 (the compiler's cpu-supports name for it varies by version).
-static bool SupportsAvx512Bf16() {
+[[maybe_unused]] static bool SupportsAvx512Bf16() {  // (unused off x86-64)
 #if defined(__x86_64__) || defined(_M_X64)
   if (!Supports("avx512")) return false;
   unsigned a = 0, b = 0, c = 0, d = 0;

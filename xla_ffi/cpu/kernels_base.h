@@ -23,6 +23,9 @@
 
 #include "abi.h"
 #include "cpu/kernel_table.h"
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 namespace nbx {
 namespace {
@@ -47,6 +50,39 @@ NBX_AI typename VecT<VL>::type Load(const float* p) {
   typename VecT<VL>::type v;
   memcpy(&v, p, sizeof v);
   return v;
+}
+
+// x in every lane (one broadcast instruction where the file has AVX: a
+// lane-by-lane build is compiled as one insert per lane).
+template <int VL>
+NBX_AI typename VecT<VL>::type Splat(float x) {
+  using V = typename VecT<VL>::type;
+#if defined(__AVX512F__)
+  if constexpr (VL == 16) return reinterpret_cast<V>(_mm512_set1_ps(x));
+#endif
+#if defined(__AVX__)
+  if constexpr (VL == 8) return reinterpret_cast<V>(_mm256_set1_ps(x));
+#endif
+  return x - V{};  // (x - +0 is x, -0 included)
+}
+
+// a*b + c as one fused multiply-add, whatever the optimisation level (the
+// bfloat16 dot-product arithmetic needs it; elsewhere -ffp-contract=fast
+// fuses a*b + c only from -O2).  The FMA instructions where the file is
+// compiled with them (x86 -mfma: the avx2 and avx512 files), else a*b + c.
+template <int VL>
+NBX_AI typename VecT<VL>::type FusedMulAdd(typename VecT<VL>::type a, typename VecT<VL>::type b,
+                                           typename VecT<VL>::type c) {
+#if defined(__FMA__)
+  if constexpr (VL == 4)
+    return reinterpret_cast<typename VecT<VL>::type>(_mm_fmadd_ps(a, b, c));
+  else if constexpr (VL == 8)
+    return reinterpret_cast<typename VecT<VL>::type>(_mm256_fmadd_ps(a, b, c));
+  else
+    return reinterpret_cast<typename VecT<VL>::type>(_mm512_fmadd_ps(a, b, c));
+#else
+  return a * b + c;
+#endif
 }
 
 // VL bfloat16 values (raw bits) widened to float32.

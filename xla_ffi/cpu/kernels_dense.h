@@ -159,7 +159,7 @@ NBX_AI void AccumulateRowsPair(const float* a, int64_t as, int rows, const float
 // places: written as two branches of one loop, GCC hoisted their common
 // product a0 * w0 and lost the FMA contraction (a multiply and an add: other
 // bits than the packed kernels).
-template <int VL, int R, int NW>
+template <int VL, int R, int NW, bool kFused = false>
 NBX_AI void Bf16Pass(const float (&av)[NW][R], const uint16_t* const (&w)[NW], int ncols,
                      float* acc) {
   using V = typename VecT<VL>::type;
@@ -184,8 +184,13 @@ NBX_AI void Bf16Pass(const float (&av)[NW][R], const uint16_t* const (&w)[NW], i
       memcpy(&so, ar + VL, sizeof so);
 #pragma GCC unroll 2
       for (int i = 0; i < NW; ++i) {
-        se += av[i][r] * ve[i];
-        so += av[i][r] * vo[i];
+        if constexpr (kFused) {
+          se = FusedMulAdd<VL>(Splat<VL>(av[i][r]), ve[i], se);
+          so = FusedMulAdd<VL>(Splat<VL>(av[i][r]), vo[i], so);
+        } else {
+          se += av[i][r] * ve[i];
+          so += av[i][r] * vo[i];
+        }
       }
       memcpy(ar, &se, sizeof se);
       memcpy(ar + VL, &so, sizeof so);
@@ -203,7 +208,8 @@ NBX_AI void Bf16Pass(const float (&av)[NW][R], const uint16_t* const (&w)[NW], i
         float wf;  // (no address of a vector element: Clang refuses it)
         memcpy(&wf, &bits, 4);
         f[0] = wf;
-        s += av[i][r] * f;
+        if constexpr (kFused) s = FusedMulAdd<VL>(Splat<VL>(av[i][r]), f, s);
+        else s += av[i][r] * f;
       }
       acc[r * ncols + c] = s[0];
     }
@@ -211,7 +217,8 @@ NBX_AI void Bf16Pass(const float (&av)[NW][R], const uint16_t* const (&w)[NW], i
 }
 
 // kDot: the bfloat16 dot-product kernels' streaming (kernels_dot.h, run under
-// their policy's MXCSR DAZ|FTZ): a rounded to bfloat16 (RoundToBf16) and the
+// their policy's MXCSR DAZ|FTZ): explicit fused multiply-adds (FusedMulAdd,
+// whatever the optimisation level), a rounded to bfloat16 (RoundToBf16) and the
 // chain over pairs of rows, row kk+1 before row kk (an odd K's missing last
 // odd row adds 0 * 0 = +0): the packed dot kernels' bits.
 template <int VL, int R, bool kDot = false>
@@ -230,7 +237,7 @@ void AccumulateRowsBf16R(const float* a, int64_t as, const uint16_t* w, int64_t 
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) av[0][r] = in(a[k0 * as + r]), av[1][r] = in(a[k1 * as + r]);
     const uint16_t* const wr[2] = {w + k0 * ld, w + k1 * ld};
-    Bf16Pass<VL, R, 2>(av, wr, ncols, acc);
+    Bf16Pass<VL, R, 2, kDot>(av, wr, ncols, acc);
   }
   if (kk < K) {  // K odd: the last row alone
     if constexpr (kDot)
@@ -239,7 +246,7 @@ void AccumulateRowsBf16R(const float* a, int64_t as, const uint16_t* w, int64_t 
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) av[0][r] = in(a[kk * as + r]);
     const uint16_t* const wr[1] = {w + kk * ld};
-    Bf16Pass<VL, R, 1>(av, wr, ncols, acc);
+    Bf16Pass<VL, R, 1, kDot>(av, wr, ncols, acc);
   }
   // [even][odd] -> column order, per block
   float tmp[2 * VL];
