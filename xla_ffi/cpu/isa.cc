@@ -251,7 +251,7 @@ namespace {
 // The dot kernels' names, fastest first ("auto" takes the first this CPU has
 // for the packed table's blocking).
 const char* const kDotNames[] = {"avx512_bf16", "fma", "emulated"};
-constexpr int kNumDotNames = 3;
+constexpr int kNumDotNames = sizeof kDotNames / sizeof kDotNames[0];
 std::atomic<int> g_dot_forced{-1};  // an index of kDotNames, or -1: "auto"
 
 const DotKernelTable* const* DotTables(int* n) {
@@ -321,14 +321,13 @@ bool SelectDotKernels(const char* name, std::string* error) {
     g_dot_forced.store(-1);
     return true;
   }
-  for (int i = 0; i < kNumDotNames; ++i) {
-    if (std::strcmp(name, kDotNames[i]) == 0 && HasDotKernels(name)) {
-      g_dot_forced.store(i);
-      return true;
-    }
+  int i = 0;
+  while (i < kNumDotNames && std::strcmp(name, kDotNames[i]) != 0) ++i;
+  const bool known = i < kNumDotNames;
+  if (known && HasDotKernels(name)) {
+    g_dot_forced.store(i);
+    return true;
   }
-  bool known = false;
-  for (const char* n : kDotNames) known = known || std::strcmp(name, n) == 0;
   *error = std::string(known ? "dot kernels '" : "unknown dot kernels '") + name +
            (known ? "' are not supported on this CPU" : "'") + " (this CPU runs: auto," + SupportedDotKernels() + ")";
   return false;

@@ -255,6 +255,9 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
   const int64_t col_step = by_columns ? sn : 1;  // elements from column n to n + 1
   static const float kOnes[kMaxStreamRows] = {1, 1, 1, 1, 1, 1};
   const int w_index = sizeof(W) == 4 ? 0 : 1;
+  // the dense streaming kernels: the dot table's, by columns, or by rows
+  auto* const stream1 = dot ? dot->stream1 : by_columns ? kt.stream1_cols[w_index] : kt.stream1[w_index];
+  auto* const stream2 = dot ? dot->stream2 : by_columns ? kt.stream2_cols[w_index] : kt.stream2[w_index];
   const int64_t stream_rows = std::min<int64_t>(kStreamRows, mr);
   const int64_t tiles = (N + kt.nc - 1) / kt.nc;
   ParallelFor(pool, workers, chunks * tiles, [&](int64_t it, int worker) {
@@ -278,9 +281,6 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
         if constexpr (WS::kQuant) {
           kt.qstream1(a, mr, rows, mats[0], mats[1], n0, K, cols, p.act, scratch, out, 1, mr);
         } else if (!raw_glu) {
-          auto* stream1 = dot     ? dot->stream1
-                          : by_columns ? kt.stream1_cols[w_index]
-                                       : kt.stream1[w_index];
           stream1(a, mr, rows, mats[0] + n0 * col_step, mats[1] + n0 * col_step, ldw, K, cols,
                   p.act, scratch, out, 1, mr);
         } else {
@@ -297,9 +297,6 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
                                     scratch, raw);
             kt.glu(raw, raw + cols, 2 * cols, 1, rows, cols, bg, bu, p.act, out, 1, mr);
           } else {
-            auto* stream2 = dot     ? dot->stream2
-                            : by_columns ? kt.stream2_cols[w_index]
-                                         : kt.stream2[w_index];
             stream2(a, mr, rows, mats[0] + n0 * col_step, ldw, K, cols, kOnes, scratch, raw,
                     2 * cols);
             stream2(a, mr, rows, mats[1] + n0 * col_step, ldw, K, cols, kOnes, scratch,
@@ -312,9 +309,8 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
         if constexpr (WS::kQuant)
           kt.qstream2(a, mr, rows, mats[0], n0, K, cols, b.row_weight + m0, scratch, out, H);
         else
-          (dot ? dot->stream2 : by_columns ? kt.stream2_cols[w_index] : kt.stream2[w_index])(
-              a, mr, rows, mats[0] + n0 * col_step, ldw, K, cols, b.row_weight + m0, scratch,
-              out, H);
+          stream2(a, mr, rows, mats[0] + n0 * col_step, ldw, K, cols, b.row_weight + m0, scratch,
+                  out, H);
         if (bias_d) AddDownBias(bias_d + e * H, b.row_weight, m0, m1, n0, cols, O, H);
       }
       return;
