@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from . import _registry
 
 __all__ = ["FAMILIES", "isa", "isa_families", "default_isa", "supported_isas", "set_isa",
-           "dot_kernels", "supported_dot_kernels", "set_dot_kernels", "planned_workers"]
+           "dot_kernels", "supported_dot_kernels", "set_dot_kernels", "bf16_dot_by_default", "planned_workers"]
 
 FAMILIES = ("packed", "stream", "qstream")
 
@@ -75,7 +75,8 @@ def set_isa(name: str | Mapping[str, str]) -> None:
 
 def dot_kernels() -> str:
     """The bfloat16 dot-product kernels that ``fused_moe(..., precision="bfloat16")``
-    runs on the CPU now, for the packed kernels' blocking:
+    runs on the CPU now, for the packed kernels' blocking (``precision=None``
+    takes them for bfloat16 x where this is ``"avx512_bf16"``):
 
     - ``"avx512_bf16"``: the VDPBF16PS instruction, on CPUs with avx512_bf16;
     - ``"fma"``: the same arithmetic on float32 fused multiply-adds under
@@ -104,6 +105,15 @@ def set_dot_kernels(name: str) -> None:
     if name != "auto" and name not in supported_dot_kernels():
         raise ValueError(f"set_dot_kernels: expected 'auto' or one of {supported_dot_kernels()}, got {name!r}")
     _ffi().set_cpu_dot_kernels(name)
+
+
+def bf16_dot_by_default() -> bool:
+    """Whether ``fused_moe(..., precision=None)`` takes the bfloat16 dot-product
+    kernels for bfloat16 x (with experts that can take them) on this CPU now:
+    where they run on the instruction (``dot_kernels() == "avx512_bf16"``).
+    Size a workspace cap for such calls with
+    ``memory.fused_moe_workspace_bytes(..., bf16_dot=True)``."""
+    return dot_kernels() == "avx512_bf16"
 
 
 def planned_workers() -> int:

@@ -46,8 +46,9 @@ def fused_moe_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int,
     tokens: per padded slot the packed x row and activations, plus per worker
     a scratch sized to H and I (a packed K-block of a weight tile, and a
     chunk's partial sums only when a sum spans several K-blocks;
-    ``bf16_dot``, ``precision="bfloat16"``: a chunk's x or activations as
-    bfloat16 pairs besides).  ``tokens=0`` gives the part that does not
+    ``bf16_dot``: a chunk's x or activations as bfloat16 pairs besides, for
+    calls that run the bfloat16 dot-product kernels: ``precision="bfloat16"``,
+    or ``precision=None`` with bfloat16 x where `cpu.bf16_dot_by_default`).  ``tokens=0`` gives the part that does not
     shrink with the band.  The same formula the handler allocates by and
     `fused_moe` plans with."""
     return int(_ffi().forward_workspace_bytes(int(tokens), int(k), int(E), int(H), int(I),

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
-from . import _abi, _registry, memory, metal
+from . import _abi, _registry, cpu, memory, metal
 from .activations import Activation, as_activation
 from .cpu import planned_workers
 from .experts import _CHILDREN as _EXPERT_CHILDREN
@@ -578,21 +578,29 @@ def fused_moe(
         take the same ``activation`` and ``implementation``, and run as one
         more pass of the same handler over the tokens (its own experts, E=S).
       precision: the CPU handler's arithmetic, in the spirit of
-        ``jax.lax.Precision``: ``None`` or ``"float32"`` (default: every
-        product in float32, x and the intermediate kept in float32) or
-        ``"bfloat16"`` (x and the intermediate ``act(x@gate) * (x@up)``
-        rounded to bfloat16, each sum taken over pairs of products as the
-        x86 instruction VDPBF16PS does: float32 fused multiply-adds, the
-        odd row of a pair first, denormals flushed; `jax_nbx.cpu.dot_kernels`
-        says whether the instruction (``"avx512_bf16"``) or its emulation
-        (``"emulated"``: the documented arithmetic, far slower) runs.  Error: about one
-        bfloat16 rounding of x and of the intermediate, i.e. a relative
-        ``~2**-8`` per element against the float32 arithmetic, the rounding
-        HF transformers' bfloat16 models do.  For dense bfloat16 experts
-        stored by rows (``layout="in_out"``, not interleaved), on the CPU
-        handler; every expert runs the packed kernels (none is streamed), so
-        decode is not faster.  Gradients are those of the float32 arithmetic
-        (the roundings pass gradients through unchanged).
+        ``jax.lax.Precision``: ``"float32"`` (every product in float32, x and
+        the intermediate kept in float32) or ``"bfloat16"`` (x and the
+        intermediate ``act(x@gate) * (x@up)`` rounded to bfloat16, each sum
+        taken over pairs of products as the x86 instruction VDPBF16PS does:
+        float32 fused multiply-adds, the odd row of a pair first, denormals
+        flushed; `jax_nbx.cpu.dot_kernels` says whether the instruction
+        (``"avx512_bf16"``), the same arithmetic on float32 FMAs (``"fma"``:
+        AVX2/AVX-512 CPUs without it, about the float32 path's speed) or its
+        scalar emulation (``"emulated"``, far slower) runs; all three give
+        the same bits where the instruction does what Intel documents).
+        ``None`` (default): ``"bfloat16"`` where x is bfloat16, the experts
+        (shared ones included) can take it and the CPU has the instruction
+        (``dot_kernels() == "avx512_bf16"`` when the call is traced; not yet
+        run on such a CPU, see the README's status table), else
+        ``"float32"``.  Error: about one bfloat16 rounding of x and of the
+        intermediate, i.e. a relative ``~2**-8`` per element against the
+        float32 arithmetic, the rounding HF transformers' bfloat16 models
+        do.  For dense bfloat16 experts stored by rows (``layout="in_out"``,
+        not interleaved), on the CPU handler.  Decode streams experts of at
+        most 6 rows (the fma kernels, on the instruction's CPUs too) with
+        the bits the packed kernels give; with the emulation every expert
+        packs.  Gradients are those of the float32 arithmetic (the roundings
+        pass gradients through unchanged).
 
     Returns:
       ``y`` with x's shape and dtype; accumulation is float32.
@@ -633,9 +641,12 @@ def fused_moe(
     E, H, I, k = _validate(x, topk_weights, topk_ids, experts, activation, ids_outside == "skip")
     activation = as_activation(activation)
     impl = _resolve_implementation(implementation, is_quantized(experts), experts.is_plain)
-    bf16_dot = _bf16_dot(precision, impl, experts)
-    if shared_experts is not None and bf16_dot:
-        _bf16_dot(precision, impl, shared_experts.experts, "shared_experts")
+    if precision is None:
+        bf16_dot = _bf16_dot_by_default(x.dtype, impl, experts, shared_experts)
+    else:
+        bf16_dot = _bf16_dot(precision, impl, experts)
+        if shared_experts is not None and bf16_dot:
+            _bf16_dot(precision, impl, shared_experts.experts, "shared_experts")
     run = functools.partial(_routed, activation=activation, implementation=implementation,
                             max_workspace_bytes=max_workspace_bytes, ids_outside=ids_outside,
                             bf16_dot=bf16_dot)
@@ -672,17 +683,40 @@ def _bf16_dot(precision, impl: str, experts, what: str = "experts") -> bool:
         return False
     if precision != "bfloat16":
         raise ValueError(f"precision must be None, 'float32' or 'bfloat16'; got {precision!r}")
+    why = _why_no_bf16_dot(impl, experts, what)
+    if why:
+        raise ValueError(f"precision='bfloat16' {why}")
+    return True
+
+
+def _why_no_bf16_dot(impl: str, experts, what: str) -> str:
+    """Why the bfloat16 dot-product kernels cannot run these experts ("" when
+    they can), worded to follow "precision='bfloat16' "."""
     platform = _ffi_platform()
     if impl != "ffi" or platform != "cpu":
-        raise ValueError("precision='bfloat16' runs on the CPU handler only (implementation='ffi' on "
-                         f"the CPU); this call resolves to implementation={impl!r} on {platform!r}")
+        return ("runs on the CPU handler only (implementation='ffi' on the CPU); this call resolves "
+                f"to implementation={impl!r} on {platform!r}")
     if is_quantized(experts) or np.dtype(experts.dtype) != np.dtype(jnp.bfloat16):
         kind = "quantized" if is_quantized(experts) else np.dtype(experts.dtype).name
-        raise ValueError(f"precision='bfloat16' needs dense bfloat16 {what}; these are {kind}")
+        return f"needs dense bfloat16 {what}; these are {kind}"
     if experts.layout != "in_out" or experts.fusion == "interleaved":
-        raise ValueError(f"precision='bfloat16' reads {what} stored by rows (layout='in_out', not "
-                         f"interleaved); these have layout={experts.layout!r}, fusion={experts.fusion!r}")
-    return True
+        return (f"reads {what} stored by rows (layout='in_out', not interleaved); these have "
+                f"layout={experts.layout!r}, fusion={experts.fusion!r}")
+    return ""
+
+
+def _bf16_dot_by_default(x_dtype, impl: str, experts, shared_experts) -> bool:
+    """``precision=None``: the bfloat16 dot-product kernels where x is
+    bfloat16, every expert (shared ones included) can run them, and the CPU
+    runs them on the instruction (`cpu.bf16_dot_by_default`, read when the
+    call is traced); float32 arithmetic everywhere else (the fma kernels are
+    not faster than it, the emulation far slower)."""
+    if np.dtype(x_dtype) != np.dtype(jnp.bfloat16):
+        return False
+    groups = [experts] + ([shared_experts.experts] if shared_experts is not None else [])
+    if any(not isinstance(e, Experts) or _why_no_bf16_dot(impl, e, "experts") for e in groups):
+        return False
+    return cpu.bf16_dot_by_default()
 
 
 def _shared(x2, shared: SharedExperts, run, activation: Activation, implementation) -> jax.Array:

@@ -13,11 +13,14 @@ and a workspace cap that forces bands.  It checks:
 * for ``"error"`` with a bad id: the run-time error names its position;
 * for dense cases, every few cases, the gradients against ``np_moe_grads``.
 
-``JAX_NBX_FUZZ_CASES`` / ``JAX_NBX_FUZZ_SEED`` run more cases or another seed
-(CI runs the defaults: 120 cases; a failure prints its case to rerun).
+``JAX_NBX_FUZZ_CASES`` / ``JAX_NBX_FUZZ_FIRST`` / ``JAX_NBX_FUZZ_SEED`` run
+more cases, cases from another index, or another seed.  CI runs cases 0-59
+here and .ci/sanitize cases 60-89 under ASan + UBSan (90 distinct cases per
+run; a failure prints its case, whose index and seed rerun it).
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -31,7 +34,8 @@ from jax_nbx.ops import _ffi_forward
 
 from conftest import DTYPES, TOL, make_problem, np_moe, np_moe_grads, rel_err
 
-CASES = int(os.environ.get("JAX_NBX_FUZZ_CASES", "120"))
+CASES = int(os.environ.get("JAX_NBX_FUZZ_CASES", "60"))
+FIRST = int(os.environ.get("JAX_NBX_FUZZ_FIRST", "0"))
 SEED = int(os.environ.get("JAX_NBX_FUZZ_SEED", "20261130"))
 ID_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
 
@@ -99,9 +103,11 @@ def run_case(c: dict) -> None:
     ok = (ids64 >= 0) & (ids64 < E)
     ref = np_moe(x, w, ids64, ref_ex, c["activation"])  # slots outside [0, E) contribute nothing
     tol = max(TOL[c["xd"]], TOL[c["wd"]])
+    # the arithmetic precision=None takes (bf16 x: the dot kernels where the CPU has the instruction)
+    dot = nbx.ops._bf16_dot_by_default(x.dtype, "ffi", weights, None)
     cap = None
     if c["band_fraction"] is not None:
-        need = nbx.memory.fused_moe_workspace_bytes
+        need = functools.partial(nbx.memory.fused_moe_workspace_bytes, bf16_dot=dot)
         cap = need(0, k, E, H, I) + int((need(T, k, E, H, I) - need(0, k, E, H, I)) * c["band_fraction"])
         # one token of each handler fits (the backward plans against the same cap)
         cap = max(cap, need(1, k, E, H, I), nbx.memory.fused_moe_backward_workspace_bytes(1, k, E, H, I))
@@ -115,9 +121,9 @@ def run_case(c: dict) -> None:
         return
     # the handler into a NaN-poisoned output, on the ids the op hands it
     ids32 = np.clip(ids64, -1, E).astype(np.int32)
-    band = nbx.ops.plan_band_tokens(T, k, E, H, I, cap)
+    band = nbx.ops.plan_band_tokens(T, k, E, H, I, cap, bf16_dot=dot)
     yp = _ffi_forward(x, w, jnp.asarray(ids32), *weights.flat(), activation=c["activation"],
-                      band_tokens=band, lists=c["lists"], skip_outside=True, poison=True)
+                      band_tokens=band, lists=c["lists"], skip_outside=True, poison=True, bf16_dot=dot)
     assert bool(jnp.all(jnp.isfinite(yp.astype(jnp.float32)))), "unwritten (poisoned) rows"
     assert rel_err(yp, ref) < tol
     y = nbx.fused_moe(x, w, ids_in, weights, **kw)
@@ -139,13 +145,13 @@ def run_case(c: dict) -> None:
 
 def test_fuzz_against_float64():
     start, failures = time.perf_counter(), []
-    for i in range(CASES):
+    for i in range(FIRST, FIRST + CASES):
         c = draw(i)
         try:
             run_case(c)
         except Exception as e:  # noqa: BLE001 - collected, reported with the case
             failures.append(f"case {c}: {type(e).__name__}: {str(e)[:300]}")
         assert nbx.memory.stats()["cpu:0"]["live"] == 0, f"bytes leaked after case {c}"
-    print(f"fuzz: {CASES} cases (seed {SEED}) in {time.perf_counter() - start:.1f} s")
+    print(f"fuzz: cases {FIRST}-{FIRST + CASES - 1} (seed {SEED}) in {time.perf_counter() - start:.1f} s")
     assert not failures, f"{len(failures)} of {CASES} cases failed (JAX_NBX_FUZZ_SEED={SEED}):\n" + \
         "\n".join(failures[:5])

@@ -12,6 +12,9 @@ sum |a * w|, plus, for an intermediate whose float32 value sits so near a
 bfloat16 rounding boundary that its float32 error could flip the rounding,
 one bfloat16 step of that element's contribution.
 
+precision=None takes the dot kernels for bfloat16 x where the CPU runs them
+on the instruction (test_default_precision_follows_the_instruction).
+
 The tests run on every dot-kernel kind this CPU has
 (`jax_nbx.cpu.supported_dot_kernels()`): the emulated instruction everywhere,
 the fma kernels on x86-64 with AVX2 or AVX-512, the instruction itself where
@@ -235,6 +238,45 @@ def test_errors_name_the_argument():
         _run(x, w, ids, tr)
     y = nbx.fused_moe(x, w, ids, ex, implementation="ffi", precision="float32")
     assert bool(jnp.all(y == nbx.fused_moe(x, w, ids, ex, implementation="ffi")))
+
+
+def test_default_precision_follows_the_instruction(monkeypatch):
+    """precision=None is float32 arithmetic unless x is bfloat16, every expert
+    (shared ones included) can take the dot kernels, and they run on the
+    instruction (``dot_kernels() == "avx512_bf16"``, read at trace time).
+    Here the instruction is reported while the fma or emulated kernels run
+    (the same documented bits), so the rule itself is checked on any CPU."""
+    x, w, ids, ex = make_problem(41, 19, 6, 2, 72, 40, jnp.bfloat16, jnp.bfloat16)
+
+    def run(x, ex, precision=None, **kw):
+        return nbx.fused_moe(x, w, ids, ex, implementation="ffi", precision=precision, **kw)
+
+    f32, dot = run(x, ex, "float32"), run(x, ex, "bfloat16")
+    assert not bool(jnp.all(f32 == dot))  # (the two arithmetics differ on this problem)
+    real = nbx.cpu.dot_kernels()
+    assert nbx.cpu.bf16_dot_by_default() == (real == "avx512_bf16")
+    assert bool(jnp.all(run(x, ex) == (dot if real == "avx512_bf16" else f32)))
+
+    monkeypatch.setattr(nbx.cpu, "dot_kernels", lambda: "avx512_bf16")
+    assert nbx.cpu.bf16_dot_by_default()
+    assert bool(jnp.all(run(x, ex) == dot))
+    assert bool(jnp.all(jax.jit(run)(x, ex) == dot))
+    # float32 x, float32 experts, experts stored by columns, float32 shared
+    # experts: float32 arithmetic, and no error
+    x32 = x.astype(jnp.float32)
+    assert bool(jnp.all(run(x32, ex) == run(x32, ex, "float32")))
+    ex32 = jax.tree.map(lambda a: a.astype(jnp.float32), ex)
+    assert bool(jnp.all(run(x, ex32) == run(x, ex32, "float32")))
+    tr = nbx.Experts(*(jnp.swapaxes(a, 1, 2) for a in (ex.gate, ex.up, ex.down)), layout="out_in")
+    assert bool(jnp.all(run(x, tr) == run(x, tr, "float32")))
+    shared32 = nbx.SharedExperts(nbx.Experts(ex32.gate[:1], ex32.up[:1], ex32.down[:1]))
+    assert bool(jnp.all(run(x, ex, shared_experts=shared32)
+                        == run(x, ex, "float32", shared_experts=shared32)))
+    shared = nbx.SharedExperts(nbx.Experts(ex.gate[:1], ex.up[:1], ex.down[:1]))
+    assert bool(jnp.all(run(x, ex, shared_experts=shared) == run(x, ex, "bfloat16", shared_experts=shared)))
+    # another implementation: the default never raises
+    y = nbx.fused_moe(x, w, ids, ex, implementation="xla")
+    assert float(jnp.max(jnp.abs(y.astype(jnp.float32) - f32.astype(jnp.float32)))) < 0.1
 
 
 def test_handler_refuses_what_python_would():

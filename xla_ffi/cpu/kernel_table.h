@@ -147,10 +147,10 @@ struct DotKernelTable {
                 int cols, float* out, int64_t rs, float* c, int flags);
   // Streaming (decode) over bfloat16 weights by rows, as KernelTable's
   // stream1[1] / stream2[1] (a float32, rounded to bfloat16 by the kernel):
-  // the bits of gemm1 / gemm2 on the same operands.  Null where the table
-  // has none (then every expert packs): the emulation (slow) and the
-  // instruction (whose bits are its hardware's; the streaming kernels'
-  // are the documented ones).
+  // the bits of gemm1 / gemm2 on the same operands.  The fma tables' own;
+  // the instruction's tables hold the fma ones of their width (the
+  // documented arithmetic: the same bits where the instruction does what
+  // it documents).  Null for the emulation (slow): every expert packs.
   void (*stream1)(const float* a, int64_t as, int rows, const void* wg, const void* wu,
                   int64_t ld, int64_t K, int ncols, const Glu& act, float* acc, float* out,
                   int64_t rs, int64_t cs);

@@ -37,6 +37,8 @@
 //             GEMM2: 2VL columns of down
 #pragma once
 
+#include <type_traits>
+
 #include "cpu/kernels_base.h"
 #include "cpu/kernels_dense.h"
 #if defined(__SSE__)
@@ -86,14 +88,15 @@ NBX_AI float DotPairLane(float acc, uint32_t a, uint32_t b) {
 }
 
 // The policies: Acc (VL float32 sums), B (VL words of packed B, as the
-// policy holds them), Mode (above), kAWords (packed A's layout), and
+// policy holds them), Mode (above), kAWords (packed A's layout), Stream (the
+// policy whose streaming kernels the table gets, DotStream1Of; void: none), and
 // Zero/LoadAcc/StoreAcc/LoadB/Dot (Dot given a row's packed A words).  The emulation's are plain arrays
 // (no vector types: the same 16 lanes as the instruction on any target).
 template <int VL>
 struct DotEmulated {
   static constexpr int kVl = VL;
   static constexpr int kAWords = 1;
-  static constexpr bool kStreams = false;  // (too slow to stream)
+  typedef void Stream;  // (too slow to stream)
   struct Acc {
     float v[VL];
   };
@@ -132,7 +135,7 @@ struct DotFma {
   using U = typename U32T<VL>::type;
   static constexpr int kVl = VL;
   static constexpr int kAWords = 2;
-  static constexpr bool kStreams = true;
+  typedef DotFma Stream;
   typedef V Acc;
   struct B {
     V odd, even;
@@ -243,8 +246,8 @@ void Gemm2Dot(const uint32_t* a, const uint32_t* b, int64_t P, const float* w, i
     for (int j = 0; j < cols; ++j) out[r * rs + j] = w[r] * s[r * 2 * VL + j];
 }
 
-// Streaming (decode), the policies with kStreams (the fma ones, whose vector
-// FMAs under Mode are the documented arithmetic): kernels_dense.h's bfloat16
+// Streaming (decode), on the fma policies (whose vector FMAs under Mode are
+// the documented arithmetic; a table's policy names its Stream policy): kernels_dense.h's bfloat16
 // streaming sums in the pair order (AccumulateRowsBf16R<..., true>), out of
 // line under Mode as PanelSums, then the streaming epilogues.
 template <class D>
@@ -280,16 +283,16 @@ void DotStream2(const float* a, int64_t as, int rows, const void* wd, int64_t ld
   StreamWeightEpilogue(acc, rows, ncols, w, out, rs);
 }
 
-// The table's streaming entries: D's, or null.
+// The table's streaming entries: those of D::Stream, or null (void).
 template <class D>
 constexpr decltype(DotKernelTable::stream1) DotStream1Of() {
-  if constexpr (D::kStreams) return DotStream1<D>;
-  else return nullptr;
+  if constexpr (std::is_void_v<typename D::Stream>) return nullptr;
+  else return DotStream1<typename D::Stream>;
 }
 template <class D>
 constexpr decltype(DotKernelTable::stream2) DotStream2Of() {
-  if constexpr (D::kStreams) return DotStream2<D>;
-  else return nullptr;
+  if constexpr (std::is_void_v<typename D::Stream>) return nullptr;
+  else return DotStream2<typename D::Stream>;
 }
 
 }  // namespace

@@ -4,7 +4,11 @@
 // rows on 512-bit registers (the avx512 table's: 24 accumulators, two B
 // vectors and a broadcast in the 32 registers) and 8 lanes x 6 rows on
 // 256-bit ones (the avx2 table's, chosen on double-pumped cores such as
-// Zen 4); K-blocks of 128 rows.
+// Zen 4); K-blocks of 128 rows.  Their streaming (decode) kernels are the fma
+// ones of the same width (DotFma: the documented arithmetic on float32 FMAs
+// under DAZ|FTZ): a token's bits are the same streamed or packed exactly when
+// the instruction does what Intel documents, which tests/test_kernels.py's
+// stream-vs-packed testers and tests/test_precision.py check where it runs.
 #include <immintrin.h>
 
 #include "cpu/kernels_dot.h"
@@ -15,7 +19,7 @@ namespace {
 struct DotZmm {
   static constexpr int kVl = 16;
   static constexpr int kAWords = 1;
-  static constexpr bool kStreams = false;  // (its bits are the hardware's)
+  typedef DotFma<16> Stream;
   typedef __m512 Acc;
   typedef __m512i B;
   typedef NoMode Mode;
@@ -32,7 +36,7 @@ struct DotZmm {
 struct DotYmm {
   static constexpr int kVl = 8;
   static constexpr int kAWords = 1;
-  static constexpr bool kStreams = false;  // (its bits are the hardware's)
+  typedef DotFma<8> Stream;
   typedef __m256 Acc;
   typedef __m256i B;
   typedef NoMode Mode;
