@@ -225,7 +225,7 @@ def test_the_workspace_buffer_is_pooled_and_gives_way():
     (counted as cached), and the next call of that size takes the same
     shared-storage buffer instead of a new one; under budget pressure the
     account frees it (the simulated device releases it)."""
-    T, E, k, H, I = 64, 2, 2, 1024, 40
+    T, E, k, H, I = 64, 2, 2, 1024, 8
     ws = int(F.metal_forward_workspace_bytes(T, k, E, H, I))
     assert ws >= 2**20
     x, w, ids, ex = make_problem(21, T, E, k, H, I)
