@@ -26,7 +26,7 @@ import numpy as np
 
 import jax_nbx as nbx
 from jax_nbx._bench import DTYPES, format_table, machine, make_layer
-from jax_nbx.ops import plan_band_tokens
+from jax_nbx.planning import plan_band_tokens
 
 SPLITS = [1, 2, 4, 8]
 

@@ -42,7 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_nbx as nbx
-from jax_nbx import _bench, _cuda
+from jax_nbx import _bench
+from jax_nbx.backends.cuda import calls as _cuda
 from jax_nbx.models import MODELS
 
 
@@ -187,7 +188,7 @@ def run_checks(rows):
         rows.append([f"grad T={T} E={E} k={k} H={H} I={I} w={np.dtype(wd).name}", f"{err:.2e}", f"{tol:.0e}",
                      status])
         log(rows[-1], f"{time.perf_counter() - t0:.1f}s")
-    rows.append(["pointer tables", "-", "-", json.dumps(_cuda.table_stats())])
+    rows.append(["pointer tables", "-", "-", json.dumps(nbx.tables.stats("cuda"))])
     rows.append(["account", "-", "-", json.dumps({k: {kk: v[kk] for kk in ("live", "peak", "budget")}
                                                   for k, v in nbx.memory.stats().items()})])
     return ok_all

@@ -1,5 +1,5 @@
 """Tunes the CUDA path's GEMM tile configs on a GPU and writes them to
-``jax_nbx/triton/configs/<device>.json`` (read by `jax_nbx.triton.plan.gemm_configs`,
+``jax_nbx/triton/configs/<device>.json`` (read by `jax_nbx.backends.cuda.plan.gemm_configs`,
 nearest M = T·k slots).
 
     python benchmarks/tune_gpu.py [--models olmoe-1b-7b,...] [--tokens 4096,512] [--budget-seconds 240]
@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from jax_nbx.triton import plan  # noqa: E402
+from jax_nbx.backends.cuda import plan  # noqa: E402
 
 CANDIDATES = [dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=s)
               for bm, bn, bk, w, s in itertools.product((16, 32, 64, 128), (64, 128), (64, 128), (4, 8), (3, 4))

@@ -1,4 +1,4 @@
-"""The cross-language contract (xla_ffi/abi.h, read through jax_nbx._abi):
+"""The cross-language contract (xla_ffi/abi.h, read through jax_nbx.contract):
 every consumer on the CPU side agrees with it.  (The CUDA launch program and
 the Triton kernels: tests/test_program_decoder.py.)"""
 from __future__ import annotations
@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.handlers import ffi_forward as _ffi_forward
 
 import jax_nbx as nbx
-from jax_nbx import _abi, _registry, quant, reference
-from jax_nbx.ops import _ffi_forward
+from jax_nbx import _registry, contract, formats, reference
+from jax_nbx.backends.cpu import forward_call
 
 from conftest import TOL, make_problem, np_glu, np_moe, rel_err
 
@@ -21,33 +22,33 @@ pytestmark = pytest.mark.fast
 
 
 def test_target_names_are_the_abis():
-    assert set(ffi.cpu_handlers()) == {_abi.TARGET_FORWARD, _abi.TARGET_BACKWARD, _abi.TARGET_METAL_FORWARD}
-    assert set(ffi.testing_handlers()) == {_abi.TARGET_FORWARD_POISONED,
-                                           _abi.TARGET_BACKWARD_POISONED}
+    assert set(ffi.cpu_handlers()) == {contract.TARGET_FORWARD, contract.TARGET_BACKWARD, contract.TARGET_METAL_FORWARD}
+    assert set(ffi.testing_handlers()) == {contract.TARGET_FORWARD_POISONED,
+                                           contract.TARGET_BACKWARD_POISONED}
     if getattr(ffi, "has_cuda", False):
-        assert set(ffi.cuda_handlers()) == {_abi.TARGET_CUDA_FORWARD,
-                                            _abi.TARGET_CUDA_FORWARD_TABLES,
-                                            _abi.TARGET_CUDA_BACKWARD}
-    assert _registry.FORWARD_TARGET == _abi.TARGET_FORWARD
-    assert _registry.CUDA_FORWARD_TARGET == _abi.TARGET_CUDA_FORWARD
+        assert set(ffi.cuda_handlers()) == {contract.TARGET_CUDA_FORWARD,
+                                            contract.TARGET_CUDA_FORWARD_TABLES,
+                                            contract.TARGET_CUDA_BACKWARD}
+    assert _registry.FORWARD_TARGET == contract.TARGET_FORWARD
+    assert _registry.CUDA_FORWARD_TARGET == contract.TARGET_CUDA_FORWARD
 
 
 def test_activations_are_the_abis_and_the_reference_has_each():
-    assert reference.ACTIVATIONS == _abi.ACTIVATIONS == ("swiglu", "geglu", "swiglu_clamped", "geglu_erf")
+    assert reference.ACTIVATIONS == contract.ACTIVATIONS == ("swiglu", "geglu", "swiglu_clamped", "geglu_erf")
     g = jnp.linspace(-9.0, 9.0, 101, dtype=jnp.float32)
     u = jnp.linspace(9.0, -9.0, 101, dtype=jnp.float32)
-    for name in _abi.ACTIVATIONS:
+    for name in contract.ACTIVATIONS:
         got = np.asarray(nbx.Activation(name)(g, u), np.float64)
         np.testing.assert_allclose(got, np_glu(np.asarray(g, np.float64), np.asarray(u, np.float64), name)[0],
                                    rtol=2e-6, atol=2e-6)
     # the reference's tanh-GELU uses the contract's constants
     g64 = np.linspace(-6.0, 6.0, 101)
-    mine = 0.5 * g64 * (1.0 + np.tanh(_abi.GELU_C * (g64 + _abi.GELU_B * g64 ** 3)))
+    mine = 0.5 * g64 * (1.0 + np.tanh(contract.GELU_C * (g64 + contract.GELU_B * g64 ** 3)))
     np.testing.assert_allclose(np.asarray(nbx.Activation("geglu")(jnp.asarray(g64, jnp.float32), 1.0)),
                                mine, rtol=2e-6, atol=2e-6)
-    assert _abi.GELU_C == pytest.approx(np.sqrt(2.0 / np.pi), rel=1e-15)
-    assert _abi.INV_SQRT2 == pytest.approx(np.sqrt(0.5), rel=1e-15)
-    assert (_abi.CLAMPED_SWIGLU_ALPHA, _abi.CLAMPED_SWIGLU_LIMIT) == (1.702, 7.0)  # gpt-oss's
+    assert contract.GELU_C == pytest.approx(np.sqrt(2.0 / np.pi), rel=1e-15)
+    assert contract.INV_SQRT2 == pytest.approx(np.sqrt(0.5), rel=1e-15)
+    assert (contract.CLAMPED_SWIGLU_ALPHA, contract.CLAMPED_SWIGLU_LIMIT) == (1.702, 7.0)  # gpt-oss's
 
 
 def test_the_metal_kernels_spell_the_contracts_activation_constants():
@@ -55,12 +56,12 @@ def test_the_metal_kernels_spell_the_contracts_activation_constants():
     path): its codes and constants are checked against the contract here."""
     src = (pathlib.Path(__file__).resolve().parent.parent / "xla_ffi" / "metal" / "kernels"
            / "prelude.metal").read_text()
-    assert f"{_abi.GELU_C:.16g}f" in src and f"{_abi.GELU_B}f" in src and f"{_abi.INV_SQRT2:.16g}f" in src
+    assert f"{contract.GELU_C:.16g}f" in src and f"{contract.GELU_B}f" in src and f"{contract.INV_SQRT2:.16g}f" in src
     for name in ("geglu", "swiglu_clamped", "geglu_erf"):
-        assert f"p.act == {_abi.ACTIVATION_CODES[name]}" in src, name
+        assert f"p.act == {contract.ACTIVATION_CODES[name]}" in src, name
 
 
-@pytest.mark.parametrize("activation", list(_abi.ACTIVATIONS) + [nbx.Activation("swiglu_clamped", 1.1, 0.6)])
+@pytest.mark.parametrize("activation", list(contract.ACTIVATIONS) + [nbx.Activation("swiglu_clamped", 1.1, 0.6)])
 def test_handler_reads_each_activation_code_as_the_reference_does(activation):
     x, w, ids, ex = make_problem(1, 9, 4, 2, 33, 20)
     y = nbx.fused_moe(x, w, ids, ex, activation=activation, implementation="ffi")
@@ -71,32 +72,48 @@ def test_weight_groups_follow_the_abis_order():
     x, w, ids, ex = make_problem(2, 3, 4, 2, 64, 32)
     for kind in ("int8", "int4"):
         q = nbx.quantize(ex, kind, group_size=32)
-        groups, E, I, fmt, _, _ = quant.weight_groups(q.flat(), lists=False)
-        assert len(groups) == len(_abi.parts_of(kind)) * len(_abi.PROJECTIONS)
-        for part, pname in enumerate(_abi.parts_of(kind)):
-            for proj, jname in enumerate(_abi.PROJECTIONS):
-                got = groups[_abi.group_index(part, proj)][0]
+        groups, E, I, fmt, _, _ = formats.weight_groups(q.flat(), lists=False)
+        assert len(groups) == len(contract.parts_of(kind)) * len(contract.PROJECTIONS)
+        for part, pname in enumerate(contract.parts_of(kind)):
+            for proj, jname in enumerate(contract.PROJECTIONS):
+                got = groups[contract.group_index(part, proj)][0]
                 assert got is getattr(getattr(q, jname), pname)
-    assert _abi.parts_of(None) == ("q",) and _abi.FORMAT_CODES[None] == _abi.FORMAT_CODES["dense"]
+    assert contract.parts_of(None) == ("q",) and contract.FORMAT_CODES[None] == contract.FORMAT_CODES["dense"]
 
 
-def _raw_forward(x, w, ids, ex, **overrides):
-    attrs = dict(activation=np.int32(0), act_alpha=np.float32(1.702), act_limit=np.float32(7.0),
-                 band_tokens=np.int64(0), max_workers=np.int64(2),
-                 skip_outside=False, num_experts=np.int64(ex.num_experts),
-                 format=np.int32(_abi.FORMAT_CODES["dense"]), stacked=True, group_size=np.int64(0),
-                 bf16_dot=False, **ex.weight_layout().attrs())
-    attrs.update(overrides)
-    call = jax.ffi.ffi_call(_abi.TARGET_FORWARD, jax.ShapeDtypeStruct(x.shape, x.dtype),
-                            vmap_method="sequential")
-    return call(x, w, ids, ex.gate, ex.up, ex.down, **attrs)
+def _raw_forward(x, w, ids, ex, operands=None, **overrides):
+    """The CPU forward target with the operands and attributes the product
+    builds (`backends.cpu.forward_call`), ``operands`` replaced and some
+    attributes overridden as given (raw: the test chooses their types)."""
+    E, H, I = ex.num_experts, ex.hidden, ex.intermediate
+    problem = nbx.backends.Problem.of(ex, x.dtype, E, H, I, ids.shape[1], nbx.Activation("swiglu"))
+    name, ops, attrs, out = forward_call(problem, 0, x, w, ids, (*ex.flat(), *ex.handler_biases()))
+    call = jax.ffi.ffi_call(name, out, vmap_method="sequential")
+    return call(*(ops if operands is None else [x, w, ids, *operands]), **dict(attrs, **overrides))
+
+
+def test_attributes_are_built_from_the_contract_alone():
+    """Every target's attribute names come from abi.h (NBX_TARGET_ATTRS); the
+    one builder refuses a missing or an unknown name before XLA sees it."""
+    assert set(contract.TARGET_ATTRIBUTES) == {
+        "forward", "backward", "metal_forward", "forward_poisoned", "backward_poisoned",
+        "cuda_forward", "cuda_forward_tables", "cuda_backward"}
+    fwd = contract.TARGET_ATTRIBUTES["forward"]
+    assert fwd["activation"] == "ACT" and fwd["format"] == "FMT" and fwd["views"] == "I64S"
+    assert contract.TARGET_ATTRIBUTES["metal_forward"] == fwd == contract.TARGET_ATTRIBUTES["forward_poisoned"]
+    values = {n: 0 for n in fwd}
+    got = contract.attributes("forward", values)
+    assert got["activation"].dtype == np.int32 and got["band_tokens"].dtype == np.int64
+    assert got["act_alpha"].dtype == np.float32 and got["views"].dtype == np.int64
+    with pytest.raises(ValueError, match=r"missing \['views'\], unknown \['view'\]"):
+        contract.attributes("forward", {**{n: 0 for n in fwd if n != "views"}, "view": 0})
 
 
 def test_enum_attributes_out_of_range_are_refused_by_name():
     x, w, ids, ex = make_problem(3, 5, 4, 2, 16, 8)
     with pytest.raises(jax.errors.JaxRuntimeError, match="unknown activation code 7"):
         jax.block_until_ready(_raw_forward(x, w, ids, ex, activation=np.int32(7)))
-    clamped = np.int32(_abi.ACT_SWIGLU_CLAMPED)
+    clamped = np.int32(contract.ACT_SWIGLU_CLAMPED)
     with pytest.raises(jax.errors.JaxRuntimeError, match="act_limit > 0; got act_alpha=1.702.*act_limit=0"):
         jax.block_until_ready(_raw_forward(x, w, ids, ex, activation=clamped, act_limit=np.float32(0)))
     with pytest.raises(jax.errors.JaxRuntimeError, match="finite act_alpha"):
@@ -113,25 +130,11 @@ def test_enum_attributes_out_of_range_are_refused_by_name():
 def test_weight_buffers_are_checked_against_the_format():
     x, w, ids, ex = make_problem(4, 5, 4, 2, 16, 8)
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"up has shape \(4, 16, 9\); expected \(4, 16, 8\)"):
-        call = jax.ffi.ffi_call(_abi.TARGET_FORWARD, jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                vmap_method="sequential")
-        jax.block_until_ready(call(x, w, ids, ex.gate, jnp.zeros((4, 16, 9)), ex.down,
-                                   activation=np.int32(0), act_alpha=np.float32(1.702),
-                                   act_limit=np.float32(7.0), band_tokens=np.int64(0),
-                                   max_workers=np.int64(2), skip_outside=False,
-                                   num_experts=np.int64(4), format=np.int32(0), stacked=True,
-                                   group_size=np.int64(0), bf16_dot=False, **ex.weight_layout().attrs()))
+        jax.block_until_ready(_raw_forward(x, w, ids, ex, [ex.gate, jnp.zeros((4, 16, 9)), ex.down]))
     # int8 experts passed as dense: the decoder names the group count it expected
     q = nbx.quantize(ex, "int8")
     with pytest.raises(jax.errors.JaxRuntimeError, match="expected 3 dense weight buffers"):
-        call = jax.ffi.ffi_call(_abi.TARGET_FORWARD, jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                vmap_method="sequential")
-        jax.block_until_ready(call(x, w, ids, *[g[0] for g in quant.weight_groups(q.flat(), False)[0]],
-                                   activation=np.int32(0), act_alpha=np.float32(1.702),
-                                   act_limit=np.float32(7.0), band_tokens=np.int64(0),
-                                   max_workers=np.int64(2), skip_outside=False,
-                                   num_experts=np.int64(4), format=np.int32(0), stacked=True,
-                                   group_size=np.int64(0), bf16_dot=False, **ex.weight_layout().attrs()))
+        jax.block_until_ready(_raw_forward(x, w, ids, ex, [g[0] for g in formats.weight_groups(q.flat(), False)[0]]))
 
 
 def test_views_and_biases_are_checked_by_the_handler():
@@ -151,33 +154,28 @@ def test_views_and_biases_are_checked_by_the_handler():
         v = plain.copy()
         v[4] = 1
         jax.block_until_ready(_raw_forward(x, w, ids, ex, views=np.asarray(v, np.int64)))
-    call = jax.ffi.ffi_call(_abi.TARGET_FORWARD, jax.ShapeDtypeStruct(x.shape, x.dtype),
-                            vmap_method="sequential")
-    attrs = dict(activation=np.int32(0), act_alpha=np.float32(1.702), act_limit=np.float32(7.0),
-                 band_tokens=np.int64(0), max_workers=np.int64(2), skip_outside=False,
-                 num_experts=np.int64(E), format=np.int32(0), stacked=True, group_size=np.int64(0),
-                 bf16_dot=False, **ex.weight_layout()._replace(bias=True).attrs())
     biases = [jnp.zeros((E, I), jnp.float32), jnp.zeros((E, I), jnp.float32), jnp.zeros((E, H + 1), jnp.float32)]
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"the down bias must be float32 \[E=4, 16\]"):
-        jax.block_until_ready(call(x, w, ids, ex.gate, ex.up, ex.down, *biases, **attrs))
+        jax.block_until_ready(_raw_forward(x, w, ids, ex, [ex.gate, ex.up, ex.down, *biases], has_bias=True))
     with pytest.raises(jax.errors.JaxRuntimeError, match="then 3 biases"):
-        jax.block_until_ready(call(x, w, ids, ex.gate, ex.up, ex.down, **attrs))
+        jax.block_until_ready(_raw_forward(x, w, ids, ex, has_bias=True))
     q = nbx.quantize(ex, "int8")
     with pytest.raises(jax.errors.JaxRuntimeError, match="quantized weights take the plain"):
-        qa = dict(attrs, format=np.int32(_abi.FORMAT_CODES["int8"]))
-        jax.block_until_ready(call(x, w, ids, *[g[0] for g in quant.weight_groups(q.flat(), False)[0]],
-                                   *biases[:2], biases[1], **qa))
+        groups = [g[0] for g in formats.weight_groups(q.flat(), False)[0]]
+        jax.block_until_ready(_raw_forward(x, w, ids, ex, [*groups, *biases[:2], biases[1]], has_bias=True,
+                                           format=np.int32(contract.FORMAT_CODES["int8"])))
 
 
 def test_views_are_the_abis():
     """abi.h "weight views": the fields and biases `WeightLayout` passes are
     the ones the CUDA plan reads (jax_nbx/triton/plan.py)."""
-    from jax_nbx.triton import plan
+    from jax_nbx.backends.cuda import plan
 
     _, _, _, ex = make_problem(4, 5, 4, 2, 16, 8)
     lay = ex.weight_layout()
-    assert _abi.VIEW_FIELDS == ("offset", "stride_k", "stride_n") and _abi.NUM_BIASES == len(_abi.PROJECTIONS)
-    assert len(lay.views) == len(_abi.VIEW_FIELDS) * len(_abi.PROJECTIONS)
+    assert contract.VIEW_FIELDS == ("offset", "stride_k", "stride_n")
+    assert contract.NUM_BIASES == len(contract.PROJECTIONS)
+    assert len(lay.views) == len(contract.VIEW_FIELDS) * len(contract.PROJECTIONS)
     assert sum(plan.plain_views(16, 8), ()) == lay.views
     assert plan.views_of(lay, 16, 8) == (plan.plain_views(16, 8), False, False)
     fused = nbx.Experts.fused(jnp.zeros((4, 16, 16)), ex.down, fusion="interleaved",

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_nbx as nbx
-from jax_nbx import _cuda, _registry
+from jax_nbx import _registry
 
 from conftest import make_problem, np_moe, rel_err
 
@@ -88,9 +88,9 @@ def test_cuda_tables_cached():
     x, w, ids, ex = make_problem(5, 16, 8, 2, 64, 32, jnp.bfloat16, jnp.bfloat16)
     f = jax.jit(lambda *a: nbx.fused_moe(*a, implementation="ffi"))
     f(x, w, ids, ex).block_until_ready()
-    before = _cuda.table_stats()
+    before = nbx.tables.stats("cuda")
     f(x, w, ids, ex).block_until_ready()
-    after = _cuda.table_stats()
+    after = nbx.tables.stats("cuda")
     assert after["hits"] > before["hits"] and after["entries"] >= 1
     assert nbx.memory.stats()["cuda:0"]["live_by_tag"].get("tables", 0) == after["bytes"]
 

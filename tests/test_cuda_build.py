@@ -6,7 +6,8 @@ import shutil
 import pytest
 
 import jax_nbx as nbx
-from jax_nbx import _abi, _cuda, _registry
+from jax_nbx import _registry, contract
+from jax_nbx.backends.cuda import calls as _cuda
 
 ffi = _registry.ffi_module()
 
@@ -15,9 +16,9 @@ def test_cuda_handler_built_where_nvcc_is():
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc on this machine: the CUDA handler is not built (NBX_CUDA=AUTO)")
     assert ffi.has_cuda, "nvcc is on PATH but the CUDA handler was not built"
-    assert _abi.TARGET_CUDA_FORWARD in ffi.cuda_handlers()
-    assert _abi.TARGET_CUDA_FORWARD_TABLES in ffi.cuda_handlers()
-    assert _abi.TARGET_CUDA_BACKWARD in ffi.cuda_handlers()
+    assert contract.TARGET_CUDA_FORWARD in ffi.cuda_handlers()
+    assert contract.TARGET_CUDA_FORWARD_TABLES in ffi.cuda_handlers()
+    assert contract.TARGET_CUDA_BACKWARD in ffi.cuda_handlers()
 
 
 def test_no_gpu_means_no_gpu_platform():
@@ -33,7 +34,7 @@ def test_missing_driver_is_reported_not_fatal():
     status = ffi.cuda_driver_status()
     if status:  # no libcuda here: the module still imported, and says why
         assert "libcuda" in status or "cuInit" in status
-    assert _cuda.table_stats()["entries"] >= 0
+    assert nbx.tables.stats("cuda")["entries"] >= 0
 
 
 def test_cuda_unavailable_reason_says_why_not():

@@ -62,7 +62,7 @@ def test_under_a_users_jit_the_error_text_is_the_same_whatever_the_type():
 
 
 def test_retyping_keeps_other_errors():
-    from jax_nbx.ops import _as_runtime_error
+    from jax_nbx.ops import as_runtime_error as _as_runtime_error
     e = ValueError("x has shape (3,); expected ...")
     assert _as_runtime_error(e) is e
     r = _as_runtime_error(ValueError("INTERNAL: boom"))
@@ -79,10 +79,16 @@ def test_int64_id_beyond_int32_is_still_refused(prob):
             nbx.fused_moe(x, w, big, experts, implementation="ffi").block_until_ready()
 
 
-def test_xla_path_drops_out_of_range_slots(prob):
+def test_xla_path_refuses_out_of_range_ids_and_skip_drops_them(prob):
+    """ids_outside="error" fails on the "xla" path too (a host check of the
+    ids), eagerly and under jit, naming the position and the id; "skip"
+    drops such slots."""
     x, w, ids, experts = prob
     bad = _bad_ids(ids, 8)
-    y = nbx.fused_moe(x, w, bad, experts, implementation="xla")
+    for run in (nbx.fused_moe, jax.jit(nbx.fused_moe, static_argnames="implementation")):
+        with pytest.raises(jax.errors.JaxRuntimeError, match=r"topk_ids\[5, 1\] = 8 is outside \[0, 8\)"):
+            jax.block_until_ready(run(x, w, bad, experts, implementation="xla"))
+    y = nbx.fused_moe(x, w, bad, experts, implementation="xla", ids_outside="skip")
     keep = np.asarray(w).copy()
     keep[5, 1] = 0.0
     assert rel_err(y, np_moe(x, keep, ids, experts)) < 1e-5
@@ -147,7 +153,9 @@ def test_option_errors(prob):
         nbx.fused_moe(x, w, ids, experts, activation=nbx.Activation("swiglu_clamped", alpha=float("nan")))
     with pytest.raises(TypeError, match="activation must be a name in .* or a jax_nbx.Activation; got 3"):
         nbx.fused_moe(x, w, ids, experts, activation=3)
-    with pytest.raises(ValueError, match=r"implementation must be one of .*; got 'cuda'"):
+    with pytest.raises(ValueError, match=r"implementation must be one of .*; got 'tpu'"):
+        nbx.fused_moe(x, w, ids, experts, implementation="tpu")
+    with pytest.raises(ValueError, match=r"implementation='cuda' cannot run this call: runs on a CUDA GPU"):
         nbx.fused_moe(x, w, ids, experts, implementation="cuda")
     with pytest.raises(ValueError, match=r"k must be an int in \[1, E=8\].*got k=9"):
         nbx.route(jnp.zeros((3, 8)), k=9)

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.handlers import ffi_forward as _ffi_forward
 
 import jax_nbx as nbx
-from jax_nbx.ops import _ffi_forward
 
 from conftest import DTYPES, TOL, make_problem, np_moe, rel_err
 

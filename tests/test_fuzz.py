@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.handlers import ffi_forward as _ffi_forward
 
 import jax_nbx as nbx
-from jax_nbx.ops import _ffi_forward
 
 from conftest import DTYPES, TOL, make_problem, np_moe, np_moe_grads, rel_err
 
@@ -104,7 +104,7 @@ def run_case(c: dict) -> None:
     ref = np_moe(x, w, ids64, ref_ex, c["activation"])  # slots outside [0, E) contribute nothing
     tol = max(TOL[c["xd"]], TOL[c["wd"]])
     # the arithmetic precision=None takes (bf16 x: the dot kernels where the CPU has the instruction)
-    dot = nbx.ops._bf16_dot_by_default(x.dtype, "ffi", weights, None)
+    dot = nbx.ops.resolve(x, w, ids_in, weights, implementation="ffi", ids_outside="skip")[1].bf16_dot
     cap = None
     if c["band_fraction"] is not None:
         need = functools.partial(nbx.memory.fused_moe_workspace_bytes, bf16_dot=dot)
@@ -121,7 +121,7 @@ def run_case(c: dict) -> None:
         return
     # the handler into a NaN-poisoned output, on the ids the op hands it
     ids32 = np.clip(ids64, -1, E).astype(np.int32)
-    band = nbx.ops.plan_band_tokens(T, k, E, H, I, cap, bf16_dot=dot)
+    band = nbx.planning.plan_band_tokens(T, k, E, H, I, cap, bf16_dot=dot)
     yp = _ffi_forward(x, w, jnp.asarray(ids32), *weights.flat(), activation=c["activation"],
                       band_tokens=band, lists=c["lists"], skip_outside=True, poison=True, bf16_dot=dot)
     assert bool(jnp.all(jnp.isfinite(yp.astype(jnp.float32)))), "unwritten (poisoned) rows"

@@ -12,7 +12,7 @@ import pytest
 
 import jax_nbx as nbx
 from jax_nbx import memory
-from jax_nbx.ops import plan_band_tokens
+from jax_nbx.planning import plan_band_tokens
 
 from conftest import make_problem, np_moe, rel_err
 
@@ -339,14 +339,14 @@ def test_hold_workspace_is_refused_past_the_budget(budget):
 # --- sizes past the int32 slot indices (issue #14, item 7) -------------------------------------
 
 def test_workspace_formulas_refuse_slot_counts_past_the_limit():
-    from jax_nbx import _abi
+    from jax_nbx import contract
     with pytest.raises(ValueError, match="slots exceed the handlers' limit"):
         memory.fused_moe_workspace_bytes(2 ** 62, 2, 8, 64, 96)  # overflowed to 1.9 MB before
     with pytest.raises(ValueError, match="slots exceed the handlers' limit"):
-        memory.fused_moe_backward_workspace_bytes(_abi.MAX_SLOTS // 2 + 1, 2, 8, 64, 96)
+        memory.fused_moe_backward_workspace_bytes(contract.MAX_SLOTS // 2 + 1, 2, 8, 64, 96)
     with pytest.raises(ValueError, match="out of range"):
         memory.fused_moe_workspace_bytes(-1, 2, 8, 64, 96)
-    assert memory.fused_moe_workspace_bytes(_abi.MAX_SLOTS // 2, 2, 8, 64, 96) > 0
+    assert memory.fused_moe_workspace_bytes(contract.MAX_SLOTS // 2, 2, 8, 64, 96) > 0
 
 
 def test_workspace_formulas_saturate_instead_of_wrapping():
@@ -359,15 +359,15 @@ def test_workspace_formulas_saturate_instead_of_wrapping():
 
 
 def test_fused_moe_refuses_calls_past_the_slot_limit_at_trace_time():
-    from jax_nbx import _abi
+    from jax_nbx import contract
     ex = nbx.Experts(*(jax.ShapeDtypeStruct(s, np.float32) for s in ((8, 16, 8), (8, 16, 8), (8, 8, 16))))
-    T_big = _abi.MAX_SLOTS // 2 + 1
+    T_big = contract.MAX_SLOTS // 2 + 1
     args = (jax.ShapeDtypeStruct((T_big, 16), np.float32), jax.ShapeDtypeStruct((T_big, 2), np.float32),
             jax.ShapeDtypeStruct((T_big, 2), np.int32))
     with pytest.raises(ValueError, match=r"T \* k = 536870913 \* 2 = 1073741826 slots exceed"):
         jax.eval_shape(lambda x, w, i, e: nbx.fused_moe(x, w, i, e, implementation="ffi"), *args, ex)
     # vmap folds a batch into the tokens: the folded call is checked too
-    half = (_abi.MAX_SLOTS // 2) // 2 + 1
+    half = (contract.MAX_SLOTS // 2) // 2 + 1
     bargs = (jax.ShapeDtypeStruct((2, half, 16), np.float32), jax.ShapeDtypeStruct((2, half, 2), np.float32),
              jax.ShapeDtypeStruct((2, half, 2), np.int32))
     with pytest.raises(ValueError, match="slots exceed the FFI handlers' limit"):

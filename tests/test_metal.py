@@ -76,14 +76,14 @@ def test_refusal_past_the_working_set_says_what_would_have_fit():
 def test_bands_are_planned_against_the_working_set():
     F.metal_sim_configure(10_000_000, 2**20, 64)
     need = lambda t: 1_000_000 + 50_000 * t  # noqa: E731 - a workspace formula
-    assert memory.plan_bands(need, 100, 64, "metal") == 100
+    assert nbx.planning.plan_bands(need, 100, 64, "metal") == 100
     F.metal_sim_configure(3_000_000, 2**20, 64)
-    band = memory.plan_bands(need, 100, 64, "metal")
+    band = nbx.planning.plan_bands(need, 100, 64, "metal")
     assert band < 100 and need(band) <= 3_000_000
     F.metal_sim_configure(1_020_000, 2**20, 64)
     with pytest.raises(nbx.DeviceOOMError, match=r"6.0 MB needed, 1.0 MB free of a 1.0 MB budget "
                                                  r"on metal:0; short by .* no band split alone") as e:
-        memory.plan_bands(need, 100, 64, "metal")
+        nbx.planning.plan_bands(need, 100, 64, "metal")
     assert e.value.device == "metal:0"
 
 

@@ -130,7 +130,8 @@ def test_long_problems_are_split_into_bounded_command_buffers():
 
 def test_what_the_metal_path_does_not_take_yet_is_refused_by_name():
     x, w, ids, ex = make_problem(11, 4, 4, 2, 16, 24)
-    with pytest.raises(ValueError, match="quantized experts are not supported on the Metal path yet"):
+    with pytest.raises(ValueError, match="implementation='metal' cannot run this call: takes dense experts; "
+                                         "these are int8"):
         metal(x, w, ids, nbx.quantize(ex, "int8"))
     assert metal(x[:0], w[:0], ids[:0], ex).shape == (0, 16)
 
@@ -163,13 +164,17 @@ def test_the_default_stays_the_cpu_handler_off_apple(monkeypatch):
     """implementation=None picks "metal" only on macOS arm64 with Metal itself
     active (never the simulated device): here the CPU handler stays."""
     assert not nbx.metal.is_default()
-    from jax_nbx import ops
+    x, w, ids, ex = make_problem(12, 4, 4, 2, 16, 24)
 
-    assert ops._resolve_implementation(None) == "ffi"
+    def chosen(experts):
+        return nbx.ops.resolve(x, w, ids, experts)[0].name
+
+    assert chosen(ex) == "cpu"
     monkeypatch.setattr(nbx.metal, "is_default", lambda: True)  # as on a Mac with Metal
-    assert ops._resolve_implementation(None) == "metal"
-    assert ops._resolve_implementation(None, quantized=True) == "ffi"  # not on Metal yet
-    assert ops._resolve_implementation(None, plain=False) == "ffi"  # layouts, biases: not on Metal yet
+    assert chosen(ex) == "metal"
+    assert chosen(nbx.quantize(ex, "int8")) == "cpu"  # not on Metal yet
+    biased = nbx.Experts(ex.gate, ex.up, ex.down, down_bias=jnp.zeros((4, 16)))
+    assert chosen(biased) == "cpu"  # layouts, biases: not on Metal yet
 
 
 def test_command_buffer_bound_is_validated():
@@ -184,7 +189,7 @@ def test_command_buffer_bound_is_validated():
 def test_without_a_metal_device_the_implementation_is_refused():
     nbx.metal.use("none")
     x, w, ids, ex = make_problem(12, 4, 4, 2, 16, 24)
-    with pytest.raises(ValueError, match="implementation='metal': no Metal device is active"):
+    with pytest.raises(ValueError, match="'metal' cannot run this call: no Metal device is active"):
         metal(x, w, ids, ex)
     nbx.metal.use("sim")
 

@@ -2,7 +2,7 @@
 without a GPU through `_ffi.decode_program`: it reads back exactly the
 launches `plan.py` encodes, and names what is wrong with a malformed program.
 Then the Triton side of the contract: plan, compile and kernels take their
-shared values from `jax_nbx._abi` (xla_ffi/abi.h)."""
+shared values from `jax_nbx.contract` (xla_ffi/abi.h)."""
 from __future__ import annotations
 
 import os
@@ -13,9 +13,9 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jax_nbx import _abi, _registry  # noqa: E402
-from jax_nbx.triton import compile as C  # noqa: E402
-from jax_nbx.triton import plan  # noqa: E402
+from jax_nbx import _registry, contract  # noqa: E402
+from jax_nbx.backends.cuda import compile as C  # noqa: E402
+from jax_nbx.backends.cuda import plan  # noqa: E402
 
 ffi = _registry.ffi_module()
 pytestmark = pytest.mark.fast
@@ -40,7 +40,7 @@ PROGRAMS = {
 def _build(name):
     T, band, k, E, H, I, xd, wd, act, quant = PROGRAMS[name]
     prog = plan.build(T, band, k, E, H, I, xd, wd, act, quant=quant)
-    groups = len(_abi.parts_of(quant[0] if quant else None)) * len(_abi.PROJECTIONS)
+    groups = len(contract.parts_of(quant[0] if quant else None)) * len(contract.PROJECTIONS)
     return prog, groups
 
 
@@ -52,7 +52,7 @@ def _expected(prog):
 
 def _decode(prog, groups, program=None, n_tables=None):
     return ffi.decode_program(prog.encode() if program is None else program, len(prog.kernels()),
-                              _abi.IN_GROUP0 + groups, groups if n_tables is None else n_tables,
+                              contract.IN_GROUP0 + groups, groups if n_tables is None else n_tables,
                               prog.workspace_bytes)
 
 
@@ -81,7 +81,7 @@ def test_decoder_takes_a_list_and_an_empty_program():
 def test_program_needs_every_group_of_its_format(name):
     """The tables a program reads are its format's groups (3 per part, abi.h order)."""
     prog, groups = _build(name)
-    used = {a.index for ln in prog.launches for a in ln.args if a.kind == _abi.ARG_TABLE}
+    used = {a.index for ln in prog.launches for a in ln.args if a.kind == contract.ARG_TABLE}
     assert used == set(range(groups))
     with pytest.raises(ValueError, match="bad table index"):
         _decode(prog, groups, n_tables=groups - 1)
@@ -92,16 +92,16 @@ def test_backward_program_decodes_with_its_outputs_and_tables():
     (after the weight groups), outputs dx and d(topk_weights) only, and the
     weights' tables then their gradients' (3 + 3); the decoder refuses it
     with fewer of any."""
-    from jax_nbx.triton import plan as P
+    from jax_nbx.backends.cuda import plan as P
 
     prog = P.build_backward(70, 40, 2, 5, 48, 40, np.float32, np.float32, 0)
     n_in = P.backward_inputs(3) + 1
-    assert n_in == _abi.IN_GROUP0 + 4
+    assert n_in == contract.IN_GROUP0 + 4
     got = ffi.decode_program(prog.encode(), len(prog.kernels()), n_in, 6, prog.workspace_bytes, 2)
     assert got == _expected(prog)
-    outs = {a.index for ln in prog.launches for a in ln.args if a.kind == _abi.ARG_OUTPUT}
-    assert outs == {_abi.OUT_DX, _abi.OUT_DTOPK_WEIGHTS}
-    tables = {a.index for ln in prog.launches for a in ln.args if a.kind == _abi.ARG_TABLE}
+    outs = {a.index for ln in prog.launches for a in ln.args if a.kind == contract.ARG_OUTPUT}
+    assert outs == {contract.OUT_DX, contract.OUT_DTOPK_WEIGHTS}
+    tables = {a.index for ln in prog.launches for a in ln.args if a.kind == contract.ARG_TABLE}
     assert tables == set(range(6))
     with pytest.raises(ValueError, match="bad output index 1"):
         ffi.decode_program(prog.encode(), len(prog.kernels()), n_in, 6, prog.workspace_bytes)
@@ -115,12 +115,12 @@ def test_encoding_layout_is_the_abis():
     prog, _ = _build("prefill-dense-bands")
     enc = prog.encode()
     assert enc.dtype == np.int64
-    assert len(enc) == sum(_abi.LAUNCH_HEADER + _abi.ARG_FIELDS * len(ln.args) for ln in prog.launches)
+    assert len(enc) == sum(contract.LAUNCH_HEADER + contract.ARG_FIELDS * len(ln.args) for ln in prog.launches)
 
 
 # --------------------------------------------------------------------------- malformed programs
 
-N_KERNELS, N_INPUTS, N_TABLES, WS_BYTES = 2, _abi.IN_GROUP0 + 3, 3, 512
+N_KERNELS, N_INPUTS, N_TABLES, WS_BYTES = 2, contract.IN_GROUP0 + 3, 3, 512
 
 
 def _launch(kernel=0, grid=(1, 1, 1), args=(), nargs=None):
@@ -130,8 +130,8 @@ def _launch(kernel=0, grid=(1, 1, 1), args=(), nargs=None):
     return out
 
 
-GOOD = _launch(1, (4, 2, 1), [(_abi.ARG_INPUT, _abi.IN_X, 64), (_abi.ARG_WORKSPACE, 0, 256),
-                              (_abi.ARG_TABLE, 2, 0), (_abi.ARG_OUTPUT, 0, 8), (_abi.ARG_I32, 0, -5)])
+GOOD = _launch(1, (4, 2, 1), [(contract.ARG_INPUT, contract.IN_X, 64), (contract.ARG_WORKSPACE, 0, 256),
+                              (contract.ARG_TABLE, 2, 0), (contract.ARG_OUTPUT, 0, 8), (contract.ARG_I32, 0, -5)])
 
 
 def _decode_raw(program):
@@ -146,23 +146,23 @@ def test_good_hand_written_program():
 
 BAD = {
     "truncated header": (GOOD + [0, 1, 1], r"truncated launch program: launch 1 .*header"),
-    "truncated args": (GOOD + _launch(0, args=[(_abi.ARG_I32, 0, 1)], nargs=2),
+    "truncated args": (GOOD + _launch(0, args=[(contract.ARG_I32, 0, 1)], nargs=2),
                        r"truncated launch program: launch 1 .*2 arguments"),
     "huge nargs": (_launch(0, nargs=2**62), r"truncated launch program: launch 0 .*arguments"),
     "kernel past the table": (GOOD + _launch(N_KERNELS), rf"launch 1 .*names kernel {N_KERNELS}\b"),
     "negative kernel": (_launch(-1), r"names kernel -1"),
     "negative nargs": (_launch(0, nargs=-1), r"negative argument count"),
     "unknown kind": (_launch(0, args=[(5, 0, 0)]), r"unknown argument kind 5 in launch 0 .*argument 0"),
-    "negative kind": (GOOD + _launch(0, args=[(_abi.ARG_I32, 0, 1), (-1, 0, 0)]),
+    "negative kind": (GOOD + _launch(0, args=[(contract.ARG_I32, 0, 1), (-1, 0, 0)]),
                       r"unknown argument kind -1 in launch 1 .*argument 1"),
-    "input index past the inputs": (_launch(0, args=[(_abi.ARG_INPUT, N_INPUTS, 0)]),
+    "input index past the inputs": (_launch(0, args=[(contract.ARG_INPUT, N_INPUTS, 0)]),
                                     rf"bad input index {N_INPUTS}\b"),
-    "negative input index": (_launch(0, args=[(_abi.ARG_INPUT, -1, 0)]), r"bad input index -1"),
-    "table index past the groups": (_launch(0, args=[(_abi.ARG_TABLE, N_TABLES, 0)]),
+    "negative input index": (_launch(0, args=[(contract.ARG_INPUT, -1, 0)]), r"bad input index -1"),
+    "table index past the groups": (_launch(0, args=[(contract.ARG_TABLE, N_TABLES, 0)]),
                                     rf"bad table index {N_TABLES}\b"),
-    "workspace offset past the end": (_launch(0, args=[(_abi.ARG_WORKSPACE, 0, WS_BYTES)]),
+    "workspace offset past the end": (_launch(0, args=[(contract.ARG_WORKSPACE, 0, WS_BYTES)]),
                                       rf"workspace offset {WS_BYTES} .*outside the workspace"),
-    "negative workspace offset": (_launch(0, args=[(_abi.ARG_WORKSPACE, 0, -8)]),
+    "negative workspace offset": (_launch(0, args=[(contract.ARG_WORKSPACE, 0, -8)]),
                                   r"workspace offset -8 .*outside the workspace"),
 }
 
@@ -185,7 +185,7 @@ def test_truncated_plan_program_is_refused():
 def test_kernel_table_rows_are_checked_against_the_blob():
     row = [0, 4, 4, 96, 4, 1024, -7]  # name [0, 4), cubin [4, 100)
     assert ffi.decode_kernel_table(row * 2, 100) == [tuple(row)] * 2
-    with pytest.raises(ValueError, match=f"expected a multiple of {len(_abi.KERNEL_FIELDS)}"):
+    with pytest.raises(ValueError, match=f"expected a multiple of {len(contract.KERNEL_FIELDS)}"):
         ffi.decode_kernel_table(row[:-1], 100)
     for bad in ([0, 4, 4, 97], [-1, 4, 4, 96], [0, -1, 4, 96], [0, 4, 4, -1], [2**62, 2**62, 0, 1]):
         with pytest.raises(ValueError, match="outside the cubin blob"):
@@ -196,38 +196,39 @@ def test_kernel_table_rows_are_checked_against_the_blob():
 
 def test_plan_and_compile_read_the_abi():
     assert (plan.ARG_INPUT, plan.ARG_OUTPUT, plan.ARG_WORKSPACE, plan.ARG_TABLE, plan.ARG_I32) == (
-        _abi.ARG_INPUT, _abi.ARG_OUTPUT, _abi.ARG_WORKSPACE, _abi.ARG_TABLE, _abi.ARG_I32)
+        contract.ARG_INPUT, contract.ARG_OUTPUT, contract.ARG_WORKSPACE, contract.ARG_TABLE, contract.ARG_I32)
     assert (plan.IN_X, plan.IN_W, plan.IN_IDS, plan.IN_GROUP0) == (
-        _abi.IN_X, _abi.IN_W, _abi.IN_IDS, _abi.IN_GROUP0)
+        contract.IN_X, contract.IN_W, contract.IN_IDS, contract.IN_GROUP0)
     assert [plan.IN_GATE, plan.IN_UP, plan.IN_DOWN] == [
-        _abi.IN_GROUP0 + _abi.group_index(_abi.PARTS.index("q"), p) for p in range(3)]
-    assert plan.ERR_NONE == _abi.ERR_NONE
-    assert plan.WS_ALIGN == _abi.WORKSPACE_ALIGN
-    assert plan.QUANT_CODES == _abi.FORMAT_CODES
-    assert C.KERNEL_FIELDS == _abi.KERNEL_FIELDS
+        contract.IN_GROUP0 + contract.group_index(contract.PARTS.index("q"), p) for p in range(3)]
+    assert plan.ERR_NONE == contract.ERR_NONE
+    assert plan.WS_ALIGN == contract.WORKSPACE_ALIGN
+    assert plan.QUANT_CODES == contract.FORMAT_CODES
+    assert C.KERNEL_FIELDS == contract.KERNEL_FIELDS
 
 
 def test_kernels_constexprs_are_the_abis():
     pytest.importorskip("triton", reason="the CUDA path's kernels need Triton")
-    from jax_nbx.triton import kernels
+    from jax_nbx.backends.cuda import kernels
 
     def value(c):
         return getattr(c, "value", c)
 
-    assert value(kernels.ERR_NONE) == _abi.ERR_NONE
-    assert value(kernels.ACT_GEGLU) == _abi.ACT_GEGLU
-    assert value(kernels.GELU_C) == _abi.GELU_C
-    assert value(kernels.GELU_B) == _abi.GELU_B
-    assert value(kernels.QUANT_DENSE) == _abi.FORMAT_CODES["dense"]
-    assert value(kernels.QUANT_INT8) == _abi.FORMAT_CODES["int8"]
+    assert value(kernels.ERR_NONE) == contract.ERR_NONE
+    assert value(kernels.ACT_GEGLU) == contract.ACT_GEGLU
+    assert value(kernels.GELU_C) == contract.GELU_C
+    assert value(kernels.GELU_B) == contract.GELU_B
+    assert value(kernels.QUANT_DENSE) == contract.FORMAT_CODES["dense"]
+    assert value(kernels.QUANT_INT8) == contract.FORMAT_CODES["int8"]
 
 
 def test_no_hand_copied_contract_values():
-    """The contract's numbers appear in the Triton modules only through _abi."""
-    import jax_nbx.triton as pkg
+    """The contract's numbers appear in the Triton modules only through contract."""
+    import jax_nbx.backends.cuda as pkg
 
     root = os.path.dirname(pkg.__file__)
-    for f in ("plan.py", "compile.py", "kernels.py", "interpret.py"):
+    here = os.path.join(os.path.dirname(__file__), "support")
+    for f in ("plan.py", "compile.py", "kernels.py", "calls.py", os.path.join(here, "triton_interpret.py")):
         src = open(os.path.join(root, f)).read()
         for literal in ("0.79788456", "0.044715", "2**31", "0x7fffffff", "2147483647", '"name_off"'):
             assert literal not in src, f"{f} hand-copies {literal}"

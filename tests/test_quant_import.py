@@ -198,7 +198,7 @@ def test_permute_columns_is_lossless():
     qw = from_gptq(qweight, qzeros, scales)
     perm = np.random.default_rng(4).permutation(N)
     assert_bits_equal(_dq(permute_columns(qw, perm)), w_fmt[:, perm])
-    q8 = nbx.quant._quantize_one(jnp.asarray(w_fmt), "int8", 128, jnp.float32)
+    q8 = nbx.formats.get("int8").quantize_matrix(jnp.asarray(w_fmt, jnp.float32), None, jnp.float32)
     assert_bits_equal(_dq(permute_columns(q8, perm)), _dq(q8)[:, perm])
     assert_bits_equal(permute_columns(w_fmt, perm), w_fmt[:, perm])
     stacked = nbx.QuantizedWeight(*(jnp.stack([a, a]) for a in (qw.q, qw.scale, qw.zero)),

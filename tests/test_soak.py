@@ -88,8 +88,8 @@ def test_threads_wait_for_one_another_and_agree_bit_for_bit():
         assert s["live"] == 0 and 0 < s["peak"] <= s["budget"]
         T, E, k, H, I = SHAPES[-1]
         # the largest shape ran in bands, forward and backward
-        assert nbx.ops.plan_band_tokens(T, k, E, H, I) < T
-        assert nbx.ops.plan_band_tokens(T, k, E, H, I, backward=True) < T
+        assert nbx.planning.plan_band_tokens(T, k, E, H, I) < T
+        assert nbx.planning.plan_band_tokens(T, k, E, H, I, backward=True) < T
     finally:
         memory.set_budget(before)
         memory.release_cached()

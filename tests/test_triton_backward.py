@@ -17,8 +17,9 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="the CUDA path's kernels need Triton (pip install jax_nbx[gpu])")
 
 import ml_dtypes  # noqa: E402
+from support import triton_interpret as interpret  # noqa: E402
 
-from jax_nbx.triton import interpret, plan  # noqa: E402
+from jax_nbx.backends.cuda import plan
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32, F16 = np.dtype("float32"), np.dtype("float16")
@@ -267,7 +268,7 @@ def test_backward_kernels_compile_to_cubins():
 
     code = """
 import numpy as np, ml_dtypes
-from jax_nbx.triton import plan, compile as C
+from jax_nbx.backends.cuda import plan, compile as C
 bf = np.dtype(ml_dtypes.bfloat16)
 from jax_nbx.experts import WeightLayout
 gpt_oss = WeightLayout((0, 64, 2, 1, 64, 2, 0, 64, 1), 32, True, True)  # interleaved gate_up, biases
@@ -300,8 +301,9 @@ def test_cuda_backward_call_matches_the_handlers_contract(lists, bias, monkeypat
     import jax.numpy as jnp
 
     import jax_nbx as nbx
-    from jax_nbx import _abi, _cuda, _registry
-    from jax_nbx.triton import compile as C
+    from jax_nbx import _registry, contract
+    from jax_nbx.backends.cuda import calls as _cuda
+    from jax_nbx.backends.cuda import compile as C
 
     E, k, H, I, T = 5, 2, 24, 20, 9
     x, w, ids, gate, up, down, dy = problem(1, T, E, k, H, I, F32, BF16)
@@ -332,7 +334,7 @@ def test_cuda_backward_call_matches_the_handlers_contract(lists, bias, monkeypat
     dx, dw, dws = _cuda.backward(jnp.asarray(dy), jnp.asarray(x), jnp.asarray(w), jnp.asarray(ids),
                                  *arrays, activation=nbx.Activation("swiglu"), band_tokens=4,
                                  lists=lists, layout=ex.weight_layout())
-    assert seen["target"] == _abi.TARGET_CUDA_BACKWARD
+    assert seen["target"] == contract.TARGET_CUDA_BACKWARD
     n_groups = len(ex.flat()) // (E if lists else 1)
     nb = 3 if bias else 0
     ops, outs, attrs = seen["operands"], seen["outs"], seen["attrs"]
@@ -345,14 +347,14 @@ def test_cuda_backward_call_matches_the_handlers_contract(lists, bias, monkeypat
     assert [d.dtype for d in dws] == [a.dtype for a in arrays]
     # the program addresses exactly those operands (weights' first buffers, the biases, then dy),
     # dx, dw (and the bias gradients), the weights' and the gradients' tables
-    n_in = _abi.IN_GROUP0 + n_groups + nb + 1
+    n_in = contract.IN_GROUP0 + n_groups + nb + 1
     ffi = _registry.ffi_module()
     args = (attrs["kernels"].size // 7, n_in, 2 * n_groups, int(attrs["workspace_bytes"]), 2 + nb)
     ffi.decode_program(attrs["program"], *args)
     if bias:
         with pytest.raises(ValueError, match="bad output index"):
             ffi.decode_program(attrs["program"], *args[:-1], 2)
-    assert _abi.TARGET_CUDA_BACKWARD in ffi.cuda_handlers() or not ffi.has_cuda
+    assert contract.TARGET_CUDA_BACKWARD in ffi.cuda_handlers() or not ffi.has_cuda
 
 
 LAYOUT_NAMES = ("plain", "out_in", "concat", "interleaved", "concat_out_in", "interleaved_out_in")

@@ -15,8 +15,9 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="the CUDA path's kernels need Triton (pip install jax_nbx[gpu])")
 
 import ml_dtypes  # noqa: E402
+from support import triton_interpret as interpret  # noqa: E402
 
-from jax_nbx.triton import interpret, plan  # noqa: E402
+from jax_nbx.backends.cuda import plan  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32, F16 = np.dtype("float32"), np.dtype("float16")
@@ -221,7 +222,7 @@ def test_kernels_compile_to_cubins():
 
     code = """
 import numpy as np, ml_dtypes
-from jax_nbx.triton import plan, compile as C
+from jax_nbx.backends.cuda import plan, compile as C
 bf = np.dtype(ml_dtypes.bfloat16)
 from jax_nbx.experts import WeightLayout
 # gpt-oss's interleaved gate_up [E, H, 2I] with biases, decode and prefill kernels
@@ -262,7 +263,7 @@ def test_quantized_experts_dequantized_in_kernel(T, kind, G, sd, lists):
     ex = nbx.Experts(jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down))
     q = nbx.quantize(ex, kind, group_size=G or 128, scale_dtype=jnp.dtype(sd))
     d = nbx.dequantize(q, jnp.float32)
-    from jax_nbx.quant import weight_groups
+    from jax_nbx.formats import weight_groups
 
     if lists:
         q = nbx.Experts(*([jax.tree.map(lambda a: a[e], getattr(q, n)) for e in range(E)]
@@ -389,18 +390,19 @@ def test_cuda_forward_groups_match_the_handlers_inputs():
     groups (gate_up, down when fused), the biases after them, and a program
     the handler's decoder accepts with exactly those inputs."""
     import jax_nbx as nbx
-    from jax_nbx import _abi, _cuda, _registry
+    from jax_nbx import _registry, contract
+    from jax_nbx.backends.cuda import calls as _cuda
 
     ffi = _registry.ffi_module()
     for name, lists in (("interleaved", False), ("concat_out_in", True), ("out_in", False)):
         ex, *_ = _layout_problem(name, True, lists, 1)
         lay = ex.weight_layout()
         groups, biases, E, wd, _ = _cuda._view_groups(ex.flat() + ex.handler_biases(), lay, lists)
-        assert len(groups) == (2 if ex.is_fused else 3) and len(biases) == _abi.NUM_BIASES and E == 5
+        assert len(groups) == (2 if ex.is_fused else 3) and len(biases) == contract.NUM_BIASES and E == 5
         assert all(len(g) == (E if lists else 1) for g in groups)
         assert groups[-1][0] is ex.flat()[-1 if not lists else E * (len(groups) - 1)]
         prog = plan.build(40, 40, 2, E, 21, 13, F32, wd, 0, layout=lay)
-        n_in = _abi.IN_GROUP0 + len(groups) + len(biases)
+        n_in = contract.IN_GROUP0 + len(groups) + len(biases)
         args = (len(prog.kernels()), n_in, len(groups), prog.workspace_bytes)
         ffi.decode_program(prog.encode(), *args)
         with pytest.raises(ValueError, match="bad input index"):
@@ -437,15 +439,16 @@ def test_decode_path_is_three_launches_with_a_check_word_per_slot():
 @pytest.mark.parametrize("value, mode", [(None, "sync"), ("1", "sync"), ("on", "sync"), ("deferred", "deferred"),
                                          ("Deferred", "deferred"), ("0", "off"), ("off", "off")])
 def test_id_check_modes_from_the_environment(monkeypatch, value, mode):
-    from jax_nbx import _abi, _cuda, _env
+    from jax_nbx import _env, contract
+    from jax_nbx.backends.cuda import calls as _cuda
     if value is None:
         monkeypatch.delenv("JAX_NBX_CUDA_CHECK_IDS", raising=False)
     else:
         monkeypatch.setenv("JAX_NBX_CUDA_CHECK_IDS", value)
     assert _env.cuda_check_ids() == mode
-    codes = {"sync": _abi.ID_CHECK_SYNC, "deferred": _abi.ID_CHECK_DEFERRED, "off": _abi.ID_CHECK_OFF}
+    codes = {"sync": contract.ID_CHECK_SYNC, "deferred": contract.ID_CHECK_DEFERRED, "off": contract.ID_CHECK_OFF}
     assert _cuda.check_ids_mode() == codes[mode]
-    assert _cuda.check_ids_mode(skip_outside=True) == _abi.ID_CHECK_OFF
+    assert _cuda.check_ids_mode(skip_outside=True) == contract.ID_CHECK_OFF
 
 
 def test_id_check_mode_refuses_other_values(monkeypatch):
@@ -458,8 +461,9 @@ def test_id_check_mode_refuses_other_values(monkeypatch):
 @pytest.mark.parametrize("value, on", [(None, False), ("0", False), ("off", False), ("1", True), ("yes", True)])
 def test_graph_mode_from_the_environment(monkeypatch, value, on):
     """JAX_NBX_CUDA_GRAPHS reaches every CUDA handler as the `graph` attribute."""
-    from jax_nbx import _cuda, _env
-    from jax_nbx.triton import compile as C
+    from jax_nbx import _env
+    from jax_nbx.backends.cuda import calls as _cuda
+    from jax_nbx.backends.cuda import compile as C
     if value is None:
         monkeypatch.delenv("JAX_NBX_CUDA_GRAPHS", raising=False)
     else:

@@ -1,6 +1,6 @@
 """benchmarks/tune_gpu.py's search without a GPU: a stand-in timer picks the
 configs, the budget stops it, and the file it writes is what the CUDA
-planner (`jax_nbx.triton.plan.gemm_configs`) then reads."""
+planner (`jax_nbx.backends.cuda.plan.gemm_configs`) then reads."""
 from __future__ import annotations
 
 import json
@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import tune_gpu  # noqa: E402
 
+from jax_nbx.backends.cuda import plan  # noqa: E402
 from jax_nbx.models import MODELS  # noqa: E402
-from jax_nbx.triton import plan  # noqa: E402
 
 pytestmark = pytest.mark.fast
 

@@ -58,11 +58,23 @@ inline constexpr double kClampedSwiGLUAlpha = 1.702;
 inline constexpr double kClampedSwiGLULimit = 7.0;
 
 // ---------------------------------------------------------------- weight formats
-// Dense (float32/bfloat16/float16), int8 (per output column), int4 (groups
-// along K, two per byte, low nibble first).  jax_nbx/quant.py owns the math.
-enum class WeightFormat : int32_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
-inline constexpr int32_t kNumWeightFormats = 3;
-inline constexpr const char* kWeightFormatNames[kNumWeightFormats] = {"dense", "int8", "int4"};
+// The codes of the weight formats (the enum attribute "format", int32), as
+// X(enumerator, code, name).  What each format is -- its parts, their dtypes
+// and shapes, its groups, its scalar reference -- is in formats/<name>.h,
+// listed by formats/registry.h; jax_nbx/formats/ reads the same table
+// (exported with the rest of this contract).
+#define NBX_WEIGHT_FORMATS(X) \
+  X(kDense, 0, "dense")       \
+  X(kInt8, 1, "int8")         \
+  X(kInt4, 2, "int4")
+#define NBX_FORMAT_ENUMERATOR(e, code, name) e = code,
+enum class WeightFormat : int32_t { NBX_WEIGHT_FORMATS(NBX_FORMAT_ENUMERATOR) };
+#undef NBX_FORMAT_ENUMERATOR
+#define NBX_FORMAT_NAME(e, code, name) name,
+inline constexpr const char* kWeightFormatNames[] = {NBX_WEIGHT_FORMATS(NBX_FORMAT_NAME)};
+#undef NBX_FORMAT_NAME
+inline constexpr int32_t kNumWeightFormats =
+    static_cast<int32_t>(sizeof(kWeightFormatNames) / sizeof(kWeightFormatNames[0]));
 
 // Buffer groups of a call's weights: group g = part * kNumProjections + proj.
 // Each group is one stacked [E, ...] buffer or E per-expert buffers.
@@ -70,11 +82,6 @@ inline constexpr int32_t kNumProjections = 3;
 inline constexpr const char* kProjectionNames[kNumProjections] = {"gate", "up", "down"};
 inline constexpr int32_t kNumParts = 3;
 inline constexpr const char* kPartNames[kNumParts] = {"q", "scale", "zero"};
-// Parts a format carries: dense 1 (the weights), int8 2 (q, scale), int4 3.
-inline constexpr int32_t PartsOf(WeightFormat f) {
-  return f == WeightFormat::kDense ? 1 : (f == WeightFormat::kInt8 ? 2 : 3);
-}
-inline constexpr int32_t GroupsOf(WeightFormat f) { return PartsOf(f) * kNumProjections; }
 inline constexpr int32_t GroupIndex(int32_t part, int32_t proj) {
   return part * kNumProjections + proj;
 }
@@ -100,6 +107,46 @@ inline constexpr int32_t GroupIndex(int32_t part, int32_t proj) {
 inline constexpr int32_t kNumViewFields = 3;  // offset, stride_k, stride_n
 inline constexpr const char* kViewFieldNames[kNumViewFields] = {"offset", "stride_k", "stride_n"};
 inline constexpr int32_t kNumBiases = 3;      // gate, up, down
+
+// ---------------------------------------------------------------- attributes
+// Every target's FFI attributes, as X(KIND, name) lists: the handlers' bindings
+// expand them into .Attr<type>("name") (attr_types.h maps each KIND to its C++
+// type), the exporter gives them to Python, and jax_nbx/contract.py builds
+// every call's attributes from them (a missing or unknown name is an error
+// there, before XLA sees the call).  KINDs: ACT (Activation, int32 enum),
+// FMT (WeightFormat, int32 enum), F32, I64, BOOL, I64S (int64 array), U8S
+// (uint8 array).
+#define NBX_ATTRS_ACTIVATION(X) X(ACT, activation) X(F32, act_alpha) X(F32, act_limit)
+// abi.h "weight views" below.
+#define NBX_ATTRS_VIEWS(X) \
+  X(I64S, views) X(I64, intermediate) X(BOOL, fused_gate_up) X(BOOL, has_bias)
+// The CPU forward (kTargetForward; the Metal forward and the tests' twin too).
+#define NBX_ATTRS_CPU_FORWARD(X)                                                         \
+  NBX_ATTRS_ACTIVATION(X)                                                                \
+  X(I64, band_tokens) X(I64, max_workers) X(BOOL, skip_outside) X(I64, num_experts)      \
+  X(FMT, format) X(BOOL, stacked) X(I64, group_size) NBX_ATTRS_VIEWS(X) X(BOOL, bf16_dot)
+// The CPU backward (kTargetBackward, and its twin).
+#define NBX_ATTRS_CPU_BACKWARD(X)                                                   \
+  NBX_ATTRS_ACTIVATION(X)                                                           \
+  X(I64, band_tokens) X(I64, max_workers) X(BOOL, skip_outside) X(I64, num_experts) \
+  X(BOOL, stacked) NBX_ATTRS_VIEWS(X)
+// Every CUDA target: the program and its kernels ("CUDA launch program" below).
+#define NBX_ATTRS_CUDA_PROGRAM(X)                                                     \
+  X(U8S, blob) X(I64S, kernels) X(I64S, program) X(I64, workspace_bytes)              \
+  X(I64, err_offset) X(I64, err_words) X(BOOL, w_aligned) X(I64, num_experts)         \
+  X(I64, check_ids) X(BOOL, graph)
+// kTargetCudaForwardTables: the program, then the weights as groups of tables.
+#define NBX_ATTRS_CUDA_TABLES(X) \
+  NBX_ATTRS_CUDA_PROGRAM(X) X(I64, groups) X(BOOL, stacked) NBX_ATTRS_VIEWS(X)
+// kTargetCudaBackward: the tables' attributes and the gradients' dtype.
+#define NBX_ATTRS_CUDA_BACKWARD(X) NBX_ATTRS_CUDA_TABLES(X) X(BOOL, grad_f32)
+// Each target's list, by the exporter's name for it:
+//   X(key, list macro) -- key: the targets dict's key of the target (see above).
+#define NBX_TARGET_ATTRS(X)                                                        \
+  X(forward, NBX_ATTRS_CPU_FORWARD) X(backward, NBX_ATTRS_CPU_BACKWARD)            \
+  X(metal_forward, NBX_ATTRS_CPU_FORWARD) X(forward_poisoned, NBX_ATTRS_CPU_FORWARD) \
+  X(backward_poisoned, NBX_ATTRS_CPU_BACKWARD) X(cuda_forward, NBX_ATTRS_CUDA_PROGRAM) \
+  X(cuda_forward_tables, NBX_ATTRS_CUDA_TABLES) X(cuda_backward, NBX_ATTRS_CUDA_BACKWARD)
 
 // ---------------------------------------------------------------- limits
 // Slots (T * k routed pairs) of one call.  The handlers and kernels index

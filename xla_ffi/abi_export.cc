@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 
 #include "abi.h"
+#include "formats/registry.h"
 
 namespace nb = nanobind;
 
@@ -17,11 +18,61 @@ nb::tuple Names(const char* const (&names)[N]) {
   return nb::tuple(l);
 }
 
+// The format registry (formats/registry.h), one dict per format in code
+// order: name, code, summary, parts [{name, dtypes, rows, same_dtype_as}],
+// values_per_byte, group_sizes, compute_dtype_part.
+nb::list FormatTable() {
+  nb::list out;
+  for (const formats::FormatEntry& entry : formats::kFormats) {
+    const formats::FormatSpec& f = *entry.spec;
+    nb::dict d;
+    d["name"] = f.name;
+    d["code"] = static_cast<int32_t>(f.code);
+    d["summary"] = f.summary;
+    nb::list parts;
+    for (int p = 0; p < f.num_parts; ++p) {
+      const formats::PartSpec& ps = f.parts[p];
+      nb::dict pd;
+      pd["name"] = ps.name;
+      nb::list dtypes;
+      for (int b = 0; b < formats::kNumDTypeBits; ++b)
+        if (ps.dtypes & (1u << b)) dtypes.append(nb::str(formats::kDTypeBitNames[b]));
+      pd["dtypes"] = nb::tuple(dtypes);
+      pd["rows"] = formats::kPartRowsNames[static_cast<int32_t>(ps.rows)];
+      pd["same_dtype_as"] = ps.same_dtype_as;
+      parts.append(pd);
+    }
+    d["parts"] = nb::tuple(parts);
+    d["values_per_byte"] = f.values_per_byte;
+    nb::list groups;
+    for (int g = 0; g < f.num_group_sizes; ++g) groups.append(f.group_sizes[g]);
+    d["group_sizes"] = nb::tuple(groups);
+    d["compute_dtype_part"] = f.compute_dtype_part;
+    out.append(d);
+  }
+  return out;
+}
+
+// Each target's attributes (abi.h NBX_TARGET_ATTRS): {target key: ((name, kind), ...)}.
+nb::dict AttributeTable() {
+  nb::dict d;
+#define NBX_EXPORT_ATTR(kind, name) l.append(nb::make_tuple(#name, #kind));
+#define NBX_EXPORT_TARGET(key, attrs) \
+  {                                   \
+    nb::list l;                       \
+    attrs(NBX_EXPORT_ATTR)            \
+    d[#key] = nb::tuple(l);           \
+  }
+  NBX_TARGET_ATTRS(NBX_EXPORT_TARGET)
+#undef NBX_EXPORT_TARGET
+#undef NBX_EXPORT_ATTR
+  return d;
+}
+
 }  // namespace
 
 nb::dict AbiDict() {
   using abi::ArgKind;
-  using abi::WeightFormat;
   nb::dict d;
   nb::dict targets;
   targets["forward"] = abi::kTargetForward;
@@ -44,10 +95,7 @@ nb::dict AbiDict() {
   d["weight_formats"] = Names(abi::kWeightFormatNames);
   d["projections"] = Names(abi::kProjectionNames);
   d["parts"] = Names(abi::kPartNames);
-  nb::list parts_of;
-  for (int32_t f = 0; f < abi::kNumWeightFormats; ++f)
-    parts_of.append(abi::PartsOf(static_cast<WeightFormat>(f)));
-  d["parts_of_format"] = nb::tuple(parts_of);
+  d["formats"] = FormatTable();
   d["view_fields"] = Names(abi::kViewFieldNames);
   d["num_biases"] = abi::kNumBiases;
 
@@ -77,6 +125,7 @@ nb::dict AbiDict() {
   d["max_deferred_err_words"] = abi::kMaxDeferredErrWords;
   d["workspace_align"] = abi::kWorkspaceAlign;
   d["max_slots"] = abi::kMaxSlots;
+  d["attributes"] = AttributeTable();
   return d;
 }
 

@@ -5,15 +5,15 @@
     w, ids = nbx.route(logits, k=2)
     y = nbx.fused_moe(x, w, ids, experts)
 """
-from . import _registry, activations, cpu, memory, metal, nn, tables  # noqa: F401  (_registry registers the handlers)
+from . import _registry, activations, backends, cpu, formats, memory, metal, nn, tables  # noqa: F401  (_registry registers the handlers)
 from .activations import Activation
 from .checkpoint import load_experts, load_moe
 from .experts import Experts, SharedExperts
+from .formats import QuantizedWeight, dequantize, quantize
 from .isa_calibration import Calibration, calibrate_isa
 from .memory import DeviceOOMError
 from .models import MODELS, ModelShape
 from .ops import IMPLEMENTATIONS, fused_moe
-from .quant import QuantizedWeight, dequantize, quantize
 from .quant_import import from_awq, from_gptq, from_mlx
 from .reference import moe_reference
 from .routing import (
@@ -32,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = ["Experts", "SharedExperts", "Activation", "activations", "route", "route_topk_softmax", "route_sigmoid",
            "route_topk_sigmoid", "load_balancing_loss", "router_z_loss", "expert_counts", "fused_moe",
            "moe_reference", "IMPLEMENTATIONS", "MODELS", "ModelShape", "DeviceOOMError", "quantize",
-           "dequantize", "QuantizedWeight", "sharded_moe", "memory", "cpu", "metal", "tables", "nn",
+           "dequantize", "QuantizedWeight", "formats", "backends", "sharded_moe", "memory", "cpu", "metal",
+           "tables", "nn",
            "load_moe", "load_experts", "from_gptq", "from_awq", "from_mlx", "calibrate_isa", "Calibration",
            "__version__"]

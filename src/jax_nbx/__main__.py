@@ -12,7 +12,7 @@ import sys
 
 import jax
 
-from . import _abi, _registry
+from . import _registry, contract
 from ._bench import DTYPES, format_table, machine, make_layer, max_rel_error, median_time, np_reference
 from .models import MODELS
 from .ops import fused_moe
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", "-T", type=int, default=256, help="tokens T (default: %(default)s)")
     p.add_argument("--dtype", default="f32", choices=sorted(DTYPES),
                    help="dtype of x and the expert weights (default: %(default)s)")
-    p.add_argument("--activation", default="swiglu", choices=list(_abi.ACTIVATIONS))
+    p.add_argument("--activation", default="swiglu", choices=list(contract.ACTIVATIONS))
     p.add_argument("--repeats", type=int, default=3, help="timed runs per implementation (median)")
     p.add_argument("--check-tokens", type=int, default=64,
                    help="tokens checked against the float64 numpy reference (default: %(default)s)")

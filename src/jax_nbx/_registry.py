@@ -13,13 +13,13 @@ import importlib.util
 
 import jax
 
-from . import _abi, _env
+from . import _env, contract
 
 # Target names (the contract's; kept here for callers of the old names).
-FORWARD_TARGET = _abi.TARGET_FORWARD
-BACKWARD_TARGET = _abi.TARGET_BACKWARD
-CUDA_FORWARD_TARGET = _abi.TARGET_CUDA_FORWARD
-CUDA_FORWARD_TABLES_TARGET = _abi.TARGET_CUDA_FORWARD_TABLES
+FORWARD_TARGET = contract.TARGET_FORWARD
+BACKWARD_TARGET = contract.TARGET_BACKWARD
+CUDA_FORWARD_TARGET = contract.TARGET_CUDA_FORWARD
+CUDA_FORWARD_TABLES_TARGET = contract.TARGET_CUDA_FORWARD_TABLES
 
 _PLATFORMS: list[str] = []
 _TESTING_REGISTERED = False

@@ -1,7 +1,7 @@
 """The experts' gated unit: ``h = glu(x @ gate, x @ up)``, then ``h @ down``.
 
 Names and constants come from the shared contract (``xla_ffi/abi.h`` through
-`jax_nbx._abi`); every implementation (the CPU handler's kernels and fused
+`jax_nbx.contract`); every implementation (the CPU handler's kernels and fused
 backward, the Triton kernels, the Metal kernels, the pure-JAX reference)
 computes the same formulas:
 
@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _abi
+from . import contract
 
 __all__ = ["Activation", "as_activation", "ACTIVATIONS"]
 
-ACTIVATIONS: tuple[str, ...] = _abi.ACTIVATIONS
+ACTIVATIONS: tuple[str, ...] = contract.ACTIVATIONS
 
 
 class Activation(NamedTuple):
@@ -42,13 +42,13 @@ class Activation(NamedTuple):
     these or a name (the defaults)."""
 
     name: str
-    alpha: float = _abi.CLAMPED_SWIGLU_ALPHA
-    limit: float = _abi.CLAMPED_SWIGLU_LIMIT
+    alpha: float = contract.CLAMPED_SWIGLU_ALPHA
+    limit: float = contract.CLAMPED_SWIGLU_LIMIT
 
     @property
     def code(self) -> int:
         """The contract's code (the FFI attribute ``activation``)."""
-        return _abi.ACTIVATION_CODES[self.name]
+        return contract.ACTIVATION_CODES[self.name]
 
     def attrs(self) -> dict:
         """The FFI attributes: ``activation``, ``act_alpha``, ``act_limit``."""

@@ -49,9 +49,10 @@ class WeightLayout(NamedTuple):
         return self == WeightLayout.plain(self.views[7], self.intermediate)  # views[7]: down's stride_k
 
     def attrs(self) -> dict:
-        """The FFI attributes of the contract (xla_ffi/abi.h, "weight views")."""
-        return dict(views=np.asarray(self.views, np.int64), intermediate=np.int64(self.intermediate),
-                    fused_gate_up=bool(self.fused), has_bias=bool(self.bias))
+        """The values of the contract's "weight views" attributes (xla_ffi/abi.h;
+        typed by `jax_nbx.contract.attributes`)."""
+        return dict(views=self.views, intermediate=self.intermediate, fused_gate_up=self.fused,
+                    has_bias=self.bias)
 
 
 def _first(a):

@@ -28,8 +28,8 @@ import numpy as np
 
 from . import cpu
 from .experts import Experts
+from .formats import quantize
 from .ops import fused_moe
-from .quant import quantize
 
 __all__ = ["Calibration", "calibrate_isa", "candidates", "choose"]
 

@@ -16,7 +16,7 @@ from . import _registry, cpu
 from ._env import available_memory, parse_bytes
 
 __all__ = ["DeviceOOMError", "fused_moe_workspace_bytes", "fused_moe_backward_workspace_bytes",
-           "plan_bands", "set_budget", "set_wait", "budget", "headroom", "stats", "report",
+           "set_budget", "set_wait", "budget", "headroom", "stats", "report",
            "reset_peak", "release_cached", "last_refusal", "what_would_have_fit", "parse_bytes",
            "format_bytes", "available_memory"]
 
@@ -31,7 +31,7 @@ def format_bytes(n: float) -> str:
 def set_budget(nbytes: int | float | str, platform: str = "cpu", device: int = 0) -> int:
     """Sets a device's budget (bytes or a string like ``"2GiB"``); returns it in bytes.
 
-    Calls plan their bands from the budget (`plan_bands`).  A jitted
+    Calls plan their bands from the budget (`jax_nbx.planning`).  A jitted
     ``fused_moe`` keeps the bands it planned when it was traced; the new
     budget is enforced on its next run (it may be refused).
     """
@@ -63,39 +63,6 @@ def fused_moe_backward_workspace_bytes(tokens: int, k: int, E: int, H: int, I: i
     plan uses."""
     return int(_ffi().backward_workspace_bytes(int(tokens), int(k), int(E), int(H), int(I),
                                                cpu.planned_workers()))
-
-
-def plan_bands(need, T: int, H: int, platform: str, max_workspace_bytes=None,
-               detail: str = "") -> int:
-    """Tokens per band so that one band's workspace ``need(tokens)`` fits the
-    budget of ``platform``:0 (or ``max_workspace_bytes``); equal-sized bands.
-    Raises DeviceOOMError with the advice when one token does not fit.
-
-    A pure function of the problem and the budget: never of the bytes that
-    concurrent calls hold at the moment of planning (a call that fits the
-    budget waits for them at run time, `set_wait`).  Under ``jax.jit`` the
-    plan is made once, when the function is traced."""
-    if max_workspace_bytes is None:
-        free = total = budget(platform)
-    else:
-        free = total = parse_bytes(max_workspace_bytes)
-    if need(T) <= free:
-        return T
-    if need(1) > free:
-        # The advice's line through (T, need(T)) must not pass under need(1)
-        # (need is not quite linear: padding grows with min(slots, E)), so its
-        # fixed part is at least the chord's intercept through need(1).
-        chord = (T * need(1) - need(T)) // (T - 1) + 1 if T > 1 else 0
-        raise DeviceOOMError.from_numbers(f"fused_moe workspace for T={T} tokens {detail}".rstrip(),
-                                          requested=need(T), free=free,
-                                          total=total, shape=(T, H),
-                                          fixed_bytes=max(need(0), chord), device=f"{platform}:0")
-    lo, hi = 1, T  # need(lo) fits, need(hi) does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
-    n_bands = -(-T // lo)
-    return -(-T // n_bands)
 
 
 def set_wait(seconds: float) -> None:

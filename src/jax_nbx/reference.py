@@ -37,7 +37,7 @@ def moe_reference(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array,
     # stacked, transposed, de-interleaved copies in the plain layout (this is
     # the reference; the handlers read every layout in place), biases float32
     experts, biases = experts.canonical()
-    from .quant import dequantize, is_quantized
+    from .formats import dequantize, is_quantized
 
     if is_quantized(experts):
         experts = dequantize(experts, jnp.float32)

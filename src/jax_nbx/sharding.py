@@ -38,8 +38,9 @@ from jax.sharding import PartitionSpec as P
 
 from .activations import Activation
 from .experts import Experts
-from .ops import _narrow_ids, _resolve_implementation, fused_moe
-from .quant import is_quantized, quant_format
+from .formats import is_quantized, quant_format
+from .ops import fused_moe
+from .validation import narrow_ids
 
 __all__ = ["sharded_moe"]
 
@@ -153,9 +154,9 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
         topk_ids = np.asarray(topk_ids)
     if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
         raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected an integer dtype")
-    topk_ids = _narrow_ids(topk_ids, E)  # numpy stays numpy: device_put lays it out on any mesh
-    # as in fused_moe: the FFI path refuses ids outside [0, E), the "xla" path drops them
-    check_ids = ids_outside == "error" and _resolve_implementation(implementation) == "ffi"
+    topk_ids = narrow_ids(topk_ids, E)  # numpy stays numpy: device_put lays it out on any mesh
+    # as in fused_moe: ids outside [0, E) are refused on every backend
+    check_ids = ids_outside == "error"
     d = mesh.shape[data_axis] if data_axis is not None else 1
     T = x.shape[0]
     if dispatch == "psum":
@@ -205,7 +206,7 @@ def _sharded(mesh: Mesh, expert_axis: str, data_axis: str | None, tok: P, dispat
         device's block of tokens.  The devices share their first bad slot (a
         small all_gather); only when there is one, each runs a fused_moe call
         with ``ids_outside="error"`` on a block holding that id (zero inputs,
-        E experts of size 1x1) and the handler refuses it.  The ids depend on
+        E experts of size 1x1) and the backend refuses it.  The ids depend on
         that branch, so that no compiler drops the check."""
         t, kk = ids.shape
         if t * kk == 0:
@@ -223,8 +224,7 @@ def _sharded(mesh: Mesh, expert_axis: str, data_axis: str | None, tok: P, dispat
         def refuse(ids):
             one = jnp.zeros((t, kk), jnp.int32).at[(first // kk) % t, first % kk].set(value)
             probe = Experts(*(jnp.zeros((E, 1, 1), jnp.float32),) * 3)
-            y = fused_moe(jnp.zeros((t, 1), jnp.float32), jnp.zeros((t, kk), jnp.float32), one, probe,
-                          implementation="ffi")
+            y = fused_moe(jnp.zeros((t, 1), jnp.float32), jnp.zeros((t, kk), jnp.float32), one, probe)
             return jnp.where(jnp.all(y == 0), ids, -1)
 
         return jax.lax.cond(first < none, refuse, lambda ids: ids, ids)

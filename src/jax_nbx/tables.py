@@ -16,7 +16,7 @@ counted in the account under the tag ``"tables"`` until it is evicted.
 """
 from __future__ import annotations
 
-from . import _cuda, _registry
+from . import _registry
 
 __all__ = ["stats", "clear", "set_capacity", "release_pinned"]
 
@@ -30,7 +30,10 @@ def stats(platform: str = "cuda") -> dict:
         return dict(_registry.ffi_module().metal_table_stats())
     if platform != "cuda":
         raise ValueError(f"platform must be 'cuda' or 'metal'; got {platform!r}")
-    return _cuda.table_stats()
+    ffi = _registry._ffi
+    if ffi is None or not getattr(ffi, "has_cuda", False):
+        return {"entries": 0, "hits": 0, "misses": 0, "evictions": 0, "bytes": 0}
+    return dict(ffi.cuda_table_stats())
 
 
 def release_pinned() -> int:

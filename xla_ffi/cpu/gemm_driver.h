@@ -16,6 +16,7 @@
 
 #include "cpu/kernel_table.h"
 #include "dtypes.h"
+#include "formats/registry.h"
 
 namespace nbx {
 
@@ -63,11 +64,11 @@ void StartPrefetch(Prefetcher& pf, const W* a, const W* b, int64_t ld, int64_t k
   pf.Start(a + k0 * ld + n0, b ? b + k0 * ld + n0 : nullptr, ld * static_cast<int64_t>(sizeof(W)),
            kc, nc * static_cast<int64_t>(sizeof(W)));
 }
-// Quantized: the q bytes (int4: the byte rows holding those rows); the scales
+// Quantized: the q bytes (packed formats: the byte rows holding those rows); the scales
 // are small next to them and stay cached.
 inline void StartPrefetch(Prefetcher& pf, const QuantMatrix* a, const QuantMatrix* b, int64_t ld,
                           int64_t k0, int64_t kc, int64_t n0, int64_t nc) {
-  const int64_t d = a->int4 ? 2 : 1, r0 = k0 / d;
+  const int64_t d = formats::SpecOf(a->format).values_per_byte, r0 = k0 / d;
   pf.Start(static_cast<const char*>(a->q) + r0 * ld + n0,
            b ? static_cast<const char*>(b->q) + r0 * ld + n0 : nullptr, ld,
            (k0 + kc + d - 1) / d - r0, nc);

@@ -16,14 +16,12 @@
 
 #include "abi.h"
 #include "account.h"
+#include "attr_types.h"  // the enum attributes' decoding
 #include "cpu/slots.h"
 #include "dtypes.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
-// abi.h's enums travel as typed int32 attributes.
-XLA_FFI_REGISTER_ENUM_ATTR_DECODING(nbx::abi::Activation);
-XLA_FFI_REGISTER_ENUM_ATTR_DECODING(nbx::abi::WeightFormat);
 
 namespace nbx {
 

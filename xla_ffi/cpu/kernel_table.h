@@ -5,7 +5,11 @@
 
 #include <stdint.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <string>
+
+#include "abi.h"
 
 namespace nbx {
 
@@ -34,22 +38,45 @@ constexpr int kMaxStreamRows = 6;
 // kernels take at most this many.
 constexpr int kMaxStreamCols = 1024;
 
-// One expert's quantized matrix [K, N] (formats of jax_nbx/quant.py): int8
+// One expert's quantized matrix [K, N] (formats/<name>.h): int8
 // q[k, n] * scale[n]; int4 packed two rows per byte (low nibble = even row)
 // q[k, n] * scale[k / group, n] + min[k / group, n].  Scales (and mins) f32 or
 // bf16 bits.  The streamed and packed paths of one ISA do the same arithmetic
-// (kernels.h): int8 sums a * q and multiplies each column's sum by its scale
-// once; int4 dequantizes each weight (q * scale + min) and sums a * w; so they
-// give the same bits.
+// (kernels.h, QuantArithOf): int8 sums a * q and multiplies each column's sum
+// by its scale once; int4 dequantizes each weight (q * scale + min) and sums
+// a * w; so they give the same bits.
 struct QuantMatrix {
   const void* q;
   const void* scale;
   const void* zero;  // int4: the group minimums
   int64_t N;
   int64_t group;  // int4: rows per group (even); int8: K
-  bool int4;
+  abi::WeightFormat format;  // a quantized format (never kDense)
   bool bf16_scales;
 };
+
+// How a quantized format's products are formed by the kernels.
+enum class QuantArith {
+  kColumnScaled,  // sums of a * q; each column's sum times its scale once (int8)
+  kDequantized,   // each weight dequantized before its product (int4)
+};
+
+// A format code that reached a kernel it has no case in: a bug (the decoder
+// refuses unknown codes by name first); never a silent fallback.
+[[noreturn]] inline void FormatHasNoKernel(const char* where, abi::WeightFormat f) {
+  std::fprintf(stderr, "jax_nbx internal error: weight format code %d reached %s, which has no "
+               "case for it\n", static_cast<int>(f), where);
+  std::abort();
+}
+
+inline QuantArith QuantArithOf(abi::WeightFormat f) {
+  switch (f) {
+    case abi::WeightFormat::kInt8: return QuantArith::kColumnScaled;
+    case abi::WeightFormat::kInt4: return QuantArith::kDequantized;
+    case abi::WeightFormat::kDense: break;
+  }
+  FormatHasNoKernel("QuantArithOf", f);
+}
 
 struct KernelTable {
   const char* isa;  // "avx512", "avx2", "generic"

@@ -284,13 +284,18 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
 template <int VL, int R>
 void AccumulateRowsQFormat(const float* a, int64_t as, const QuantMatrix& m, int64_t n0,
                            int64_t K, int ncols, float* acc) {
-  if (m.int4) {
-    if (m.bf16_scales) AccumulateRowsQ<VL, R, true, true>(a, as, m, n0, K, ncols, acc);
-    else AccumulateRowsQ<VL, R, true, false>(a, as, m, n0, K, ncols, acc);
-  } else {
-    if (m.bf16_scales) AccumulateRowsQ<VL, R, false, true>(a, as, m, n0, K, ncols, acc);
-    else AccumulateRowsQ<VL, R, false, false>(a, as, m, n0, K, ncols, acc);
+  switch (m.format) {
+    case abi::WeightFormat::kInt4:
+      if (m.bf16_scales) AccumulateRowsQ<VL, R, true, true>(a, as, m, n0, K, ncols, acc);
+      else AccumulateRowsQ<VL, R, true, false>(a, as, m, n0, K, ncols, acc);
+      return;
+    case abi::WeightFormat::kInt8:
+      if (m.bf16_scales) AccumulateRowsQ<VL, R, false, true>(a, as, m, n0, K, ncols, acc);
+      else AccumulateRowsQ<VL, R, false, false>(a, as, m, n0, K, ncols, acc);
+      return;
+    case abi::WeightFormat::kDense: break;
   }
+  FormatHasNoKernel("the streaming quantized kernels", m.format);
 }
 
 template <int VL>
@@ -398,13 +403,18 @@ void PackQuantT(const QuantMatrix& m, int64_t k0, int kc, int64_t n0, int nc, in
 template <int VL>
 void PackQuant(const QuantMatrix* m, int64_t k0, int kc, int64_t n0, int nc, int width,
                float* dst, int64_t rs, int64_t ps) {
-  if (m->int4) {
-    if (m->bf16_scales) PackQuantT<VL, true, true>(*m, k0, kc, n0, nc, width, dst, rs, ps);
-    else PackQuantT<VL, true, false>(*m, k0, kc, n0, nc, width, dst, rs, ps);
-  } else {
-    if (m->bf16_scales) PackQuantT<VL, false, true>(*m, k0, kc, n0, nc, width, dst, rs, ps);
-    else PackQuantT<VL, false, false>(*m, k0, kc, n0, nc, width, dst, rs, ps);
+  switch (m->format) {
+    case abi::WeightFormat::kInt4:
+      if (m->bf16_scales) PackQuantT<VL, true, true>(*m, k0, kc, n0, nc, width, dst, rs, ps);
+      else PackQuantT<VL, true, false>(*m, k0, kc, n0, nc, width, dst, rs, ps);
+      return;
+    case abi::WeightFormat::kInt8:
+      if (m->bf16_scales) PackQuantT<VL, false, true>(*m, k0, kc, n0, nc, width, dst, rs, ps);
+      else PackQuantT<VL, false, false>(*m, k0, kc, n0, nc, width, dst, rs, ps);
+      return;
+    case abi::WeightFormat::kDense: break;
   }
+  FormatHasNoKernel("the quantized packer", m->format);
 }
 
 }  // namespace

@@ -487,7 +487,7 @@ void RunBand(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
 ffi::Error FusedMoeBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                                 ffi::Buffer<ffi::F32> topk_w, ffi::Buffer<ffi::S32> topk_ids,
                                 ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> dx,
-                                ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::RemainingRets grads,
+                                ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::RemainingRets grads
                                 NBX_BACKWARD_ATTR_PARAMS) {
   return FusedMoeBackward(pool, dy, x, topk_w, topk_ids, weights, 0, dx, dw, grads,
                           NBX_BACKWARD_ATTRS);

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "abi.h"
+#include "attr_types.h"
 #include "cpu/handler_common.h"  // the enum attributes' decoding
 #include "cpu/weights.h"         // WeightViewAttrs
 #include "xla/ffi/api/ffi.h"
@@ -53,23 +54,10 @@ size_t BackwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, i
       .Ret<::xla::ffi::AnyBuffer>()               /* dx [T, H] */     \
       .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>() /* dw [T, k] */     \
       .RemainingRets()                            /* weight gradients */ \
-      .Attr<::nbx::abi::Activation>("activation")                     \
-      .Attr<float>("act_alpha")                                       \
-      .Attr<float>("act_limit")                                       \
-      .Attr<int64_t>("band_tokens")                                   \
-      .Attr<int64_t>("max_workers")                                   \
-      .Attr<bool>("skip_outside")                                     \
-      .Attr<int64_t>("num_experts")                                   \
-      .Attr<bool>("stacked")                                          \
-      .Attr<::xla::ffi::Span<const int64_t>>("views")                 \
-      .Attr<int64_t>("intermediate")                                  \
-      .Attr<bool>("fused_gate_up")                                    \
-      .Attr<bool>("has_bias")
+      NBX_ATTRS_CPU_BACKWARD(NBX_BIND_ATTR)
 
-#define NBX_BACKWARD_ATTR_PARAMS                                                    \
-  ::nbx::abi::Activation activation, float act_alpha, float act_limit, int64_t band_tokens, \
-      int64_t max_workers, bool skip_outside, int64_t num_experts, bool stacked,           \
-      ::xla::ffi::Span<const int64_t> views, int64_t intermediate, bool fused_gate_up, bool has_bias
+// The handler's attribute parameters (abi.h's list), after its buffers.
+#define NBX_BACKWARD_ATTR_PARAMS NBX_ATTRS_CPU_BACKWARD(NBX_ATTR_PARAM)
 #define NBX_BACKWARD_ATTRS \
   ::nbx::BackwardAttrs {                                                              \
     activation, act_alpha, act_limit, band_tokens, max_workers, skip_outside, num_experts, \

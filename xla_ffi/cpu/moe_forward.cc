@@ -321,10 +321,10 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     const int64_t panels = (m1 - m0 + mr - 1) / mr;
     float* packed = scratch;
     float* part = scratch + b.scratch_layout.part_offset;
-    // int8: the tile's column scales, per micro-panel `width` of each matrix
+    // column-scaled formats (int8): the tile's column scales, per micro-panel `width` of each matrix
     const float* scale = nullptr;
     if constexpr (WS::kQuant) {
-      if (!mats[0]->int4) {
+      if (QuantArithOf(mats[0]->format) == QuantArith::kColumnScaled) {
         float* colscale = scratch + b.scratch_layout.stride - nsub * 2 * vl;
         for (int q = 0; q < nsub; ++q)
           for (int s = 0; s < ns; ++s)
@@ -506,7 +506,7 @@ ffi::Error AllocateBand(int64_t S, int64_t tokens, const Problem& p, int workers
 
 ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                ffi::Buffer<ffi::F32> topk_w, ffi::Buffer<ffi::S32> topk_ids,
-                               ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y,
+                               ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y
                                NBX_FORWARD_ATTR_PARAMS) {
   return FusedMoeForward(pool, x, topk_w, topk_ids, weights, 0, y, NBX_FORWARD_ATTRS);
 }

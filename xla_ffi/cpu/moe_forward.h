@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "abi.h"
+#include "attr_types.h"
 #include "cpu/handler_common.h"  // the enum attributes' decoding
 #include "cpu/weights.h"         // WeightViewAttrs
 #include "xla/ffi/api/ffi.h"
@@ -58,28 +59,11 @@ size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, in
       .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()  /* topk_ids */   \
       .RemainingArgs()                             /* weights */    \
       .Ret<::xla::ffi::AnyBuffer>()                /* y [T, H] */   \
-      .Attr<::nbx::abi::Activation>("activation")                   \
-      .Attr<float>("act_alpha")                                     \
-      .Attr<float>("act_limit")                                     \
-      .Attr<int64_t>("band_tokens")                                 \
-      .Attr<int64_t>("max_workers")                                 \
-      .Attr<bool>("skip_outside")                                   \
-      .Attr<int64_t>("num_experts")                                 \
-      .Attr<::nbx::abi::WeightFormat>("format")                     \
-      .Attr<bool>("stacked")                                        \
-      .Attr<int64_t>("group_size")                                  \
-      .Attr<::xla::ffi::Span<const int64_t>>("views")               \
-      .Attr<int64_t>("intermediate")                                \
-      .Attr<bool>("fused_gate_up")                                  \
-      .Attr<bool>("has_bias")                                       \
-      .Attr<bool>("bf16_dot")
+      NBX_ATTRS_CPU_FORWARD(NBX_BIND_ATTR)
 
 // Forwards the binding's attributes as a ForwardAttrs.
-#define NBX_FORWARD_ATTR_PARAMS                                                         \
-  ::nbx::abi::Activation activation, float act_alpha, float act_limit, int64_t band_tokens, \
-      int64_t max_workers, bool skip_outside, int64_t num_experts, ::nbx::abi::WeightFormat format, \
-      bool stacked, int64_t group_size, ::xla::ffi::Span<const int64_t> views, int64_t intermediate, \
-      bool fused_gate_up, bool has_bias, bool bf16_dot
+// The handler's attribute parameters (abi.h's list), after its buffers.
+#define NBX_FORWARD_ATTR_PARAMS NBX_ATTRS_CPU_FORWARD(NBX_ATTR_PARAM)
 #define NBX_FORWARD_ATTRS                                                              \
   ::nbx::ForwardAttrs {                                                                \
     activation, act_alpha, act_limit, band_tokens, max_workers, skip_outside, num_experts, \

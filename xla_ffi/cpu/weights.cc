@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cpu/handler_common.h"
+#include "formats/registry.h"
 
 namespace ffi = xla::ffi;
 
@@ -12,20 +13,36 @@ namespace {
 
 using abi::WeightFormat;
 
-// One expert's array of a part of a projection, [K, N] as the format stores
-// it: dense [K, N]; int8 q [K, N], scale [N]; int4 q [K/2, N], scale and
-// zero [K/G, N].
-std::vector<int64_t> PartShape(WeightFormat f, int part, int64_t K, int64_t N, int64_t group) {
-  if (f == WeightFormat::kDense || part == 0)
-    return {f == WeightFormat::kInt4 ? K / 2 : K, N};
-  if (f == WeightFormat::kInt8) return {N};
-  return {K / group, N};
+// One expert's array of a part of a projection [K, N], by the format's spec
+// (formats/registry.h): [rows, N], or [N] for a part without a K axis.
+std::vector<int64_t> PartShape(const formats::FormatSpec& f, int part, int64_t K, int64_t N,
+                               int64_t group) {
+  const int64_t rows = formats::PartRowCount(f, part, K, group);
+  if (rows < 0) return {N};
+  return {rows, N};
 }
 
-bool PartTypeOk(WeightFormat f, int part, ffi::DataType t) {
-  if (f == WeightFormat::kDense) return IsFloatType(t);
-  if (part == 0) return t == (f == WeightFormat::kInt4 ? ffi::DataType::U8 : ffi::DataType::S8);
-  return t == ffi::DataType::F32 || t == ffi::DataType::BF16;
+// The DTypeBit of an element type (0: none of them).
+uint32_t DTypeBitOf(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return formats::kF32;
+    case ffi::DataType::BF16: return formats::kBF16;
+    case ffi::DataType::F16: return formats::kF16;
+    case ffi::DataType::S8: return formats::kS8;
+    case ffi::DataType::U8: return formats::kU8;
+    default: return 0;
+  }
+}
+
+// "float32 or bfloat16" from a DTypeBit set.
+std::string DTypeNames(uint32_t bits) {
+  std::string s;
+  for (int i = 0; i < formats::kNumDTypeBits; ++i) {
+    if (!(bits & (1u << i))) continue;
+    if (!s.empty()) s += " or ";
+    s += formats::kDTypeBitNames[i];
+  }
+  return s;
 }
 
 std::string Dims(const std::vector<int64_t>& d) {
@@ -47,8 +64,12 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
                          int64_t H, WeightFormat format, bool stacked, int64_t group_size,
                          const WeightViewAttrs& v, ExpertWeights* out) {
   const int32_t fcode = static_cast<int32_t>(format);
-  if (fcode < 0 || fcode >= abi::kNumWeightFormats)
-    return ffi::Error::InvalidArgument("unknown weight format code " + std::to_string(fcode));
+  const formats::FormatEntry* entry = formats::FindFormat(fcode);
+  if (entry == nullptr)
+    return ffi::Error::InvalidArgument("unknown weight format code " + std::to_string(fcode) +
+                                       " (this build knows " +
+                                       std::to_string(abi::kNumWeightFormats) + " formats)");
+  const formats::FormatSpec& spec = *entry->spec;
   const bool plain_call = v.intermediate < 0;  // no views given: plain, I from gate's shape
   if (!plain_call && v.views.size() != abi::kNumViewFields * abi::kNumProjections)
     return ffi::Error::InvalidArgument("views must hold " +
@@ -57,7 +78,7 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
   if (format != WeightFormat::kDense && (v.fused_gate_up || v.has_bias))
     return ffi::Error::InvalidArgument(
         "quantized weights take the plain layout only (no fused gate_up, no biases)");
-  const int parts = abi::PartsOf(format);
+  const int parts = spec.num_parts;
   const int nproj_groups = v.fused_gate_up ? 2 : abi::kNumProjections;
   const int64_t per = stacked ? 1 : E;
   const int64_t nbias = v.has_bias ? abi::kNumBiases : 0;
@@ -88,11 +109,13 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
     return ffi::Error::InvalidArgument("quantized weights take the plain views only");
   if (view[0][1] != view[1][1] || view[0][2] != view[1][2])
     return ffi::Error::InvalidArgument("gate and up views must share their strides");
-  if (format == WeightFormat::kInt4 &&
-      (group_size <= 0 || group_size % 2 || H % group_size || I % group_size))
-    return ffi::Error::InvalidArgument("int4 group size " + std::to_string(group_size) +
-                                       " must be even and divide H=" + std::to_string(H) +
-                                       " and I=" + std::to_string(I));
+  if (!formats::GroupSizeOk(spec, group_size) ||
+      (group_size > 0 && (H % group_size || I % group_size)))
+    return ffi::Error::InvalidArgument(
+        std::string(spec.name) + " group size " + std::to_string(group_size) +
+        (spec.num_group_sizes ? " must be one of the format's group sizes and divide H=" +
+                                    std::to_string(H) + " and I=" + std::to_string(I)
+                              : " must be 0 (the format has no groups)"));
   out->E = E;
   out->H = H;
   out->I = I;
@@ -106,13 +129,16 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
   out->table.assign(abi::kNumProjections * E, nullptr);
   out->quant.assign(format == WeightFormat::kDense ? 0 : abi::kNumProjections * E, QuantMatrix{});
   ffi::DataType dense_type = ffi::DataType::INVALID;
+  // each part's dtype per array (group * per + i), for the spec's ties
+  std::vector<ffi::DataType> part_type[abi::kNumParts];
+  for (auto& v : part_type) v.assign(static_cast<size_t>(nproj_groups * per), ffi::DataType::INVALID);
   for (int part = 0; part < parts; ++part) {
     for (int grp = 0; grp < nproj_groups; ++grp) {
       // the projections this group's buffers hold (-1: none)
       const int proj = v.fused_gate_up && grp == 1 ? 2 : grp;
       const int projs[2] = {proj, v.fused_gate_up && grp == 0 ? 1 : -1};
       const int64_t K = proj < 2 ? H : I, N = proj < 2 ? I : H;
-      std::vector<int64_t> shape = PartShape(format, part, K, N, group_size);
+      std::vector<int64_t> shape = PartShape(spec, part, K, N, group_size);
       if (stacked) shape.insert(shape.begin(), E);
       for (int64_t i = 0; i < per; ++i) {
         auto b = args.get<ffi::AnyBuffer>(first + (part * nproj_groups + grp) * per + i);
@@ -131,13 +157,22 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
           return ffi::Error::InvalidArgument(where + " has shape " + Dims(got) + "; expected " +
                                              (stacked ? "[E=" + std::to_string(E) + ", rows, cols]"
                                                       : std::string("[rows, cols]")));
-        if (!PartTypeOk(format, part, t) ||
-            (format == WeightFormat::kDense && dense_type != ffi::DataType::INVALID &&
-             t != dense_type))
-          return ffi::Error::InvalidArgument(
-              where + " has the wrong dtype for " + abi::kWeightFormatNames[fcode] +
-              " weights (dense: float32, bfloat16 or float16, one for all; int8 q: int8; "
-              "int4 q: uint8; scales and zeros: float32 or bfloat16)");
+        const formats::PartSpec& ps = spec.parts[part];
+        if (!(DTypeBitOf(t) & ps.dtypes))
+          return ffi::Error::InvalidArgument(where + " has the wrong dtype for " + spec.name +
+                                             " weights: expected " + DTypeNames(ps.dtypes));
+        // a part the spec ties to an earlier one shares its dtype (per
+        // array); dense weights take one dtype for all
+        const size_t slot = static_cast<size_t>(grp * per + i);
+        if (ps.same_dtype_as >= 0 && t != part_type[ps.same_dtype_as][slot])
+          return ffi::Error::InvalidArgument(where + " has the wrong dtype for " + spec.name +
+                                             " weights: it must be its " +
+                                             abi::kPartNames[ps.same_dtype_as] + "'s dtype");
+        if (format == WeightFormat::kDense && dense_type != ffi::DataType::INVALID &&
+            t != dense_type)
+          return ffi::Error::InvalidArgument(where + " has the wrong dtype for dense weights: "
+                                             "one dtype for every projection and expert");
+        part_type[part][slot] = t;
         if (format == WeightFormat::kDense) dense_type = t;
         const size_t es = ffi::ByteWidth(t);
         const int64_t elems = static_cast<int64_t>(b->element_count()) / (stacked ? E : 1);
@@ -166,8 +201,8 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
           }
           QuantMatrix& m = out->quant[proj * E + e];
           m.N = N;
-          m.group = format == WeightFormat::kInt4 ? group_size : K;
-          m.int4 = format == WeightFormat::kInt4;
+          m.group = group_size > 0 ? group_size : K;
+          m.format = format;
           if (part == 0) m.q = base;
           if (part == 1) {
             m.scale = base;

@@ -103,7 +103,7 @@ ffi::Error WaitAll(metal::Device* dev) {
 
 ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> topk_w,
                             ffi::Buffer<ffi::S32> topk_ids, ffi::RemainingArgs weights,
-                            ffi::Result<ffi::AnyBuffer> y, NBX_FORWARD_ATTR_PARAMS) {
+                            ffi::Result<ffi::AnyBuffer> y NBX_FORWARD_ATTR_PARAMS) {
   (void)max_workers;
   int64_t T, H, k;
   if (ffi::Error e = CheckRouting(x, topk_w, topk_ids, &T, &H, &k); e.failure()) return e;

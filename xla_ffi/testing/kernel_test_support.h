@@ -466,7 +466,9 @@ class QuantWeights {
   }
   QuantMatrix Matrix() const {
     return QuantMatrix{q_.data(), scale_.Data(), f_.int4 ? zero_.Data() : nullptr, N_,
-                       f_.int4 ? f_.group : K_, f_.int4, f_.bf16_scales};
+                       f_.int4 ? f_.group : K_,
+                       f_.int4 ? abi::WeightFormat::kInt4 : abi::WeightFormat::kInt8,
+                       f_.bf16_scales};
   }
   // What qpack must produce for rows [k0, k0+kc): int8 q (unscaled), int4 q * scale + min.
   RefMatrix Packed(int64_t k0, int64_t kc) const {

@@ -17,7 +17,7 @@ namespace {
 
 ffi::Error ForwardPoisoned(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> topk_w,
                            ffi::Buffer<ffi::S32> topk_ids, ffi::RemainingArgs weights,
-                           ffi::Result<ffi::AnyBuffer> y, NBX_FORWARD_ATTR_PARAMS) {
+                           ffi::Result<ffi::AnyBuffer> y NBX_FORWARD_ATTR_PARAMS) {
   return FusedMoeForward(pool, x, topk_w, topk_ids, weights, /*trailing=*/1, y,
                          NBX_FORWARD_ATTRS);
 }
@@ -25,7 +25,7 @@ ffi::Error ForwardPoisoned(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
 ffi::Error BackwardPoisoned(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::F32> topk_w, ffi::Buffer<ffi::S32> topk_ids,
                             ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> dx,
-                            ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::RemainingRets grads,
+                            ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::RemainingRets grads
                             NBX_BACKWARD_ATTR_PARAMS) {
   // one twin per result: dx, dw, then each weight gradient
   return FusedMoeBackward(pool, dy, x, topk_w, topk_ids, weights, 2 + grads.size(), dx, dw,

@@ -78,7 +78,7 @@ class NNXMoE(nnx.Module):
             if rngs is None:
                 raise ValueError("NNXMoE: pass rngs= to initialize, or params= to hold given parameters")
             params = init_params(config, rngs.params(), param_dtype, lists=lists)
-        from ..quant import is_quantized
+        from ..formats import is_quantized
         self.config = config
         self.router = nnx.Param(params.router)
         self.router_bias = None if params.router_bias is None else nnx.Param(params.router_bias)

@@ -1,7 +1,7 @@
-"""The CUDA path of `fused_moe`: plan, compile and call the CUDA handler.
+"""The CUDA backend's calls: plan, compile and call the CUDA handlers.
 
 The handler (``nbx_fused_moe_fwd_cuda``, `xla_ffi/cuda/moe_cuda.cc`) runs a
-launch program of Triton kernels (`jax_nbx.triton`) on XLA's stream.  All of
+launch program of Triton kernels (`jax_nbx.backends.cuda.kernels`) on XLA's stream.  All of
 the program is decided here at trace time; the kernels are compiled for the
 device's compute capability at first use (cached on disk by Triton).
 
@@ -21,10 +21,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from . import _abi, _env, _registry, memory
-from .experts import WeightLayout
-from .quant import QuantizedWeight, weight_groups
-from .triton import plan as P
+from ... import _env, _registry, contract, memory
+from ...experts import WeightLayout
+from ...formats import QuantizedWeight, weight_groups
+from ...planning import plan_bands
+from . import plan as P
 
 _budget_set: set[int] = set()
 
@@ -72,7 +73,7 @@ def plan_band_tokens(T: int, k: int, E: int, H: int, I: int, wdtype,
     def need(t: int) -> int:
         return P.band_workspace(t, k, E, H, I, wdtype, name, quant)
 
-    return memory.plan_bands(need, T, H, "cuda", max_workspace_bytes,
+    return plan_bands(need, T, H, "cuda", max_workspace_bytes,
                              f"(E={E} k={k} H={H} I={I}) on cuda:0")
 
 
@@ -86,7 +87,7 @@ def plan_backward_band_tokens(T: int, k: int, E: int, H: int, I: int, wdtype,
     def need(t: int) -> int:
         return P.backward_band_workspace(t, k, E, H, I, wdtype, name, call_tokens=T)
 
-    return memory.plan_bands(need, T, H, "cuda", max_workspace_bytes,
+    return plan_bands(need, T, H, "cuda", max_workspace_bytes,
                              f"(backward, E={E} k={k} H={H} I={I}) on cuda:0")
 
 
@@ -95,13 +96,13 @@ def _program_attrs(prog, dev, strides_ok: bool, E: int, skip_outside: bool) -> d
     compiled kernels, the encoded launches, the workspace, the expert-id
     check and whether the launches go as one CUDA graph
     (``JAX_NBX_CUDA_GRAPHS``)."""
-    from .triton import compile as C  # imports Triton: only when a CUDA call is traced
+    from . import compile as C  # imports Triton: only when a CUDA call is traced
 
     blob, table = C.pack(prog, compute_capability(dev))
     return dict(blob=blob, kernels=table.reshape(-1), program=prog.encode(),
-                workspace_bytes=np.int64(prog.workspace_bytes), err_offset=np.int64(prog.err_offset),
-                err_words=np.int64(prog.err_words), w_aligned=bool(strides_ok), num_experts=np.int64(E),
-                check_ids=np.int64(check_ids_mode(skip_outside)), graph=_env.cuda_graphs())
+                workspace_bytes=prog.workspace_bytes, err_offset=prog.err_offset,
+                err_words=prog.err_words, w_aligned=strides_ok, num_experts=E,
+                check_ids=check_ids_mode(skip_outside), graph=_env.cuda_graphs())
 
 
 def check_ids_mode(skip_outside: bool = False) -> int:
@@ -110,14 +111,14 @@ def check_ids_mode(skip_outside: bool = False) -> int:
     stream synchronization; the call fails naming the slot and the id);
     ``deferred`` copies it asynchronously into pinned memory and the next call
     on the device fails naming the earlier call's slot (no synchronization;
-    calls of at most `_abi.MAX_DEFERRED_ERR_WORDS` slots, larger ones read it
+    calls of at most `contract.MAX_DEFERRED_ERR_WORDS` slots, larger ones read it
     back at once); 0 skips it.  Bad ids are never used as indices in any mode:
     their slots are skipped.  ``skip_outside`` (sharded_moe's psum dispatch):
     off."""
     if skip_outside:
-        return _abi.ID_CHECK_OFF
-    return {"sync": _abi.ID_CHECK_SYNC, "deferred": _abi.ID_CHECK_DEFERRED,
-            "off": _abi.ID_CHECK_OFF}[_env.cuda_check_ids()]
+        return contract.ID_CHECK_OFF
+    return {"sync": contract.ID_CHECK_SYNC, "deferred": contract.ID_CHECK_DEFERRED,
+            "off": contract.ID_CHECK_OFF}[_env.cuda_check_ids()]
 
 
 def _view_groups(arrays, layout: WeightLayout, lists: bool):
@@ -125,12 +126,12 @@ def _view_groups(arrays, layout: WeightLayout, lists: bool):
     stride is a multiple of 16 bytes) of dense experts in any layout:
     ``arrays`` = the groups (gate_up, down when fused, else gate, up, down;
     one stacked array or E arrays each), then the biases when ``layout.bias``."""
-    nb = _abi.NUM_BIASES if layout.bias else 0
+    nb = contract.NUM_BIASES if layout.bias else 0
     weights, biases = arrays[:len(arrays) - nb], arrays[len(arrays) - nb:]
     if any(isinstance(a, QuantizedWeight) for a in weights):
         raise ValueError("the CUDA path reads quantized experts in the plain layout only (gate, up "
                          "[E, H, I], down [E, I, H], no biases, no fused gate_up)")
-    n_groups = 2 if layout.fused else len(_abi.PROJECTIONS)
+    n_groups = 2 if layout.fused else len(contract.PROJECTIONS)
     per = len(weights) // n_groups if lists else 1
     groups = [list(weights[g * per:(g + 1) * per]) for g in range(n_groups)]
     E = per if lists else int(weights[0].shape[0])
@@ -174,14 +175,14 @@ def forward(x, w, ids, *arrays, activation, band_tokens: int, lists: bool = Fals
     outs = (jax.ShapeDtypeStruct(x.shape, x.dtype),
             jax.ShapeDtypeStruct((max(prog.workspace_bytes, 1),), np.uint8))
     if quant is None and not lists and views is None:
-        call = jax.ffi.ffi_call(_abi.TARGET_CUDA_FORWARD, outs, vmap_method="sequential")
-        y, _ = call(x, w, ids, *arrays, **attrs)
+        call = jax.ffi.ffi_call(contract.TARGET_CUDA_FORWARD, outs, vmap_method="sequential")
+        y, _ = call(x, w, ids, *arrays, **contract.attributes("cuda_forward", attrs))
         return y
     bufs = [b for g in groups for b in (g if lists else g[:1])]
     bufs += [b.astype(np.float32) for b in biases]
-    call = jax.ffi.ffi_call(_abi.TARGET_CUDA_FORWARD_TABLES, outs, vmap_method="sequential")
-    y, _ = call(x, w, ids, *bufs, groups=np.int64(len(groups)), stacked=not lists, **attrs,
-                **layout.attrs())
+    call = jax.ffi.ffi_call(contract.TARGET_CUDA_FORWARD_TABLES, outs, vmap_method="sequential")
+    y, _ = call(x, w, ids, *bufs, **contract.attributes(
+        "cuda_forward_tables", dict(attrs, groups=len(groups), stacked=not lists, **layout.attrs())))
     return y
 
 
@@ -224,16 +225,8 @@ def backward(dy, x, w, ids, *arrays, activation, band_tokens: int, lists: bool =
             + [jax.ShapeDtypeStruct(a.shape, prog.grad_dtype if i < n_w else np.float32)
                for i, a in enumerate(weights)]
             + [jax.ShapeDtypeStruct((max(prog.workspace_bytes, 1),), np.uint8)])
-    call = jax.ffi.ffi_call(_abi.TARGET_CUDA_BACKWARD, outs, vmap_method="sequential")
-    dx, dw, *dws, _ = call(x, w, ids, *bufs, dy.astype(x.dtype), groups=np.int64(len(groups)),
-                           stacked=not lists, **attrs, **layout.attrs(),
-                           grad_f32=prog.grad_dtype == "float32")
+    call = jax.ffi.ffi_call(contract.TARGET_CUDA_BACKWARD, outs, vmap_method="sequential")
+    dx, dw, *dws, _ = call(x, w, ids, *bufs, dy.astype(x.dtype), **contract.attributes(
+        "cuda_backward", dict(attrs, groups=len(groups), stacked=not lists, **layout.attrs(),
+                              grad_f32=prog.grad_dtype == "float32")))
     return dx, dw, [d.astype(a.dtype) for d, a in zip(dws, weights)]
-
-
-def table_stats() -> dict:
-    """The CUDA pointer-table cache: entries, hits, misses, evictions, bytes."""
-    ffi = _registry._ffi
-    if ffi is None or not getattr(ffi, "has_cuda", False):
-        return {"entries": 0, "hits": 0, "misses": 0, "evictions": 0, "bytes": 0}
-    return dict(ffi.cuda_table_stats())

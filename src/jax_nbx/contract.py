@@ -2,11 +2,18 @@
 
 Every value Python shares with the C++ handlers and the Triton kernels comes
 from here, and here from the header through ``jax_nbx._ffi.abi()``: FFI
-target names, activation codes and constants, weight formats and the order
-of their buffer groups, the CUDA launch-program encoding.  Nothing here is
-written by hand; ``tests/test_contract.py`` checks every consumer.
+target names and each target's attributes, activation codes and constants,
+the weight-format registry (``xla_ffi/formats/``) and the order of the
+buffer groups, the CUDA launch-program encoding.  Nothing here is written by
+hand; ``tests/test_contract.py`` checks every consumer.  `attributes` is the
+one place that builds a call's FFI attributes.
 """
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
 
 from . import _ffi
 
@@ -41,7 +48,10 @@ FORMAT_CODES: dict[str | None, int] = {n: i for i, n in enumerate(WEIGHT_FORMATS
 FORMAT_CODES[None] = FORMAT_CODES["dense"]
 PROJECTIONS: tuple[str, ...] = tuple(_d["projections"])  # gate, up, down
 PARTS: tuple[str, ...] = tuple(_d["parts"])  # q, scale, zero (QuantizedWeight attributes)
-_PARTS_OF = tuple(_d["parts_of_format"])
+# The registry (xla_ffi/formats/): per format in code order, a dict of name,
+# code, summary, parts ({name, dtypes, rows, same_dtype_as}), values_per_byte,
+# group_sizes, compute_dtype_part.  jax_nbx.formats reads it.
+FORMAT_SPECS: tuple[dict, ...] = tuple(dict(f) for f in _d["formats"])
 
 
 # weight views (abi.h "weight views"): per projection these fields, then biases
@@ -51,7 +61,7 @@ NUM_BIASES: int = _d["num_biases"]  # gate, up, down
 
 def parts_of(fmt: str | None) -> tuple[str, ...]:
     """The parts a format's weights are passed as, in group order ("dense": the weights)."""
-    return PARTS[:_PARTS_OF[FORMAT_CODES[fmt]]]
+    return tuple(p["name"] for p in FORMAT_SPECS[FORMAT_CODES[fmt]]["parts"])
 
 
 def group_index(part: int, proj: int) -> int:
@@ -84,4 +94,30 @@ WORKSPACE_ALIGN: int = _d["workspace_align"]
 # slots (T * k) of one call: indexed with int32 by every handler
 MAX_SLOTS: int = _d["max_slots"]
 
+# Each target's FFI attributes (abi.h NBX_TARGET_ATTRS): target key -> {name: kind}
+TARGET_ATTRIBUTES: dict[str, dict[str, str]] = {
+    key: {name: kind for name, kind in attrs} for key, attrs in _d["attributes"].items()}
+
 del _d
+
+# How each attribute kind travels (XLA reads attributes by their numpy type).
+_CONVERT = {
+    "ACT": np.int32, "FMT": np.int32, "F32": np.float32, "I64": np.int64, "BOOL": bool,
+    "I64S": lambda v: np.asarray(v, np.int64).reshape(-1),
+    "U8S": lambda v: np.asarray(v, np.uint8).reshape(-1),
+}
+
+
+def attributes(target: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The FFI attributes of one call of ``target`` (a key of
+    `TARGET_ATTRIBUTES`: "forward", "backward", "metal_forward",
+    "cuda_forward", ...): exactly the names abi.h lists for it, each converted
+    to the type its kind travels as.  A missing or unknown name is a
+    ValueError naming it (a bug in the caller, caught before XLA sees it)."""
+    want = TARGET_ATTRIBUTES[target]
+    missing = sorted(set(want) - set(values))
+    unknown = sorted(set(values) - set(want))
+    if missing or unknown:
+        raise ValueError(f"attributes of {target!r}: missing {missing}, unknown {unknown} "
+                         f"(xla_ffi/abi.h lists {sorted(want)})")
+    return {name: _CONVERT[kind](values[name]) for name, kind in want.items()}

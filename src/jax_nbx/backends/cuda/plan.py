@@ -10,7 +10,7 @@ gets, not a copy of them.  Nothing in this module imports Triton.
 
 The encoding (argument kinds, input numbering, weight-group order, the
 expert-id check word, workspace alignment) is the contract of
-``xla_ffi/abi.h``, read through `jax_nbx._abi`; environment variables are
+``xla_ffi/abi.h``, read through `jax_nbx.contract`; environment variables are
 read through `jax_nbx._env`.
 """
 from __future__ import annotations
@@ -23,26 +23,26 @@ from typing import Any
 
 import numpy as np
 
-from .. import _abi, _env
-from ..activations import Activation
+from ... import _env, contract
+from ...activations import Activation
 
 # Argument kinds (abi::ArgKind).
 ARG_INPUT, ARG_OUTPUT, ARG_WORKSPACE, ARG_TABLE, ARG_I32 = (
-    _abi.ARG_INPUT, _abi.ARG_OUTPUT, _abi.ARG_WORKSPACE, _abi.ARG_TABLE, _abi.ARG_I32)
+    contract.ARG_INPUT, contract.ARG_OUTPUT, contract.ARG_WORKSPACE, contract.ARG_TABLE, contract.ARG_I32)
 # Inputs in call order: x, w, ids, then the first buffer of each weight group
 # (group = part * 3 + projection: gate, up, down; for quantized experts then
 # their scales, then (int4) their mins; fused dense experts: gate_up, down),
 # then with biases the three float32 biases.  Tables are numbered by group the same way.
-_Q, _SCALE, _ZERO = (_abi.PARTS.index(part) for part in ("q", "scale", "zero"))
-IN_X, IN_W, IN_IDS, IN_GROUP0 = _abi.IN_X, _abi.IN_W, _abi.IN_IDS, _abi.IN_GROUP0
+_Q, _SCALE, _ZERO = (contract.PARTS.index(part) for part in ("q", "scale", "zero"))
+IN_X, IN_W, IN_IDS, IN_GROUP0 = contract.IN_X, contract.IN_W, contract.IN_IDS, contract.IN_GROUP0
 # the backward's outputs: dx, d(topk_weights) (weight gradients: through tables)
-OUT_DX, OUT_DTW, OUT_DBIAS0 = _abi.OUT_DX, _abi.OUT_DTOPK_WEIGHTS, _abi.OUT_DBIAS0
-IN_GATE, IN_UP, IN_DOWN = (IN_GROUP0 + _abi.group_index(_Q, p) for p in range(len(_abi.PROJECTIONS)))
+OUT_DX, OUT_DTW, OUT_DBIAS0 = contract.OUT_DX, contract.OUT_DTOPK_WEIGHTS, contract.OUT_DBIAS0
+IN_GATE, IN_UP, IN_DOWN = (IN_GROUP0 + contract.group_index(_Q, p) for p in range(len(contract.PROJECTIONS)))
 # weight format (None = dense) -> the kernels' QUANT constexpr
-QUANT_CODES = _abi.FORMAT_CODES
+QUANT_CODES = contract.FORMAT_CODES
 _DENSE, _INT8, _INT4 = (QUANT_CODES[f] for f in ("dense", "int8", "int4"))
-ERR_NONE = _abi.ERR_NONE
-WS_ALIGN = _abi.WORKSPACE_ALIGN
+ERR_NONE = contract.ERR_NONE
+WS_ALIGN = contract.WORKSPACE_ALIGN
 COUNT_BLOCK = 128
 FILL_BLOCK = 1024
 COMBINE_BLOCK = 1024
@@ -240,7 +240,7 @@ def views_of(layout, H: int, I: int, quant=None) -> tuple[tuple[tuple[int, int, 
     plain = plain_views(H, I)
     if layout is None:
         return plain, False, False
-    nf, npj = len(_abi.VIEW_FIELDS), len(_abi.PROJECTIONS)
+    nf, npj = len(contract.VIEW_FIELDS), len(contract.PROJECTIONS)
     v = tuple(int(a) for a in layout.views)
     if len(v) != nf * npj:
         raise ValueError(f"views must hold {nf * npj} values; got {len(v)}")
@@ -301,7 +301,7 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
            w_aligned=True, layout_only=False, quant=None, layout=None) -> Program:
     band = max(1, min(int(band) or T, T)) if T else 1
     xdtype, wdtype = np.dtype(xdtype), np.dtype(wdtype)
-    a = Activation(_abi.ACTIVATIONS[activation]) if isinstance(activation, int) else activation
+    a = Activation(contract.ACTIVATIONS[activation]) if isinstance(activation, int) else activation
     act = (("ACT", a.code), ("ALPHA", float(a.alpha)), ("LIMIT", float(a.limit)))
     kind, gsize = quant if quant else (None, 0)
     QUANT = QUANT_CODES[kind]
@@ -324,21 +324,21 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
 
     views, fused, has_bias = views_of(layout, H, I, quant)
     group_of = (0, 0, 1) if fused else (0, 1, 2)  # each projection's buffer group (dense)
-    n_groups = 2 if fused else len(_abi.parts_of(kind)) * len(_abi.PROJECTIONS)
+    n_groups = 2 if fused else len(contract.parts_of(kind)) * len(contract.PROJECTIONS)
     (og, sk, sn), (ou, _, _), dview = views
     v1 = (("OFF_G", og), ("OFF_U", ou), ("SK", sk), ("SN", sn), ("BIAS", has_bias))
     v2 = (("OFF", dview[0]), ("SK", dview[1]), ("SN", dview[2]), ("BIAS", has_bias))
     # the biases (after the weight groups' inputs), or placeholders the kernels never read
-    bias_args = ([inp(IN_GROUP0 + n_groups + j, 0, "*fp32") for j in range(_abi.NUM_BIASES)]
-                 if has_bias else [inp(IN_W, 0, "*fp32")] * _abi.NUM_BIASES)
+    bias_args = ([inp(IN_GROUP0 + n_groups + j, 0, "*fp32") for j in range(contract.NUM_BIASES)]
+                 if has_bias else [inp(IN_W, 0, "*fp32")] * contract.NUM_BIASES)
 
     def tables(part):  # one table per projection (gate, up, down) of a part
-        return [Arg(ARG_TABLE, _abi.group_index(part, group_of[p]), 0, "*i64")
-                for p in range(len(_abi.PROJECTIONS))]
+        return [Arg(ARG_TABLE, contract.group_index(part, group_of[p]), 0, "*i64")
+                for p in range(len(contract.PROJECTIONS))]
 
     wref = inp(IN_GATE, 0, ws_t)
     # typed like the products: the weights (dense) or the scales (quantized)
-    sref = wref if QUANT == _DENSE else inp(IN_GROUP0 + _abi.group_index(_SCALE, 0), 0,
+    sref = wref if QUANT == _DENSE else inp(IN_GROUP0 + contract.group_index(_SCALE, 0), 0,
                                             "*" + _tl_name(wdtype))
     tbl = tables(_Q)
     stbl = tables(_SCALE) if QUANT != _DENSE else tbl
@@ -421,7 +421,7 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
 def backward_inputs(n_groups: int, has_bias: bool = False) -> int:
     """Input number of dy in a backward call (abi.h: the forward's inputs,
     then dy)."""
-    return IN_GROUP0 + n_groups + (_abi.NUM_BIASES if has_bias else 0)
+    return IN_GROUP0 + n_groups + (contract.NUM_BIASES if has_bias else 0)
 
 
 def _bwd_dw_tile(wdtype) -> int:
@@ -479,11 +479,11 @@ def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name
     grad_dtype = np.dtype(grad_dtype)
     if grad_dtype not in (np.dtype(np.float32), wdtype) or (grad_dtype != np.float32 and band < T):
         raise ValueError(f"grad_dtype: float32, or the weights' {wdtype} with one band; got {grad_dtype}")
-    a = Activation(_abi.ACTIVATIONS[activation]) if isinstance(activation, int) else activation
+    a = Activation(contract.ACTIVATIONS[activation]) if isinstance(activation, int) else activation
     act = (("ACT", a.code), ("ALPHA", float(a.alpha)), ("LIMIT", float(a.limit)))
     views, fused, has_bias = views_of(layout, H, I)
     group_of = (0, 0, 1) if fused else (0, 1, 2)
-    G = 2 if fused else len(_abi.PROJECTIONS)
+    G = 2 if fused else len(contract.PROJECTIONS)
     (og, sk, sn), (ou, _, _), (od, skd, snd) = views
     vw = (("OFF_G", og), ("OFF_U", ou), ("SK", sk), ("SN", sn))
     vd = (("OFF_D", od), ("SK_D", skd), ("SN_D", snd), ("BIAS", has_bias))
@@ -527,15 +527,15 @@ def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name
     def fill(off, count, value):
         _fill(launches, off, count, value)
 
-    tbl = [Arg(ARG_TABLE, group_of[p], 0, "*i64") for p in range(len(_abi.PROJECTIONS))]
-    gtbl = [Arg(ARG_TABLE, G + group_of[p], 0, "*i64") for p in range(len(_abi.PROJECTIONS))]
+    tbl = [Arg(ARG_TABLE, group_of[p], 0, "*i64") for p in range(len(contract.PROJECTIONS))]
+    gtbl = [Arg(ARG_TABLE, G + group_of[p], 0, "*i64") for p in range(len(contract.PROJECTIONS))]
     wref = inp(IN_GATE, 0, wt)
     # any pointer of the gradients' dtype: types the gradient tables' addresses
     gref = inp(IN_GATE, 0, wt) if grad_dtype != np.float32 else inp(IN_W, 0, "*fp32")
     dy_in = backward_inputs(G, has_bias)
     # the biases (inputs after the weight groups) and their gradients (outputs
     # OUT_DBIAS0 + j), or placeholders the kernels never touch
-    nbias = _abi.NUM_BIASES
+    nbias = contract.NUM_BIASES
     bias_in = ([inp(IN_GROUP0 + G + j, 0, "*fp32") for j in range(nbias)] if has_bias
                else [inp(IN_W, 0, "*fp32")] * nbias)
     bias_out = ([Arg(ARG_OUTPUT, OUT_DBIAS0 + j, 0, "*fp32") for j in range(nbias)] if has_bias

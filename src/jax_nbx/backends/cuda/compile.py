@@ -15,12 +15,12 @@ import inspect
 
 import numpy as np
 
-from .. import _abi
+from ... import contract
 from . import plan as P
 
 # int64 fields per kernel in the handler's table (abi::kKernelFieldNames;
 # decoded by DecodeKernelTable in xla_ffi/cuda/program.h)
-KERNEL_FIELDS = _abi.KERNEL_FIELDS
+KERNEL_FIELDS = contract.KERNEL_FIELDS
 
 
 @functools.cache

@@ -48,7 +48,7 @@ or at the next call on the device with ``JAX_NBX_CUDA_CHECK_IDS=deferred``).
 
 Every code shared with the handler and `plan.py` (the expert-id check word,
 activation and weight-format codes, the GELU constants) comes from
-``xla_ffi/abi.h`` through `jax_nbx._abi`, as module-level ``tl.constexpr``
+``xla_ffi/abi.h`` through `jax_nbx.contract`, as module-level ``tl.constexpr``
 (the only globals a Triton function may read).
 """
 from __future__ import annotations
@@ -56,17 +56,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import _abi
+from ... import contract
 
-ERR_NONE = tl.constexpr(_abi.ERR_NONE)
-ACT_GEGLU = tl.constexpr(_abi.ACT_GEGLU)  # any other ACT: swiglu
-ACT_GEGLU_ERF = tl.constexpr(_abi.ACT_GEGLU_ERF)
-ACT_SWIGLU_CLAMPED = tl.constexpr(_abi.ACT_SWIGLU_CLAMPED)
-GELU_C = tl.constexpr(_abi.GELU_C)
-GELU_B = tl.constexpr(_abi.GELU_B)
-INV_SQRT2 = tl.constexpr(_abi.INV_SQRT2)
-QUANT_DENSE = tl.constexpr(_abi.FORMAT_CODES["dense"])
-QUANT_INT8 = tl.constexpr(_abi.FORMAT_CODES["int8"])  # any other QUANT: int4
+ERR_NONE = tl.constexpr(contract.ERR_NONE)
+ACT_GEGLU = tl.constexpr(contract.ACT_GEGLU)  # any other ACT: swiglu
+ACT_GEGLU_ERF = tl.constexpr(contract.ACT_GEGLU_ERF)
+ACT_SWIGLU_CLAMPED = tl.constexpr(contract.ACT_SWIGLU_CLAMPED)
+GELU_C = tl.constexpr(contract.GELU_C)
+GELU_B = tl.constexpr(contract.GELU_B)
+INV_SQRT2 = tl.constexpr(contract.INV_SQRT2)
+QUANT_DENSE = tl.constexpr(contract.FORMAT_CODES["dense"])
+QUANT_INT8 = tl.constexpr(contract.FORMAT_CODES["int8"])  # any other QUANT: int4
 
 
 @triton.jit

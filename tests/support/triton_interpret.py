@@ -16,8 +16,8 @@ import os
 
 import numpy as np
 
-from .. import _abi
-from . import plan as P
+from jax_nbx import contract
+from jax_nbx.backends.cuda import plan as P
 
 _DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "i32": "int32",
                 "i64": "int64", "i8": "int8", "u8": "uint8"}
@@ -124,7 +124,7 @@ def _interpreted(name: str):
 
     _patch_dot()
 
-    from . import kernels
+    from jax_nbx.backends.cuda import kernels
 
     fn = getattr(kernels, name)
     fn = getattr(fn, "fn", fn)  # the Python function under triton.jit
@@ -158,14 +158,14 @@ def run(prog: P.Program, inputs: list[np.ndarray], out: np.ndarray | list[np.nda
     each weight group's first array; ``out`` written in place: one array, or
     a list indexed by the outputs' numbers (the backward's dx, dw); ``tables``
     default to the stacked arrays' own, for dense experts).  Returns the err word: the first slot
-    with a bad expert id, or `_abi.ERR_NONE`.  ``workspace`` (a list) receives
+    with a bad expert id, or `contract.ERR_NONE`.  ``workspace`` (a list) receives
     the workspace bytes, for debugging."""
     inputs = [np.ascontiguousarray(a) for a in inputs]
     outs = out if isinstance(out, (list, tuple)) else [out]
     assert all(o.flags.c_contiguous for o in outs), "outputs are written in place: contiguous arrays"
     if tables is None:
-        tables = pointer_tables(*inputs[_abi.IN_GROUP0:])
-    align = _abi.WORKSPACE_ALIGN
+        tables = pointer_tables(*inputs[contract.IN_GROUP0:])
+    align = contract.WORKSPACE_ALIGN
     ws = np.empty(prog.workspace_bytes + align, np.uint8)
     ws_base = -(-ws.ctypes.data // align) * align
     ws[:] = 0xCD  # poison: nothing may depend on workspace it did not write
@@ -173,13 +173,13 @@ def run(prog: P.Program, inputs: list[np.ndarray], out: np.ndarray | list[np.nda
     for ln in prog.launches:
         args = []
         for a in ln.args:
-            if a.kind == _abi.ARG_INPUT:
+            if a.kind == contract.ARG_INPUT:
                 args.append(_HostTensor(inputs[a.index].ctypes.data + a.offset, a.ptype))
-            elif a.kind == _abi.ARG_OUTPUT:
+            elif a.kind == contract.ARG_OUTPUT:
                 args.append(_HostTensor(outs[a.index].ctypes.data + a.offset, a.ptype))
-            elif a.kind == _abi.ARG_WORKSPACE:
+            elif a.kind == contract.ARG_WORKSPACE:
                 args.append(_HostTensor(ws_base + a.offset, a.ptype))
-            elif a.kind == _abi.ARG_TABLE:
+            elif a.kind == contract.ARG_TABLE:
                 args.append(_HostTensor(tables[a.index].ctypes.data, "*i64"))
             else:
                 args.append(a.offset)

@@ -1,0 +1,114 @@
+"""The backend interface: what every implementation of `fused_moe` answers.
+
+A `Problem` is the static description of one pass of the op (everything but
+the arrays and the token count, which vmap may change): sizes, dtypes, the
+experts' format and layout, the activation and the options.  A `Backend`
+says whether it can run a problem (`why_not`: "" or the reason, worded to
+follow "cannot run this call: "), plans its bands for T tokens (`plan`),
+and runs the raw forward (`forward`) and, where it has one, the fused
+backward (`backward`; None: the reference's VJP is used).  The registry
+(`jax_nbx.backends`) chooses among them; `jax_nbx.transforms` wraps a
+backend's raw calls with a batching rule and a derivative.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from ..activations import Activation
+from ..experts import Experts, WeightLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One pass of the op, as the backends see it (hashable: part of the
+    op's static key).  ``quant``: (format, group_size) of quantized experts,
+    None for dense ones; ``layout``: the handlers' views of the experts
+    (`Experts.weight_layout`); ``layout_name``/``fusion``: the experts' named
+    layout; ``bf16_dot``: the CPU handler's bfloat16 dot-product arithmetic
+    (``precision="bfloat16"``); ``skip_outside``: ids outside [0, E) are
+    skipped, not an error."""
+
+    E: int
+    H: int
+    I: int
+    k: int
+    x_dtype: np.dtype
+    w_dtype: np.dtype
+    quant: tuple[str, int] | None
+    lists: bool
+    layout: WeightLayout
+    layout_name: str
+    fusion: str | None
+    activation: Activation
+    skip_outside: bool = False
+    bf16_dot: bool = False
+    max_workspace_bytes: int | str | None = None
+
+    @classmethod
+    def of(cls, experts: Experts, x_dtype, E: int, H: int, I: int, k: int, activation: Activation,
+           **options) -> Problem:
+        from ..formats import quant_format
+
+        return cls(E=E, H=H, I=I, k=k, x_dtype=np.dtype(x_dtype), w_dtype=np.dtype(experts.dtype),
+                   quant=quant_format(experts), lists=experts.is_list, layout=experts.weight_layout(),
+                   layout_name=experts.layout, fusion=experts.fusion, activation=activation, **options)
+
+    @property
+    def plain(self) -> bool:
+        """gate, up [E, H, I] and down [E, I, H] (stacked or lists), no biases."""
+        return self.layout.native
+
+    @property
+    def has_bias(self) -> bool:
+        return self.layout.bias
+
+    def replace(self, **changes) -> Problem:
+        return dataclasses.replace(self, **changes)
+
+    def describe_layout(self) -> str:
+        """The named layout, for messages (``layout='out_in', fusion='concat', biases``)."""
+        out = [f"layout={self.layout_name!r}"]
+        if self.fusion:
+            out.append(f"fusion={self.fusion!r}")
+        if self.has_bias:
+            out.append("biases")
+        return ", ".join(out)
+
+
+class Backend:
+    """One implementation of the op (subclassed once per backend)."""
+
+    #: the name ``implementation=`` takes
+    name: str = ""
+    #: whether JAX differentiates and batches `forward` itself (the reference)
+    traced_by_jax: bool = False
+
+    def why_not(self, problem: Problem) -> str:
+        """"" when this backend can run ``problem`` in this process, else why not."""
+        raise NotImplementedError
+
+    def why_not_by_default(self, problem: Problem) -> str:
+        """Why ``implementation=None`` does not take this backend ("" when it may)."""
+        return self.why_not(problem)
+
+    def plan(self, problem: Problem, T: int) -> int:
+        """Tokens per band for a call of T tokens (0: no bands); raises
+        `jax_nbx.DeviceOOMError` when one token does not fit."""
+        return 0
+
+    def forward(self, problem: Problem, band_tokens: int, x: jax.Array, w: jax.Array, ids: jax.Array,
+                experts: Experts) -> jax.Array:
+        """y [T, H] of the raw pass on 2-D, validated inputs (ids int32)."""
+        raise NotImplementedError
+
+    def backward(self, problem: Problem, dy: jax.Array, x: jax.Array, w: jax.Array, ids: jax.Array,
+                 experts: Experts) -> tuple | None:
+        """``(dx, d(topk_weights), dexperts)`` from a fused backward, or None
+        where this backend has none for ``problem`` (the reference's VJP runs)."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<jax_nbx backend {self.name!r}>"

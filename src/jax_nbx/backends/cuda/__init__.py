@@ -1,0 +1,58 @@
+"""The "cuda" backend: jax_nbx's CUDA handlers (``xla_ffi/cuda/``) running a
+launch program of Triton kernels on XLA's stream.
+
+`calls` plans, compiles and calls the handlers (importing Triton only when a
+call is traced); `plan` builds the launch program (kernels, grids, arguments,
+workspace; no Triton import); `kernels` holds the Triton kernels; `compile`
+makes cubins for the device.  The kernels also run on the CPU under Triton's
+interpreter (the tests' `tests/support/triton_interpret.py`).
+"""
+from __future__ import annotations
+
+import jax
+
+from ... import _registry
+from ...experts import Experts
+from ..base import Backend, Problem
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def why_not(self, problem: Problem) -> str:
+        platform = jax.default_backend()
+        if platform != "gpu" or not _registry.platform_is_cuda():
+            return f"runs on a CUDA GPU; the default backend is {platform!r}"
+        why = _registry.cuda_unavailable_reason()
+        if why:
+            return why
+        if problem.quant is not None and not problem.plain:
+            return (f"reads {problem.quant[0]} experts in the plain layout only (gate, up [E, H, I], "
+                    "down [E, I, H], no biases, no fused gate_up)")
+        if problem.bf16_dot:
+            return "precision='bfloat16' runs on the CPU handler only"
+        return ""
+
+    def plan(self, problem: Problem, T: int) -> int:
+        from . import calls
+
+        return calls.plan_band_tokens(T, problem.k, problem.E, problem.H, problem.I, problem.w_dtype,
+                                      problem.max_workspace_bytes, problem.quant)
+
+    def forward(self, problem, band_tokens, x, w, ids, experts: Experts):
+        from . import calls
+
+        return calls.forward(x, w, ids, *experts.flat(), *experts.handler_biases(),
+                             activation=problem.activation, band_tokens=band_tokens, lists=problem.lists,
+                             skip_outside=problem.skip_outside, layout=problem.layout)
+
+    def backward(self, problem, dy, x, w, ids, experts: Experts):
+        if problem.quant is not None:  # frozen: the reference's dx, dw
+            return None
+        from . import calls
+
+        band = calls.plan_backward_band_tokens(x.shape[0], problem.k, problem.E, problem.H, problem.I,
+                                               problem.w_dtype, problem.max_workspace_bytes)
+        return calls.backward(dy, x, w, ids, *experts.flat(), *experts.handler_biases(),
+                              activation=problem.activation, band_tokens=band, lists=problem.lists,
+                              skip_outside=problem.skip_outside, layout=problem.layout)

@@ -1,0 +1,51 @@
+"""The "metal" backend: the Metal handler (``xla_ffi/metal/moe_metal.cc``,
+platform "cpu": JAX's CPU client owns the buffers, the handler dispatches the
+expert GEMMs to the active Metal device; `jax_nbx.metal`).  Dense experts in
+the plain layout; gradients from the reference's VJP.  ``implementation=None``
+takes it on macOS on Apple silicon when Metal itself is active
+(`jax_nbx.metal.is_default`); the simulated device runs only when named.
+"""
+from __future__ import annotations
+
+import jax
+
+from .. import _registry, metal
+from ..experts import Experts
+from ..planning import plan_bands
+from .base import Backend, Problem
+from .cpu import forward_call
+
+
+class MetalBackend(Backend):
+    name = "metal"
+
+    def why_not(self, problem: Problem) -> str:
+        platform = jax.default_backend()
+        if platform != "cpu":
+            return f"runs under JAX's CPU client; the default backend is {platform!r}"
+        if not metal.available():
+            return f"no Metal device is active ({metal.unavailable_reason()})"
+        if problem.quant is not None:
+            return f"takes dense experts; these are {problem.quant[0]} (quantized experts: not yet)"
+        if not problem.plain:
+            return ("takes plain experts (gate, up [E, H, I], down [E, I, H], no biases); these have "
+                    f"{problem.describe_layout()}: use implementation='xla' or the CPU handler")
+        if problem.bf16_dot:
+            return "precision='bfloat16' runs on the CPU handler only"
+        return ""
+
+    def why_not_by_default(self, problem: Problem) -> str:
+        if not metal.is_default():
+            return "not the default here (macOS on Apple silicon with Metal itself active)"
+        return self.why_not(problem)
+
+    def plan(self, problem: Problem, T: int) -> int:
+        k, E, H, I = problem.k, problem.E, problem.H, problem.I
+        ffi = _registry.ffi_module()
+        return plan_bands(lambda t: int(ffi.metal_forward_workspace_bytes(t, k, E, H, I)),
+                          T, H, "metal", problem.max_workspace_bytes, f"(Metal, E={E} k={k} H={H} I={I})")
+
+    def forward(self, problem, band_tokens, x, w, ids, experts: Experts):
+        name, operands, attrs, out = forward_call(problem, band_tokens, x, w, ids, experts.flat(),
+                                                  target="metal_forward")
+        return jax.ffi.ffi_call(name, out, vmap_method="sequential")(*operands, **attrs)

@@ -1,0 +1,100 @@
+"""Weight formats: the registry, quantization and the handlers' view.
+
+Each format is one module here (``dense``, ``int8``, ``int4``) with its math,
+over a spec read from the contract (``xla_ffi/formats/<name>.h``: parts,
+dtypes, shapes, packing, groups); ``registry`` holds them by name.  Adding a
+format is its code in ``xla_ffi/abi.h``, its C++ header in
+``xla_ffi/formats/``, its module here and in the CUDA kernels'
+``backends/cuda/formats.py``, then its kernels.
+
+Public: `quantize`, `dequantize`, `QuantizedWeight`, `get`, `names`.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..experts import Experts
+from . import dense, int4, int8  # noqa: F401  (each registers its format)
+from .registry import get, names, quantized_names
+from .spec import Format
+from .weight import QuantizedWeight
+
+__all__ = ["QuantizedWeight", "Format", "quantize", "dequantize", "get", "names", "GROUP_SIZES",
+           "is_quantized", "quant_format", "weight_groups"]
+
+GROUP_SIZES = int4.INT4.group_sizes  # int4's (the only grouped format so far)
+_SCALE_DTYPES = (np.dtype("float32"), np.dtype(jnp.bfloat16))
+
+
+def quantize(experts: Experts, kind: str = "int8", *, group_size: int | None = 128,
+             scale_dtype=jnp.float32) -> Experts:
+    """Quantizes every projection of ``experts`` into the format ``kind``
+    (`names`: "int8", "int4"; each format's module documents its math).
+    Stacked experts stay stacked, lists stay lists.  ``group_size``: the
+    group along K of grouped formats (int4: 32, 64 or 128; ignored by the
+    others).  Raises ValueError for an unknown format, a group size the
+    format does not take or that does not divide K, TypeError for a scale
+    dtype other than float32/bfloat16."""
+    if kind not in quantized_names():
+        raise ValueError(f"kind must be one of {quantized_names()}; got {kind!r}")
+    fmt = get(kind)
+    if np.dtype(scale_dtype) not in _SCALE_DTYPES:
+        raise TypeError(f"scale_dtype must be float32 or bfloat16; got {np.dtype(scale_dtype)}")
+    if not isinstance(experts, Experts):
+        raise TypeError(f"experts must be a jax_nbx.Experts; got {type(experts).__name__}")
+    if is_quantized(experts):
+        raise ValueError("experts are already quantized")
+    gs = group_size if fmt.grouped else None
+
+    def one(a):
+        return fmt.quantize_matrix(jnp.asarray(a).astype(jnp.float32), gs, scale_dtype)
+
+    if experts.is_list:
+        return Experts(*([one(a) for a in getattr(experts, n)] for n in ("gate", "up", "down")))
+    return Experts(one(experts.gate), one(experts.up), one(experts.down))
+
+
+def dequantize(experts: Experts, dtype=None) -> Experts:
+    """Dense experts back from quantized ones (stacked stay stacked, lists
+    stay lists), in ``dtype`` or the scales' dtype."""
+    def one(a):
+        return a.dequantize(dtype) if isinstance(a, QuantizedWeight) else a
+
+    if experts.is_list:
+        return Experts(*([one(a) for a in getattr(experts, n)] for n in ("gate", "up", "down")))
+    return Experts(one(experts.gate), one(experts.up), one(experts.down))
+
+
+def quant_format(experts: Experts) -> tuple[str, int] | None:
+    """(format name, group_size or 0) of quantized experts, None for dense ones."""
+    d = experts.down  # present in every form (fused experts have no .gate)
+    d = d[0] if experts.is_list and len(d) else d
+    return (d.kind, d.group_size or 0) if isinstance(d, QuantizedWeight) else None
+
+
+def is_quantized(experts: Experts) -> bool:
+    return quant_format(experts) is not None
+
+
+def weight_groups(weights, lists: bool):
+    """The handlers' view of `Experts.flat()` of plain experts: (groups of
+    buffers in the contract's order -- part-major (the format's parts: q,
+    then scale, then zero), then projection gate, up, down -- each a list of
+    one stacked array or E per-expert arrays; E; I; (format, group_size) or
+    None; the weights' or scales' dtype; whether every per-expert stride is
+    a multiple of 16 bytes)."""
+    per = len(weights) // 3 if lists else 1
+    projs = [list(weights[i * per:(i + 1) * per]) for i in range(3)]  # gate, up, down
+    w0 = projs[0][0]
+    quant = quant_format(Experts(*projs))
+    if quant:
+        groups = [[getattr(m, part) for m in proj] for part in get(quant[0]).parts for proj in projs]
+    else:
+        groups = projs
+    dtype = np.dtype(w0.dtype)  # for a QuantizedWeight: its compute (scales') dtype
+    E = per if lists else int(w0.shape[0])
+    I = int(w0.shape[-1])
+    strides_ok = lists or all(
+        (int(np.prod(g[0].shape[1:])) * np.dtype(g[0].dtype).itemsize) % 16 == 0 for g in groups)
+    return groups, E, I, quant, dtype, strides_ok

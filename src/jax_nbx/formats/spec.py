@@ -1,0 +1,120 @@
+"""A weight format as the contract describes it (``xla_ffi/formats/``).
+
+`Format` holds one format's spec, read from the compiled module's registry
+(`jax_nbx.contract.FORMAT_SPECS`): its parts (the arrays a projection's
+weights are passed as, in the handlers' group order), each part's dtypes and
+per-expert shape, the packing of values along K and the group sizes.  Shape
+and dtype checks are generic over the spec; each format's module adds its
+math (`quantize_matrix`, `dequantize`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from .. import contract
+
+if TYPE_CHECKING:
+    from .weight import QuantizedWeight
+
+_DTYPES = {"float32": np.dtype("float32"), "bfloat16": np.dtype(jax.numpy.bfloat16),
+           "float16": np.dtype("float16"), "int8": np.dtype("int8"), "uint8": np.dtype("uint8")}
+
+
+class Format:
+    """One weight format (subclassed once per format, registered by name)."""
+
+    name: str = ""
+
+    def __init__(self) -> None:
+        if self.name not in contract.FORMAT_CODES:
+            raise ValueError(f"weight format {self.name!r} is not in the contract (xla_ffi/abi.h "
+                             f"NBX_WEIGHT_FORMATS: {contract.WEIGHT_FORMATS})")
+        self.code: int = contract.FORMAT_CODES[self.name]
+        spec = contract.FORMAT_SPECS[self.code]
+        self.summary: str = spec["summary"]
+        self.parts: tuple[str, ...] = tuple(p["name"] for p in spec["parts"])
+        self.part_dtypes: dict[str, tuple[np.dtype, ...]] = {
+            p["name"]: tuple(_DTYPES[d] for d in p["dtypes"]) for p in spec["parts"]}
+        self._rows = {p["name"]: p["rows"] for p in spec["parts"]}
+        self._ties = {p["name"]: self.parts[p["same_dtype_as"]]
+                      for p in spec["parts"] if p["same_dtype_as"] >= 0}
+        self.values_per_byte: int = spec["values_per_byte"]
+        self.group_sizes: tuple[int, ...] = tuple(spec["group_sizes"])
+        self.compute_part: str = self.parts[spec["compute_dtype_part"]]
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the format takes a group size along K."""
+        return bool(self.group_sizes)
+
+    def part_shape(self, part: str, K: int, N: int, group: int | None) -> tuple[int, ...]:
+        """One expert's ``part`` of a ``[K, N]`` matrix."""
+        rows = self._rows[part]
+        if rows == "none":
+            return (N,)
+        return ({"K": K, "packed_K": K // self.values_per_byte,
+                 "groups": K // group if group else 0}[rows], N)
+
+    def logical_shape(self, q_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The dense matrix's shape (leading axes kept) from its q part's."""
+        q_shape = tuple(q_shape)
+        return q_shape[:-2] + (q_shape[-2] * self.values_per_byte, q_shape[-1])
+
+    def check_group_size(self, group_size: int | None, K: int | None = None, what: str = "") -> None:
+        """ValueError unless ``group_size`` fits the format (and divides K)."""
+        if not self.grouped:
+            if group_size not in (None, 0):
+                raise ValueError(f"{what}{self.name} weights take no group_size; got {group_size}")
+            return
+        if group_size not in self.group_sizes:
+            raise ValueError(f"{what}group_size must be one of {self.group_sizes} for {self.name}; "
+                             f"got {group_size}")
+        if K is not None and K % group_size:
+            raise ValueError(f"{what}K={K} is not divisible by group_size={group_size}")
+
+    def validate(self, w: QuantizedWeight, where: str) -> None:
+        """TypeError/ValueError naming ``where`` unless ``w``'s arrays fit the
+        spec: each part present (and no other), its dtype one of the part's,
+        tied parts sharing a dtype, each shape the spec's for the logical
+        ``[..., K, N]``, and the group size one of the format's."""
+        arrays = {"q": w.q, "scale": w.scale, "zero": w.zero}
+        for part in contract.PARTS:
+            if part not in self.parts and arrays[part] is not None:
+                raise ValueError(f"{where}: {self.name} weights take no {part} part")
+            if part in self.parts and arrays[part] is None:
+                raise ValueError(f"{where}.{part} is missing ({self.name} weights have parts "
+                                 f"{self.parts})")
+        q = arrays["q"]
+        lead = tuple(q.shape[:-2])
+        K, N = self.logical_shape(q.shape)[-2:]
+        self.check_group_size(w.group_size, K, f"{where}: ")
+        for part in self.parts:
+            a = arrays[part]
+            dt = np.dtype(a.dtype)
+            if dt not in self.part_dtypes[part]:
+                names = " or ".join(d.name for d in self.part_dtypes[part])
+                raise TypeError(f"{where}.{part} has dtype {a.dtype}; {self.name} weights need {names}")
+            tie = self._ties.get(part)
+            if tie is not None and dt != np.dtype(arrays[tie].dtype):
+                raise TypeError(f"{where}.{part} has dtype {a.dtype}; expected the {tie}'s "
+                                f"{arrays[tie].dtype}")
+            want = lead + self.part_shape(part, K, N, w.group_size)
+            if tuple(a.shape) != want:
+                raise ValueError(f"{where}.{part} has shape {tuple(a.shape)}; expected {want} "
+                                 f"({self.name}, K={K}, N={N}"
+                                 + (f", group_size={w.group_size})" if self.grouped else ")"))
+
+    # --- each format's math ------------------------------------------------------------
+    def quantize_matrix(self, w: jax.Array, group_size: int | None, scale_dtype: Any) -> QuantizedWeight:
+        """``w [..., K, N]`` (float32) quantized."""
+        raise NotImplementedError(f"{self.name} weights are not made by jax_nbx.quantize")
+
+    def dequantize(self, w: QuantizedWeight) -> jax.Array:
+        """The dense float32 ``[..., K, N]`` of ``w``."""
+        raise NotImplementedError(f"{self.name} has no dequantization")
+
+    def __repr__(self) -> str:
+        return f"Format({self.name!r})"

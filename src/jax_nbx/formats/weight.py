@@ -1,0 +1,77 @@
+"""`QuantizedWeight`: one projection's quantized weights as a pytree."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import registry
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class QuantizedWeight:
+    """One projection's quantized weights (stacked ``[E, ...]`` or one expert).
+
+    Attributes:
+      q, scale, zero: the format's parts (``jax_nbx.formats``; a part the
+        format lacks is None), e.g. int8: q int8 ``[..., K, N]``, scale
+        ``[..., N]``; int4: q uint8 ``[..., K/2, N]`` (packed), scale and zero
+        ``[..., K/group_size, N]``.
+      kind: the format's name.  group_size: its group along K (None for
+        formats without groups).
+    """
+
+    __slots__ = ("q", "scale", "zero", "kind", "group_size")
+
+    def __init__(self, q: Any, scale: Any, zero: Any = None, *, kind: str,
+                 group_size: int | None = None):
+        self.q, self.scale, self.zero = q, scale, zero
+        self.kind, self.group_size = kind, group_size
+
+    def tree_flatten(self):
+        return (self.q, self.scale, self.zero), (self.kind, self.group_size)
+
+    def tree_flatten_with_keys(self):
+        return (tuple((jax.tree_util.GetAttrKey(n), getattr(self, n)) for n in ("q", "scale", "zero")),
+                (self.kind, self.group_size))
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        kind, group_size = aux
+        return cls(*children, kind=kind, group_size=group_size)
+
+    @property
+    def format(self):
+        """The `jax_nbx.formats.Format` of ``kind`` (ValueError if unknown)."""
+        return registry.get(self.kind)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape of the dense weights (``[E, K, N]`` or ``[K, N]``)."""
+        return self.format.logical_shape(self.q.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.q.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype the weights compute in (the scales')."""
+        return np.dtype(getattr(self, self.format.compute_part).dtype)
+
+    def validate(self, name: str) -> None:
+        """Raises ValueError/TypeError naming ``name`` if the arrays do not fit the format."""
+        try:
+            fmt = self.format
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        fmt.validate(self, name)
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        """The dense weights (float32 math, returned in ``dtype`` or the compute dtype)."""
+        return self.format.dequantize(self).astype(dtype or self.dtype)
+
+    def __repr__(self) -> str:
+        g = f", group_size={self.group_size}" if self.group_size else ""
+        return f"QuantizedWeight({self.kind}{g}, shape={list(self.shape)}, scale {self.scale.dtype})"

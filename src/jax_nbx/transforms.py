@@ -1,0 +1,118 @@
+"""The op's transformations: a backend's raw forward wrapped with a batching
+rule (`custom_vmap`) and a derivative (`custom_vjp`).
+
+`op(backend, problem, band_tokens)` is cached per static key.  Batching:
+experts shared across the batch fold the batch into the token axis; experts
+that differ per element run one call per element.  Derivative: the
+backend's fused backward where it has one for the problem (CPU; CUDA, dense
+experts), else the reference's VJP (quantized experts are frozen: dx and
+d(topk_weights) only).  Gradients never flow to topk_ids.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+
+from .backends import Backend, Problem
+from .experts import _CHILDREN as _EXPERT_CHILDREN
+from .experts import Experts
+from .reference import moe_reference
+
+__all__ = ["op"]
+
+
+def _weight_grads(experts: Experts, dws) -> Experts:
+    """The handlers' weight gradients (`Experts.flat` order) as an `Experts`
+    pytree like ``experts`` (bias leaves None)."""
+    per = experts.num_experts if experts.is_list else 1
+    names = experts.weight_names()
+    children = {n: (list(dws[i * per:(i + 1) * per]) if experts.is_list else dws[i])
+                for i, n in enumerate(names)}
+    return Experts.tree_unflatten((experts.layout, experts.fusion),
+                                  [children.get(n) for n in _EXPERT_CHILDREN])
+
+
+def _bias_grads(experts: Experts, dbiases) -> Experts | None:
+    """The handlers' float32 bias gradients mapped back through
+    `Experts.handler_biases` onto ``experts``' own bias leaves (fused, lists,
+    dtypes); weight leaves None."""
+    bias_names = [n for n in _EXPERT_CHILDREN if n.endswith("_bias")]
+    leaves = {n: getattr(experts, n) for n in bias_names}
+
+    def biases(b):
+        e = Experts.tree_unflatten((experts.layout, experts.fusion),
+                                   [b.get(n) if n in b else getattr(experts, n) for n in _EXPERT_CHILDREN])
+        return e.handler_biases()
+
+    present = {n: v for n, v in leaves.items() if v is not None}
+    _, vjp = jax.vjp(biases, present)
+    (d,) = vjp(tuple(dbiases))
+    return Experts.tree_unflatten((experts.layout, experts.fusion), [d.get(n) for n in _EXPERT_CHILDREN])
+
+
+def _regroup(experts: Experts, dws) -> Experts:
+    """The handlers' gradients (`Experts.flat` then `Experts.handler_biases`
+    order) as an `Experts` pytree like ``experts``."""
+    n = len(experts.flat())
+    dexperts = _weight_grads(experts, dws[:n])
+    if experts.has_bias:
+        dbias = _bias_grads(experts, dws[n:])
+        dexperts = Experts.tree_unflatten(
+            (experts.layout, experts.fusion),
+            [getattr(dexperts, c) if getattr(dexperts, c) is not None else getattr(dbias, c)
+             for c in _EXPERT_CHILDREN])
+    return dexperts
+
+
+@functools.cache
+def op(backend: Backend, problem: Problem, band_tokens: int):
+    """The raw forward of ``backend`` on 2-D inputs ``(x, w, ids, experts)``
+    with a batching rule and a derivative."""
+
+    @custom_vmap
+    def forward(x, w, ids, experts):
+        return backend.forward(problem, band_tokens, x, w, ids, experts)
+
+    @forward.def_vmap
+    def _batch(axis_size, in_batched, x, w, ids, experts):
+        args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+                for a, b in zip((x, w, ids), in_batched[:3])]
+        if not any(jax.tree.leaves(in_batched[3])):
+            # Experts shared across the batch: the batch is just more tokens.
+            xb, wb, ib = args
+            B, T, H = xb.shape
+            k = wb.shape[-1]  # (not -1: an empty batch has nothing to infer it from)
+            y = forward(xb.reshape(B * T, H), wb.reshape(B * T, k), ib.reshape(B * T, k), experts)
+            return y.reshape(B, T, H), True
+        # Experts differ per batch element: one call per element.
+        ex = jax.tree.map(lambda a, b: a if b else jnp.broadcast_to(a, (axis_size,) + a.shape),
+                          experts, in_batched[3])
+        return jax.lax.map(lambda a: forward(*a), (*args, ex)), True
+
+    @jax.custom_vjp
+    def run(x, w, ids, experts):
+        return forward(x, w, ids, experts)
+
+    def run_fwd(x, w, ids, experts):
+        return run(x, w, ids, experts), (x, w, ids, experts)
+
+    def run_bwd(res, g):
+        x, w, ids, experts = res
+        fused = backend.backward(problem, g, x, w, ids, experts)
+        if fused is not None:
+            dx, dw, dws = fused
+            return dx, dw, None, _regroup(experts, dws)
+        if problem.quant is not None:  # quantized weights are frozen: dx and dw only
+            _, vjp = jax.vjp(lambda x_, w_: moe_reference(x_, w_, ids, experts, problem.activation), x, w)
+            dx, dw = vjp(g)
+            return dx, dw, None, None
+        _, vjp = jax.vjp(lambda x_, w_, e_: moe_reference(x_, w_, ids, e_, problem.activation),
+                         x, w, experts)
+        dx, dw, dexperts = vjp(g)
+        return dx, dw, None, dexperts
+
+    run.defvjp(run_fwd, run_bwd)
+    return run

@@ -1,0 +1,71 @@
+"""The CPU handlers called directly, for tests: the raw forward and backward
+(no batching rule, no derivative, bands given), optionally through the
+test-only poisoned twins (one NaN-filled input per result, aliased to it, so
+an element the handler leaves unwritten shows).  Operands and attributes come
+from the product's builders (`jax_nbx.backends.cpu.forward_call` /
+`backward_call`), so these call exactly what `fused_moe` calls."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_nbx import activations, backends, formats
+from jax_nbx.backends import cpu as cpu_backend
+from jax_nbx.experts import WeightLayout
+
+
+def _problem(x, ids, arrays, activation, lists, layout, skip_outside, bf16_dot) -> backends.Problem:
+    """A `Problem` for the raw arrays (`Experts.flat` [+ biases])."""
+    if layout is None:  # the plain layout, read off the arrays
+        g = arrays[0]
+        d = arrays[2 * (len(arrays) // 3) if lists else 2]
+        layout = WeightLayout.plain(H=int(d.shape[-1]), I=int(g.shape[-1]))
+    weights, _ = cpu_backend.split_arrays(arrays, layout)
+    groups = 2 if layout.fused else 3
+    per = len(weights) // groups if lists else 1
+    E = per if lists else int(weights[0].shape[0])
+    quant = (formats.weight_groups(weights, lists)[3] if layout.native else None)
+    first = weights[0]
+    return backends.Problem(E=E, H=int(x.shape[1]), I=int(layout.intermediate), k=int(ids.shape[1]),
+                            x_dtype=jnp.dtype(x.dtype), w_dtype=jnp.dtype(first.dtype), quant=quant,
+                            lists=lists, layout=layout, layout_name="in_out", fusion=None,
+                            activation=activations.as_activation(activation), skip_outside=skip_outside,
+                            bf16_dot=bf16_dot)
+
+
+def poisoned_call(target: str, outs, operands, attrs):
+    """``target`` with one NaN-filled input per result after the operands,
+    aliased to that result."""
+    outs = outs if isinstance(outs, (list, tuple)) else [outs]
+    twins = [jnp.full(o.shape, jnp.nan, o.dtype) for o in outs]
+    call = jax.ffi.ffi_call(target, list(outs), vmap_method="sequential",
+                            input_output_aliases={len(operands) + i: i for i in range(len(outs))})
+    return call(*operands, *twins, **attrs)
+
+
+def ffi_forward(x, w, ids, *arrays, activation="swiglu", band_tokens: int = 0, poison: bool = False,
+                lists: bool = False, skip_outside: bool = False, layout: WeightLayout | None = None,
+                bf16_dot: bool = False):
+    """The CPU forward on 2-D inputs; ``arrays`` = `Experts.flat` (then
+    `Experts.handler_biases` when ``layout.bias``); ``poison``: the twin."""
+    p = _problem(x, ids, arrays, activation, lists, layout, skip_outside, bf16_dot)
+    name, operands, attrs, out = cpu_backend.forward_call(
+        p, band_tokens, x, w, ids, arrays, target="forward_poisoned" if poison else "forward")
+    if poison:
+        (y,) = poisoned_call(name, [out], operands, attrs)
+        return y
+    return jax.ffi.ffi_call(name, out, vmap_method="sequential")(*operands, **attrs)
+
+
+def ffi_backward(dy, x, w, ids, *arrays, activation="swiglu", band_tokens: int = 0, lists: bool = False,
+                 skip_outside: bool = False, poison: bool = False, layout: WeightLayout | None = None):
+    """The CPU backward on 2-D inputs: ``(dx, dw, dweights)`` with
+    ``dweights`` in ``arrays``' order, cast to their dtypes."""
+    p = _problem(x, ids, arrays, activation, lists, layout, skip_outside, False)
+    name, operands, attrs, outs = cpu_backend.backward_call(
+        p, band_tokens, dy, x, w, ids, arrays, target="backward_poisoned" if poison else "backward")
+    if poison:
+        dx, dw, *dws = poisoned_call(name, outs, operands, attrs)
+    else:
+        dx, dw, *dws = jax.ffi.ffi_call(name, outs, vmap_method="sequential")(*operands, **attrs)
+    return dx, dw, [d.astype(a.dtype) for d, a in zip(dws, arrays)]

@@ -1,0 +1,65 @@
+// The weight-format registry: every format of abi.h's NBX_WEIGHT_FORMATS, its
+// spec (formats/<name>.h) and scalar reference, by code.  Adding a format: its
+// code in abi.h's list, its header here (spec + reference), a line in
+// NBX_FORMAT_ENTRIES, then its kernels -- every switch over WeightFormat names
+// each code, and the compiler (-Wswitch) finds the ones a new code misses.
+#pragma once
+
+#include <cstdint>
+
+#include "abi.h"
+#include "formats/dense.h"
+#include "formats/format.h"
+#include "formats/int4.h"
+#include "formats/int8.h"
+
+namespace nbx::formats {
+
+using ReferenceFn = float (*)(const PartsView&, int64_t k, int64_t n);
+
+struct FormatEntry {
+  const FormatSpec* spec;
+  ReferenceFn reference;
+};
+
+// In code order (checked below).
+inline constexpr FormatEntry kFormats[abi::kNumWeightFormats] = {
+    {&kDenseSpec, &DenseReference},
+    {&kInt8Spec, &Int8Reference},
+    {&kInt4Spec, &Int4Reference},
+};
+
+constexpr bool CodesInOrder() {
+  for (int32_t i = 0; i < abi::kNumWeightFormats; ++i)
+    if (static_cast<int32_t>(kFormats[i].spec->code) != i) return false;
+  return true;
+}
+static_assert(CodesInOrder(), "kFormats must list every format in abi.h's code order");
+
+// The entry of a code, or nullptr for a code the registry does not know
+// (callers refuse it by name: "unknown weight format code N").
+inline const FormatEntry* FindFormat(int32_t code) {
+  return code >= 0 && code < abi::kNumWeightFormats ? &kFormats[code] : nullptr;
+}
+inline const FormatSpec& SpecOf(abi::WeightFormat f) { return *FindFormat(static_cast<int32_t>(f))->spec; }
+
+// Whether `group` is one of the format's group sizes (0 for formats without groups).
+inline bool GroupSizeOk(const FormatSpec& s, int64_t group) {
+  if (s.num_group_sizes == 0) return group == 0;
+  for (int i = 0; i < s.num_group_sizes; ++i)
+    if (s.group_sizes[i] == group) return true;
+  return false;
+}
+
+// Rows of a part of one expert's [K, N] projection ([N]: -1).
+inline int64_t PartRowCount(const FormatSpec& s, int part, int64_t K, int64_t group) {
+  switch (s.parts[part].rows) {
+    case PartRows::kK: return K;
+    case PartRows::kPackedK: return K / s.values_per_byte;
+    case PartRows::kGroups: return group > 0 ? K / group : 0;
+    case PartRows::kNone: return -1;
+  }
+  return -1;
+}
+
+}  // namespace nbx::formats
