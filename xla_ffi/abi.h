@@ -202,7 +202,7 @@ inline constexpr int64_t kIdCheckOff = 0, kIdCheckSync = 1, kIdCheckDeferred = 2
 inline constexpr int64_t kMaxDeferredErrWords = 64;
 // The CUDA handlers' attribute graph (bool; JAX_NBX_CUDA_GRAPHS): the
 // program's launches go as one CUDA graph, built once per program shape and
-// device and given each call's arguments (xla_ffi/cuda/moe_cuda.cc
+// device and given each call's arguments (xla_ffi/cuda/graphs.cc
 // GraphCache), instead of one cuLaunchKernel per launch: the same kernels,
 // grids and arguments, in the same order.
 inline constexpr int64_t kWorkspaceAlign = 256;  // bytes; every workspace array starts aligned

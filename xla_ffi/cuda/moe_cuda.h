@@ -1,5 +1,7 @@
-// The CUDA handler of fused_moe and its pointer-table cache (built when CMake
-// finds nvcc; see CMakeLists.txt option NBX_CUDA).
+// The CUDA handlers of fused_moe as module.cc registers them (built when
+// CMake finds nvcc; see CMakeLists.txt option NBX_CUDA): the handlers
+// (handlers.cc), their pointer-table cache (tables.cc), the driver's status
+// (driver.cc).
 #pragma once
 #include <cstdint>
 #include <string>

@@ -6,7 +6,7 @@
 // [kernel, gx, gy, gz, nargs] then nargs x [kind, index, offset], built by
 // jax_nbx/triton/plan.py (`Program.encode`); the kernel table holds
 // abi::kNumKernelFields int64 per compiled kernel (jax_nbx/triton/compile.py
-// `pack`).  xla_ffi/cuda/moe_cuda.cc decodes a call's program and table
+// `pack`).  xla_ffi/cuda/runner.cc decodes a call's program and table
 // completely before it launches anything, so a malformed program launches
 // nothing.
 #pragma once
