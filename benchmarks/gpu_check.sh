@@ -11,7 +11,7 @@
 #      timing table (prefill and decode vs ragged_dot and dense and the anchors, quantized
 #      decode, training step);
 #   5. if at least 200 s are left (raise GPU_CHECK_SECONDS for it): benchmarks/tune_gpu.py on OLMoE and Qwen3 at T=4096
-#      (writes $LOGS/tuned_configs.json; copy it to jax_nbx/triton/configs/<device>.json to
+#      (writes $LOGS/tuned_configs.json; copy it to jax_nbx/backends/cuda/configs/<device>.json to
 #      keep it) and those rows timed again with the tuned configs.
 # Each stage's timeout is cut to what is left of the deadline.  Logs go to the folder
 # given as $1 or $JAX_NBX_BENCH_OUT (default ./gpu_logs); the tables are printed last.

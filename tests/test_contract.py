@@ -168,7 +168,7 @@ def test_views_and_biases_are_checked_by_the_handler():
 
 def test_views_are_the_abis():
     """abi.h "weight views": the fields and biases `WeightLayout` passes are
-    the ones the CUDA plan reads (jax_nbx/triton/plan.py)."""
+    the ones the CUDA plan reads (jax_nbx/backends/cuda/plan.py)."""
     from jax_nbx.backends.cuda import plan
 
     _, _, _, ex = make_problem(4, 5, 4, 2, 16, 8)

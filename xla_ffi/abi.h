@@ -1,7 +1,7 @@
 // The cross-language contract of jax_nbx, written once.
 //
 // Everything that Python (jax_nbx/), the C++ handlers (xla_ffi/) and the
-// Triton kernels (jax_nbx/triton/) must agree on lives here: FFI target names,
+// Triton kernels (jax_nbx/backends/cuda/) must agree on lives here: FFI target names,
 // activation codes and their constants, weight formats and the order of their
 // buffer groups, the CUDA launch-program encoding and its kernel table.  The
 // nanobind module exports all of it (`jax_nbx._ffi.abi()`, read by
@@ -136,8 +136,10 @@ inline constexpr int32_t kNumBiases = 3;      // gate, up, down
   X(I64, err_offset) X(I64, err_words) X(BOOL, w_aligned) X(I64, num_experts)         \
   X(I64, check_ids) X(BOOL, graph)
 // kTargetCudaForwardTables: the program, then the weights as groups of tables.
+// `format` names the groups' format (formats/registry.h: groups = its parts
+// x 3 projections, or 2 when fused); the backward takes dense experts.
 #define NBX_ATTRS_CUDA_TABLES(X) \
-  NBX_ATTRS_CUDA_PROGRAM(X) X(I64, groups) X(BOOL, stacked) NBX_ATTRS_VIEWS(X)
+  NBX_ATTRS_CUDA_PROGRAM(X) X(FMT, format) X(I64, groups) X(BOOL, stacked) NBX_ATTRS_VIEWS(X)
 // kTargetCudaBackward: the tables' attributes and the gradients' dtype.
 #define NBX_ATTRS_CUDA_BACKWARD(X) NBX_ATTRS_CUDA_TABLES(X) X(BOOL, grad_f32)
 // Each target's list, by the exporter's name for it:
@@ -157,7 +159,7 @@ inline constexpr int64_t kMaxSlots = int64_t{1} << 30;
 
 // ---------------------------------------------------------------- CUDA launch program
 // int64 program: per launch [kernel, gx, gy, gz, nargs] then nargs x
-// [kind, index, offset].  Built by jax_nbx/triton/plan.py, decoded by
+// [kind, index, offset].  Built by jax_nbx/backends/cuda/plan.py, decoded by
 // xla_ffi/cuda/program.h.
 enum class ArgKind : int64_t { kInput = 0, kOutput = 1, kWorkspace = 2, kTable = 3, kI32 = 4 };
 inline constexpr int64_t kNumArgKinds = 5;

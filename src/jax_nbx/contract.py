@@ -69,7 +69,7 @@ def group_index(part: int, proj: int) -> int:
     return part * len(PROJECTIONS) + proj
 
 
-# CUDA launch program (jax_nbx/triton/plan.py encodes, xla_ffi/cuda/program.h decodes)
+# CUDA launch program (jax_nbx/backends/cuda/plan.py encodes, xla_ffi/cuda/program.h decodes)
 ARG_INPUT: int = _d["arg_kinds"]["input"]
 ARG_OUTPUT: int = _d["arg_kinds"]["output"]
 ARG_WORKSPACE: int = _d["arg_kinds"]["workspace"]

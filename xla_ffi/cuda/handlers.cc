@@ -13,6 +13,8 @@
 #include <cuda_runtime_api.h>  // cudaStream_t (XLA's stream type); no runtime calls
 
 #include "abi.h"
+#include "attr_types.h"
+#include "formats/registry.h"
 #include "cuda/moe_cuda.h"
 #include "cuda/runner.h"
 #include "cuda/weights.h"
@@ -28,10 +30,8 @@ namespace {
 ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                             ffi::AnyBuffer w, ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer gate,
                             ffi::AnyBuffer up, ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y,
-                            ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
-                            ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
-                            int64_t workspace_bytes, int64_t err_offset, int64_t err_words,
-                            bool w_aligned, int64_t num_experts, int64_t check_ids, bool graph) {
+                            ffi::Result<ffi::AnyBuffer> ws_buf
+                                NBX_ATTRS_CUDA_PROGRAM(NBX_ATTR_PARAM)) {
   const int64_t E = num_experts;
   constexpr int P = abi::kNumProjections;
   const ffi::AnyBuffer* proj[P] = {&gate, &up, &down};
@@ -60,26 +60,25 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
 ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                   ffi::AnyBuffer w, ffi::Buffer<ffi::S32> ids,
                                   ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y,
-                                  ffi::Result<ffi::AnyBuffer> ws_buf, ffi::Span<const uint8_t> blob,
-                                  ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program,
-                                  int64_t workspace_bytes, int64_t err_offset,
-                                  int64_t err_words, bool w_aligned, int64_t num_experts,
-                                  int64_t check_ids, bool graph, int64_t groups,
-                                  bool stacked, ffi::Span<const int64_t> views,
-                                  int64_t intermediate, bool fused_gate_up, bool has_bias) {
+                                  ffi::Result<ffi::AnyBuffer> ws_buf
+                                      NBX_ATTRS_CUDA_TABLES(NBX_ATTR_PARAM)) {
   const int64_t E = num_experts, G = groups;
   const int64_t per_group = stacked ? 1 : E;
   const int64_t nbias = has_bias ? abi::kNumBiases : 0;
-  const bool quantized = G > abi::kNumProjections;
-  const bool groups_ok = fused_gate_up ? G == 2
-                                       : (G % abi::kNumProjections == 0 && G >= abi::kNumProjections &&
-                                          G <= abi::kNumParts * abi::kNumProjections);
+  const formats::FormatEntry* entry = formats::FindFormat(static_cast<int32_t>(format));
+  if (entry == nullptr)
+    return ffi::Error::InvalidArgument("unknown weight format code " +
+                                       std::to_string(static_cast<int32_t>(format)));
+  const bool quantized = format != abi::WeightFormat::kDense;
+  const bool groups_ok =
+      fused_gate_up ? G == 2 : G == entry->spec->num_parts * int64_t{abi::kNumProjections};
   if (E < 1 || !groups_ok || static_cast<int64_t>(weights.size()) != G * per_group + nbias)
     return ffi::Error::InvalidArgument(
         "expected " + std::to_string(G * per_group + nbias) + " weight buffers (" +
         std::to_string(G) + " groups of " + std::to_string(per_group) +
         (nbias ? ", then 3 biases" : "") + (fused_gate_up ? "; 2 groups when fused" : "") +
-        "); got " + std::to_string(weights.size()));
+        "; " + entry->spec->name + " weights have " + std::to_string(entry->spec->num_parts) +
+        " parts per projection); got " + std::to_string(weights.size()));
   if (quantized && (fused_gate_up || has_bias))
     return ffi::Error::InvalidArgument(
         "quantized weights take the plain layout only (no fused gate_up, no biases)");
@@ -104,7 +103,7 @@ ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
                     attrs);
 }
 
-// The CUDA backward (abi.h "CUDA backward"; jax_nbx/triton/plan.py
+// The CUDA backward (abi.h "CUDA backward"; jax_nbx/backends/cuda/plan.py
 // build_backward): dense experts as the tables handler takes them (`groups`
 // groups of one stacked or E per-expert buffers, read through abi.h's views;
 // with `has_bias` the three float32 biases), then dy [T, H] in x's dtype.
@@ -116,13 +115,12 @@ ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
 ffi::Error FusedMoeBackwardCudaImpl(
     cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
     ffi::Buffer<ffi::S32> ids, ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> dx,
-    ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::RemainingRets rets, ffi::Span<const uint8_t> blob,
-    ffi::Span<const int64_t> kernels, ffi::Span<const int64_t> program, int64_t workspace_bytes,
-    int64_t err_offset, int64_t err_words, bool w_aligned, int64_t num_experts,
-    int64_t check_ids, bool graph, int64_t groups,
-    bool stacked, ffi::Span<const int64_t> views, int64_t intermediate, bool fused_gate_up,
-    bool has_bias, bool grad_f32) {
+    ffi::Result<ffi::Buffer<ffi::F32>> dw, ffi::RemainingRets rets
+        NBX_ATTRS_CUDA_BACKWARD(NBX_ATTR_PARAM)) {
   const int64_t E = num_experts, G = groups;
+  if (format != abi::WeightFormat::kDense)
+    return ffi::Error::InvalidArgument("the CUDA backward takes dense experts (format code " +
+                                       std::to_string(static_cast<int32_t>(format)) + ")");
   const int64_t per_group = stacked ? 1 : E;
   const int64_t nbias = has_bias ? abi::kNumBiases : 0;
   const bool groups_ok = fused_gate_up ? G == 2 : G == abi::kNumProjections;
@@ -215,9 +213,8 @@ ffi::Error FusedMoeBackwardCudaImpl(
 }  // namespace
 }  // namespace cuda
 
-// What both CUDA handlers take besides their weights (the stream, the
-// device, x, topk_weights, topk_ids) and return (y, the workspace), and the
-// program with its kernels.
+// What every CUDA handler takes besides its weights: the stream, the
+// device, x, topk_weights, topk_ids.
 #define NBX_PROGRAM_BIND                                    \
   ffi::Ffi::Bind()                                          \
       .Ctx<ffi::PlatformStream<cudaStream_t>>()             \
@@ -226,45 +223,24 @@ ffi::Error FusedMoeBackwardCudaImpl(
       .Arg<ffi::AnyBuffer>()        /* topk_weights [T, k] */ \
       .Arg<ffi::Buffer<ffi::S32>>() /* topk_ids [T, k] */
 
-// The program's attributes (every CUDA handler; jax_nbx/_cuda.py _program_attrs).
-#define NBX_PROGRAM_ATTRS                                                  \
-  .Attr<ffi::Span<const uint8_t>>("blob")                                  \
-      .Attr<ffi::Span<const int64_t>>("kernels")                           \
-      .Attr<ffi::Span<const int64_t>>("program")                           \
-      .Attr<int64_t>("workspace_bytes")                                    \
-      .Attr<int64_t>("err_offset")                                         \
-      .Attr<int64_t>("err_words")                                          \
-      .Attr<bool>("w_aligned")                                             \
-      .Attr<int64_t>("num_experts")                                        \
-      .Attr<int64_t>("check_ids")                                          \
-      .Attr<bool>("graph")
-
-// The weight groups' attributes of the tables handlers (forward and backward).
-#define NBX_GROUP_ATTRS                                                    \
-  .Attr<int64_t>("groups")                                                 \
-      .Attr<bool>("stacked")                                               \
-      .Attr<ffi::Span<const int64_t>>("views") /* abi.h "weight views" */  \
-      .Attr<int64_t>("intermediate")                                       \
-      .Attr<bool>("fused_gate_up")                                         \
-      .Attr<bool>("has_bias")
-
-#define NBX_PROGRAM_RETS_AND_ATTRS                                         \
+// The attributes: abi.h's lists (NBX_ATTRS_CUDA_*), bound by name.
+#define NBX_PROGRAM_RETS                                                   \
   .Ret<ffi::AnyBuffer>()                   /* y [T, H] */                  \
-      .Ret<ffi::AnyBuffer>()               /* workspace (u8, discarded) */ \
-      NBX_PROGRAM_ATTRS
+      .Ret<ffi::AnyBuffer>()               /* workspace (u8, discarded) */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCuda, cuda::FusedMoeCudaImpl,
                               NBX_PROGRAM_BIND
                                   .Arg<ffi::AnyBuffer>()         // gate [E, H, I]
                                   .Arg<ffi::AnyBuffer>()         // up [E, H, I]
                                   .Arg<ffi::AnyBuffer>()         // down [E, I, H]
-                                  NBX_PROGRAM_RETS_AND_ATTRS);
+                                  NBX_PROGRAM_RETS
+                                  NBX_ATTRS_CUDA_PROGRAM(NBX_BIND_ATTR));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCudaTables, cuda::FusedMoeCudaTablesImpl,
                               NBX_PROGRAM_BIND
                                   .RemainingArgs()               // weight groups
-                                  NBX_PROGRAM_RETS_AND_ATTRS
-                                  NBX_GROUP_ATTRS);
+                                  NBX_PROGRAM_RETS
+                                  NBX_ATTRS_CUDA_TABLES(NBX_BIND_ATTR));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeBackwardCuda, cuda::FusedMoeBackwardCudaImpl,
                               NBX_PROGRAM_BIND
@@ -272,8 +248,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeBackwardCuda, cuda::FusedMoeBackwardCudaIm
                                   .Ret<ffi::AnyBuffer>()         // dx [T, H]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // d(topk_weights) [T, k]
                                   .RemainingRets()               // weight, bias gradients; workspace
-                                  NBX_PROGRAM_ATTRS
-                                  NBX_GROUP_ATTRS
-                                  .Attr<bool>("grad_f32"));
+                                  NBX_ATTRS_CUDA_BACKWARD(NBX_BIND_ATTR));
 
 }  // namespace nbx

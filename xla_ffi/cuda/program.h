@@ -4,8 +4,8 @@
 // from Python without a GPU (xla_ffi/testing/program_tests.cc binds it as
 // `_ffi.decode_program`).  The encoding is abi.h's: per launch
 // [kernel, gx, gy, gz, nargs] then nargs x [kind, index, offset], built by
-// jax_nbx/triton/plan.py (`Program.encode`); the kernel table holds
-// abi::kNumKernelFields int64 per compiled kernel (jax_nbx/triton/compile.py
+// jax_nbx/backends/cuda/plan.py (`Program.encode`); the kernel table holds
+// abi::kNumKernelFields int64 per compiled kernel (jax_nbx/backends/cuda/compile.py
 // `pack`).  xla_ffi/cuda/runner.cc decodes a call's program and table
 // completely before it launches anything, so a malformed program launches
 // nothing.

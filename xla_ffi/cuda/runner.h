@@ -1,5 +1,5 @@
 // Runs one call's launch program of Triton kernels compiled ahead of time
-// (jax_nbx/triton/plan.py builds the program, jax_nbx/triton/compile.py the
+// (jax_nbx/backends/cuda/plan.py builds the program, jax_nbx/backends/cuda/compile.py the
 // cubins) on XLA's stream: what every CUDA handler ends in (handlers.cc).
 #pragma once
 
@@ -14,7 +14,7 @@
 namespace nbx::cuda {
 
 // The program and how to run it: the attributes every CUDA handler takes
-// (handlers.cc NBX_PROGRAM_ATTRS; jax_nbx/_cuda.py _program_attrs).
+// (abi.h NBX_ATTRS_CUDA_PROGRAM; jax_nbx/backends/cuda/calls.py _program_attrs).
 struct ProgramAttrs {
   xla::ffi::Span<const uint8_t> blob;     // the kernels' names and cubins
   xla::ffi::Span<const int64_t> kernels;  // the kernel table (cuda/program.h)

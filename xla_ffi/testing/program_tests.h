@@ -1,6 +1,6 @@
 // Test hooks for the CUDA launch-program decoder (cuda/program.h), bound in
 // every build, GPU or not: tests/test_program_decoder.py feeds it the
-// programs jax_nbx/triton/plan.py encodes.
+// programs jax_nbx/backends/cuda/plan.py encodes.
 #pragma once
 
 #include <nanobind/nanobind.h>

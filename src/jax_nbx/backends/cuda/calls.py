@@ -182,7 +182,8 @@ def forward(x, w, ids, *arrays, activation, band_tokens: int, lists: bool = Fals
     bufs += [b.astype(np.float32) for b in biases]
     call = jax.ffi.ffi_call(contract.TARGET_CUDA_FORWARD_TABLES, outs, vmap_method="sequential")
     y, _ = call(x, w, ids, *bufs, **contract.attributes(
-        "cuda_forward_tables", dict(attrs, groups=len(groups), stacked=not lists, **layout.attrs())))
+        "cuda_forward_tables", dict(attrs, format=contract.FORMAT_CODES[quant[0] if quant else None],
+                                    groups=len(groups), stacked=not lists, **layout.attrs())))
     return y
 
 
@@ -227,6 +228,7 @@ def backward(dy, x, w, ids, *arrays, activation, band_tokens: int, lists: bool =
             + [jax.ShapeDtypeStruct((max(prog.workspace_bytes, 1),), np.uint8)])
     call = jax.ffi.ffi_call(contract.TARGET_CUDA_BACKWARD, outs, vmap_method="sequential")
     dx, dw, *dws, _ = call(x, w, ids, *bufs, dy.astype(x.dtype), **contract.attributes(
-        "cuda_backward", dict(attrs, groups=len(groups), stacked=not lists, **layout.attrs(),
+        "cuda_backward", dict(attrs, format=contract.FORMAT_CODES["dense"], groups=len(groups),
+                              stacked=not lists, **layout.attrs(),
                               grad_f32=prog.grad_dtype == "float32")))
     return dx, dw, [d.astype(a.dtype) for d, a in zip(dws, weights)]
