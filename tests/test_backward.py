@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
-from support.handlers import ffi_backward as _ffi_backward
 
 import jax_nbx as nbx
 from jax_nbx.planning import plan_band_tokens
 
 from conftest import TOL, make_problem, np_moe_grads, rel_err
+from support.handlers import ffi_backward as _ffi_backward
 
 NAMES = ("x", "w", "gate", "up", "down")
 

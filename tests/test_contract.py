@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.handlers import ffi_forward as _ffi_forward
 
 import jax_nbx as nbx
 from jax_nbx import _registry, contract, formats, reference
 from jax_nbx.backends.cpu import forward_call
 
 from conftest import TOL, make_problem, np_glu, np_moe, rel_err
+from support.handlers import ffi_forward as _ffi_forward
 
 ffi = _registry.ffi_module()
 pytestmark = pytest.mark.fast

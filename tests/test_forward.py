@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.handlers import ffi_forward as _ffi_forward
 
 import jax_nbx as nbx
 
 from conftest import DTYPES, TOL, make_problem, np_moe, rel_err
+from support.handlers import ffi_forward as _ffi_forward
 
 # (T, E, k, H, I): T in {0, 1, 33, 222, 1024}, E in {1, 8, 64}, k in {1, 2, 6, 8};
 # H and I not multiples of 8 (nor of the kernel's 64-column tiles).

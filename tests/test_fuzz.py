@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.handlers import ffi_forward as _ffi_forward
 
 import jax_nbx as nbx
 
 from conftest import DTYPES, TOL, make_problem, np_moe, np_moe_grads, rel_err
+from support.handlers import ffi_forward as _ffi_forward
 
 CASES = int(os.environ.get("JAX_NBX_FUZZ_CASES", "60"))
 FIRST = int(os.environ.get("JAX_NBX_FUZZ_FIRST", "0"))

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.handlers import ffi_forward as _ffi_forward
 
 import jax_nbx as nbx
 
 from conftest import DTYPES, TOL, make_problem, np_moe, rel_err
+from support.handlers import ffi_forward as _ffi_forward
 
 
 def as_lists(ex: nbx.Experts) -> nbx.Experts:

@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.handlers import ffi_forward as _ffi_forward
 
 import jax_nbx as nbx
 
 from conftest import f64, make_problem, np_glu
+from support.handlers import ffi_forward as _ffi_forward
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU handler's precision")
 

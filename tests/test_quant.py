@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.handlers import ffi_forward as _ffi_forward
 
 import jax_nbx as nbx
 
 from conftest import TOL, make_problem, np_moe, rel_err
+from support.handlers import ffi_forward as _ffi_forward
 
 # max |y - ref| / max |ref| against the ORIGINAL float weights (random Gaussian
 # weights, the hard case for 4 bits); against the dequantized weights the op is exact to f32.

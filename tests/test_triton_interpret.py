@@ -15,9 +15,10 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="the CUDA path's kernels need Triton (pip install jax_nbx[gpu])")
 
 import ml_dtypes  # noqa: E402
-from support import triton_interpret as interpret  # noqa: E402
 
 from jax_nbx.backends.cuda import plan  # noqa: E402
+
+from support import triton_interpret as interpret  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32, F16 = np.dtype("float32"), np.dtype("float16")

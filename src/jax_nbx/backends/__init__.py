@@ -18,14 +18,26 @@ from .cuda import CudaBackend
 from .metal import MetalBackend
 from .xla import XlaBackend
 
-__all__ = ["Backend", "Problem", "get", "names", "choose", "DEFAULT_ORDER", "IMPLEMENTATIONS"]
+__all__ = ["Backend", "Problem", "get", "names", "choose", "register", "DEFAULT_ORDER", "IMPLEMENTATIONS"]
 
 _BACKENDS: dict[str, Backend] = {b.name: b for b in (MetalBackend(), CudaBackend(), CpuBackend(),
                                                     XlaBackend())}
 #: the order ``implementation=None`` tries them in
 DEFAULT_ORDER: tuple[str, ...] = ("metal", "cuda", "cpu", "xla")
-#: every value ``implementation=`` takes (None besides)
+#: the built-in values ``implementation=`` takes (None besides; registered backends too)
 IMPLEMENTATIONS: tuple[str, ...] = ("xla", "cpu", "cuda", "metal", "ffi")
+
+
+def register(backend: Backend) -> None:
+    """Adds a backend of one's own (tests: the CUDA programs under Triton's
+    interpreter) under ``backend.name``; ``implementation=`` then takes that
+    name, and ``None`` tries it after `DEFAULT_ORDER` (before none: its
+    `Backend.why_not_by_default` decides).  ValueError for a taken name."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend must be a jax_nbx.backends.Backend; got {type(backend).__name__}")
+    if backend.name in _BACKENDS or backend.name == "ffi":
+        raise ValueError(f"a backend named {backend.name!r} exists")
+    _BACKENDS[backend.name] = backend
 
 
 def names() -> tuple[str, ...]:
@@ -38,7 +50,7 @@ def get(name: str) -> Backend:
     if name == "ffi":
         name = "cuda" if jax.default_backend() == "gpu" else "cpu"
     if name not in _BACKENDS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None; got {name!r}")
+        raise ValueError(f"implementation must be one of {names() + ('ffi',)} or None; got {name!r}")
     return _BACKENDS[name]
 
 
@@ -48,8 +60,8 @@ def choose(implementation: str | None, problem: Problem) -> Backend:
     saying why when the named one cannot run it, or listing every backend's
     reason when none can."""
     if implementation is not None:
-        if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None; "
+        if not isinstance(implementation, str):
+            raise ValueError(f"implementation must be one of {names() + ('ffi',)} or None; "
                              f"got {implementation!r}")
         backend = get(implementation)
         why = backend.why_not(problem)
@@ -58,7 +70,7 @@ def choose(implementation: str | None, problem: Problem) -> Backend:
             raise ValueError(f"implementation={implementation!r}{alias} cannot run this call: {why}")
         return backend
     reasons = []
-    for name in DEFAULT_ORDER:
+    for name in DEFAULT_ORDER + tuple(n for n in _BACKENDS if n not in DEFAULT_ORDER):
         why = _BACKENDS[name].why_not_by_default(problem)
         if not why:
             return _BACKENDS[name]

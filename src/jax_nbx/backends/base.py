@@ -94,10 +94,28 @@ class Backend:
         """Why ``implementation=None`` does not take this backend ("" when it may)."""
         return self.why_not(problem)
 
-    def plan(self, problem: Problem, T: int) -> int:
-        """Tokens per band for a call of T tokens (0: no bands); raises
-        `jax_nbx.DeviceOOMError` when one token does not fit."""
+    #: the account's platform its workspace is counted on ("cpu", "cuda",
+    #: "metal"); None: no workspace of its own (the reference)
+    device: str | None = None
+
+    def workspace_bytes(self, problem: Problem, tokens: int) -> int:
+        """Bytes of workspace one band of ``tokens`` tokens takes (0 tokens:
+        the part that does not shrink with the band): the formula the
+        handler allocates by."""
         return 0
+
+    def plan(self, problem: Problem, T: int) -> int:
+        """Tokens per band for a call of T tokens, so that one band's
+        `workspace_bytes` fits the budget of `device`:0 or
+        ``problem.max_workspace_bytes`` (0: no workspace, no bands); raises
+        `jax_nbx.DeviceOOMError` with the advice when one token does not fit."""
+        if self.device is None:
+            return 0
+        from ..planning import plan_bands
+
+        p = problem
+        return plan_bands(lambda t: self.workspace_bytes(p, t), T, p.H, self.device, p.max_workspace_bytes,
+                          f"({self.name}, E={p.E} k={p.k} H={p.H} I={p.I})")
 
     def forward(self, problem: Problem, band_tokens: int, x: jax.Array, w: jax.Array, ids: jax.Array,
                 experts: Experts) -> jax.Array:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import contract, cpu
+from .. import contract, cpu, memory
 from ..experts import Experts, WeightLayout
 from ..formats import weight_groups
 from ..planning import plan_band_tokens
@@ -104,6 +104,12 @@ class CpuBackend(Backend):
             if why:
                 return f"precision='bfloat16' {why}"
         return ""
+
+    device = "cpu"
+
+    def workspace_bytes(self, problem: Problem, tokens: int) -> int:
+        return memory.fused_moe_workspace_bytes(tokens, problem.k, problem.E, problem.H, problem.I,
+                                                bf16_dot=problem.bf16_dot)
 
     def plan(self, problem: Problem, T: int) -> int:
         return plan_band_tokens(T, problem.k, problem.E, problem.H, problem.I,

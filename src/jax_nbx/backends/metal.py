@@ -11,7 +11,6 @@ import jax
 
 from .. import _registry, metal
 from ..experts import Experts
-from ..planning import plan_bands
 from .base import Backend, Problem
 from .cpu import forward_call
 
@@ -39,11 +38,11 @@ class MetalBackend(Backend):
             return "not the default here (macOS on Apple silicon with Metal itself active)"
         return self.why_not(problem)
 
-    def plan(self, problem: Problem, T: int) -> int:
-        k, E, H, I = problem.k, problem.E, problem.H, problem.I
-        ffi = _registry.ffi_module()
-        return plan_bands(lambda t: int(ffi.metal_forward_workspace_bytes(t, k, E, H, I)),
-                          T, H, "metal", problem.max_workspace_bytes, f"(Metal, E={E} k={k} H={H} I={I})")
+    device = "metal"
+
+    def workspace_bytes(self, problem: Problem, tokens: int) -> int:
+        p = problem
+        return int(_registry.ffi_module().metal_forward_workspace_bytes(tokens, p.k, p.E, p.H, p.I))
 
     def forward(self, problem, band_tokens, x, w, ids, experts: Experts):
         name, operands, attrs, out = forward_call(problem, band_tokens, x, w, ids, experts.flat(),

@@ -33,6 +33,14 @@ class CudaBackend(Backend):
             return "precision='bfloat16' runs on the CPU handler only"
         return ""
 
+    device = "cuda"
+
+    def workspace_bytes(self, problem: Problem, tokens: int) -> int:
+        from . import calls
+
+        return calls.band_workspace_bytes(tokens, problem.k, problem.E, problem.H, problem.I, problem.w_dtype,
+                                          problem.quant)
+
     def plan(self, problem: Problem, T: int) -> int:
         from . import calls
 

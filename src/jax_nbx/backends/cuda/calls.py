@@ -64,6 +64,12 @@ def ensure_budget(ordinal: int = 0) -> None:
         memory.set_budget(limit // 2, "cuda", ordinal)
 
 
+def band_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int, wdtype, quant=None) -> int:
+    """Bytes of one band's workspace on cuda:0 (`plan.band_workspace`, the
+    device's tile configs)."""
+    return P.band_workspace(tokens, k, E, H, I, wdtype, _device(0).device_kind, quant)
+
+
 def plan_band_tokens(T: int, k: int, E: int, H: int, I: int, wdtype,
                      max_workspace_bytes=None, quant=None) -> int:
     """Tokens per band so that one band's workspace fits cuda:0's budget."""

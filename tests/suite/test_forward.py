@@ -1,0 +1,115 @@
+"""The op against float64 on every backend (tests/support/runners.py): odd
+shapes (T = 1, 33, 222; H and I multiples of no block), every dtype pair,
+every activation, skewed and repeated routing, quantized formats, leading
+axes, no tokens, NaN, weights on the input, shared experts."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_nbx as nbx
+
+from support.problems import DTYPES, dense, make_problem, np_moe, rel_err
+from support.runners import QUANT
+
+# (T, E, k, H, I): T in {1, 33, 222}; E = 1 and k = E; H, I odd
+CASES = [(1, 4, 2, 33, 20), (33, 8, 2, 65, 47), (222, 8, 3, 33, 20), (33, 1, 1, 17, 9), (5, 6, 6, 40, 24)]
+DTYPE_PAIRS = [("f32", "f32"), ("bf16", "bf16"), ("f16", "f16"), ("f32", "bf16"), ("bf16", "f32")]
+
+
+@functools.cache
+def _jitted(backend, **kw):
+    return jax.jit(lambda x, w, ids, ex, sh: backend(x, w, ids, ex, shared_experts=sh, **kw))
+
+
+def run(backend, x, w, ids, ex, shared_experts=None, **kw):
+    """The backend's op under jax.jit (one compilation per shape and options)."""
+    return _jitted(backend, **kw)(x, w, ids, ex, shared_experts)
+
+
+@pytest.mark.parametrize("xd,wd", DTYPE_PAIRS, ids=[f"x{a}-w{b}" for a, b in DTYPE_PAIRS])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-E{}-k{}-H{}-I{}".format(*c))
+def test_matches_float64(backend, case, xd, wd):
+    x, w, ids, ex = make_problem(sum(case), *case, DTYPES[xd], DTYPES[wd])
+    y = run(backend, x, w, ids, ex)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert bool(jnp.all(jnp.isfinite(y.astype(jnp.float32)))), "unwritten rows"
+    assert rel_err(y, np_moe(x, w, ids, ex)) < backend.tol(DTYPES[xd], DTYPES[wd])
+
+
+# swiglu_clamped with a limit of 0.8: its clamps of gate and up both bite at these scales
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "geglu_erf", "swiglu_clamped",
+                                        nbx.Activation("swiglu_clamped", alpha=1.702, limit=0.8)], ids=str)
+@pytest.mark.parametrize("T", [1, 33])
+def test_activations(backend, activation, T):
+    x, w, ids, ex = make_problem(7 + T, T, 8, 2, 33, 20)
+    y = run(backend, x, w, ids, ex, activation=activation)
+    assert rel_err(y, np_moe(x, w, ids, ex, activation)) < backend.tol(x.dtype)
+
+
+@pytest.mark.parametrize("routing", ["one", "random"])
+def test_skewed_and_repeated_routing(backend, routing):
+    """Every slot on one expert; ids repeated within a token."""
+    x, w, ids, ex = make_problem(11, 222, 8, 3, 33, 20, routing=routing)
+    assert rel_err(run(backend, x, w, ids, ex), np_moe(x, w, ids, ex)) < backend.tol(x.dtype)
+
+
+@pytest.mark.parametrize("fmt,G", [("int8", None), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("T", [1, 33])
+def test_quantized_formats_match_their_dequantization(backend, fmt, G, T):
+    """Quantized experts give the float64 op on their dequantized weights."""
+    backend.require(QUANT)
+    x, w, ids, ex = make_problem(T + 3, T, 6, 2, 64, 64)
+    q = nbx.quantize(ex, fmt, group_size=G)
+    y = run(backend, x, w, ids, q)
+    assert rel_err(y, np_moe(x, w, ids, dense(q))) < backend.tol(x.dtype, jnp.float32)
+
+
+def test_leading_axes_and_no_tokens(backend):
+    x, w, ids, ex = make_problem(5, 24, 8, 2, 33, 20)
+    y = backend(x.reshape(2, 3, 4, 33), w.reshape(2, 3, 4, 2), ids.reshape(2, 3, 4, 2), ex)
+    assert y.shape == (2, 3, 4, 33)
+    assert rel_err(y.reshape(24, 33), np_moe(x, w, ids, ex)) < backend.tol(x.dtype)
+    y0 = backend(jnp.zeros((0, 4, 33), jnp.bfloat16), jnp.zeros((0, 4, 2)), jnp.zeros((0, 4, 2), jnp.int32), ex)
+    assert y0.shape == (0, 4, 33) and y0.dtype == jnp.bfloat16
+
+
+def test_nan_propagates_like_the_reference(backend):
+    """A NaN in x poisons its token only; a NaN weight the tokens routed to
+    its expert; nothing else (padding rows and other experts stay clean)."""
+    x, w, ids, ex = make_problem(4, 33, 8, 2, 33, 20)
+    x = x.at[3, 5].set(jnp.nan)
+    ex = nbx.Experts(ex.gate.at[2, 0, 7].set(jnp.nan), ex.up, ex.down)
+    ref = np_moe(x, w, ids, ex)
+    y = np.asarray(run(backend, x, w, ids, ex))
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
+    ok = ~np.isnan(ref)
+    assert np.max(np.abs(y[ok] - ref[ok])) / np.max(np.abs(ref[ok])) < backend.tol(x.dtype)
+    assert np.isnan(ref[3]).all() and np.isnan(ref[np.any(np.asarray(ids) == 2, axis=1)]).all()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_weights_on_the_input(backend, k):
+    """Llama-4: mlp(w * x) per slot, summed."""
+    x, w, ids, ex = make_problem(12 + k, 33, 6, k, 33, 20)
+    y = run(backend, x, w, ids, ex, weights_on="input")
+    xs = np.asarray(x, np.float64)[:, None, :] * np.asarray(w, np.float64)[:, :, None]
+    ref = np_moe(xs.reshape(-1, 33), np.ones((33 * k, 1)), np.asarray(ids).reshape(-1, 1), ex)
+    assert rel_err(y, ref.reshape(33, k, 33).sum(1)) < backend.tol(x.dtype)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_shared_experts(backend, gated):
+    """Shared experts on every token (Qwen2-MoE's sigmoid gate), added in the same call."""
+    x, w, ids, ex = make_problem(21, 33, 6, 2, 33, 20)
+    _, _, _, sh = make_problem(22, 1, 2, 1, 33, 12)
+    gate = jnp.asarray(np.random.default_rng(23).standard_normal((1, 33)), jnp.float32) if gated else None
+    y = run(backend, x, w, ids, ex, shared_experts=nbx.SharedExperts(sh, gate))
+    s = np.ones((33, 2)) if gate is None else np.repeat(
+        1.0 / (1.0 + np.exp(-(np.asarray(x, np.float64) @ np.asarray(gate, np.float64).T))), 2, axis=1)
+    ref = np_moe(x, w, ids, ex) + np_moe(x, s, np.tile(np.arange(2), (33, 1)), sh)
+    assert rel_err(y, ref) < backend.tol(x.dtype)

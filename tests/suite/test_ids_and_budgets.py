@@ -1,0 +1,92 @@
+"""Expert ids and workspace budgets on every backend: an id outside [0, E)
+fails the call naming its position and value (eagerly and under jit) or is
+skipped on request; ids of any integer dtype keep their value (never wrapped
+into a valid expert); a budget too small for one token is refused at trace
+time with advice."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_nbx as nbx
+
+from support.problems import make_problem, np_moe, rel_err
+from support.runners import BANDS
+
+T, E, K, H, I = 12, 8, 2, 33, 20
+
+
+@pytest.fixture(scope="module")
+def prob():
+    return make_problem(14, T, E, K, H, I)
+
+
+def test_a_bad_id_is_named_eagerly_and_under_jit(backend, prob):
+    x, w, ids, ex = prob
+    bad = np.asarray(ids).copy()
+    bad[5, 1] = E
+    match = rf"topk_ids\[5, 1\] = {E} is outside \[0, {E}\)"
+    with pytest.raises(jax.errors.JaxRuntimeError, match=match):
+        jax.block_until_ready(backend(x, w, bad, ex))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=match):
+        jax.block_until_ready(jax.jit(backend.__call__)(x, w, jnp.asarray(bad), ex))
+    # the backend recovers: the next call with good ids runs
+    assert rel_err(backend(x, w, ids, ex), np_moe(x, w, ids, ex)) < backend.tol(x.dtype)
+
+
+def test_skip_leaves_out_bad_slots(backend, prob):
+    x, w, ids, ex = prob
+    bad = np.asarray(ids).copy()
+    bad[0, 0], bad[7, 1] = -1, 2**31 - 1
+    keep = np.ones(bad.shape, bool)
+    keep[0, 0] = keep[7, 1] = False
+    y = backend(x, w, bad, ex, ids_outside="skip")
+    assert rel_err(y, np_moe(x, w * keep, np.where(keep, np.asarray(ids), -1), ex)) < backend.tol(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint32, np.uint64, np.int16, np.int64])
+def test_every_integer_dtype_runs_the_same_experts(backend, prob, dtype):
+    """Valid ids of any integer dtype, numpy or JAX, give the int32 result."""
+    x, w, ids, ex = prob
+    want = np_moe(x, w, ids, ex)
+    host = np.asarray(ids).astype(dtype)
+    for given in (host, jnp.asarray(host)):
+        assert rel_err(backend(x, w, given, ex), want) < backend.tol(x.dtype), (dtype, type(given))
+
+
+@pytest.mark.parametrize("dtype,value", [(np.uint32, 2**32 - 1), (np.uint64, 2**63 + 3), (np.int64, 2**32 + 1),
+                                         (np.int64, -(2**40))])
+def test_wide_ids_out_of_range_are_refused_not_wrapped(backend, prob, dtype, value):
+    """A host id past int32 (x64 off: JAX alone would wrap 2**32 + 1 to 1)
+    is refused by its position, or skipped: never another expert."""
+    x, w, ids, ex = prob
+    bad = np.asarray(ids).astype(dtype)
+    bad[3, 1] = value
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"topk_ids\[3, 1\] = -?\d+ is outside \[0, 8\)"):
+        jax.block_until_ready(backend(x, w, bad, ex))
+    keep = np.ones(bad.shape, bool)
+    keep[3, 1] = False
+    y = backend(x, w, bad, ex, ids_outside="skip")
+    assert rel_err(y, np_moe(x, w * keep, np.where(keep, np.asarray(ids), -1), ex)) < backend.tol(x.dtype)
+
+
+def test_float_and_bool_ids_are_refused(backend, prob):
+    x, w, ids, ex = prob
+    for bad in (np.asarray(ids, np.float32), np.asarray(ids) > 3):
+        with pytest.raises(TypeError, match="topk_ids has dtype"):
+            backend(x, w, bad, ex)
+
+
+def test_a_budget_too_small_for_one_token_is_refused_with_advice(backend, prob):
+    backend.require(BANDS)
+    x, w, ids, ex = prob
+    b, p = nbx.ops.resolve(x, w, ids, ex, implementation=backend.implementation)
+    one = b.workspace_bytes(p, 1)
+    with pytest.raises(nbx.DeviceOOMError, match=r"fused_moe workspace for T=12 tokens .*no band split alone "
+                                                 r"reaches it"):
+        backend(x, w, ids, ex, max_workspace_bytes=one - 1)
+    # a cap of three tokens: bands of three, the whole result
+    y = backend(x, w, ids, ex, max_workspace_bytes=b.workspace_bytes(p, 3))
+    assert rel_err(y, np_moe(x, w, ids, ex)) < backend.tol(x.dtype)
