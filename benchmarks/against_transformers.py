@@ -29,8 +29,9 @@ import numpy as np
 def save(folder: str) -> int:
     from flax import nnx
 
-    from jax_nbx.nn import qwen3_moe as q3
-    from jax_nbx.nn.qwen3_moe_ref import read_checkpoint, reference_logits
+    from jax_nbx.models import qwen3_moe as q3
+
+    from support.qwen3_moe_ref import read_checkpoint, reference_logits
 
     config = q3.Qwen3MoeConfig(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=32, moe_intermediate_size=64, num_experts=16,

@@ -6,11 +6,11 @@ MoE blocks fused (jax_nbx.fused_moe) and as the XLA baselines.
     python benchmarks/model_e2e.py --dtype bf16 --plot --out /tmp/e2e
     python benchmarks/model_e2e.py --layers 4 --hidden 1024 --experts 64 --prompt 512
 
-The model (`jax_nbx.nn.qwen3_moe`) is written to ``--out``/checkpoint as
+The model (`jax_nbx.models.qwen3_moe`) is written to ``--out``/checkpoint as
 ``config.json`` and two safetensors shards with transformers' names, then
-loaded back (`load_hf`: the MoE blocks through `jax_nbx.checkpoint.load_moe`).
+loaded back (`load_hf`: the MoE blocks through `jax_nbx.loaders.load_moe`).
 The loaded model's logits on the prompt are compared with the float64 numpy
-forward (`jax_nbx.nn.qwen3_moe_ref`), max |diff| / max |ref|.  Then, for
+forward (`support.qwen3_moe_ref`), max |diff| / max |ref|.  Then, for
 moe = fused / ragged_dot / dense (the same parameters; the baselines hold a
 stacked copy of the experts), in the same process and in interleaved rounds:
 prefill of the prompt (one jitted call, the KV cache of length prompt +
@@ -69,8 +69,9 @@ def parse(argv=None):
 def main(argv=None) -> int:
     from flax import nnx
 
-    from jax_nbx.nn import qwen3_moe as q3
-    from jax_nbx.nn.qwen3_moe_ref import read_checkpoint, reference_logits
+    from jax_nbx.models import qwen3_moe as q3
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from support.qwen3_moe_ref import read_checkpoint, reference_logits  # a test oracle
 
     a = parse(argv)
     out = a.out or tempfile.mkdtemp(prefix="model_e2e_")

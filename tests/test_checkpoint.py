@@ -1,4 +1,4 @@
-"""jax_nbx.checkpoint.load_moe: every family's block written as a Hugging Face
+"""jax_nbx.loaders.load_moe: every family's block written as a Hugging Face
 safetensors checkpoint (the names and layouts of tests/test_families.py's
 builders, which follow transformers 5.24.0), loaded back, run through the
 NNX and Equinox layers and compared with the family's float64 block; the
@@ -17,7 +17,7 @@ pytest.importorskip("safetensors")
 from safetensors.numpy import save_file  # noqa: E402
 
 from jax_nbx import nn  # noqa: E402
-from jax_nbx.checkpoint import CheckpointError, load_moe  # noqa: E402
+from jax_nbx.loaders import CheckpointError, load_moe  # noqa: E402
 
 from test_families import FAMILIES, H, _rand  # noqa: E402
 

@@ -222,9 +222,9 @@ def test_layer_errors():
 
 
 def test_frameworks_are_optional():
-    """Importing jax_nbx, jax_nbx.nn and jax_nbx.checkpoint loads neither Flax
+    """Importing jax_nbx, jax_nbx.nn and jax_nbx.loaders loads neither Flax
     nor Equinox; without Flax, nn.NNXMoE names the extra to install."""
-    code = ("import sys; import jax_nbx, jax_nbx.nn, jax_nbx.checkpoint; "
+    code = ("import sys; import jax_nbx, jax_nbx.nn, jax_nbx.loaders; "
             "assert 'flax' not in sys.modules and 'equinox' not in sys.modules, sorted(sys.modules)\n"
             "sys.modules['flax'] = None\n"
             "try:\n    jax_nbx.nn.NNXMoE\nexcept ImportError as e:\n    print(e)\n")

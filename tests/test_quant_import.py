@@ -1,4 +1,4 @@
-"""Importing GPTQ, AWQ and MLX 4-bit weights (jax_nbx.quant_import): each
+"""Importing GPTQ, AWQ and MLX 4-bit weights (jax_nbx.loaders): each
 format's packer and dequantization are written here from the formats' specs
 (independent of the module's unpacking), and the imported int4 weights must
 dequantize to the format's own float32 values bit for bit; act-order GPTQ
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_nbx as nbx
-from jax_nbx.quant_import import absorb_act_order, from_awq, from_gptq, from_mlx, permute_columns
+from jax_nbx.loaders import absorb_act_order, from_awq, from_gptq, from_mlx, permute_columns
 
 from conftest import np_moe, rel_err
 

@@ -1,6 +1,6 @@
-"""A small Qwen3-MoE model end to end (jax_nbx.nn.qwen3_moe): checkpoint round
+"""A small Qwen3-MoE model end to end (jax_nbx.models.qwen3_moe): checkpoint round
 trip through transformers' names, logits against the float64 forward written
-from transformers' modeling_qwen3_moe.py (jax_nbx.nn.qwen3_moe_ref), KV-cache
+from transformers' modeling_qwen3_moe.py (support.qwen3_moe_ref), KV-cache
 generation, the three MoE implementations, gradients."""
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ pytest.importorskip("safetensors")
 from flax import nnx  # noqa: E402
 from safetensors.flax import load_file, save_file  # noqa: E402
 
-from jax_nbx.checkpoint import CheckpointError  # noqa: E402
-from jax_nbx.nn import qwen3_moe as q3  # noqa: E402
-from jax_nbx.nn.qwen3_moe_ref import read_checkpoint, reference_logits  # noqa: E402
+from jax_nbx.loaders import CheckpointError  # noqa: E402
+from jax_nbx.models import qwen3_moe as q3  # noqa: E402
+
+from support.qwen3_moe_ref import read_checkpoint, reference_logits  # noqa: E402
 
 CONFIG = q3.Qwen3MoeConfig()  # vocab 512, hidden 128, 2 layers, 4 heads / 2 kv, head_dim 32, E=16, k=4, I=64
 TOL = 1e-4

@@ -5,7 +5,7 @@
 // activation codes and their constants, weight formats and the order of their
 // buffer groups, the CUDA launch-program encoding and its kernel table.  The
 // nanobind module exports all of it (`jax_nbx._ffi.abi()`, read by
-// jax_nbx/_abi.py); Python and Triton read it from there, and
+// src/jax_nbx/contract.py); Python and Triton read it from there, and
 // tests/test_contract.py checks every consumer against it.  Change a value
 // here and nowhere else.
 #pragma once

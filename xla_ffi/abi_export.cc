@@ -1,4 +1,4 @@
-// Exports the contract of abi.h to Python as one dict (jax_nbx/_abi.py reads it).
+// Exports the contract of abi.h to Python as one dict (src/jax_nbx/contract.py reads it).
 #include "abi_export.h"
 
 #include <nanobind/stl/string.h>

@@ -7,14 +7,13 @@
 """
 from . import _registry, activations, backends, cpu, formats, memory, metal, nn, tables  # noqa: F401  (_registry registers the handlers)
 from .activations import Activation
-from .checkpoint import load_experts, load_moe
 from .experts import Experts, SharedExperts
 from .formats import QuantizedWeight, dequantize, quantize
 from .isa_calibration import Calibration, calibrate_isa
+from .loaders import from_awq, from_gptq, from_mlx, load_experts, load_moe
 from .memory import DeviceOOMError
 from .models import MODELS, ModelShape
 from .ops import IMPLEMENTATIONS, fused_moe
-from .quant_import import from_awq, from_gptq, from_mlx
 from .reference import moe_reference
 from .routing import (
     expert_counts,

@@ -133,8 +133,8 @@ def fused_moe(
         the same bits where the instruction does what Intel documents).
         ``None`` (default): ``"bfloat16"`` where x is bfloat16, the experts
         (shared ones included) can take it and the CPU has the instruction
-        (`jax_nbx.cpu.bf16_dot_by_default`, read when the call is traced; not
-        yet run on such a CPU, see the README's status table), else
+        (`jax_nbx.cpu.bf16_dot_by_default`, read when the call is traced;
+        docs/backends.md says where it has run), else
         ``"float32"``.  Error: about one bfloat16 rounding of x and of the
         intermediate, i.e. a relative ``~2**-8`` per element against the
         float32 arithmetic, the rounding HF transformers' bfloat16 models

@@ -97,8 +97,7 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
         token, then its k slots) are dropped, i.e. contribute zero, as if
         their routed weight were 0 (their weight's gradient is 0 too).
       ids_outside: what a global id outside ``[0, E)`` means, as in
-        `fused_moe`: ``"error"`` (default; on the FFI path, the "xla" path
-        drops such slots) or ``"skip"`` (the slot contributes nothing, its
+        `fused_moe`: ``"error"`` (default; refused on every backend) or ``"skip"`` (the slot contributes nothing, its
         weight's gradient is 0).  With ``"error"`` every device fails
         together at run time (eagerly and under ``jax.jit``: no device is
         left waiting in a collective) with the handler's

@@ -124,15 +124,19 @@ def _interpreted(name: str):
 
     _patch_dot()
 
-    from jax_nbx.backends.cuda import kernels
+    import triton
 
-    fn = getattr(kernels, name)
+    from jax_nbx.backends.cuda import compile as C
+    from jax_nbx.backends.cuda import kernels, kernels_backward
+
+    fn = C.kernel_function(name)
     fn = getattr(fn, "fn", fn)  # the Python function under triton.jit
-    # helpers called from kernels must be interpreted too
-    for helper in ("_glu", "_glu_grad", "_expert_ptr", "_view", "_wtile", "_block"):
-        h = getattr(kernels, helper)
-        if not isinstance(h, InterpretedFunction):
-            setattr(kernels, helper, InterpretedFunction(getattr(h, "fn", h)))
+    # helpers called from kernels (module globals: _glu, _wtile ...) must be
+    # interpreted too, in every module whose kernels call them
+    for module in (kernels, kernels_backward):
+        for helper, h in list(vars(module).items()):
+            if helper.startswith("_") and isinstance(h, triton.runtime.JITFunction):
+                setattr(module, helper, InterpretedFunction(h.fn))
     return InterpretedFunction(fn)
 
 

@@ -11,6 +11,7 @@
 #include "cpu/handler_common.h"
 #include "cpu/moe_forward.h"  // NBX_FORWARD_BINDING: the same inputs and attributes
 #include "cpu/slots.h"
+#include "formats/registry.h"
 #include "cpu/weights.h"
 #include "metal/kernel_calls.h"
 #include "metal/runtime.h"
@@ -108,8 +109,15 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
   int64_t T, H, k;
   if (ffi::Error e = CheckRouting(x, topk_w, topk_ids, &T, &H, &k); e.failure()) return e;
   if (ffi::Error e = CheckActivation(activation, act_alpha, act_limit); e.failure()) return e;
-  if (format != abi::WeightFormat::kDense)
-    return Fail("quantized experts are not supported on the Metal path yet");
+  if (formats::FindFormat(static_cast<int32_t>(format)) == nullptr)
+    return Fail("unknown weight format code " + std::to_string(static_cast<int32_t>(format)));
+  switch (format) {  // every format named (-Wswitch): a new one must say what Metal does with it
+    case abi::WeightFormat::kDense: break;
+    case abi::WeightFormat::kInt8:
+    case abi::WeightFormat::kInt4:
+      return Fail(std::string(abi::kWeightFormatNames[static_cast<int32_t>(format)]) +
+                  " experts are not supported on the Metal path yet (dense experts only)");
+  }
   if (bf16_dot) return Fail("precision='bfloat16' runs on the CPU handler only");
   if (!IsFloatType(x.element_type()) || y->element_type() != x.element_type())
     return Fail("the Metal path takes x and y of one dtype: float32, bfloat16 or float16");

@@ -4,8 +4,10 @@ Each format is one module here (``dense``, ``int8``, ``int4``) with its math,
 over a spec read from the contract (``xla_ffi/formats/<name>.h``: parts,
 dtypes, shapes, packing, groups); ``registry`` holds them by name.  Adding a
 format is its code in ``xla_ffi/abi.h``, its C++ header in
-``xla_ffi/formats/``, its module here and in the CUDA kernels'
-``backends/cuda/formats.py``, then its kernels.
+``xla_ffi/formats/`` (listed in ``registry.h``), its module here, then its
+kernels: the CPU kernels' cases (``xla_ffi/cpu/kernels_quant.h``), a branch
+of the Triton kernels' ``_wtile`` (``backends/cuda/kernels.py``, named in
+``plan.kernels_formats``) and the Metal handler's switch.
 
 Public: `quantize`, `dequantize`, `QuantizedWeight`, `get`, `names`.
 """
@@ -31,7 +33,9 @@ def quantize(experts: Experts, kind: str = "int8", *, group_size: int | None = 1
              scale_dtype=jnp.float32) -> Experts:
     """Quantizes every projection of ``experts`` into the format ``kind``
     (`names`: "int8", "int4"; each format's module documents its math).
-    Stacked experts stay stacked, lists stay lists.  ``group_size``: the
+    Stacked experts stay stacked, lists stay lists; experts in a checkpoint
+    layout (``layout="out_in"``, fused gate_up) are quantized from their
+    plain ``[E, K, N]`` copies (stacked).  ``group_size``: the
     group along K of grouped formats (int4: 32, 64 or 128; ignored by the
     others).  Raises ValueError for an unknown format, a group size the
     format does not take or that does not divide K, TypeError for a scale
@@ -45,6 +49,10 @@ def quantize(experts: Experts, kind: str = "int8", *, group_size: int | None = 1
         raise TypeError(f"experts must be a jax_nbx.Experts; got {type(experts).__name__}")
     if is_quantized(experts):
         raise ValueError("experts are already quantized")
+    if experts.has_bias:
+        raise ValueError("quantize takes experts without biases (quantized experts have no biases yet)")
+    if not experts.is_plain:  # a checkpoint layout: quantize its plain [E, K, N] copies (stacked)
+        experts = experts.canonical()[0]
     gs = group_size if fmt.grouped else None
 
     def one(a):

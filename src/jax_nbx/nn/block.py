@@ -2,7 +2,7 @@
 experts (one `fused_moe` call, shared experts included), and the router
 losses.  The Flax NNX and Equinox layers (`jax_nbx.nn.nnx_moe`,
 `jax_nbx.nn.eqx_moe`) hold the parameters and call `moe_block`; the
-checkpoint loader (`jax_nbx.checkpoint`) returns `MoEParams`.
+checkpoint loader (`jax_nbx.loaders`) returns `MoEParams`.
 
 Neither Flax nor Equinox is imported here.
 """

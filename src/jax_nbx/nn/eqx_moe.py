@@ -44,7 +44,7 @@ class EqxMoE(eqx.Module):
       param_dtype: the weights' dtype when initialized (biases float32).
       lists: initialize the routed experts as per-expert lists.
       params: `MoEParams` to hold instead (e.g. from
-        `jax_nbx.checkpoint.load_moe`).
+        `jax_nbx.loaders.load_moe`).
     """
 
     params: MoEParams

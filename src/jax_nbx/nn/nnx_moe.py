@@ -39,7 +39,7 @@ class NNXMoE(nnx.Module):
     expert) running as one `jax_nbx.fused_moe` call.
 
     Parameters (`nnx.Param` unless noted) follow Hugging Face's layout, so a
-    checkpoint's tensors load without a copy (`jax_nbx.checkpoint.load_moe`):
+    checkpoint's tensors load without a copy (`jax_nbx.loaders.load_moe`):
     ``router [E, H]``, ``router_bias [E]`` (gpt-oss), ``experts``
     (`jax_nbx.Experts`: stacked or per-expert lists, any layout; quantized
     experts are `Frozen` state), ``correction_bias`` (a `Buffer`,
@@ -69,7 +69,7 @@ class NNXMoE(nnx.Module):
       param_dtype: the weights' dtype when initialized (biases float32).
       lists: initialize the routed experts as per-expert lists.
       params: `MoEParams` to hold instead of initializing (e.g. from
-        `jax_nbx.checkpoint.load_moe`).
+        `jax_nbx.loaders.load_moe`).
     """
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,

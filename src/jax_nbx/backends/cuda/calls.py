@@ -1,6 +1,6 @@
 """The CUDA backend's calls: plan, compile and call the CUDA handlers.
 
-The handler (``nbx_fused_moe_fwd_cuda``, `xla_ffi/cuda/moe_cuda.cc`) runs a
+The handler (``nbx_fused_moe_fwd_cuda``, `xla_ffi/cuda/handlers.cc`) runs a
 launch program of Triton kernels (`jax_nbx.backends.cuda.kernels`) on XLA's stream.  All of
 the program is decided here at trace time; the kernels are compiled for the
 device's compute capability at first use (cached on disk by Triton).

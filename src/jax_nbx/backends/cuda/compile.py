@@ -23,15 +23,24 @@ from . import plan as P
 KERNEL_FIELDS = contract.KERNEL_FIELDS
 
 
+def kernel_function(name: str):
+    """The Triton kernel a program names (forward: `kernels`; backward:
+    `kernels_backward`); imports Triton."""
+    from . import kernels, kernels_backward
+
+    for module in (kernels, kernels_backward):
+        if not name.startswith("_") and hasattr(module, name):
+            return getattr(module, name)
+    raise ValueError(f"the program names a kernel {name!r} that neither kernels nor kernels_backward has")
+
+
 @functools.cache
 def _compile(kernel: P.Kernel, ptypes: tuple[str, ...], aligned: tuple[bool, ...], cc: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from . import kernels
-
-    fn = getattr(kernels, kernel.name)
+    fn = kernel_function(kernel.name)
     params = list(inspect.signature(fn.fn).parameters)
     const = dict(kernel.constexprs)
     runtime = [p for p in params if p not in const]

@@ -3,9 +3,9 @@ which grids and arguments.
 
 Everything here is decided at trace time (JAX shapes are static): token
 bands, tile configs, workspace layout.  The same `Program` is executed by the
-CUDA handler (`xla_ffi/cuda/moe_cuda.cc`, from the int64 encoding of
+CUDA handler (`xla_ffi/cuda/handlers.cc`, from the int64 encoding of
 `Program.encode`) and, in the tests, by the Triton interpreter
-(`interpret.py`), so the interpreter checks the grids and arguments the GPU
+(tests/support/triton_interpret.py), so the interpreter checks the grids and arguments the GPU
 gets, not a copy of them.  Nothing in this module imports Triton.
 
 The encoding (argument kinds, input numbering, weight-group order, the
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import _env, contract
+from ... import _env, contract, formats
 from ...activations import Activation
 
 # Argument kinds (abi::ArgKind).
@@ -40,7 +40,7 @@ OUT_DX, OUT_DTW, OUT_DBIAS0 = contract.OUT_DX, contract.OUT_DTOPK_WEIGHTS, contr
 IN_GATE, IN_UP, IN_DOWN = (IN_GROUP0 + contract.group_index(_Q, p) for p in range(len(contract.PROJECTIONS)))
 # weight format (None = dense) -> the kernels' QUANT constexpr
 QUANT_CODES = contract.FORMAT_CODES
-_DENSE, _INT8, _INT4 = (QUANT_CODES[f] for f in ("dense", "int8", "int4"))
+_DENSE = QUANT_CODES["dense"]
 ERR_NONE = contract.ERR_NONE
 WS_ALIGN = contract.WORKSPACE_ALIGN
 COUNT_BLOCK = 128
@@ -49,6 +49,12 @@ COMBINE_BLOCK = 1024
 
 _TL = {np.dtype("float32"): "fp32", np.dtype("float16"): "fp16", np.dtype("int32"): "i32",
        np.dtype("int64"): "i64", np.dtype("int8"): "i8", np.dtype("uint8"): "u8"}
+
+
+def kernels_formats() -> dict[int, str]:
+    """The formats the Triton kernels dequantize in registers (code -> name):
+    kernels.py's `_wtile` has one branch each."""
+    return {QUANT_CODES[n]: n for n in ("dense", "int8", "int4")}
 
 
 def _tl_name(dtype) -> str:
@@ -303,10 +309,15 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
     xdtype, wdtype = np.dtype(xdtype), np.dtype(wdtype)
     a = Activation(contract.ACTIVATIONS[activation]) if isinstance(activation, int) else activation
     act = (("ACT", a.code), ("ALPHA", float(a.alpha)), ("LIMIT", float(a.limit)))
-    kind, gsize = quant if quant else (None, 0)
-    QUANT = QUANT_CODES[kind]
+    kind, gsize = quant if quant else ("dense", 0)
+    fmt = formats.get(kind)  # the registry: an unknown format is refused by name here
+    if fmt.code not in kernels_formats():
+        raise ValueError(f"the CUDA kernels have no tile dequantization for {fmt.name!r} weights "
+                         f"(jax_nbx/backends/cuda/kernels.py _wtile: {sorted(kernels_formats().values())})")
+    QUANT = fmt.code
     xs = "*" + _tl_name(xdtype)
-    ws_t = {_DENSE: "*" + _tl_name(wdtype), _INT8: "*i8", _INT4: "*u8"}[QUANT]
+    # the weights' pointer type: the dense dtype, or the q part's (int8, packed uint8 ...)
+    ws_t = "*" + _tl_name(wdtype if QUANT == _DENSE else fmt.part_dtypes["q"][0])
     ieee = wdtype == np.float32
     hdtype = np.dtype("float32") if ieee else wdtype
     n = band * k
@@ -341,8 +352,8 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
     sref = wref if QUANT == _DENSE else inp(IN_GROUP0 + contract.group_index(_SCALE, 0), 0,
                                             "*" + _tl_name(wdtype))
     tbl = tables(_Q)
-    stbl = tables(_SCALE) if QUANT != _DENSE else tbl
-    ztbl = tables(_ZERO) if QUANT == _INT4 else stbl
+    stbl = tables(_SCALE) if "scale" in fmt.parts and QUANT != _DENSE else tbl
+    ztbl = tables(_ZERO) if "zero" in fmt.parts else stbl
     qc = (("QUANT", QUANT), ("GS", gsize))
     common = (("H", H), ("I", I))
     rows = k

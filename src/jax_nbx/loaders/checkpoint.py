@@ -22,7 +22,7 @@ Granite-MoE            ``router.layer.weight``, ``input_linear.weight``, ``outpu
 =====================  ==============================================================
 
 Quantized per-expert projections convert losslessly to jax_nbx's int4
-format (`jax_nbx.quant_import`): GPTQ and AWQ (``.qweight``, ``.qzeros``,
+format (`jax_nbx.loaders`): GPTQ and AWQ (``.qweight``, ``.qzeros``,
 ``.scales``, GPTQ's ``.g_idx``) and MLX's affine 4-bit (a uint32 ``.weight``
 with ``.scales`` and ``.biases``).
 """
@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from .experts import Experts, SharedExperts
-from .nn.block import MoEConfig, MoEParams, read_hf_config
+from ..experts import Experts, SharedExperts
+from ..nn.block import MoEConfig, MoEParams, read_hf_config
 
 __all__ = ["load_moe", "load_experts", "CheckpointError"]
 
@@ -49,7 +49,7 @@ class CheckpointError(ValueError):
     """A tensor the block needs is missing from the checkpoint or has the wrong shape."""
 
 
-def _files(checkpoint) -> tuple[list[str], dict | None, str | None]:
+def safetensors_files(checkpoint) -> tuple[list[str], dict | None, str | None]:
     """(safetensors files, name -> file map or None, the folder's config.json or None)."""
     if isinstance(checkpoint, (list, tuple)):
         return [os.fspath(f) for f in checkpoint], None, None
@@ -79,7 +79,7 @@ class _Reader:
         try:
             from safetensors import safe_open
         except ModuleNotFoundError as err:
-            raise ImportError("jax_nbx.checkpoint needs safetensors: pip install 'jax_nbx[hf]'") from err
+            raise ImportError("jax_nbx.loaders needs safetensors: pip install 'jax_nbx[hf]'") from err
         self._open = safe_open
         self.files = files
         self._handles: dict[str, Any] = {}
@@ -297,7 +297,7 @@ def load_moe(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], layer:
     """
     if layer is None and prefix is None:
         raise ValueError("load_moe: pass layer= (an int) or prefix= (e.g. 'model.layers.0.mlp.')")
-    files, wmap, cfg_path = _files(checkpoint)
+    files, wmap, cfg_path = safetensors_files(checkpoint)
     hf_config = None
     if cfg_path is not None:
         hf_config = read_hf_config(cfg_path)

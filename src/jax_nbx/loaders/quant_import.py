@@ -42,7 +42,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .formats import GROUP_SIZES, QuantizedWeight
+from ..formats import GROUP_SIZES, QuantizedWeight
 
 __all__ = ["from_gptq", "from_awq", "from_mlx", "permute_columns", "absorb_act_order", "AWQ_ORDER"]
 

@@ -1,4 +1,4 @@
-"""A float64 numpy forward of Qwen3-MoE, the reference for `jax_nbx.nn.qwen3_moe`.
+"""A float64 numpy forward of Qwen3-MoE, the reference for `jax_nbx.models.qwen3_moe`.
 
 Written from transformers' ``src/transformers/models/qwen3_moe/modeling_qwen3_moe.py``
 (commit 00d4b3d2, the revision jax_nbx's routing cites; read for this

@@ -14,10 +14,10 @@ Every layer is sparse (``decoder_sparse_step=1``, no ``mlp_only_layers``),
 no sliding window, no RoPE scaling: what the released Qwen3-MoE
 checkpoints use; other configs are refused by name.
 
-    from jax_nbx.nn import qwen3_moe as q3
+    from jax_nbx.models import qwen3_moe as q3
     model = q3.Qwen3MoeForCausalLM(q3.Qwen3MoeConfig(), rngs=flax.nnx.Rngs(0))
     q3.save_hf(model, "ckpt")                       # config.json + model.safetensors
-    model = q3.load_hf("ckpt")                      # MoE blocks via jax_nbx.checkpoint.load_moe
+    model = q3.load_hf("ckpt")                      # MoE blocks via jax_nbx.loaders.load_moe
     tokens = q3.generate(model, prompt_ids, max_new_tokens=16)
 
 ``moe=`` picks the MoE implementation: ``"fused"`` (`jax_nbx.nn.NNXMoE`,
@@ -41,11 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..checkpoint import CheckpointError, _files, load_moe
-from ..experts import Experts
-from ..routing import route
-from .block import MoEConfig, MoEParams, read_hf_config
-from .nnx_moe import NNXMoE
+from ..loaders import CheckpointError, load_moe, safetensors_files
+from ..nn.block import MoEConfig, read_hf_config
+from ..nn.nnx_moe import NNXMoE
+from .moe_baselines import BASELINES, _stacked_in_out, moe_dense, moe_ragged_dot  # noqa: F401  (q3.moe_dense ...)
 
 __all__ = ["Qwen3MoeConfig", "Qwen3MoeForCausalLM", "MOE_IMPLEMENTATIONS", "with_moe", "init_cache",
            "prefill", "decode_step", "generate", "hf_state_dict", "save_hf", "load_hf"]
@@ -227,64 +226,6 @@ class Attention(nnx.Module):
         return self.o_proj(o), cache
 
 
-# --- the MoE baselines ------------------------------------------------------------------------
-
-def _route_params(params: MoEParams, x2, config: MoEConfig):
-    logits = jnp.einsum("th,eh->te", x2.astype(jnp.float32), params.router.astype(jnp.float32))
-    return route(logits, config.top_k, normalize=config.norm_topk_prob)
-
-
-def moe_dense(params: MoEParams, x, config: MoEConfig):
-    """Every expert on every token, weighted by a dense ``[T, E]`` combine
-    matrix (zero outside the top-k); stacked ``in_out`` experts."""
-    lead, H = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, H)
-    w, ids = _route_params(params, x2, config)
-    T, E = x2.shape[0], config.num_experts
-    comb = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], ids].add(w)
-    ex = params.experts
-    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    xf = f32(x2)
-    g = jnp.einsum("th,ehi->tei", xf, f32(ex.gate))
-    u = jnp.einsum("th,ehi->tei", xf, f32(ex.up))
-    h = jax.nn.silu(g) * u * comb[:, :, None]
-    y = jnp.einsum("tei,eih->th", h, f32(ex.down))
-    return y.astype(x.dtype).reshape(lead + (H,))
-
-
-def moe_ragged_dot(params: MoEParams, x, config: MoEConfig):
-    """Slots sorted by expert, three `jax.lax.ragged_dot` (benchmarks/cpu.py's
-    baseline); stacked ``in_out`` experts."""
-    lead, H = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, H)
-    w, ids = _route_params(params, x2, config)
-    T, k = ids.shape
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    xs = x2[order // k].astype(jnp.float32)
-    sizes = jnp.bincount(flat, length=config.num_experts).astype(jnp.int32)
-    ex = params.experts
-    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    g = jax.lax.ragged_dot(xs, f32(ex.gate), sizes)
-    u = jax.lax.ragged_dot(xs, f32(ex.up), sizes)
-    o = jax.lax.ragged_dot(jax.nn.silu(g) * u, f32(ex.down), sizes)
-    o = o * w.reshape(-1)[order][:, None]
-    y = jnp.zeros((T, H), jnp.float32).at[order // k].add(o)
-    return y.astype(x.dtype).reshape(lead + (H,))
-
-
-_BASELINES = {"dense": moe_dense, "ragged_dot": moe_ragged_dot}
-
-
-def _stacked_in_out(experts: Experts) -> Experts:
-    """The experts as stacked ``[E, H, I]``/``[E, I, H]`` arrays (a copy)."""
-    st = experts.stacked() if experts.is_list else experts
-    if st.layout == "in_out":
-        return st
-    t = lambda a: jnp.swapaxes(a, -1, -2)  # noqa: E731
-    return Experts(t(st.gate), t(st.up), t(st.down), layout="in_out")
-
-
 class DecoderLayer(nnx.Module):
     """``Qwen3MoeDecoderLayer``: x + attn(norm(x)), then h + moe(norm(h))."""
 
@@ -304,7 +245,7 @@ class DecoderLayer(nnx.Module):
         if self.moe == "fused":
             y, _ = self.mlp(h)
         else:
-            y = _BASELINES[self.moe](self.mlp.params(), h, self.mlp.config)
+            y = BASELINES[self.moe](self.mlp.params(), h, self.mlp.config)
         return x + y, cache
 
 
@@ -548,14 +489,14 @@ def load_hf(folder: str | os.PathLike, *, moe: str = "fused", implementation: st
 
     The attention, norms, embedding and head are read here with
     ``safetensors``; each layer's MoE block with
-    `jax_nbx.checkpoint.load_moe` (router ``[E, H]`` and per-expert
+    `jax_nbx.loaders.load_moe` (router ``[E, H]`` and per-expert
     ``[out, in]`` lists, read in place).  ``dtype`` casts every weight
-    (default: as stored).  Raises `jax_nbx.checkpoint.CheckpointError`
+    (default: as stored).  Raises `jax_nbx.loaders.CheckpointError`
     naming a missing or mis-shaped tensor."""
     from safetensors import safe_open
     folder = os.fspath(folder)
     c = Qwen3MoeConfig.from_hf(folder)
-    files, wmap, _ = _files(folder)
+    files, wmap, _ = safetensors_files(folder)
     if wmap is None:
         wmap = {}
         for f in files:

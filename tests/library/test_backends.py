@@ -1,0 +1,88 @@
+"""The backend seam (jax_nbx.backends): what ``implementation=`` names, the
+default's order, every backend's reason when it cannot run a call, and a
+backend of one's own."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_nbx as nbx
+from jax_nbx import backends
+
+from conftest import make_problem
+
+pytestmark = pytest.mark.fast
+
+
+def _chosen(*args, **kw) -> str:
+    return nbx.ops.resolve(*args, **kw)[0].name
+
+
+def test_the_cpu_handler_is_the_default_on_the_cpu():
+    x, w, ids, ex = make_problem(8, 33, 8, 2, 65, 33)
+    assert _chosen(x, w, ids, ex) == "cpu" and _chosen(x, w, ids, ex, implementation="ffi") == "cpu"
+    np.testing.assert_array_equal(np.asarray(nbx.fused_moe(x, w, ids, ex)),
+                                  np.asarray(nbx.fused_moe(x, w, ids, ex, implementation="cpu")))
+    assert backends.DEFAULT_ORDER == ("metal", "cuda", "cpu", "xla")
+    assert set(backends.IMPLEMENTATIONS) == {"xla", "cpu", "cuda", "metal", "ffi"}
+
+
+def test_a_backend_that_cannot_run_a_call_says_why():
+    x, w, ids, ex = make_problem(9, 4, 4, 2, 16, 8)
+    with pytest.raises(ValueError, match="implementation='cuda' cannot run this call: runs on a CUDA GPU; "
+                                         "the default backend is 'cpu'"):
+        nbx.fused_moe(x, w, ids, ex, implementation="cuda")
+    with pytest.raises(ValueError, match=r"implementation must be one of \('metal', 'cuda', 'cpu', 'xla'.*'ffi'\) "
+                                         r"or None; got 'tpu'"):
+        nbx.fused_moe(x, w, ids, ex, implementation="tpu")
+    # None, and no backend can: every backend's reason (the reference refuses bf16 dot products)
+    with pytest.raises(ValueError, match=r"(?s)no jax_nbx backend can run this call:.*metal: .*cuda: runs on a "
+                                         r"CUDA GPU.*cpu: precision='bfloat16' needs dense bfloat16 experts; "
+                                         r"these are float32.*xla: precision='bfloat16' runs on the CPU"):
+        nbx.fused_moe(x, w, ids, ex, precision="bfloat16")
+
+
+def test_the_default_takes_metal_only_where_it_is_the_platforms_own(monkeypatch):
+    """None picks "metal" only on macOS arm64 with Metal itself active (never
+    the simulated device), and only for what it takes."""
+    x, w, ids, ex = make_problem(12, 4, 4, 2, 16, 24)
+    assert not nbx.metal.is_default() and _chosen(x, w, ids, ex) == "cpu"
+    monkeypatch.setattr(nbx.metal, "is_default", lambda: True)  # as on a Mac with Metal
+    monkeypatch.setattr(nbx.metal, "available", lambda: True)
+    assert _chosen(x, w, ids, ex) == "metal"
+    assert _chosen(x, w, ids, nbx.quantize(ex, "int8")) == "cpu"  # not on Metal yet
+    biased = nbx.Experts(ex.gate, ex.up, ex.down, down_bias=jnp.zeros((4, 16)))
+    assert _chosen(x, w, ids, biased) == "cpu"  # layouts, biases: not on Metal yet
+
+
+class _Doubling(backends.Backend):
+    """A backend of one's own: the reference, doubled."""
+
+    name = "doubling"
+    traced_by_jax = True
+
+    def why_not(self, problem):
+        return "" if problem.quant is None else "dense experts only"
+
+    def why_not_by_default(self, problem):
+        return "named only"
+
+    def forward(self, problem, band_tokens, x, w, ids, experts):
+        return 2 * nbx.moe_reference(x, w, ids, experts, problem.activation)
+
+
+def test_a_backend_of_ones_own_is_registered_and_named():
+    if "doubling" not in backends.names():
+        backends.register(_Doubling())
+    with pytest.raises(ValueError, match="a backend named 'doubling' exists"):
+        backends.register(_Doubling())
+    with pytest.raises(TypeError, match="backend must be a jax_nbx.backends.Backend"):
+        backends.register(object())
+    x, w, ids, ex = make_problem(13, 6, 4, 2, 16, 8)
+    y = nbx.fused_moe(x, w, ids, ex, implementation="doubling")
+    np.testing.assert_allclose(np.asarray(y), 2 * np.asarray(nbx.fused_moe(x, w, ids, ex, implementation="xla")),
+                               rtol=1e-6)
+    assert _chosen(x, w, ids, ex) == "cpu"  # never the default: it says so
+    with pytest.raises(ValueError, match="implementation='doubling' cannot run this call: dense experts only"):
+        nbx.fused_moe(x, w, ids, nbx.quantize(ex, "int8"), implementation="doubling")

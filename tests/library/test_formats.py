@@ -1,0 +1,90 @@
+"""The weight-format registry (xla_ffi/formats/, jax_nbx/formats/): every
+format of the contract is registered with its spec, the specs drive the
+checks, and a format code or name the registry does not know is refused by
+name on every path."""
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_nbx as nbx
+from jax_nbx import contract, formats
+from jax_nbx.backends.cpu import forward_call
+
+from conftest import make_problem
+
+pytestmark = pytest.mark.fast
+
+
+def test_the_registry_holds_every_format_of_the_contract():
+    assert formats.names() == contract.WEIGHT_FORMATS == ("dense", "int8", "int4")
+    for name in formats.names():
+        fmt = formats.get(name)
+        assert fmt.code == contract.FORMAT_CODES[name]
+        assert fmt.parts == contract.parts_of(name)
+    assert formats.get("int8").parts == ("q", "scale") and not formats.get("int8").grouped
+    int4 = formats.get("int4")
+    assert int4.parts == ("q", "scale", "zero") and int4.group_sizes == (32, 64, 128)
+    assert int4.values_per_byte == 2 and int4.part_shape("q", 64, 5, 32) == (32, 5)
+    assert int4.part_shape("scale", 64, 5, 32) == (2, 5)
+    assert formats.get("int8").part_shape("scale", 64, 5, None) == (5,)
+
+
+def test_the_spec_drives_validation():
+    _, _, _, ex = make_problem(1, 2, 4, 2, 64, 32)
+    q = nbx.quantize(ex, "int4", group_size=32).down
+    with pytest.raises(TypeError, match=r"w.zero has dtype bfloat16; expected the scale's float32"):
+        nbx.QuantizedWeight(q.q, q.scale, q.zero.astype(jnp.bfloat16), kind="int4", group_size=32).validate("w")
+    with pytest.raises(ValueError, match=r"w.scale has shape \(4, 1, 64\); expected \(4, 2, 64\)"):
+        nbx.QuantizedWeight(q.q, q.scale[:, :1], q.zero[:, :1], kind="int4", group_size=16 * 2).validate("w")
+    with pytest.raises(ValueError, match=r"group_size must be one of \(32, 64, 128\) for int4; got 48"):
+        nbx.QuantizedWeight(q.q, q.scale, q.zero, kind="int4", group_size=48).validate("w")
+    with pytest.raises(ValueError, match="int8 weights take no zero part"):
+        nbx.QuantizedWeight(q.q.astype(jnp.int8), q.scale[:, 0], q.zero, kind="int8").validate("w")
+
+
+UNKNOWN = 9  # a format code the registry does not hold
+
+
+def _raw_cpu(x, w, ids, ex, target="forward", **overrides):
+    problem = nbx.backends.Problem.of(ex, x.dtype, ex.num_experts, ex.hidden, ex.intermediate, ids.shape[1],
+                                      nbx.Activation("swiglu"))
+    name, ops, attrs, out = forward_call(problem, 0, x, w, ids, ex.flat(), target=target)
+    return jax.ffi.ffi_call(name, out, vmap_method="sequential")(*ops, **dict(attrs, **overrides))
+
+
+def test_an_unknown_format_is_refused_by_name_on_every_path():
+    x, w, ids, ex = make_problem(2, 5, 4, 2, 64, 32)
+    # Python: the registry, the weights' validation, quantize, fused_moe (before any backend)
+    with pytest.raises(ValueError, match=r"unknown weight format 'int3'; jax_nbx knows \('dense', 'int8', 'int4'\)"):
+        formats.get("int3")
+    q = nbx.quantize(ex, "int8").down
+    odd = nbx.QuantizedWeight(q.q, q.scale, kind="int3")
+    with pytest.raises(ValueError, match="w: unknown weight format 'int3'"):
+        odd.validate("w")
+    with pytest.raises(ValueError, match=r"kind must be one of \('int8', 'int4'\); got 'int3'"):
+        nbx.quantize(ex, "int3")
+    q3 = nbx.Experts(*(nbx.QuantizedWeight(a.q, a.scale, kind="int3") for a in
+                       (nbx.quantize(ex, "int8").gate, nbx.quantize(ex, "int8").up, q)))
+    for impl in ("xla", "cpu"):
+        with pytest.raises(ValueError, match="unknown weight format 'int3'"):
+            nbx.fused_moe(x, w, ids, q3, implementation=impl)
+    # the CPU handler (C++ decoder): an unknown code is INVALID_ARGUMENT naming it
+    with pytest.raises(jax.errors.JaxRuntimeError, match=f"unknown weight format code {UNKNOWN}"):
+        jax.block_until_ready(_raw_cpu(x, w, ids, ex, format=np.int32(UNKNOWN)))
+    # the Metal handler's own check (before any device is needed)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=f"unknown weight format code {UNKNOWN}"):
+        jax.block_until_ready(_raw_cpu(x, w, ids, ex, target="metal_forward", format=np.int32(UNKNOWN)))
+    # the CUDA launch program (the Triton kernels): refused by name before anything compiles
+    from jax_nbx.backends.cuda import plan
+
+    with pytest.raises(ValueError, match="unknown weight format 'int3'"):
+        plan.build(4, 4, 2, 4, 64, 32, np.float32, np.float32, 0, quant=("int3", 0))
+    if importlib.util.find_spec("triton") is not None:  # the kernels' own guard: a static_assert
+        from jax_nbx.backends.cuda import kernels
+
+        assert "static_assert(QUANT == QUANT_INT4" in open(kernels.__file__).read()
