@@ -12,6 +12,7 @@
 #include "metal/library_source.h"
 #include "metal/moe_metal.h"
 #include "metal/runtime.h"
+#include "metal/sim_device.h"
 #include "metal/tables.h"
 #include "testing/account_tests.h"
 #include "testing/metal_tests.h"
@@ -243,4 +244,5 @@ NB_MODULE(_ffi, m) {
   nbx::BindPlannerTests(m);
   nbx::BindAccountTests(m);
   nbx::BindMetalTests(m);
+  nbx::metal::RegisterDevice("sim", &nbx::metal::NewSimDevice);
 }

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
@@ -113,5 +114,11 @@ class SimDevice final : public Device {
   int64_t command_buffers_ = 0;
   std::map<std::thread::id, std::vector<std::string>> failures_;  // by committing thread
 };
+
+// A simulated device of the default limits: the factory registered under
+// "sim" (runtime.h RegisterDevice).
+std::unique_ptr<Device> NewSimDevice(std::string* error);
+// The active device when it is the simulated one, else nullptr.
+SimDevice* ActiveSim();
 
 }  // namespace nbx::metal
