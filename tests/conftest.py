@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
+import pathlib
 import platform
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +12,18 @@ import numpy as np
 import pytest
 
 import jax_nbx as nbx
-from jax_nbx import _registry
 
-_registry.register_testing()  # the test-only targets: handlers with NaN-filled output twins
+# tests/support/: helpers the test files import by name (ffi_testing: the test-only module)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "support"))
+import ffi_testing  # noqa: E402
+
+
+def pytest_configure(config):
+    """jax_nbx._ffi_testing (NBX_TESTING=ON builds) loaded before collection: its poisoned
+    twins registered with XLA, the simulated Metal device installed; a usage error naming
+    the build option where this build lacks it."""
+    ffi_testing.load()
+
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 # max |y - ref| / max |ref|: f32 accumulation; bf16/f16 add the output's rounding.
@@ -158,8 +169,9 @@ def isa(request):
 @pytest.fixture
 def metal_sim():
     """The simulated Metal device, fresh for the test (default limits); after
-    it, nothing live on metal:0, no live wrap, no unreported violation."""
-    ffi = nbx._registry.ffi_module()
+    it, nothing live on metal:0, no live wrap, no unreported violation.  Yields
+    the test module (its metal_sim_* controls)."""
+    ffi = ffi_testing.load()
     nbx.tables.release_pinned()
     nbx.metal.use("sim")
     yield ffi

@@ -14,6 +14,7 @@ import jax_nbx as nbx
 from jax_nbx import _abi, _registry, quant, reference
 from jax_nbx.ops import _ffi_forward
 
+import ffi_testing
 from conftest import TOL, make_problem, np_glu, np_moe, rel_err
 
 ffi = _registry.ffi_module()
@@ -22,8 +23,8 @@ pytestmark = pytest.mark.fast
 
 def test_target_names_are_the_abis():
     assert set(ffi.cpu_handlers()) == {_abi.TARGET_FORWARD, _abi.TARGET_BACKWARD, _abi.TARGET_METAL_FORWARD}
-    assert set(ffi.testing_handlers()) == {_abi.TARGET_FORWARD_POISONED,
-                                           _abi.TARGET_BACKWARD_POISONED}
+    assert set(ffi_testing.load().handlers()) == {_abi.TARGET_FORWARD_POISONED,
+                                                  _abi.TARGET_BACKWARD_POISONED}
     if getattr(ffi, "has_cuda", False):
         assert set(ffi.cuda_handlers()) == {_abi.TARGET_CUDA_FORWARD,
                                             _abi.TARGET_CUDA_FORWARD_TABLES,

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_nbx import _ffi
+import ffi_testing
 
+_ffi = ffi_testing.load()  # jax_nbx._ffi_testing: the planner's test bindings
 pytestmark = pytest.mark.fast
 
 

@@ -389,9 +389,11 @@ def test_cuda_forward_groups_match_the_handlers_inputs():
     groups (gate_up, down when fused), the biases after them, and a program
     the handler's decoder accepts with exactly those inputs."""
     import jax_nbx as nbx
-    from jax_nbx import _abi, _cuda, _registry
+    from jax_nbx import _abi, _cuda
 
-    ffi = _registry.ffi_module()
+    import ffi_testing
+
+    ffi = ffi_testing.load()  # jax_nbx._ffi_testing: the CUDA handler's decoder
     for name, lists in (("interleaved", False), ("concat_out_in", True), ("out_in", False)):
         ex, *_ = _layout_problem(name, True, lists, 1)
         lay = ex.weight_layout()

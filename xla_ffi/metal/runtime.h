@@ -1,8 +1,9 @@
 // The active Metal device and the account's view of it.
 //
 // At most one device is active: Metal itself on Apple (when the build has it
-// and a GPU is present), a device registered when asked for by its name (the
-// simulated device, "sim", registered by the module: JAX_NBX_METAL=sim or
+// and a GPU is present), a device registered by another module when asked for
+// by its name (the simulated device, "sim": registered by the test-only module
+// jax_nbx._ffi_testing, which the product never links; JAX_NBX_METAL=sim or
 // jax_nbx.metal.use("sim")), else none.  Every
 // buffer the Metal path allocates is a `DeviceBuffer`: counted in the
 // account under "metal:0" (budget: the device's working-set size) before it
@@ -28,9 +29,9 @@ metal::Device* Active();
 // budget to the device's working set.
 std::string Activate(const std::string& which);
 
-// The seam for devices made outside the runtime (the simulated device):
-// Activate(name) then makes the device with `make` (nullptr and why in *error
-// when it cannot).  Registering a name again replaces its factory;
+// The seam for devices made outside the product (the test module's simulated
+// device): Activate(name) then makes the device with `make` (nullptr and why
+// in *error when it cannot).  Registering a name again replaces its factory;
 // "apple" and "none" are the runtime's own.  The factory's code must stay
 // loaded while its device is active (Python never unloads an extension).
 using DeviceFactory = std::unique_ptr<metal::Device> (*)(std::string* error);
