@@ -18,6 +18,7 @@ on sys.path and calls it before collection.
 """
 from __future__ import annotations
 
+import importlib
 import os
 
 import jax
@@ -37,7 +38,7 @@ def load():
     if _loaded is not None:
         return _loaded
     try:
-        from jax_nbx import _ffi_testing as m
+        m = importlib.import_module(MODULE)
     except ModuleNotFoundError as e:
         if e.name != MODULE:
             raise
