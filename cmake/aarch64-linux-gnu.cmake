@@ -1,5 +1,5 @@
-# CMake toolchain file: the _ffi extension cross-compiled for arm64 Linux
-# (aarch64) with Debian's cross toolchain, e.g. .ci/arm64:
+# CMake toolchain file: the C++ (libnbx_core, _ffi and, with NBX_TESTING=ON, _ffi_testing)
+# cross-compiled for arm64 Linux (aarch64) with Debian's cross toolchain, e.g. .ci/arm64:
 #
 #   apt-get install g++-aarch64-linux-gnu libpython3.11-dev:arm64   # after dpkg --add-architecture arm64
 #   cmake -S . -B build/arm64/build -G Ninja \

@@ -8,11 +8,8 @@ import numpy as np
 import pytest
 
 import jax_nbx as nbx
-from jax_nbx import _registry
-
-_registry.register_testing()  # the test-only targets: handlers with NaN-filled output twins
-
-from support.problems import (  # noqa: E402,F401  (the oracles, for every test file)
+from support import ffi_testing
+from support.problems import (  # noqa: F401  (the oracles, for every test file)
     DTYPES,
     NP_ACT,
     TOL,
@@ -27,7 +24,14 @@ from support.problems import (  # noqa: E402,F401  (the oracles, for every test 
     np_silu,
     rel_err,
 )
-from support.runners import selected as _selected_runners  # noqa: E402
+from support.runners import selected as _selected_runners
+
+
+def pytest_configure(config):
+    """jax_nbx._ffi_testing (NBX_TESTING=ON builds) loaded before collection: its poisoned
+    twins registered with XLA, the simulated Metal device installed; a usage error naming
+    the build option where this build lacks it."""
+    ffi_testing.load()
 
 
 def pytest_addoption(parser):
@@ -77,19 +81,10 @@ def isa(request):
 @pytest.fixture
 def metal_sim():
     """The simulated Metal device, fresh for the test (default limits); after
-    it, nothing live on metal:0, no live wrap, no unreported violation."""
-    ffi = nbx._registry.ffi_module()
-    nbx.tables.release_pinned()
-    nbx.metal.use("sim")
-    yield ffi
-    nbx.tables.release_pinned()
-    ffi.metal_sim_hold_completions(False)
-    s = nbx.memory.stats()["metal:0"]
-    assert s["live"] == 0, s
-    assert ffi.metal_sim_state()["live_wraps"] == 0
-    assert ffi.metal_sim_take_violations() == []
-    nbx.tables.set_capacity(256)
-    nbx.metal.use("none")
+    it, nothing live on metal:0, no live wrap, no unreported violation.  Yields
+    the test module (its metal_sim_* controls)."""
+    with ffi_testing.metal_sim() as ffi:
+        yield ffi
 
 
 @pytest.fixture(autouse=True)

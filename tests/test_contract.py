@@ -14,6 +14,7 @@ import jax_nbx as nbx
 from jax_nbx import _registry, contract, formats, reference
 from jax_nbx.backends.cpu import forward_call
 
+from support import ffi_testing
 from conftest import TOL, make_problem, np_glu, np_moe, rel_err
 from support.handlers import ffi_forward as _ffi_forward
 
@@ -23,8 +24,8 @@ pytestmark = pytest.mark.fast
 
 def test_target_names_are_the_abis():
     assert set(ffi.cpu_handlers()) == {contract.TARGET_FORWARD, contract.TARGET_BACKWARD, contract.TARGET_METAL_FORWARD}
-    assert set(ffi.testing_handlers()) == {contract.TARGET_FORWARD_POISONED,
-                                           contract.TARGET_BACKWARD_POISONED}
+    assert set(ffi_testing.load().handlers()) == {contract.TARGET_FORWARD_POISONED,
+                                                  contract.TARGET_BACKWARD_POISONED}
     if getattr(ffi, "has_cuda", False):
         assert set(ffi.cuda_handlers()) == {contract.TARGET_CUDA_FORWARD,
                                             contract.TARGET_CUDA_FORWARD_TABLES,

@@ -1,6 +1,7 @@
 """Our C++ compiles clean under -Wall -Wextra -Werror with GCC and with Clang
-(every source of the module, each with its own instruction-set flags, as
-CMakeLists.txt builds it; jaxlib's and nanobind's headers are system headers).
+(every source under xla_ffi/ -- the core library's, the product module's and the
+test module's -- each with its own instruction-set flags, as CMakeLists.txt
+builds it; jaxlib's and nanobind's headers are system headers).
 
 Clang is installed by .ci/run; where a compiler is missing its case skips."""
 from __future__ import annotations

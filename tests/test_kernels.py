@@ -16,13 +16,16 @@ import pytest
 import jax_nbx.cpu
 from jax_nbx import _ffi
 
+from support import ffi_testing
+
+T = ffi_testing.load()  # jax_nbx._ffi_testing: the testers
 pytestmark = pytest.mark.fast
 
 
-@pytest.mark.parametrize("kernel", _ffi.kernel_names())
+@pytest.mark.parametrize("kernel", T.kernel_names())
 @pytest.mark.parametrize("isa", jax_nbx.cpu.supported_isas())
 def test_kernel(isa, kernel):
-    _sweep(_ffi.run_kernel_tests, isa, kernel)
+    _sweep(T.run_kernel_tests, isa, kernel)
 
 
 def _sweep(run, table: str, kernel: str) -> None:
@@ -31,15 +34,15 @@ def _sweep(run, table: str, kernel: str) -> None:
     failures = run(table, kernel, seed)
     assert not failures, (
         f"{table} {kernel}: {len(failures)} failing cases with seed={seed} (reproduce: "
-        f"jax_nbx._ffi.{run.__name__}({table!r}, {kernel!r}, {seed})); the first 20:\n"
+        f"jax_nbx._ffi_testing.{run.__name__}({table!r}, {kernel!r}, {seed})); the first 20:\n"
         + "\n".join(failures[:20]))
 
 
 def test_unknown_names_raise():
     with pytest.raises(ValueError, match="instruction set"):
-        _ffi.run_kernel_tests("sse1", "gemm1", 0)
+        T.run_kernel_tests("sse1", "gemm1", 0)
     with pytest.raises(ValueError, match="unknown kernel"):
-        _ffi.run_kernel_tests(jax_nbx.cpu.supported_isas()[-1], "gemm3", 0)
+        T.run_kernel_tests(jax_nbx.cpu.supported_isas()[-1], "gemm3", 0)
 
 
 # The bfloat16 dot-product kernels (xla_ffi/cpu/kernels_dot.h): the emulated
@@ -51,14 +54,14 @@ def test_unknown_names_raise():
 # table streams (dot_streaming_tables(): the fma and avx512_bf16 ones; the
 # instruction's tables stream with the fma kernels of their width, so there
 # the check is that the instruction's bits are the documented ones).
-_DOT_CASES = [(table, kernel) for table in _ffi.dot_kernel_tables() for kernel in _ffi.dot_kernel_names()
+_DOT_CASES = [(table, kernel) for table in T.dot_kernel_tables() for kernel in T.dot_kernel_names()
               if (kernel != "semantics" or not table.startswith("avx512_bf16/"))
-              and (not kernel.startswith("stream") or table in _ffi.dot_streaming_tables())]
+              and (not kernel.startswith("stream") or table in T.dot_streaming_tables())]
 
 
 @pytest.mark.parametrize("table, kernel", _DOT_CASES)
 def test_dot_kernel(table, kernel):
-    _sweep(_ffi.run_dot_kernel_tests, table, kernel)
+    _sweep(T.run_dot_kernel_tests, table, kernel)
 
 
 def _cpu_flags() -> set[str]:
@@ -72,7 +75,7 @@ def _cpu_flags() -> set[str]:
 
 
 def test_dot_kernel_tables_follow_the_cpu():
-    tables = set(_ffi.dot_kernel_tables())
+    tables = set(T.dot_kernel_tables())
     assert {"emulated/16x12", "emulated/8x6", "emulated/4x6"} <= tables
     flags = _cpu_flags()
     isas = jax_nbx.cpu.supported_isas()
@@ -80,7 +83,7 @@ def test_dot_kernel_tables_follow_the_cpu():
     assert ({"avx512_bf16/16x12", "avx512_bf16/8x6"} <= tables) == has_bf16
     assert ("fma/8x6" in tables) == ("avx2" in isas)
     assert ("fma/16x12" in tables) == ("avx512" in isas)
-    assert set(_ffi.dot_streaming_tables()) == {t for t in tables if not t.startswith("emulated/")}
+    assert set(T.dot_streaming_tables()) == {t for t in tables if not t.startswith("emulated/")}
     packed = jax_nbx.cpu.isa_families()["packed"]  # the dot tables follow its blocking
     assert jax_nbx.cpu.dot_kernels() == ("emulated" if packed == "generic" else "avx512_bf16" if has_bf16 else "fma")
 
@@ -107,8 +110,8 @@ def test_set_dot_kernels_forces_and_restores():
 
 def test_dot_kernels_unknown_names_raise():
     with pytest.raises(ValueError, match="dot kernels 'amx/16x12'"):
-        _ffi.run_dot_kernel_tests("amx/16x12", "gemm1", 0)
+        T.run_dot_kernel_tests("amx/16x12", "gemm1", 0)
     with pytest.raises(ValueError, match="unknown dot kernel"):
-        _ffi.run_dot_kernel_tests("emulated/16x12", "gemm3", 0)
+        T.run_dot_kernel_tests("emulated/16x12", "gemm3", 0)
     with pytest.raises(ValueError, match="has no streaming kernels"):
-        _ffi.run_dot_kernel_tests("emulated/8x6", "stream1", 0)
+        T.run_dot_kernel_tests("emulated/8x6", "stream1", 0)

@@ -14,6 +14,7 @@ import jax_nbx as nbx
 from jax_nbx import memory
 from jax_nbx.planning import plan_band_tokens
 
+from support import ffi_testing
 from conftest import make_problem, np_moe, rel_err
 
 T, E, K, H, I = 222, 8, 2, 129, 511
@@ -275,7 +276,7 @@ def test_idle_blocks_are_reused_counted_and_give_way(prob, budget):
 
 def _hold(nbytes: int):
     """Bytes held in cpu:0's account as a concurrent call's workspace would be."""
-    return memory._ffi().hold_workspace("cpu", 0, int(nbytes))
+    return ffi_testing.load().hold_workspace("cpu", 0, int(nbytes))
 
 
 def test_plan_ignores_bytes_held_by_concurrent_calls(prob, budget):

@@ -12,7 +12,9 @@ import pytest
 import jax_nbx as nbx
 from jax_nbx import memory
 
-F = nbx._registry.ffi_module()
+from support import ffi_testing
+
+F = ffi_testing.load()  # jax_nbx._ffi_testing: the simulated device's controls, pins, buffers, tables
 PAGE = 16384
 KiB = 1024
 

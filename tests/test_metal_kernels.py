@@ -16,9 +16,10 @@ import pytest
 
 import jax_nbx as nbx
 
+from support import ffi_testing
 from conftest import np_glu
 
-F = nbx._registry.ffi_module()
+F = ffi_testing.load()  # jax_nbx._ffi_testing: the kernels through the MSL emulation
 BM = 32
 KERNELS = pathlib.Path(__file__).resolve().parent.parent / "xla_ffi" / "metal" / "kernels"
 

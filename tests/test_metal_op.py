@@ -14,9 +14,11 @@ import pytest
 import jax_nbx as nbx
 from jax_nbx import memory
 
+from support import ffi_testing
 from conftest import make_problem, np_moe, np_moe_grads, rel_err
 
-F = nbx._registry.ffi_module()
+F = ffi_testing.load()  # jax_nbx._ffi_testing: the simulated device's controls
+P = nbx._registry.ffi_module()  # the product's module: the workspace formula
 
 
 pytestmark = pytest.mark.usefixtures("metal_sim")  # conftest.py: the simulated device
@@ -42,7 +44,7 @@ def test_lists_bands_and_jit_are_bit_identical():
     whole = np.asarray(metal(x, w, ids, ex))
     lists = nbx.Experts(*([a[e] for e in range(5)] for a in (ex.gate, ex.up, ex.down)))
     np.testing.assert_array_equal(np.asarray(metal(x, w, ids, lists)), whole)
-    cap = int(F.metal_forward_workspace_bytes(9, 2, 5, 33, 48))
+    cap = int(P.metal_forward_workspace_bytes(9, 2, 5, 33, 48))
     banded = jax.jit(lambda x: metal(x, w, ids, ex, max_workspace_bytes=cap))(x)
     np.testing.assert_array_equal(np.asarray(banded), whole)
     assert memory.stats()["metal:0"]["peak"] >= cap // 2
@@ -68,13 +70,13 @@ def test_bad_ids_are_named_and_skip_works():
 
 def test_a_budget_too_small_is_refused_with_advice():
     x, w, ids, ex = make_problem(10, 64, 4, 2, 32, 48)
-    one_token = int(F.metal_forward_workspace_bytes(1, 2, 4, 32, 48))
+    one_token = int(P.metal_forward_workspace_bytes(1, 2, 4, 32, 48))
     F.metal_sim_configure(one_token - 1, 2**30, 512)
     with pytest.raises(nbx.DeviceOOMError, match=r"on metal:0; short by .*no band split alone reaches it"):
         metal(x, w, ids, ex)
     F.metal_sim_configure(one_token * 3, 2**30, 512)  # planned into bands that fit
     assert rel_err(metal(x, w, ids, ex), np_moe(x, w, ids, ex)) < 1e-5
-    whole = int(F.metal_forward_workspace_bytes(64, 2, 4, 32, 48))
+    whole = int(P.metal_forward_workspace_bytes(64, 2, 4, 32, 48))
     with pytest.raises(nbx.DeviceOOMError, match=r"jax_nbx account \(metal:0\) refused .* it would fit in"):
         metal(x, w, ids, ex, max_workspace_bytes=whole)  # the cap trusted, the account holds the line
 
@@ -151,7 +153,7 @@ def test_unpinnable_weights_and_refused_staging_are_told_apart():
     where = gate.unsafe_buffer_pointer()
     F.metal_sim_track_host(where, gate.nbytes, False)
     try:
-        budget = int(F.metal_forward_workspace_bytes(4, 2, 8, 64, 128)) + 4096
+        budget = int(P.metal_forward_workspace_bytes(4, 2, 8, 64, 128)) + 4096
         F.metal_sim_configure(budget, 2**30, 512)  # the plan fits; a staged copy (256 KiB) cannot
         with pytest.raises(nbx.DeviceOOMError, match=r"jax_nbx account \(metal:0\) refused .* of staging"):
             metal(x, w, ids, nbx.Experts(gate, ex.up, ex.down))
@@ -231,7 +233,7 @@ def test_the_workspace_buffer_is_pooled_and_gives_way():
     shared-storage buffer instead of a new one; under budget pressure the
     account frees it (the simulated device releases it)."""
     T, E, k, H, I = 64, 2, 2, 1024, 8
-    ws = int(F.metal_forward_workspace_bytes(T, k, E, H, I))
+    ws = int(P.metal_forward_workspace_bytes(T, k, E, H, I))
     assert ws >= 2**20
     x, w, ids, ex = make_problem(21, T, E, k, H, I)
     y1 = np.asarray(metal(x, w, ids, ex))

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_nbx import _ffi
+from support import ffi_testing
 
+T = ffi_testing.load()  # jax_nbx._ffi_testing: the planner's test bindings
 pytestmark = pytest.mark.fast
 
 
@@ -46,7 +47,7 @@ def test_band_plans(seed, pad):
     ids = rng.integers(-2, E + 2, S).astype(np.int32)  # a few out of range (skipped)
     s0 = int(rng.integers(0, S + 1))
     s1 = int(rng.integers(s0, S + 1))
-    plan = _ffi.plan_slots(ids.tolist(), s0, s1, E, pad)
+    plan = T.plan_slots(ids.tolist(), s0, s1, E, pad)
     _check_plan(ids, s0, s1, E, pad, plan, _expected_order(ids, s0, s1, E))
 
 
@@ -62,14 +63,14 @@ def test_expert_major_groups_cover_the_call_once(seed, pad):
     if seed % 2:  # skewed: most slots on one expert (groups split it)
         ids[rng.random(S) < 0.7] = 0
     max_rows = int(rng.integers(pad, 5 * pad + 60)) // pad * pad
-    total = _ffi.count_slots(ids.tolist(), E)
+    total = T.count_slots(ids.tolist(), E)
     assert total == [int(np.sum(ids == e)) for e in range(E)]
     order, frm = [], (0, 0)
     while frm[0] < E:
-        to = _ffi.next_group(total, pad, max_rows, *frm)
+        to = T.next_group(total, pad, max_rows, *frm)
         assert to > frm, "a group makes progress"
         assert to[1] % pad == 0
-        expert_off, real_end, row_slot, _ = _ffi.plan_slots(ids.tolist(), 0, S, E, pad, *frm, *to)
+        expert_off, real_end, row_slot, _ = T.plan_slots(ids.tolist(), 0, S, E, pad, *frm, *to)
         assert expert_off[-1] <= max_rows
         order += [r for r in row_slot if r >= 0]
         frm = to
@@ -81,9 +82,9 @@ def test_chunks_tile_the_real_rows(chunk_rows):
     rng = np.random.default_rng(chunk_rows)
     E, pad = 9, 6
     ids = rng.integers(0, E, 500).astype(np.int32)
-    expert_off, real_end, _, _ = _ffi.plan_slots(ids.tolist(), 0, 500, E, pad)
+    expert_off, real_end, _, _ = T.plan_slots(ids.tolist(), 0, 500, E, pad)
     chunk_rows = max(chunk_rows // pad, 1) * pad  # the forward's: whole m-panels
-    expert, begin, end, cap = _ffi.cut_chunks(expert_off, real_end, chunk_rows)
+    expert, begin, end, cap = T.cut_chunks(expert_off, real_end, chunk_rows)
     assert len(expert) <= cap
     covered = {e: [] for e in range(E)}
     for e, b, n in zip(expert, begin, end):

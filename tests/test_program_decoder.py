@@ -1,5 +1,5 @@
 """The CUDA handler's launch-program decoder (xla_ffi/cuda/program.h), run
-without a GPU through `_ffi.decode_program`: it reads back exactly the
+without a GPU through `_ffi_testing.decode_program`: it reads back exactly the
 launches `plan.py` encodes, and names what is wrong with a malformed program.
 Then the Triton side of the contract: plan, compile and kernels take their
 shared values from `jax_nbx.contract` (xla_ffi/abi.h)."""
@@ -17,7 +17,9 @@ from jax_nbx import _registry, contract  # noqa: E402
 from jax_nbx.backends.cuda import compile as C  # noqa: E402
 from jax_nbx.backends.cuda import plan  # noqa: E402
 
-ffi = _registry.ffi_module()
+import ffi_testing  # noqa: E402
+
+ffi = ffi_testing.load()  # jax_nbx._ffi_testing: the decoder's test bindings
 pytestmark = pytest.mark.fast
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype("float32")

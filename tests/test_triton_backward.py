@@ -349,12 +349,14 @@ def test_cuda_backward_call_matches_the_handlers_contract(lists, bias, monkeypat
     # the program addresses exactly those operands (weights' first buffers, the biases, then dy),
     # dx, dw (and the bias gradients), the weights' and the gradients' tables
     n_in = contract.IN_GROUP0 + n_groups + nb + 1
-    ffi = _registry.ffi_module()
+    from support import ffi_testing
+
+    ffi, decoder = _registry.ffi_module(), ffi_testing.load()  # the product's module, the test module
     args = (attrs["kernels"].size // 7, n_in, 2 * n_groups, int(attrs["workspace_bytes"]), 2 + nb)
-    ffi.decode_program(attrs["program"], *args)
+    decoder.decode_program(attrs["program"], *args)
     if bias:
         with pytest.raises(ValueError, match="bad output index"):
-            ffi.decode_program(attrs["program"], *args[:-1], 2)
+            decoder.decode_program(attrs["program"], *args[:-1], 2)
     assert contract.TARGET_CUDA_BACKWARD in ffi.cuda_handlers() or not ffi.has_cuda
 
 

@@ -394,7 +394,9 @@ def test_cuda_forward_groups_match_the_handlers_inputs():
     from jax_nbx import _registry, contract
     from jax_nbx.backends.cuda import calls as _cuda
 
-    ffi = _registry.ffi_module()
+    from support import ffi_testing
+
+    ffi = ffi_testing.load()  # jax_nbx._ffi_testing: the CUDA handler's decoder
     for name, lists in (("interleaved", False), ("concat_out_in", True), ("out_in", False)):
         ex, *_ = _layout_problem(name, True, lists, 1)
         lay = ex.weight_layout()

@@ -1,4 +1,7 @@
-// The nanobind module jax_nbx._ffi: handler capsules and the account's view.
+// The nanobind module jax_nbx._ffi: the product's bindings (handler capsules,
+// the account's view, the CPU and Metal settings).  The C++ behind them is the
+// core library (libnbx_core, CMakeLists.txt); the test-only bindings are the
+// other module's, jax_nbx._ffi_testing (testing/module.cc, NBX_TESTING=ON).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -9,16 +12,9 @@
 #include "cpu/kernel_table.h"
 #include "cpu/moe_backward.h"
 #include "cpu/moe_forward.h"
-#include "metal/library_source.h"
 #include "metal/moe_metal.h"
 #include "metal/runtime.h"
 #include "metal/tables.h"
-#include "testing/account_tests.h"
-#include "testing/metal_tests.h"
-#include "testing/poisoned_targets.h"
-#include "testing/kernel_tests.h"
-#include "testing/planner_tests.h"
-#include "testing/program_tests.h"
 #ifdef NBX_WITH_CUDA
 #include "cuda/moe_cuda.h"
 #endif
@@ -72,8 +68,6 @@ NB_MODULE(_ffi, m) {
     d[nbx::abi::kTargetMetalForward] = Capsule(nbx::FusedMoeForwardMetal);
     return d;
   }, "Handler capsules for platform 'cpu', keyed by FFI target name.");
-  m.def("testing_handlers", &nbx::TestingHandlers,
-        "Test-only handler capsules for platform 'cpu' (xla_ffi/testing/).");
   m.def("set_profile", [](bool on) { nbx::ProfileStages().store(on); },
         "Prints the CPU handlers' stage timings to stderr (JAX_NBX_PROFILE).");
 
@@ -197,7 +191,8 @@ NB_MODULE(_ffi, m) {
   // The Metal layer (xla_ffi/metal/): the active device and its pointer tables.
   m.attr("has_metal_apple") = nbx::metal::HasAppleImplementation();
   m.def("metal_activate", [](const std::string& which) { return nbx::metal::Activate(which); },
-        "Activates 'apple', 'sim' or 'none'; returns '' or why not.");
+        "Activates 'apple', 'none' or a registered device ('sim': registered by the test-only "
+        "jax_nbx._ffi_testing); returns '' or why not.");
   m.def("metal_info", []() -> std::optional<nb::dict> {
     nbx::metal::Device* d = nbx::metal::Active();
     if (d == nullptr) return std::nullopt;
@@ -231,16 +226,8 @@ NB_MODULE(_ffi, m) {
     return nbx::SaturatedBytes(nbx::MetalForwardWorkspaceBytes(tokens, k, E, H, I));
   }, "metal:0 workspace bytes of one Metal forward band of `tokens` tokens.");
   m.def("metal_release_pinned", []() { return nbx::metal::Tables::Get().ReleasePinned(); });
-  m.def("metal_library_source", []() { return std::string(nbx::metal::LibrarySource()); },
-        "The Metal kernels' library source as the Apple device compiles it.");
   m.def("metal_command_buffer_flops", []() { return nbx::metal::CommandBufferFlops(); });
   m.def("metal_set_command_buffer_flops", [](int64_t f) { nbx::metal::SetCommandBufferFlops(f); },
         "The bound on one Metal command buffer's GEMM flops (<= 0: the default).");
   m.def("metal_table_set_capacity", [](int64_t n) { nbx::metal::Tables::Get().SetCapacity(n); });
-
-  nbx::BindKernelTests(m);
-  nbx::BindProgramTests(m);
-  nbx::BindPlannerTests(m);
-  nbx::BindAccountTests(m);
-  nbx::BindMetalTests(m);
 }

@@ -2,10 +2,11 @@
 environment's settings applied to it, once, here.
 
 The lowest layer of the package: it imports nothing of jax_nbx but the
-compiled module, the contract (`_abi`) and the environment (`_env`), so
-every other module may import it and the state it sets up (budget,
-instruction set, profiling, table capacity) does not depend on which module
-was imported first.
+compiled module, the contract (`_abi`) and the environment (`_env`) (and,
+asked for the simulated Metal device by name, the test module that registers
+it: `metal_activate`), so every other module may import it and the state it
+sets up (budget, instruction set, profiling, table capacity) does not depend
+on which module was imported first.
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ CUDA_FORWARD_TARGET = contract.TARGET_CUDA_FORWARD
 CUDA_FORWARD_TABLES_TARGET = contract.TARGET_CUDA_FORWARD_TABLES
 
 _PLATFORMS: list[str] = []
-_TESTING_REGISTERED = False
 
 try:
     from . import _ffi
@@ -38,16 +38,6 @@ def ffi_module():
     if _ffi is None:
         raise RuntimeError(f"jax_nbx's compiled module failed to import: {_IMPORT_ERROR}")
     return _ffi
-
-
-def register_testing() -> None:
-    """Registers the test-only targets (xla_ffi/testing/: the handlers with
-    NaN-filled output twins).  Called by the test suite, never by the product."""
-    global _TESTING_REGISTERED
-    if not _TESTING_REGISTERED:
-        for name, capsule in ffi_module().testing_handlers().items():
-            jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-        _TESTING_REGISTERED = True
 
 
 def cuda_unavailable_reason() -> str:
@@ -99,6 +89,27 @@ def _apply_environment() -> None:
 
 METAL_UNAVAILABLE = ""  # why no Metal device is active ("" when one is)
 
+# Metal devices that are not the product's, by name: the module that registers
+# each in the core's Metal runtime when it is imported.  The simulated device is
+# test-only (jax_nbx._ffi_testing, built with NBX_TESTING=ON): asking for it by
+# name (JAX_NBX_METAL=sim, metal.use("sim")) imports that module where it is
+# installed; `import jax_nbx` alone never does.  Where it is not, the runtime's
+# refusal says how to build it.
+_DEVICE_MODULES = {"sim": "jax_nbx._ffi_testing"}
+
+
+def metal_activate(which: str) -> str:
+    """Activates the Metal device `which` ("apple", "none" or a registered
+    name); returns "" or why not."""
+    module = _DEVICE_MODULES.get(which)
+    if module is not None:
+        try:
+            importlib.import_module(module)  # registers the device (once: an import)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+    return ffi_module().metal_activate(which)
+
 
 def _activate_metal(which: str | None, budget: int | None) -> None:
     """The Metal device: JAX_NBX_METAL's choice (an error names it), else
@@ -108,13 +119,14 @@ def _activate_metal(which: str | None, budget: int | None) -> None:
     requested = which is not None
     if which is None:
         which = "apple" if _ffi.has_metal_apple else "none"
-    why = _ffi.metal_activate(which)
+    why = metal_activate(which)
     if why and requested:
         raise ValueError(f"JAX_NBX_METAL={which}: {why}")
     if which == "none" or why:
         METAL_UNAVAILABLE = why or ("JAX_NBX_METAL=none" if requested else
                                     "this build of jax_nbx has no Metal implementation (it is "
-                                    "compiled only on Apple; JAX_NBX_METAL=sim runs the simulated device)")
+                                    "compiled only on Apple; JAX_NBX_METAL=sim runs the simulated device "
+                                    "of a test build, NBX_TESTING=ON)")
         return
     METAL_UNAVAILABLE = ""
     if budget is not None:

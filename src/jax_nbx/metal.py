@@ -11,7 +11,10 @@ Two implementations (xla_ffi/metal/): Metal itself, compiled only when the
 package is built on Apple, and a **simulated device** (portable, strict where
 Metal is silent) that the tests run on Linux.  The simulated device is used
 only when asked for (``JAX_NBX_METAL=sim`` or ``use("sim")``): it is never a
-user's fast path.  Every byte the Metal path allocates is counted in the
+user's fast path, and it is test-only: it lives in the test module
+``jax_nbx._ffi_testing`` (built with ``NBX_TESTING=ON``, the README's test
+command), which asking for it imports; other builds refuse it, saying so.
+Every byte the Metal path allocates is counted in the
 account under ``"metal:0"``, whose budget is the device's working-set size
 (``recommendedMaxWorkingSetSize``; ``JAX_NBX_BUDGET`` or
 ``jax_nbx.memory.set_budget(..., "metal", 0)`` override it).
@@ -70,7 +73,7 @@ def use(which: str) -> None:
     """Activates ``"apple"``, ``"sim"`` or ``"none"`` (refused by name while
     the account holds bytes on metal:0: release pinned tables first); sets
     metal:0's budget to the device's working set."""
-    why = _registry.ffi_module().metal_activate(which)
+    why = _registry.metal_activate(which)
     if why:
         raise ValueError(f"jax_nbx.metal.use({which!r}): {why}")
     _registry.METAL_UNAVAILABLE = "" if which != "none" else "jax_nbx.metal.use('none')"

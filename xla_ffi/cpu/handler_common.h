@@ -203,10 +203,10 @@ inline xla::ffi::Error CheckSlots(int64_t T, int64_t k, int64_t E, int64_t pad) 
 }
 
 // Whether Stages print (set from Python: jax_nbx/_env.py's JAX_NBX_PROFILE).
-inline std::atomic<bool>& ProfileStages() {
-  static std::atomic<bool> on{false};
-  return on;
-}
+// Defined in handler_common.cc, in the core library: not inline, so that every
+// module reads the one flag the handlers read (an inline function's static
+// would be one copy per module, the modules' symbols being hidden).
+std::atomic<bool>& ProfileStages();
 
 // Stage timings (when profiling: one line per band or group on stderr): wall
 // time and the process's CPU time (all threads), which a shared machine

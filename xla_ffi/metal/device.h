@@ -6,9 +6,11 @@
 // shared-storage buffer has one address space for CPU and GPU, and host pages
 // can be wrapped in place (no copy).  Two implementations:
 //   apple_device.mm  Metal itself (compiled only when CMake targets Apple)
-//   sim_device.cc    a simulated device (portable, built everywhere, used by
-//                    the tests) that is strict where Metal is silent
-// Neither is chosen here: runtime.h holds the active one.
+//   sim_device.cc    a simulated device (portable, strict where Metal is
+//                    silent): test-only, built into jax_nbx._ffi_testing
+//                    (NBX_TESTING=ON), which registers it in the runtime
+// Neither is chosen here: runtime.h holds the active one (and the seam,
+// RegisterDevice, through which a device made elsewhere is installed).
 #pragma once
 
 #include <cstdint>

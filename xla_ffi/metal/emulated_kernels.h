@@ -2,6 +2,7 @@
 // device through the MSL emulation (msl_emulation.h): their arithmetic and
 // indexing are tested on Linux; on Apple the same source is compiled by Metal
 // and the same dispatches (dispatch.h) are encoded by apple_device.mm.
+// Test-only, with the simulated device: built into jax_nbx._ffi_testing.
 #pragma once
 
 #include <string>

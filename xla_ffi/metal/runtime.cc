@@ -9,8 +9,6 @@
 #include <mutex>
 #include <utility>
 
-#include "metal/sim_device.h"
-
 namespace nbx::metal {
 
 #ifdef NBX_WITH_METAL
@@ -28,6 +26,7 @@ namespace {
 struct State {
   std::mutex mu;
   std::unique_ptr<metal::Device> device;
+  std::map<std::string, DeviceFactory> factories;  // RegisterDevice's
 };
 State& S() {
   static State s;
@@ -37,7 +36,10 @@ State& S() {
 
 metal::Device* Active() { return S().device.get(); }
 
-SimDevice* ActiveSim() { return dynamic_cast<SimDevice*>(S().device.get()); }
+void RegisterDevice(const std::string& name, DeviceFactory make) {
+  std::lock_guard<std::mutex> lock(S().mu);
+  S().factories[name] = make;
+}
 
 bool HasAppleImplementation() {
 #ifdef NBX_WITH_METAL
@@ -95,8 +97,16 @@ std::string Activate(const std::string& which) {
     return "cannot switch the Metal device while the account holds " + FormatBytes(st.live) +
            " on metal:0";
   std::unique_ptr<metal::Device> next;
-  if (which == "sim") {
-    next = std::make_unique<SimDevice>(SimDevice::Config{});
+  if (auto f = S().factories.find(which);
+      f != S().factories.end() && which != "apple" && which != "none") {
+    std::string err;
+    next = f->second(&err);
+    if (next == nullptr) return err;
+  } else if (which == "sim") {
+    // registered by the test-only module (xla_ffi/testing/module.cc), which `import jax_nbx` never loads
+    return "the simulated Metal device is test-only: it lives in jax_nbx._ffi_testing (registered "
+           "when that module is imported), built only with NBX_TESTING=ON (the README's test "
+           "command: pip install -e \".[test]\" --config-settings=cmake.define.NBX_TESTING=ON)";
   } else if (which == "apple") {
 #ifdef NBX_WITH_METAL
     std::string err;

@@ -1,8 +1,10 @@
 // The active Metal device and the account's view of it.
 //
 // At most one device is active: Metal itself on Apple (when the build has it
-// and a GPU is present), the simulated device when asked for
-// (JAX_NBX_METAL=sim, applied by jax_nbx/_registry.py), else none.  Every
+// and a GPU is present), a device registered by another module when asked for
+// by its name (the simulated device, "sim": registered by the test-only module
+// jax_nbx._ffi_testing, which the product never links; JAX_NBX_METAL=sim or
+// jax_nbx.metal.use("sim")), else none.  Every
 // buffer the Metal path allocates is a `DeviceBuffer`: counted in the
 // account under "metal:0" (budget: the device's working-set size) before it
 // exists, and counted free the moment it is released, while the buffer itself
@@ -10,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "account.h"
@@ -17,17 +20,23 @@
 
 namespace nbx::metal {
 
-class SimDevice;
-
 inline nbx::Device Ledger() { return nbx::Device{"metal", 0}; }
 
 // The active device, or nullptr.
 metal::Device* Active();
-// The active device when it is the simulated one (tests), else nullptr.
-SimDevice* ActiveSim();
-// "none", "sim" or "apple"; returns "" or why not (e.g. no Metal in this
-// build).  Activating sets metal:0's budget to the device's working set.
+// "none", "apple" or a registered name ("sim"); returns "" or why not (e.g. no
+// Metal in this build, the name not registered).  Activating sets metal:0's
+// budget to the device's working set.
 std::string Activate(const std::string& which);
+
+// The seam for devices made outside the product (the test module's simulated
+// device): Activate(name) then makes the device with `make` (nullptr and why
+// in *error when it cannot).  Registering a name again replaces its factory;
+// "apple" and "none" are the runtime's own.  The factory's code must stay
+// loaded while its device is active (Python never unloads an extension).
+using DeviceFactory = std::unique_ptr<metal::Device> (*)(std::string* error);
+void RegisterDevice(const std::string& name, DeviceFactory make);
+
 // Whether this build has the Apple implementation (compiled only on Apple).
 bool HasAppleImplementation();
 // Devices of this machine's Metal: 1 when one is active (Apple silicon has one GPU).

@@ -3,6 +3,7 @@
 
 #include "metal/dispatch.h"
 #include "metal/emulated_kernels.h"
+#include "metal/runtime.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -13,6 +14,12 @@ namespace nbx::metal {
 namespace {
 std::string Bytes(int64_t n) { return std::to_string(n) + " bytes"; }
 }  // namespace
+
+std::unique_ptr<Device> NewSimDevice(std::string*) {
+  return std::make_unique<SimDevice>(SimDevice::Config{});
+}
+
+SimDevice* ActiveSim() { return dynamic_cast<SimDevice*>(Active()); }
 
 SimDevice::~SimDevice() {
   std::lock_guard<std::mutex> lock(mu_);

@@ -1,6 +1,8 @@
-// The simulated Metal device: portable C++, built everywhere, used by the
-// tests (JAX_NBX_METAL=sim).  Faithful to what device.h promises and loud
-// where Metal would be silent:
+// The simulated Metal device: portable C++, test-only: built into the test
+// module jax_nbx._ffi_testing (CMake NBX_TESTING=ON), never into the product,
+// which registers it in the product's runtime under "sim" (runtime.h
+// RegisterDevice; JAX_NBX_METAL=sim).  Faithful to what device.h promises and
+// loud where Metal would be silent:
 //   - GPU addresses come from a synthetic range (from 2^52, above every
 //     x86-64/arm64 user-space address) with an unmapped gap after each
 //     buffer; resolving an address that no live buffer or wrap covers, or one
@@ -18,6 +20,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
@@ -113,5 +116,11 @@ class SimDevice final : public Device {
   int64_t command_buffers_ = 0;
   std::map<std::thread::id, std::vector<std::string>> failures_;  // by committing thread
 };
+
+// A simulated device of the default limits: the factory the test module
+// registers under "sim" (runtime.h RegisterDevice).
+std::unique_ptr<Device> NewSimDevice(std::string* error);
+// The active device when it is the simulated one, else nullptr.
+SimDevice* ActiveSim();
 
 }  // namespace nbx::metal

@@ -1,0 +1,102 @@
+"""The product apart from its tests: `import jax_nbx` loads the product's module
+jax_nbx._ffi and never the test-only jax_nbx._ffi_testing (NBX_TESTING=ON
+builds), whose bindings the product's module does not have; both link one
+core library, so what the test module reaches is the product's own state."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import jax_nbx as nbx
+from jax_nbx import _registry
+
+from support import ffi_testing
+
+pytestmark = pytest.mark.fast
+
+_ENV = {k: v for k, v in os.environ.items() if k not in ("JAX_NBX_METAL",)}
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_ENV,
+                          timeout=300)
+
+
+def test_import_and_a_call_never_load_the_test_module():
+    code = """
+import sys
+import jax.numpy as jnp
+import numpy as np
+import jax_nbx as nbx
+
+rng = np.random.default_rng(0)
+x = jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
+ex = nbx.Experts(*(jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((4, 8, 5), (4, 8, 5), (4, 5, 8))))
+w, ids = nbx.route(jnp.asarray(rng.standard_normal((3, 4)), jnp.float32), 2)
+y = nbx.fused_moe(x, w, ids, ex)
+assert y.shape == (3, 8) and bool(jnp.all(jnp.isfinite(y)))
+assert "jax_nbx._ffi_testing" not in sys.modules, "import jax_nbx loaded the test module"
+names = dir(nbx._registry.ffi_module())
+test_only = [n for n in names if n in ("testing_handlers", "handlers", "run_kernel_tests", "kernel_names",
+                                       "plan_slots", "hold_workspace", "decode_program",
+                                       "metal_library_source", "metal_order_slots", "metal_pin",
+                                       "metal_buffer", "metal_table", "metal_commit")
+             or n.startswith(("metal_sim", "metal_run", "run_", "dot_kernel"))]
+assert test_only == [], test_only
+print("ok")
+"""
+    out = _run(code)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stdout + out.stderr[-3000:]
+
+
+def test_the_product_module_has_none_of_the_test_modules_bindings():
+    product, testing = _registry.ffi_module(), ffi_testing.load()
+    shared = {n for n in dir(product) if not n.startswith("__")} & set(dir(testing))
+    assert shared == set(), f"bound in both modules: {sorted(shared)}"
+
+
+def test_the_simulated_device_without_the_test_module_is_refused_by_name():
+    # the test module made unimportable: what a build without NBX_TESTING=ON says
+    code = """
+import sys
+
+class _Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name == "jax_nbx._ffi_testing":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, _Hide())
+import jax_nbx as nbx
+try:
+    nbx.metal.use("sim")
+except ValueError as e:
+    print(e)
+"""
+    out = _run(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "the simulated Metal device is test-only: it lives in jax_nbx._ffi_testing" in out.stdout
+    assert "NBX_TESTING=ON" in out.stdout
+    bad = subprocess.run([sys.executable, "-c", code.split("import jax_nbx as nbx")[0] + "import jax_nbx"],
+                         capture_output=True, text=True, env={**_ENV, "JAX_NBX_METAL": "sim"}, timeout=300)
+    assert bad.returncode != 0 and "JAX_NBX_METAL=sim: the simulated Metal device is test-only" in bad.stderr
+
+
+def test_both_modules_reach_one_account_and_one_metal_runtime():
+    testing = ffi_testing.load()
+    before = nbx.memory.stats()["cpu:0"]["live"]
+    hold = testing.hold_workspace("cpu", 0, 1 << 20)  # through the test module's binding
+    try:
+        assert nbx.memory.stats()["cpu:0"]["live"] == before + (1 << 20)  # seen by the product's
+    finally:
+        hold.release()
+    nbx.tables.release_pinned()
+    nbx.metal.use("sim")  # the product's runtime activates the device the test module registered
+    try:
+        assert nbx.metal.implementation() == "sim"
+        testing.metal_sim_configure(3 * 2**20, 2**20, 64)  # the test module's view of the active device
+        assert nbx.memory.budget("metal") == 3 * 2**20
+    finally:
+        nbx.metal.use("none")
