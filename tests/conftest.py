@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jax_nbx as nbx
+
 from support import ffi_testing
 from support.problems import (  # noqa: F401  (the oracles, for every test file)
     DTYPES,

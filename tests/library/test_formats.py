@@ -36,10 +36,10 @@ def test_the_registry_holds_every_format_of_the_contract():
 
 def test_the_spec_drives_validation():
     _, _, _, ex = make_problem(1, 2, 4, 2, 64, 32)
-    q = nbx.quantize(ex, "int4", group_size=32).down
+    q = nbx.quantize(ex, "int4", group_size=32).gate  # [E=4, K=64, N=32]
     with pytest.raises(TypeError, match=r"w.zero has dtype bfloat16; expected the scale's float32"):
         nbx.QuantizedWeight(q.q, q.scale, q.zero.astype(jnp.bfloat16), kind="int4", group_size=32).validate("w")
-    with pytest.raises(ValueError, match=r"w.scale has shape \(4, 1, 64\); expected \(4, 2, 64\)"):
+    with pytest.raises(ValueError, match=r"w.scale has shape \(4, 1, 32\); expected \(4, 2, 32\)"):
         nbx.QuantizedWeight(q.q, q.scale[:, :1], q.zero[:, :1], kind="int4", group_size=16 * 2).validate("w")
     with pytest.raises(ValueError, match=r"group_size must be one of \(32, 64, 128\) for int4; got 48"):
         nbx.QuantizedWeight(q.q, q.scale, q.zero, kind="int4", group_size=48).validate("w")

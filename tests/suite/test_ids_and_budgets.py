@@ -12,7 +12,7 @@ import pytest
 
 import jax_nbx as nbx
 
-from support.problems import make_problem, np_moe, rel_err
+from support.problems import as_lists, make_problem, np_moe, rel_err
 from support.runners import BANDS
 
 T, E, K, H, I = 12, 8, 2, 33, 20
@@ -32,6 +32,8 @@ def test_a_bad_id_is_named_eagerly_and_under_jit(backend, prob):
         jax.block_until_ready(backend(x, w, bad, ex))
     with pytest.raises(jax.errors.JaxRuntimeError, match=match):
         jax.block_until_ready(jax.jit(backend.__call__)(x, w, jnp.asarray(bad), ex))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=match):  # per-expert lists
+        jax.block_until_ready(backend(x, w, bad, as_lists(ex)))
     # the backend recovers: the next call with good ids runs
     assert rel_err(backend(x, w, ids, ex), np_moe(x, w, ids, ex)) < backend.tol(x.dtype)
 
@@ -83,10 +85,10 @@ def test_a_budget_too_small_for_one_token_is_refused_with_advice(backend, prob):
     backend.require(BANDS)
     x, w, ids, ex = prob
     b, p = nbx.ops.resolve(x, w, ids, ex, implementation=backend.implementation)
-    one = b.workspace_bytes(p, 1)
+    one = b.workspace_bytes(p, 1, T)
     with pytest.raises(nbx.DeviceOOMError, match=r"fused_moe workspace for T=12 tokens .*no band split alone "
                                                  r"reaches it"):
         backend(x, w, ids, ex, max_workspace_bytes=one - 1)
     # a cap of three tokens: bands of three, the whole result
-    y = backend(x, w, ids, ex, max_workspace_bytes=b.workspace_bytes(p, 3))
+    y = backend(x, w, ids, ex, max_workspace_bytes=b.workspace_bytes(p, 3, T))
     assert rel_err(y, np_moe(x, w, ids, ex)) < backend.tol(x.dtype)

@@ -41,6 +41,9 @@ def test_vmap_with_shared_experts(backend):
     # an empty batch
     y0 = jax.vmap(f)(jnp.zeros((0, 10, 33)), jnp.zeros((0, 10, 2)), jnp.zeros((0, 10, 2), jnp.int32))
     assert y0.shape == (0, 10, 33)
+    # per-expert lists shared across the batch
+    yl = jax.vmap(lambda x_: backend(x_, wb[0], ib[0], as_lists(ex)))(jnp.stack([xb[0], -xb[0]]))
+    assert rel_err(yl[1], np_moe(-xb[0], wb[0], ib[0], ex)) < backend.tol(x.dtype)
 
 
 def test_vmap_with_experts_per_element(backend):

@@ -74,9 +74,9 @@ class InterpretedCuda(Backend):
 
     device = "cpu"  # the interpreter's workspace is host memory; planned against cpu:0's budget
 
-    def workspace_bytes(self, problem: Problem, tokens: int) -> int:
+    def workspace_bytes(self, problem: Problem, tokens: int, call_tokens: int | None = None) -> int:
         p = problem
-        return P.band_workspace(tokens, p.k, p.E, p.H, p.I, p.w_dtype, None, p.quant)
+        return P.band_workspace(tokens, p.k, p.E, p.H, p.I, p.w_dtype, None, p.quant, call_tokens)
 
     def forward(self, problem, band_tokens, x, w, ids, experts):
         arrays = (*experts.flat(), *experts.handler_biases())

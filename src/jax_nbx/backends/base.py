@@ -98,10 +98,10 @@ class Backend:
     #: "metal"); None: no workspace of its own (the reference)
     device: str | None = None
 
-    def workspace_bytes(self, problem: Problem, tokens: int) -> int:
-        """Bytes of workspace one band of ``tokens`` tokens takes (0 tokens:
-        the part that does not shrink with the band): the formula the
-        handler allocates by."""
+    def workspace_bytes(self, problem: Problem, tokens: int, call_tokens: int | None = None) -> int:
+        """Bytes of workspace one band of ``tokens`` tokens takes in a call of
+        ``call_tokens`` tokens (default ``tokens``; 0 tokens: the part that
+        does not shrink with the band): the formula the handler allocates by."""
         return 0
 
     def plan(self, problem: Problem, T: int) -> int:
@@ -114,7 +114,7 @@ class Backend:
         from ..planning import plan_bands
 
         p = problem
-        return plan_bands(lambda t: self.workspace_bytes(p, t), T, p.H, self.device, p.max_workspace_bytes,
+        return plan_bands(lambda t: self.workspace_bytes(p, t, T), T, p.H, self.device, p.max_workspace_bytes,
                           f"({self.name}, E={p.E} k={p.k} H={p.H} I={p.I})")
 
     def forward(self, problem: Problem, band_tokens: int, x: jax.Array, w: jax.Array, ids: jax.Array,

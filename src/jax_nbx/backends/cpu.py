@@ -107,7 +107,7 @@ class CpuBackend(Backend):
 
     device = "cpu"
 
-    def workspace_bytes(self, problem: Problem, tokens: int) -> int:
+    def workspace_bytes(self, problem: Problem, tokens: int, call_tokens: int | None = None) -> int:
         return memory.fused_moe_workspace_bytes(tokens, problem.k, problem.E, problem.H, problem.I,
                                                 bf16_dot=problem.bf16_dot)
 

@@ -40,7 +40,7 @@ class MetalBackend(Backend):
 
     device = "metal"
 
-    def workspace_bytes(self, problem: Problem, tokens: int) -> int:
+    def workspace_bytes(self, problem: Problem, tokens: int, call_tokens: int | None = None) -> int:
         p = problem
         return int(_registry.ffi_module().metal_forward_workspace_bytes(tokens, p.k, p.E, p.H, p.I))
 

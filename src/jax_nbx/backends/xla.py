@@ -53,4 +53,6 @@ class XlaBackend(Backend):
     def forward(self, problem: Problem, band_tokens: int, x, w, ids, experts: Experts) -> jax.Array:
         if not problem.skip_outside:
             ids = checked_ids(ids, problem.E)
+        if problem.quant is not None:  # quantized weights are frozen, as on every backend
+            experts = jax.tree.map(jax.lax.stop_gradient, experts)
         return moe_reference(x, w, ids, experts, problem.activation)

@@ -35,11 +35,11 @@ class CudaBackend(Backend):
 
     device = "cuda"
 
-    def workspace_bytes(self, problem: Problem, tokens: int) -> int:
+    def workspace_bytes(self, problem: Problem, tokens: int, call_tokens: int | None = None) -> int:
         from . import calls
 
         return calls.band_workspace_bytes(tokens, problem.k, problem.E, problem.H, problem.I, problem.w_dtype,
-                                          problem.quant)
+                                          problem.quant, call_tokens)
 
     def plan(self, problem: Problem, T: int) -> int:
         from . import calls

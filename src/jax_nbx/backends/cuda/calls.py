@@ -64,10 +64,11 @@ def ensure_budget(ordinal: int = 0) -> None:
         memory.set_budget(limit // 2, "cuda", ordinal)
 
 
-def band_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int, wdtype, quant=None) -> int:
-    """Bytes of one band's workspace on cuda:0 (`plan.band_workspace`, the
-    device's tile configs)."""
-    return P.band_workspace(tokens, k, E, H, I, wdtype, _device(0).device_kind, quant)
+def band_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int, wdtype, quant=None,
+                         call_tokens: int | None = None) -> int:
+    """Bytes of one band's workspace on cuda:0 in a call of ``call_tokens``
+    tokens (`plan.band_workspace`, the device's tile configs)."""
+    return P.band_workspace(tokens, k, E, H, I, wdtype, _device(0).device_kind, quant, call_tokens)
 
 
 def plan_band_tokens(T: int, k: int, E: int, H: int, I: int, wdtype,
@@ -77,7 +78,7 @@ def plan_band_tokens(T: int, k: int, E: int, H: int, I: int, wdtype,
     name = _device(0).device_kind
 
     def need(t: int) -> int:
-        return P.band_workspace(t, k, E, H, I, wdtype, name, quant)
+        return P.band_workspace(t, k, E, H, I, wdtype, name, quant, call_tokens=T)
 
     return plan_bands(need, T, H, "cuda", max_workspace_bytes,
                              f"(E={E} k={k} H={H} I={I}) on cuda:0")

@@ -213,10 +213,12 @@ def max_mblocks(slots: int, E: int, BM: int) -> int:
 
 
 def band_workspace(tokens: int, k: int, E: int, H: int, I: int, wdtype, device_name=None,
-                   quant=None) -> int:
-    """Bytes of workspace of one band of ``tokens`` tokens (0: the fixed part)."""
+                   quant=None, call_tokens: int | None = None) -> int:
+    """Bytes of workspace of one band of ``tokens`` tokens (0: the fixed part)
+    in a call of ``call_tokens`` tokens (default: ``tokens``; the call's slots
+    choose the kernels and their tiles, the same for every band)."""
     return _build(tokens, tokens, k, E, H, I, np.float32, wdtype, 0, device_name,
-                  layout_only=True, quant=quant).workspace_bytes
+                  layout_only=True, quant=quant, call_slots=(call_tokens or tokens) * k).workspace_bytes
 
 
 def build(T: int, band: int, k: int, E: int, H: int, I: int, xdtype, wdtype,
@@ -231,7 +233,7 @@ def build(T: int, band: int, k: int, E: int, H: int, I: int, xdtype, wdtype,
     `jax_nbx.experts.WeightLayout` of the weights (abi.h "weight views": the
     kernels read them through its views, and its biases); None: plain."""
     return _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name,
-                  w_aligned=w_aligned, quant=quant, layout=layout)
+                  w_aligned=w_aligned, quant=quant, layout=layout, call_slots=T * k)
 
 
 def plain_views(H: int, I: int) -> tuple[tuple[int, int, int], ...]:
@@ -304,7 +306,7 @@ def _fill(launches: list, off: int, count: int, value: int) -> None:
 
 
 def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
-           w_aligned=True, layout_only=False, quant=None, layout=None) -> Program:
+           w_aligned=True, layout_only=False, quant=None, layout=None, call_slots=0) -> Program:
     band = max(1, min(int(band) or T, T)) if T else 1
     xdtype, wdtype = np.dtype(xdtype), np.dtype(wdtype)
     a = Activation(contract.ACTIVATIONS[activation]) if isinstance(activation, int) else activation
@@ -321,7 +323,11 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
     ieee = wdtype == np.float32
     hdtype = np.dtype("float32") if ieee else wdtype
     n = band * k
-    decode = use_decode(n)
+    # the call's slots choose the path (decode or prefill), the split of K and
+    # the tiles, so every band of a call runs the same kernels: bands give the
+    # bits of one band
+    m = max(call_slots, n)
+    decode = use_decode(m)
     # the expert-id check: one word per slot on the decode path (decode1 writes
     # each, no fill), else one word (filled, then lowered by `count`)
     err_words = max(1, T * k) if decode else 1
@@ -359,8 +365,8 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
     rows = k
     if decode:
         BN, BK = 64, 64
-        KCH1, S1 = split_k(H, n * -(-I // BN), BK)
-        KCH2, S2 = split_k(I, n * -(-H // BN), BK)
+        KCH1, S1 = split_k(H, m * -(-I // BN), BK)
+        KCH2, S2 = split_k(I, m * -(-H // BN), BK)
         rows = k * S2
         part_off = lay.take(n * S1 * 2 * I * 4)
         out_off = lay.take(n * S2 * H * 4)
@@ -369,7 +375,7 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         d2 = Kernel("decode2", common + (("E", E), ("W_ALIGNED", w_aligned)) + qc + v2 + act
                     + (("S1", S1), ("KCH", KCH2), ("S", S2), ("BN", BN), ("BK", BK)), 4, 1)
     else:
-        c1, c2 = gemm_configs(n, E, H, I, wdtype, device_name,
+        c1, c2 = gemm_configs(m, E, H, I, wdtype, device_name,
                               f"{kind}g{gsize}" if kind == "int4" else (kind or ""))
         BM = c1.BM
         assert c2.BM == BM, "gemm1 and gemm2 share the row blocks"

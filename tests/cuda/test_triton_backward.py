@@ -312,7 +312,7 @@ def test_cuda_backward_call_matches_the_handlers_contract(lists, bias, monkeypat
     if lists:
         ex = nbx.Experts(*([a[e] for e in range(E)] for a in (ex.gate, ex.up, ex.down)))
     if bias:  # gpt-oss's experts: interleaved gate_up [E, H, 2I] with biases
-        from test_layouts import stored
+        from support.layouts import stored
 
         r = np.random.default_rng(2)
         ex = stored("interleaved", gate.astype(np.float32), up.astype(np.float32),
@@ -378,7 +378,7 @@ def test_every_layout_read_and_written_in_place(name, lists, bias):
 
 
 def _layout_case(name, lists, bias, band=None):
-    from test_layouts import canonical, stored
+    from support.layouts import canonical, stored
 
     E, k, H, I, T = 5, 2, 21, 13, 33
     rng = np.random.default_rng(LAYOUT_NAMES.index(name) + 10 * bias)

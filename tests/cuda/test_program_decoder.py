@@ -9,15 +9,14 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import ffi_testing  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jax_nbx import _registry, contract  # noqa: E402
+from jax_nbx import contract  # noqa: E402
 from jax_nbx.backends.cuda import compile as C  # noqa: E402
 from jax_nbx.backends.cuda import plan  # noqa: E402
-
-import ffi_testing  # noqa: E402
 
 ffi = ffi_testing.load()  # jax_nbx._ffi_testing: the decoder's test bindings
 pytestmark = pytest.mark.fast

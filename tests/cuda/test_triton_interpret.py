@@ -309,7 +309,8 @@ def run_experts(ex, x, w, ids, act=0):
 
 def _layout_problem(name, bias, lists, T, xd=F32, wd=F32, seed=0):
     import jax.numpy as jnp
-    from test_layouts import canonical, stored
+
+    from support.layouts import canonical, stored
 
     E, k, H, I = 5, 2, 21, 13  # odd H and I: multiples of no block, unaligned experts
     rng = np.random.default_rng(seed)
@@ -335,7 +336,7 @@ def test_program_reads_every_layout_in_place(name, bias, lists, T):
     canonical G, U, D), read in place through the views, with and without
     biases, stacked and per-expert, on the decode (T=1) and prefill kernels,
     against float64 on the canonical weights."""
-    from test_layouts import np_block
+    from support.layouts import np_block
 
     ex, x, w, ids, canon = _layout_problem(name, bias, lists, T, seed=LAYOUT_NAMES.index(name) * 8 + T)
     y, err, prog = run_experts(ex, x, w, ids)
@@ -349,7 +350,7 @@ def test_program_reads_every_layout_in_place(name, bias, lists, T):
 def test_bf16_interleaved_with_biases(T):
     """gpt-oss's experts: interleaved gate_up [E, H, 2I] in bfloat16 with
     biases and the clamped SwiGLU, x in bfloat16."""
-    from test_layouts import np_block
+    from support.layouts import np_block
 
     ex, x, w, ids, canon = _layout_problem("interleaved", True, False, T, BF16, BF16, seed=40 + T)
     y, err, _ = run_experts(ex, x, w, ids, act=2)
@@ -391,7 +392,7 @@ def test_cuda_forward_groups_match_the_handlers_inputs():
     groups (gate_up, down when fused), the biases after them, and a program
     the handler's decoder accepts with exactly those inputs."""
     import jax_nbx as nbx
-    from jax_nbx import _registry, contract
+    from jax_nbx import contract
     from jax_nbx.backends.cuda import calls as _cuda
 
     from support import ffi_testing

@@ -14,8 +14,8 @@ import jax_nbx as nbx
 from jax_nbx import _registry, contract, formats, reference
 from jax_nbx.backends.cpu import forward_call
 
-from support import ffi_testing
 from conftest import TOL, make_problem, np_glu, np_moe, rel_err
+from support import ffi_testing
 from support.handlers import ffi_forward as _ffi_forward
 
 ffi = _registry.ffi_module()
@@ -55,7 +55,7 @@ def test_activations_are_the_abis_and_the_reference_has_each():
 def test_the_metal_kernels_spell_the_contracts_activation_constants():
     """prelude.metal cannot include abi.h (newLibraryWithSource has no include
     path): its codes and constants are checked against the contract here."""
-    src = (pathlib.Path(__file__).resolve().parent.parent / "xla_ffi" / "metal" / "kernels"
+    src = (pathlib.Path(__file__).resolve().parents[2] / "xla_ffi" / "metal" / "kernels"
            / "prelude.metal").read_text()
     assert f"{contract.GELU_C:.16g}f" in src and f"{contract.GELU_B}f" in src and f"{contract.INV_SQRT2:.16g}f" in src
     for name in ("geglu", "swiglu_clamped", "geglu_erf"):

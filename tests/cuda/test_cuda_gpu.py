@@ -130,7 +130,7 @@ def test_cuda_quantized_matches_dequantized(kind, G, T):
 def test_cuda_reads_every_layout_with_biases(name, bias, lists, T):
     """Checkpoint layouts read in place through the views, with biases
     (tests/test_layouts.py's arrays, built with numpy), against float64."""
-    from test_layouts import canonical, np_block, stored
+    from support.layouts import canonical, np_block, stored
 
     rng = np.random.default_rng(T * 13 + len(name) + 2 * bias + lists)
     E, k, H, I = 6, 2, 45, 19
@@ -148,7 +148,7 @@ def test_cuda_gpt_oss_bf16_and_its_gradient():
     """Interleaved bf16 gate_up with biases and the clamped SwiGLU; the
     gradient (the CUDA backward: x, dy and intermediates rounded to bf16 on
     tensor cores) against the "xla" path's."""
-    from test_layouts import canonical, np_block, stored
+    from support.layouts import canonical, np_block, stored
 
     rng = np.random.default_rng(5)
     E, k, H, I, T = 8, 2, 64, 32, 40

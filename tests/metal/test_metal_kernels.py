@@ -16,12 +16,12 @@ import pytest
 
 import jax_nbx as nbx
 
-from support import ffi_testing
 from conftest import np_glu
+from support import ffi_testing
 
 F = ffi_testing.load()  # jax_nbx._ffi_testing: the kernels through the MSL emulation
 BM = 32
-KERNELS = pathlib.Path(__file__).resolve().parent.parent / "xla_ffi" / "metal" / "kernels"
+KERNELS = pathlib.Path(__file__).resolve().parents[2] / "xla_ffi" / "metal" / "kernels"
 
 
 pytestmark = pytest.mark.usefixtures("metal_sim")  # conftest.py: the simulated device

@@ -14,8 +14,8 @@ import pytest
 import jax_nbx as nbx
 from jax_nbx import memory
 
-from support import ffi_testing
 from conftest import make_problem, np_moe, np_moe_grads, rel_err
+from support import ffi_testing
 
 F = ffi_testing.load()  # jax_nbx._ffi_testing: the simulated device's controls
 P = nbx._registry.ffi_module()  # the product's module: the workspace formula

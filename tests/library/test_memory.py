@@ -14,8 +14,8 @@ import jax_nbx as nbx
 from jax_nbx import memory
 from jax_nbx.planning import plan_band_tokens
 
-from support import ffi_testing
 from conftest import make_problem, np_moe, rel_err
+from support import ffi_testing
 
 T, E, K, H, I = 222, 8, 2, 129, 511
 

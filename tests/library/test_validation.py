@@ -8,7 +8,7 @@ import pytest
 
 import jax_nbx as nbx
 
-from conftest import make_problem, np_moe, rel_err
+from conftest import as_lists, make_problem, np_moe, rel_err
 
 
 @pytest.fixture
@@ -163,3 +163,20 @@ def test_option_errors(prob):
         nbx.route(jnp.zeros((3, 8)), k=0)
     with pytest.raises(TypeError, match=r"logits must be a float array; got dtype int32"):
         nbx.route(jnp.zeros((3, 8), jnp.int32), k=2)
+
+
+def test_lists_validation_names_the_expert():
+    x, w, ids, ex = make_problem(5, 4, 6, 2, 128, 64)
+    lists = as_lists(ex)
+    bad = nbx.Experts(lists.gate, lists.up, lists.down[:5] + [jnp.zeros((64, 129))])
+    with pytest.raises(ValueError, match=r"down expert 5 has shape \(64, 129\), expert 0 \(64, 128\)"):
+        nbx.fused_moe(x, w, ids, bad)
+    bad = nbx.Experts(lists.gate[:2] + [lists.gate[2].astype(jnp.bfloat16)] + lists.gate[3:], lists.up, lists.down)
+    with pytest.raises(TypeError, match=r"gate expert 2 has dtype bfloat16, expert 0 float32"):
+        nbx.fused_moe(x, w, ids, bad)
+    with pytest.raises(TypeError, match="all be stacked arrays or all lists"):
+        nbx.fused_moe(x, w, ids, nbx.Experts(lists.gate, ex.up, ex.down))
+    with pytest.raises(ValueError, match="experts.up has 5 experts; experts.gate has 6"):
+        nbx.fused_moe(x, w, ids, nbx.Experts(lists.gate, lists.up[:5], lists.down))
+    with pytest.raises(ValueError, match="empty list"):
+        nbx.fused_moe(x, w, ids, nbx.Experts([], [], []))

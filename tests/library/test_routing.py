@@ -4,7 +4,7 @@ reference names the file and the commit read (repository huggingface/transformer
 unless said otherwise). Exact ids (ties: lower index first, as jax.lax.top_k),
 weights to float32 tolerance, jit and vmap, gradients against float64 finite
 differences, errors that name the argument. The rules' references are in
-tests/_hf_ref.py; whole MoE blocks through fused_moe: tests/test_families.py."""
+tests/support/hf_ref.py; whole MoE blocks through fused_moe: tests/test_families.py."""
 from __future__ import annotations
 
 import functools
@@ -16,7 +16,7 @@ import pytest
 
 import jax_nbx as nbx
 
-from _hf_ref import (
+from support.hf_ref import (
     _group_keep,
     _topk,
     np_sigmoid,
@@ -27,7 +27,7 @@ from _hf_ref import (
     ref_topk_softmax,
 )
 
-# ------------------------------------------------------------------ float64 references (the rules: tests/_hf_ref.py)
+# --------------------------------------------- float64 references (the rules: tests/support/hf_ref.py)
 
 
 def ref_load_balancing(layer_logits, num_experts, top_k, attention_mask=None):
@@ -454,3 +454,19 @@ def test_errors_name_the_argument():
     for fn, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):
             fn()
+
+
+def test_route_matches_numpy():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((5, 7, 16)).astype(np.float32)
+    for normalize in (True, False):
+        w, ids = nbx.route(logits, k=3, normalize=normalize)
+        assert w.shape == ids.shape == (5, 7, 3) and ids.dtype == jnp.int32 and w.dtype == jnp.float32
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        top = np.argsort(-p, axis=-1)[..., :3]
+        np.testing.assert_array_equal(np.asarray(ids), top)
+        pw = np.take_along_axis(p, top, -1)
+        if normalize:
+            pw = pw / pw.sum(-1, keepdims=True)
+        np.testing.assert_allclose(np.asarray(w), pw, rtol=1e-5)

@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SRC = ROOT / "xla_ffi"
 # per-file flags (CMakeLists.txt's NBX_KERNEL_SOURCES)
 ISA_FLAGS = {

@@ -13,7 +13,7 @@ against central differences of the float64 reference along random
 directions.
 
 The routing rules' references are shared with tests/test_routing.py
-(tests/_hf_ref.py); the gated units (swiglu, geglu, geglu_erf,
+(tests/support/hf_ref.py); the gated units (swiglu, geglu, geglu_erf,
 swiglu_clamped) come from conftest.np_glu."""
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import pytest
 
 import jax_nbx as nbx
 
-from _hf_ref import _topk, np_sigmoid, ref_route, ref_sigmoid, ref_topk_softmax
 from conftest import np_glu, np_silu
+from support.hf_ref import _topk, np_sigmoid, ref_route, ref_sigmoid, ref_topk_softmax
 
 H = 40
 EPS_FD = 1e-6

@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.fast
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_ruff_clean():
