@@ -154,13 +154,15 @@ def fused_moe(
     experts (lists get lists of gradients), never to topk_ids.  On the CPU
     the backward is a fused handler that saves nothing but the op's inputs
     (it recomputes the gate and up projections) and plans its own bands
-    against the same budget; quantized experts are frozen (dx and
-    d(topk_weights) only, from the reference's VJP), and the CUDA path
-    differentiates the "xla" reference.
+    against the same budget; on CUDA dense experts take the CUDA backward
+    handler (never yet run on a GPU); Metal and the "xla" reference
+    differentiate the reference; quantized experts are frozen (dx and
+    d(topk_weights) only, from the reference's VJP) on every backend.
 
     Raises:
       ValueError / TypeError at trace time for mismatched shapes, ranks,
-      dtypes, ``k > E`` or an unknown activation/implementation.
+      dtypes, ``k > E``, an unknown activation, format or implementation,
+      or a backend that cannot run the call (with its reason).
       `jax_nbx.DeviceOOMError` at trace time when one token's workspace does
       not fit, and eagerly when the account refuses at run time (under jit
       the refusal is a ``JaxRuntimeError`` whose text carries the same

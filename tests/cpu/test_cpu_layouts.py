@@ -27,6 +27,8 @@ from support.handlers import ffi_backward as _ffi_backward
 from support.handlers import ffi_forward as _ffi_forward
 from support.layouts import LAYOUTS, canonical, np_block, routing, stored
 
+pytestmark = pytest.mark.sanitize
+
 
 def _seed(*parts) -> int:
     return abs(hash(tuple(str(p) for p in parts))) % (2 ** 31)
@@ -35,13 +37,13 @@ def _seed(*parts) -> int:
 E, K, H, I = 6, 2, 45, 19  # H and I multiples of no block
 
 
-@pytest.mark.parametrize("T", [1, 33, 222])
+@pytest.mark.parametrize("T", [222])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_forward_reads_every_layout(name, bias, T):
-    """The CPU handler (NaN-poisoned output, bands of 16 tokens) and the
-    reference, on every layout with and without biases; T=1 takes the
-    streaming (decode) kernels where the layout allows them."""
+    """The CPU handler (NaN-poisoned output, bands of 16 tokens: the same bits
+    as fused_moe's one band) and the reference, on every layout with and
+    without biases (T = 1 and 33 on every backend: tests/suite)."""
     rng = np.random.default_rng(_seed("fwd", name, bias, T))
     G, U, D, bg, bu, bd = canonical(rng, E, H, I, bias)
     ex = stored(name, G, U, D, bg, bu, bd)
@@ -117,7 +119,7 @@ def test_lists_and_bf16_weights_in_layout(name, wdt):
 
 
 @pytest.mark.parametrize("act", ["swiglu_clamped", "geglu_erf"])
-@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("bias", [True], ids=["bias"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_backward_in_every_layout(name, bias, act):
     """The fused CPU backward (every result NaN-poisoned first, bands of 8
@@ -170,7 +172,7 @@ def test_bias_subsets_lists_and_dtypes():
     assert rel_err(jnp.stack(g.down_bias), grads[7]) <= 1e-5
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [2])
 def test_weights_on_input(k):
     """weights_on="input" (Llama-4, modeling_llama4.py Llama4TextMoe:
     ``routed_in = hidden_states * router_scores``): y = sum_j mlp(w_j x)."""
@@ -191,7 +193,7 @@ def test_weights_on_input(k):
         assert rel_err(a, f64(b)) <= 1e-5
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "qwen2_gate"])
+@pytest.mark.parametrize("gated", [True], ids=["qwen2_gate"])
 def test_shared_experts(gated):
     """SharedExperts: S always-on experts of their own width (nn.Linear layout,
     per-expert lists), optionally gated by Qwen2-MoE's sigmoid(x @ gate.T)

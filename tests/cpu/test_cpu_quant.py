@@ -13,30 +13,26 @@ import jax_nbx as nbx
 from conftest import TOL, make_problem, np_moe, rel_err
 from support.handlers import ffi_forward as _ffi_forward
 
+pytestmark = pytest.mark.sanitize
+
 # max |y - ref| / max |ref| against the ORIGINAL float weights (random Gaussian
 # weights, the hard case for 4 bits); against the dequantized weights the op is exact to f32.
 QUANT_ERR = {("int8", None): 0.03, ("int4", 32): 0.2, ("int4", 64): 0.25, ("int4", 128): 0.3}
 
 
 @pytest.mark.parametrize("kind,G", list(QUANT_ERR), ids=lambda v: str(v))
-@pytest.mark.parametrize("lists", [False, True], ids=["stacked", "lists"])
-@pytest.mark.parametrize("impl", ["ffi", "xla"])
-def test_quantized_op_matches_dequantized_reference(kind, G, lists, impl):
-    """The CPU handler dequantizes row runs in its packing step; the reference
-    dequantizes whole arrays: both equal float64 on the dequantized weights."""
+def test_quantization_error_is_bounded(kind, G):
+    """The op on quantized experts equals float64 on their dequantized weights
+    (tests/suite for every backend) and stays within the format's error of the
+    original float weights."""
     x, w, ids, ex = make_problem(7, 33, 5, 3, 256, 128)
-    if lists:
-        ex = nbx.Experts(*([a[e] for e in range(5)] for a in (ex.gate, ex.up, ex.down)))
     q = nbx.quantize(ex, kind, group_size=G or 128)
-    d = nbx.dequantize(q)
-    y = jax.jit(lambda *a: nbx.fused_moe(*a, implementation=impl))(x, w, ids, q)
-    dense = d.stacked() if lists else d
-    orig = ex.stacked() if lists else ex
-    assert rel_err(y, np_moe(x, w, ids, dense)) < TOL["f32"]
-    assert rel_err(y, np_moe(x, w, ids, orig)) < QUANT_ERR[(kind, G)]
+    y = jax.jit(lambda *a: nbx.fused_moe(*a, implementation="cpu"))(x, w, ids, q)
+    assert rel_err(y, np_moe(x, w, ids, nbx.dequantize(q))) < TOL["f32"]
+    assert rel_err(y, np_moe(x, w, ids, ex)) < QUANT_ERR[(kind, G)]
 
 
-@pytest.mark.parametrize("T", [1, 3, 222])
+@pytest.mark.parametrize("T", [1, 222])
 def test_quantized_ffi_odd_sizes_bands_and_bad_ids(T):
     x, w, ids, ex = make_problem(T, T, 7, 3, 128, 64, jnp.bfloat16, jnp.bfloat16)
     q = nbx.quantize(ex, "int4", group_size=64, scale_dtype=jnp.bfloat16)
@@ -70,10 +66,13 @@ def _shape(kind, G, wide=False):
 
 
 # T=1 and T=3 (k=2 of E=5: every expert <= 6 rows) take the streaming decode
-# kernels; T=64 (about 26 rows per expert) the dequantizing packers.
-@pytest.mark.parametrize("T", [1, 3, 64])
-@pytest.mark.parametrize("lists", [False, True], ids=["stacked", "lists"])
-@pytest.mark.parametrize("scale", list(SCALES))
+# kernels; T=64 (about 26 rows per expert) the dequantizing packers; each with
+# float32 and bfloat16 scales, stacked and per-expert lists
+STREAM_PACK = [(1, False, "sf32"), (3, True, "sbf16"), (64, False, "sbf16"), (64, True, "sf32")]
+
+
+@pytest.mark.parametrize("T,lists,scale", STREAM_PACK, ids=[f"T{t}-{'lists' if li else 'stacked'}-{sc}"
+                                                              for t, li, sc in STREAM_PACK])
 @pytest.mark.parametrize("kind,G", FORMATS, ids=lambda v: str(v))
 def test_quant_stream_and_pack_match_float64(kind, G, scale, lists, T, isa):
     H, I = _shape(kind, G)
@@ -89,7 +88,7 @@ def test_quant_stream_and_pack_match_float64(kind, G, scale, lists, T, isa):
 
 
 @pytest.mark.parametrize("T", [1, 4])
-@pytest.mark.parametrize("kind,G", FORMATS, ids=lambda v: str(v))
+@pytest.mark.parametrize("kind,G", [("int8", None), ("int4", 64)], ids=lambda v: str(v))
 def test_quant_stream_past_one_item(kind, G, T, isa):
     """N past kMaxStreamCols (1024): several streamed items per projection."""
     H, I = _shape(kind, G, wide=True)
@@ -102,8 +101,8 @@ def test_quant_stream_past_one_item(kind, G, T, isa):
 
 
 @pytest.mark.parametrize("xd", ["f32", "bf16"])
-@pytest.mark.parametrize("band", [1, 2, 7])
-@pytest.mark.parametrize("kind,G", FORMATS, ids=lambda v: str(v))
+@pytest.mark.parametrize("band", [1, 7])
+@pytest.mark.parametrize("kind,G", [("int8", None), ("int4", 32)], ids=lambda v: str(v))
 def test_quant_bands_are_bit_identical(kind, G, band, xd, isa):
     """Unbanded, each expert has ~24 rows (packed); in bands of 1 or 2 tokens
     (bf16 x: token bands) each has <= 6 (streamed): the same bits."""

@@ -34,6 +34,8 @@ import jax_nbx as nbx
 from conftest import DTYPES, TOL, make_problem, np_moe, np_moe_grads, rel_err
 from support.handlers import ffi_forward as _ffi_forward
 
+pytestmark = pytest.mark.sanitize
+
 CASES = int(os.environ.get("JAX_NBX_FUZZ_CASES", "60"))
 FIRST = int(os.environ.get("JAX_NBX_FUZZ_FIRST", "0"))
 SEED = int(os.environ.get("JAX_NBX_FUZZ_SEED", "20261130"))

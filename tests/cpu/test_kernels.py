@@ -19,7 +19,7 @@ from jax_nbx import _ffi
 from support import ffi_testing
 
 T = ffi_testing.load()  # jax_nbx._ffi_testing: the testers
-pytestmark = pytest.mark.fast
+pytestmark = [pytest.mark.fast, pytest.mark.sanitize, pytest.mark.arm64]
 
 
 @pytest.mark.parametrize("kernel", T.kernel_names())

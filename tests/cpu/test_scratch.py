@@ -12,6 +12,8 @@ from jax_nbx import memory
 
 from conftest import TOL, make_problem, np_moe, rel_err
 
+pytestmark = [pytest.mark.sanitize, pytest.mark.arm64]
+
 E, K, H, I = 8, 2, 64, 96
 WEIGHT_BYTES = E * 3 * H * I * 4  # all experts, float32
 

@@ -16,11 +16,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jax_nbx as nbx
 from jax_nbx import memory
 
 from conftest import make_problem
+
+pytestmark = pytest.mark.sanitize
 
 THREADS = 4
 CALLS = int(os.environ.get("JAX_NBX_SOAK_CALLS", "500"))

@@ -9,7 +9,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import ffi_testing  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -17,6 +16,8 @@ import pytest  # noqa: E402
 from jax_nbx import contract  # noqa: E402
 from jax_nbx.backends.cuda import compile as C  # noqa: E402
 from jax_nbx.backends.cuda import plan  # noqa: E402
+
+from support import ffi_testing  # noqa: E402
 
 ffi = ffi_testing.load()  # jax_nbx._ffi_testing: the decoder's test bindings
 pytestmark = pytest.mark.fast

@@ -22,6 +22,7 @@ ffi = _registry.ffi_module()
 pytestmark = pytest.mark.fast
 
 
+@pytest.mark.arm64
 def test_target_names_are_the_abis():
     assert set(ffi.cpu_handlers()) == {contract.TARGET_FORWARD, contract.TARGET_BACKWARD, contract.TARGET_METAL_FORWARD}
     assert set(ffi_testing.load().handlers()) == {contract.TARGET_FORWARD_POISONED,

@@ -17,6 +17,8 @@ from jax_nbx.planning import plan_band_tokens
 from conftest import make_problem, np_moe, rel_err
 from support import ffi_testing
 
+pytestmark = pytest.mark.sanitize
+
 T, E, K, H, I = 222, 8, 2, 129, 511
 
 
@@ -42,6 +44,7 @@ def _cpu():
     return memory.stats()["cpu:0"]
 
 
+@pytest.mark.arm64
 def test_stats_and_report_keys():
     s = _cpu()
     assert {"live", "peak", "budget", "refusals", "largest_request"} <= set(s)
@@ -71,10 +74,12 @@ def test_budget_from_environment():
 
 @pytest.mark.parametrize("text,n", [("2GiB", 2 * 2**30), ("300MB", 300 * 10**6), ("1.5G", int(1.5 * 2**30)),
                                     (" 512 kib ", 512 * 1024), ("1e3", 1000), (4096, 4096)])
+@pytest.mark.arm64
 def test_parse_bytes(text, n):
     assert memory.parse_bytes(text) == n
 
 
+@pytest.mark.arm64
 @pytest.mark.parametrize("bad", ["", "12 parsecs", "-1GB", True, None, float("inf")])
 def test_parse_bytes_rejects(bad):
     with pytest.raises((TypeError, ValueError)):
@@ -83,6 +88,7 @@ def test_parse_bytes_rejects(bad):
 
 # --- the advice, word for word on known numbers -------------------------------------------
 
+@pytest.mark.arm64
 def test_advice_bands():
     s = memory.what_would_have_fit(1_200_000_000, 300_000_000, 1_000_000_000, shape=(4096, 2048))
     assert s == ("short by 900.0 MB; it would fit in 4 bands of about 300.0 MB; cutting the leading "
@@ -90,6 +96,7 @@ def test_advice_bands():
                  "taken it whole (the request alone exceeds the whole budget of 1.00 GB)")
 
 
+@pytest.mark.arm64
 def test_advice_bands_with_fixed_part():
     # 100 MB that never shrinks + 1 MB per row over 1000 rows; 400 MB free of 2 GB
     s = memory.what_would_have_fit(1_100_000_000, 400_000_000, 2_000_000_000, shape=(1000, 64),
@@ -99,6 +106,7 @@ def test_advice_bands_with_fixed_part():
                  "taken it whole")
 
 
+@pytest.mark.arm64
 def test_advice_no_split_reaches_it():
     s = memory.what_would_have_fit(5_000_000, 100_000, 100_000, shape=(10, 8), fixed_bytes=4_000_000)
     assert s == ("short by 4.9 MB; no band split alone reaches it: one row of the leading axis of "
@@ -106,12 +114,14 @@ def test_advice_no_split_reaches_it():
                  "taken it whole (the request alone exceeds the whole budget of 100.0 kB)")
 
 
+@pytest.mark.arm64
 def test_advice_without_shape_and_when_it_fits():
     assert memory.what_would_have_fit(3_000, 1_000, 10_000) == (
         "short by 2.0 kB; a budget of 12.0 kB would have taken it whole")
     assert memory.what_would_have_fit(1_000, 1_000, 10_000) == ""
 
 
+@pytest.mark.arm64
 def test_non_oom_errors_pass_untouched():
     e = jax.errors.JaxRuntimeError("INVALID_ARGUMENT: topk_ids[0, 0] = 9 is outside [0, 8)")
     assert memory.as_device_oom(e) is e
@@ -121,10 +131,12 @@ def test_non_oom_errors_pass_untouched():
 
 # --- bands planned to fit -------------------------------------------------------------------
 
+@pytest.mark.arm64
 def test_full_workspace_fits_one_band(prob):
     assert plan_band_tokens(T, K, E, H, I) == T
 
 
+@pytest.mark.arm64
 @pytest.mark.parametrize("fraction", [0.5, 0.25, 0.125])
 def test_small_caps_force_bands_with_identical_results(prob, fraction):
     x, w, ids, experts = prob
@@ -138,6 +150,7 @@ def test_small_caps_force_bands_with_identical_results(prob, fraction):
     assert 0 < _cpu()["peak"] <= cap
 
 
+@pytest.mark.arm64
 def test_small_budget_forces_bands(prob, budget):
     x, w, ids, experts = prob
     whole = np.asarray(nbx.fused_moe(x, w, ids, experts))
@@ -149,6 +162,7 @@ def test_small_budget_forces_bands(prob, budget):
     assert 0 < _cpu()["peak"] <= small
 
 
+@pytest.mark.arm64
 def test_impossible_cap_raises_at_trace_time_with_advice(prob):
     x, w, ids, experts = prob
     with pytest.raises(nbx.DeviceOOMError, match=r"no band split alone reaches it") as info:
@@ -160,6 +174,7 @@ def test_impossible_cap_raises_at_trace_time_with_advice(prob):
     assert "fused_moe workspace for T=222 tokens (E=8 k=2 H=129 I=511)" in str(e)
 
 
+@pytest.mark.arm64
 def test_refusal_at_run_time_then_recovery(prob, budget):
     x, w, ids, experts = prob
     expected = np.asarray(nbx.fused_moe(x, w, ids, experts))
@@ -185,6 +200,7 @@ def test_refusal_at_run_time_then_recovery(prob, budget):
     assert _cpu()["live"] == 0
 
 
+@pytest.mark.arm64
 def test_concurrent_calls_stay_within_budget(budget):
     x, w, ids, experts = make_problem(1, 33, 8, 2, 65, 129)
     f = jax.jit(nbx.fused_moe)
@@ -253,6 +269,7 @@ def test_without_waiting_concurrent_calls_are_refused_not_overcommitted(budget):
     assert s["live"] == 0 and s["peak"] <= one
 
 
+@pytest.mark.arm64
 def test_idle_blocks_are_reused_counted_and_give_way(prob, budget):
     x, w, ids, experts = prob
     memory.release_cached()
@@ -279,6 +296,7 @@ def _hold(nbytes: int):
     return ffi_testing.load().hold_workspace("cpu", 0, int(nbytes))
 
 
+@pytest.mark.arm64
 def test_plan_ignores_bytes_held_by_concurrent_calls(prob, budget):
     budget(need(T) + need(T) // 2)
     alone = plan_band_tokens(T, K, E, H, I)
@@ -292,6 +310,7 @@ def test_plan_ignores_bytes_held_by_concurrent_calls(prob, budget):
     assert _cpu()["live"] == 0
 
 
+@pytest.mark.arm64
 def test_a_call_traced_under_load_keeps_the_plan_it_has_alone_and_waits(prob, budget):
     x, w, ids, experts = prob
     expected = np.asarray(nbx.fused_moe(x, w, ids, experts))
@@ -312,6 +331,7 @@ def test_a_call_traced_under_load_keeps_the_plan_it_has_alone_and_waits(prob, bu
     assert s["largest_request"] >= need(T)  # one band of all T tokens, not a plan shrunk by the load
 
 
+@pytest.mark.arm64
 def test_a_refusal_after_waiting_says_the_call_fits_the_budget_alone(prob, budget):
     x, w, ids, experts = prob
     budget(need(T) + need(T) // 2)
@@ -330,6 +350,7 @@ def test_a_refusal_after_waiting_says_the_call_fits_the_budget_alone(prob, budge
     assert _cpu()["live"] == 0
 
 
+@pytest.mark.arm64
 def test_hold_workspace_is_refused_past_the_budget(budget):
     budget("1MB")
     with pytest.raises(ValueError, match=r"refused 2.0 MB of test hold: 1.0 MB free"):
@@ -339,6 +360,7 @@ def test_hold_workspace_is_refused_past_the_budget(budget):
 
 # --- sizes past the int32 slot indices (issue #14, item 7) -------------------------------------
 
+@pytest.mark.arm64
 def test_workspace_formulas_refuse_slot_counts_past_the_limit():
     from jax_nbx import contract
     with pytest.raises(ValueError, match="slots exceed the handlers' limit"):
@@ -350,6 +372,7 @@ def test_workspace_formulas_refuse_slot_counts_past_the_limit():
     assert memory.fused_moe_workspace_bytes(contract.MAX_SLOTS // 2, 2, 8, 64, 96) > 0
 
 
+@pytest.mark.arm64
 def test_workspace_formulas_saturate_instead_of_wrapping():
     # 2^28 slots x H = 2^40 floats: ~2^70 bytes.  Saturates at int64's largest, never wraps small.
     big = memory.fused_moe_workspace_bytes(2 ** 27, 2, 8, 2 ** 40, 96)
@@ -359,6 +382,7 @@ def test_workspace_formulas_saturate_instead_of_wrapping():
         plan_band_tokens(2 ** 27, 2, 8, 2 ** 40, 96)
 
 
+@pytest.mark.arm64
 def test_fused_moe_refuses_calls_past_the_slot_limit_at_trace_time():
     from jax_nbx import contract
     ex = nbx.Experts(*(jax.ShapeDtypeStruct(s, np.float32) for s in ((8, 16, 8), (8, 16, 8), (8, 8, 16))))

@@ -9,7 +9,7 @@ import pytest
 from support import ffi_testing
 
 T = ffi_testing.load()  # jax_nbx._ffi_testing: the planner's test bindings
-pytestmark = pytest.mark.fast
+pytestmark = [pytest.mark.fast, pytest.mark.sanitize, pytest.mark.arm64]
 
 
 def _expected_order(ids, s0, s1, E):

@@ -10,6 +10,8 @@ import jax_nbx as nbx
 
 from conftest import as_lists, make_problem, np_moe, rel_err
 
+pytestmark = pytest.mark.sanitize
+
 
 @pytest.fixture
 def prob():
@@ -20,6 +22,7 @@ def _bad_ids(ids, value, t=5, j=1):
     return ids.at[t, j].set(value)
 
 
+@pytest.mark.arm64
 @pytest.mark.parametrize("bad", [8, 100, -1])
 def test_out_of_range_id_eager(prob, bad):
     x, w, ids, experts = prob
@@ -28,6 +31,7 @@ def test_out_of_range_id_eager(prob, bad):
         nbx.fused_moe(x, w, _bad_ids(ids, bad), experts, implementation="ffi").block_until_ready()
 
 
+@pytest.mark.arm64
 def test_out_of_range_id_under_jit_then_recovers(prob):
     x, w, ids, experts = prob
     f = jax.jit(lambda i: nbx.fused_moe(x, w, i, experts, implementation="ffi"))
@@ -61,6 +65,7 @@ def test_under_a_users_jit_the_error_text_is_the_same_whatever_the_type():
         f(_bad_ids(ids, 9)).block_until_ready()
 
 
+@pytest.mark.arm64
 def test_retyping_keeps_other_errors():
     from jax_nbx.ops import as_runtime_error as _as_runtime_error
     e = ValueError("x has shape (3,); expected ...")
@@ -69,6 +74,7 @@ def test_retyping_keeps_other_errors():
     assert type(r) is jax.errors.JaxRuntimeError and str(r) == "INTERNAL: boom"
 
 
+@pytest.mark.arm64
 def test_int64_id_beyond_int32_is_still_refused(prob):
     x, w, ids, experts = prob
     big = np.asarray(ids, np.int64)
@@ -142,6 +148,7 @@ def test_dtype_errors_name_the_argument(prob, impl):
         f(x, w, ids, (experts.gate, experts.up, experts.down))
 
 
+@pytest.mark.arm64
 def test_option_errors(prob):
     x, w, ids, experts = prob
     with pytest.raises(ValueError, match=r"activation must be one of \('swiglu', 'geglu', 'swiglu_clamped', "
@@ -165,6 +172,7 @@ def test_option_errors(prob):
         nbx.route(jnp.zeros((3, 8), jnp.int32), k=2)
 
 
+@pytest.mark.arm64
 def test_lists_validation_names_the_expert():
     x, w, ids, ex = make_problem(5, 4, 6, 2, 128, 64)
     lists = as_lists(ex)

@@ -19,7 +19,7 @@ PAGE = 16384
 KiB = 1024
 
 
-pytestmark = pytest.mark.usefixtures("metal_sim")  # conftest.py: the simulated device
+pytestmark = [pytest.mark.usefixtures("metal_sim"), pytest.mark.sanitize]  # conftest.py: the simulated device
 
 
 def ptr(a: np.ndarray) -> int:

@@ -19,6 +19,13 @@ from support.runners import QUANT
 # (T, E, k, H, I): T in {1, 33, 222}; E = 1 and k = E; H, I odd
 CASES = [(1, 4, 2, 33, 20), (33, 8, 2, 65, 47), (222, 8, 3, 33, 20), (33, 1, 1, 17, 9), (5, 6, 6, 40, 24)]
 DTYPE_PAIRS = [("f32", "f32"), ("bf16", "bf16"), ("f16", "f16"), ("f32", "bf16"), ("bf16", "f32")]
+CORE = (pytest.mark.sanitize, pytest.mark.arm64)  # the tiers' subset (.ci/sanitize, .ci/arm64)
+# (case, x dtype, weight dtype) in the tiers' subset
+CORE_COMBOS = {(CASES[0], "f32", "f32"), (CASES[1], "f32", "f32"), (CASES[1], "bf16", "bf16"),
+               (CASES[3], "f16", "f16"), (CASES[4], "f32", "bf16")}
+COMBOS = [pytest.param(c, a, b, id="T{}-E{}-k{}-H{}-I{}".format(*c) + f"-x{a}-w{b}",
+                       marks=CORE if (c, a, b) in CORE_COMBOS else ())
+          for c in CASES for a, b in DTYPE_PAIRS]
 
 
 @functools.cache
@@ -31,8 +38,7 @@ def run(backend, x, w, ids, ex, shared_experts=None, **kw):
     return _jitted(backend, **kw)(x, w, ids, ex, shared_experts)
 
 
-@pytest.mark.parametrize("xd,wd", DTYPE_PAIRS, ids=[f"x{a}-w{b}" for a, b in DTYPE_PAIRS])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-E{}-k{}-H{}-I{}".format(*c))
+@pytest.mark.parametrize("case,xd,wd", COMBOS)
 def test_matches_float64(backend, case, xd, wd):
     x, w, ids, ex = make_problem(sum(case), *case, DTYPES[xd], DTYPES[wd])
     y = run(backend, x, w, ids, ex)
@@ -44,7 +50,7 @@ def test_matches_float64(backend, case, xd, wd):
 # swiglu_clamped with a limit of 0.8: its clamps of gate and up both bite at these scales
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "geglu_erf", "swiglu_clamped",
                                         nbx.Activation("swiglu_clamped", alpha=1.702, limit=0.8)], ids=str)
-@pytest.mark.parametrize("T", [1, 33])
+@pytest.mark.parametrize("T", [1, pytest.param(33, marks=CORE)])
 def test_activations(backend, activation, T):
     x, w, ids, ex = make_problem(7 + T, T, 8, 2, 33, 20)
     y = run(backend, x, w, ids, ex, activation=activation)
@@ -58,7 +64,8 @@ def test_skewed_and_repeated_routing(backend, routing):
     assert rel_err(run(backend, x, w, ids, ex), np_moe(x, w, ids, ex)) < backend.tol(x.dtype)
 
 
-@pytest.mark.parametrize("fmt,G", [("int8", None), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("fmt,G", [pytest.param("int8", None, marks=CORE), pytest.param("int4", 32, marks=CORE),
+                                   ("int4", 64)])
 @pytest.mark.parametrize("T", [1, 33])
 def test_quantized_formats_match_their_dequantization(backend, fmt, G, T):
     """Quantized experts give the float64 op on their dequantized weights."""
@@ -78,6 +85,7 @@ def test_leading_axes_and_no_tokens(backend):
     assert y0.shape == (0, 4, 33) and y0.dtype == jnp.bfloat16
 
 
+@pytest.mark.sanitize
 def test_nan_propagates_like_the_reference(backend):
     """A NaN in x poisons its token only; a NaN weight the tokens routed to
     its expert; nothing else (padding rows and other experts stay clean)."""
@@ -92,7 +100,7 @@ def test_nan_propagates_like_the_reference(backend):
     assert np.isnan(ref[3]).all() and np.isnan(ref[np.any(np.asarray(ids) == 2, axis=1)]).all()
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [1, pytest.param(3, marks=CORE)])
 def test_weights_on_the_input(backend, k):
     """Llama-4: mlp(w * x) per slot, summed."""
     x, w, ids, ex = make_problem(12 + k, 33, 6, k, 33, 20)
@@ -102,7 +110,7 @@ def test_weights_on_the_input(backend, k):
     assert rel_err(y, ref.reshape(33, k, 33).sum(1)) < backend.tol(x.dtype)
 
 
-@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("gated", [False, pytest.param(True, marks=CORE)])
 def test_shared_experts(backend, gated):
     """Shared experts on every token (Qwen2-MoE's sigmoid gate), added in the same call."""
     x, w, ids, ex = make_problem(21, 33, 6, 2, 33, 20)

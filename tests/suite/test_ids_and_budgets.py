@@ -23,6 +23,8 @@ def prob():
     return make_problem(14, T, E, K, H, I)
 
 
+@pytest.mark.sanitize
+@pytest.mark.arm64
 def test_a_bad_id_is_named_eagerly_and_under_jit(backend, prob):
     x, w, ids, ex = prob
     bad = np.asarray(ids).copy()
@@ -38,6 +40,8 @@ def test_a_bad_id_is_named_eagerly_and_under_jit(backend, prob):
     assert rel_err(backend(x, w, ids, ex), np_moe(x, w, ids, ex)) < backend.tol(x.dtype)
 
 
+@pytest.mark.sanitize
+@pytest.mark.arm64
 def test_skip_leaves_out_bad_slots(backend, prob):
     x, w, ids, ex = prob
     bad = np.asarray(ids).copy()
@@ -48,7 +52,8 @@ def test_skip_leaves_out_bad_slots(backend, prob):
     assert rel_err(y, np_moe(x, w * keep, np.where(keep, np.asarray(ids), -1), ex)) < backend.tol(x.dtype)
 
 
-@pytest.mark.parametrize("dtype", [np.uint8, np.uint32, np.uint64, np.int16, np.int64])
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint32, pytest.param(np.uint64, marks=pytest.mark.arm64), np.int16,
+                                   np.int64])
 def test_every_integer_dtype_runs_the_same_experts(backend, prob, dtype):
     """Valid ids of any integer dtype, numpy or JAX, give the int32 result."""
     x, w, ids, ex = prob
@@ -58,6 +63,7 @@ def test_every_integer_dtype_runs_the_same_experts(backend, prob, dtype):
         assert rel_err(backend(x, w, given, ex), want) < backend.tol(x.dtype), (dtype, type(given))
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype,value", [(np.uint32, 2**32 - 1), (np.uint64, 2**63 + 3), (np.int64, 2**32 + 1),
                                          (np.int64, -(2**40))])
 def test_wide_ids_out_of_range_are_refused_not_wrapped(backend, prob, dtype, value):
@@ -81,6 +87,8 @@ def test_float_and_bool_ids_are_refused(backend, prob):
             backend(x, w, bad, ex)
 
 
+@pytest.mark.sanitize
+@pytest.mark.arm64
 def test_a_budget_too_small_for_one_token_is_refused_with_advice(backend, prob):
     backend.require(BANDS)
     x, w, ids, ex = prob

@@ -16,9 +16,10 @@ from support.runners import BANDS, QUANT
 from support.runners import LAYOUTS as LAYOUTS_FEATURE
 
 E, K, H, I = 6, 2, 45, 19  # H and I multiples of no block
+CORE = (pytest.mark.sanitize, pytest.mark.arm64)  # the tiers' subset (.ci/sanitize, .ci/arm64)
 
 
-@pytest.mark.parametrize("T", [1, 33])
+@pytest.mark.parametrize("T", [1, pytest.param(33, marks=pytest.mark.sanitize)])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_layout_matches_float64(backend, name, bias, T):
@@ -32,7 +33,7 @@ def test_every_layout_matches_float64(backend, name, bias, T):
     assert rel_err(y, np_block(x, w, ids, G, U, D, bg, bu, bd)) < backend.tol(x.dtype)
 
 
-@pytest.mark.parametrize("wd", ["f32", "bf16"])
+@pytest.mark.parametrize("wd", ["f32", pytest.param("bf16", marks=CORE)])
 @pytest.mark.parametrize("T", [1, 33])
 def test_lists_equal_stacked_bitwise(backend, wd, T):
     """E separate arrays per projection, read in place: the stacked bits."""
@@ -61,7 +62,7 @@ def _cap(backend, x, w, ids, ex, tokens: int) -> int:
 
 
 @pytest.mark.parametrize("fmt", ["dense", "int4"])
-@pytest.mark.parametrize("band", [1, 7, 100])
+@pytest.mark.parametrize("band", [1, pytest.param(7, marks=CORE), 100])
 def test_bands_are_bit_identical(backend, fmt, band):
     """Small bands stream the weights (few rows per expert), large ones pack
     them: the results do not differ in a single bit, eagerly or under jit."""

@@ -17,12 +17,15 @@ from support.problems import as_lists, dense, make_problem, np_moe, np_moe_grads
 from support.runners import LAYOUTS, QUANT
 
 
+@pytest.mark.sanitize
 def test_jit_equals_eager(backend):
     x, w, ids, ex = make_problem(1, 33, 8, 2, 65, 33)
     np.testing.assert_array_equal(np.asarray(jax.jit(backend.__call__)(x, w, ids, ex)),
                                   np.asarray(backend(x, w, ids, ex)))
 
 
+@pytest.mark.sanitize
+@pytest.mark.arm64
 def test_vmap_with_shared_experts(backend):
     x, w, ids, ex = make_problem(2, 30, 8, 2, 33, 20)
     xb, wb, ib = x.reshape(3, 10, 33), w.reshape(3, 10, 2), ids.reshape(3, 10, 2)
@@ -60,7 +63,8 @@ def test_vmap_with_experts_per_element(backend):
 GRAD_TOL = 1e-5
 
 
-@pytest.mark.parametrize("lists", [False, True], ids=["stacked", "lists"])
+@pytest.mark.parametrize("lists", [pytest.param(False, marks=(pytest.mark.sanitize, pytest.mark.arm64)),
+                                   pytest.param(True, marks=pytest.mark.sanitize)], ids=["stacked", "lists"])
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "swiglu_clamped"])
 def test_gradients_match_float64(backend, activation, lists):
     x, w, ids, ex = make_problem(3, 33, 8, 2, 33, 20, routing="random")
@@ -80,6 +84,7 @@ def test_gradients_match_float64(backend, activation, lists):
         assert rel_err(g, r) < GRAD_TOL, name
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantized_experts_are_frozen(backend, fmt):
     """Gradients flow to x and topk_weights; quantized weights get none."""
@@ -95,6 +100,7 @@ def test_quantized_experts_are_frozen(backend, fmt):
                if np.asarray(leaf).dtype != jax.dtypes.float0)
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("name", ["out_in", "interleaved", "concat_out_in"])
 def test_gradients_in_a_layout_with_biases(backend, name):
     backend.require(LAYOUTS)

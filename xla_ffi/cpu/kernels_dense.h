@@ -249,7 +249,9 @@ void AccumulateRowsBf16R(const float* a, int64_t as, const uint16_t* w, int64_t 
     Bf16Pass<VL, R, 1, kDot>(av, wr, ncols, acc);
   }
   // [even][odd] -> column order, per block
-  float tmp[2 * VL];
+  // over-aligned explicitly: the compiler may store it with aligned vector moves, and
+  // ASan's fake stack (detect_stack_use_after_return) honours only declared alignment
+  alignas(64) float tmp[2 * VL];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < nb; c += 2 * VL) {
       float* ar = acc + r * ncols + c;
