@@ -10,9 +10,17 @@ Tiers are markers (declared in pyproject.toml, applied in the test files):
 qemu-aarch64, with ``--backends cpu``)."""
 from __future__ import annotations
 
+import os
 import platform
 
-import jax
+# The tests' programs are tiny: XLA's compile time dominates, so its own code is
+# compiled at its lowest optimization level here (measured: about a third less
+# time; our handlers are prebuilt C++ and unaffected).  A given
+# --xla_backend_optimization_level in XLA_FLAGS is kept.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+import jax  # noqa: E402
 import pytest
 
 import jax_nbx as nbx
@@ -54,6 +62,24 @@ def pytest_generate_tests(metafunc):
     if "backend" in metafunc.fixturenames:
         runners = _selected_runners(metafunc.config.getoption("--backends"))
         metafunc.parametrize("backend", runners, ids=[r.id for r in runners], indirect=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The suite's ``sweep`` parametrizations (more dtypes, shapes and
+    options of a behaviour that every backend also runs in its core cases)
+    run on the backends whose runner sweeps (the CPU handler); the slow ones
+    (the emulated Metal device, the Triton interpreter, the XLA reference's
+    compilations) run the core cases."""
+    keep, drop = [], []
+    for item in items:
+        runner = item.callspec.params.get("backend") if hasattr(item, "callspec") else None
+        if runner is not None and not runner.sweeps and item.get_closest_marker("sweep"):
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from .backends import Backend, Problem
 from .experts import _CHILDREN as _EXPERT_CHILDREN
 from .experts import Experts
 from .reference import moe_reference
+from .validation import check_slots
 
 __all__ = ["op"]
 
@@ -74,6 +75,7 @@ def op(backend: Backend, problem: Problem, band_tokens: int):
 
     @custom_vmap
     def forward(x, w, ids, experts):
+        check_slots(*ids.shape)  # (a vmapped batch folds into the tokens: checked again here)
         return backend.forward(problem, band_tokens, x, w, ids, experts)
 
     @forward.def_vmap

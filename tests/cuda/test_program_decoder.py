@@ -229,7 +229,7 @@ def test_no_hand_copied_contract_values():
     import jax_nbx.backends.cuda as pkg
 
     root = os.path.dirname(pkg.__file__)
-    here = os.path.join(os.path.dirname(__file__), "support")
+    here = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support")
     for f in ("plan.py", "compile.py", "kernels.py", "kernels_backward.py", "calls.py",
               os.path.join(here, "triton_interpret.py")):
         src = open(os.path.join(root, f)).read()

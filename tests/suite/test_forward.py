@@ -24,18 +24,21 @@ CORE = (pytest.mark.sanitize, pytest.mark.arm64)  # the tiers' subset (.ci/sanit
 CORE_COMBOS = {(CASES[0], "f32", "f32"), (CASES[1], "f32", "f32"), (CASES[1], "bf16", "bf16"),
                (CASES[3], "f16", "f16"), (CASES[4], "f32", "bf16")}
 COMBOS = [pytest.param(c, a, b, id="T{}-E{}-k{}-H{}-I{}".format(*c) + f"-x{a}-w{b}",
-                       marks=CORE if (c, a, b) in CORE_COMBOS else ())
+                       marks=CORE if (c, a, b) in CORE_COMBOS else pytest.mark.sweep)
           for c in CASES for a, b in DTYPE_PAIRS]
 
 
 @functools.cache
-def _jitted(backend, **kw):
-    return jax.jit(lambda x, w, ids, ex, sh: backend(x, w, ids, ex, shared_experts=sh, **kw))
+def _jitted(implementation, **kw):
+    return jax.jit(lambda x, w, ids, ex, sh: nbx.fused_moe(x, w, ids, ex, shared_experts=sh,
+                                                           implementation=implementation, **kw))
 
 
 def run(backend, x, w, ids, ex, shared_experts=None, **kw):
-    """The backend's op under jax.jit (one compilation per shape and options)."""
-    return _jitted(backend, **kw)(x, w, ids, ex, shared_experts)
+    """The backend's op under jax.jit: one compilation per shape and options,
+    shared by the runners of one implementation (the CPU's instruction set is
+    chosen when the call runs)."""
+    return _jitted(backend.implementation, **kw)(x, w, ids, ex, shared_experts)
 
 
 @pytest.mark.parametrize("case,xd,wd", COMBOS)
@@ -50,7 +53,7 @@ def test_matches_float64(backend, case, xd, wd):
 # swiglu_clamped with a limit of 0.8: its clamps of gate and up both bite at these scales
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "geglu_erf", "swiglu_clamped",
                                         nbx.Activation("swiglu_clamped", alpha=1.702, limit=0.8)], ids=str)
-@pytest.mark.parametrize("T", [1, pytest.param(33, marks=CORE)])
+@pytest.mark.parametrize("T", [pytest.param(1, marks=pytest.mark.sweep), pytest.param(33, marks=CORE)])
 def test_activations(backend, activation, T):
     x, w, ids, ex = make_problem(7 + T, T, 8, 2, 33, 20)
     y = run(backend, x, w, ids, ex, activation=activation)
@@ -65,7 +68,7 @@ def test_skewed_and_repeated_routing(backend, routing):
 
 
 @pytest.mark.parametrize("fmt,G", [pytest.param("int8", None, marks=CORE), pytest.param("int4", 32, marks=CORE),
-                                   ("int4", 64)])
+                                   pytest.param("int4", 64, marks=pytest.mark.sweep)])
 @pytest.mark.parametrize("T", [1, 33])
 def test_quantized_formats_match_their_dequantization(backend, fmt, G, T):
     """Quantized experts give the float64 op on their dequantized weights."""

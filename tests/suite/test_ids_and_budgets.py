@@ -52,8 +52,8 @@ def test_skip_leaves_out_bad_slots(backend, prob):
     assert rel_err(y, np_moe(x, w * keep, np.where(keep, np.asarray(ids), -1), ex)) < backend.tol(x.dtype)
 
 
-@pytest.mark.parametrize("dtype", [np.uint8, np.uint32, pytest.param(np.uint64, marks=pytest.mark.arm64), np.int16,
-                                   np.int64])
+@pytest.mark.parametrize("dtype", [pytest.param(d, marks=pytest.mark.sweep) for d in (np.uint8, np.uint32, np.int16)]
+                         + [pytest.param(np.uint64, marks=pytest.mark.arm64), np.int64])
 def test_every_integer_dtype_runs_the_same_experts(backend, prob, dtype):
     """Valid ids of any integer dtype, numpy or JAX, give the int32 result."""
     x, w, ids, ex = prob

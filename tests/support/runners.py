@@ -44,6 +44,7 @@ class Runner:
     metal: bool = False
     takes: frozenset = ALL
     tensor_cores: bool = False
+    sweeps: bool = False  # runs the suite's `sweep` parametrizations (conftest.py)
 
     def unavailable(self) -> str:
         """Why this runner cannot run here ("" when it can)."""
@@ -103,12 +104,12 @@ class Runner:
 
 RUNNERS = (
     Runner("xla", "xla", takes=ALL - {BANDS, FUSED_BACKWARD}),
-    Runner("cpu-avx512", "cpu", isa="avx512"),
-    Runner("cpu-avx2", "cpu", isa="avx2"),
-    Runner("cpu-generic", "cpu", isa="generic"),
+    Runner("cpu-avx512", "cpu", isa="avx512", sweeps=True),
+    Runner("cpu-avx2", "cpu", isa="avx2", sweeps=True),
+    Runner("cpu-generic", "cpu", isa="generic", sweeps=True),
     Runner("metal-sim", "metal", metal=True, takes=frozenset({BANDS})),
     Runner("cuda-interpret", "cuda-interpret", tensor_cores=True),
-    Runner("cuda", "cuda", tensor_cores=True),
+    Runner("cuda", "cuda", tensor_cores=True, sweeps=True),
 )
 
 
