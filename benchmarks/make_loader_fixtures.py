@@ -29,8 +29,10 @@ Writes (tests/data/README.md says what each file is):
   mlx-lm's own ``Qwen3MoeSparseMoeBlock``, ``mx.dequantize``'s router and expert 3, and
   ``affine_bits.safetensors`` (``mx.quantize``/``mx.dequantize`` at 2..8 bits);
 * gptqmodel/: GPTQModel 7.6.0's ``AWQConfig(...).to_dict()`` (the
-  ``quantization_config`` its ``save`` writes into config.json), when the
-  GPTQModel source is importable.
+  ``quantization_config`` its ``save`` writes into config.json), and a
+  Qwen3-MoE block whose experts GPTQModel's own AWQ packer packed, with the
+  weights its own ``dequantize_gemm`` gives, when the GPTQModel source is
+  importable.
 
 Every file is small (a few KB; the largest ~60 KB).  The outputs are
 deterministic up to the tools' own float formatting.
@@ -272,11 +274,57 @@ def gptqmodel_configs(out: str) -> bool:
     return True
 
 
+def gptqmodel_awq_checkpoint(out: str) -> None:
+    """A Qwen3-MoE block whose experts are packed by GPTQModel 7.6.0's own AWQ GEMM packer
+    (``AwqTorchLinear.pack``, the CPU module; its CUDA twin AwqGEMMLinear.pack is the same code),
+    with AWQ's asymmetric min/max scales and zeros, and the weights GPTQModel's own
+    ``dequantize_gemm`` gives (float32 scales: exact).  Not a whole GPTQModel quantization
+    (that needs a calibration run): its packing and its config.json."""
+    import torch
+    import transformers as tf
+    from gptqmodel.nn_modules.qlinear.torch_awq import AwqTorchLinear
+    from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+    from gptqmodel.quantization.config import AWQConfig
+    from safetensors.torch import save_file
+    d = os.path.join(out, "gptqmodel", "qwen3_moe_awq")
+    os.makedirs(d, exist_ok=True)
+    E, H, I, G = 4, 32, 32, 32
+    torch.manual_seed(6)
+    pfx = "model.layers.0.mlp."
+    tensors = {pfx + "gate.weight": (torch.randn(E, H) * H ** -0.5).to(torch.bfloat16)}
+    ref = {}
+    for e in range(E):
+        for n, K, N in (("gate_proj", H, I), ("up_proj", H, I), ("down_proj", I, H)):
+            lin = torch.nn.Linear(K, N, bias=False)
+            with torch.no_grad():
+                lin.weight.normal_(0.0, K ** -0.5)
+            w = lin.weight.data.reshape(N, K // G, G)  # AWQ's pseudo_quantize_tensor, zero_point=True
+            mx_, mn_ = w.amax(-1), w.amin(-1)
+            scales = ((mx_ - mn_).clamp(min=1e-5) / 15).half().float()
+            zeros = (-torch.round(mn_ / scales)).clamp(0, 15)
+            m = AwqTorchLinear(bits=4, group_size=G, sym=False, desc_act=False, in_features=K, out_features=N)
+            m.pack(lin, scales, zeros)
+            base = f"{pfx}experts.{e}.{n}."
+            for t in ("qweight", "qzeros", "scales"):
+                tensors[base + t] = getattr(m, t).contiguous()
+            ref[base + "weight"] = dequantize_gemm(m.qweight, m.qzeros, m.scales.float(), 4, G).contiguous()
+    save_file(tensors, os.path.join(d, "model.safetensors"))
+    cfg = tf.Qwen3MoeConfig(vocab_size=32, hidden_size=H, intermediate_size=2 * H, moe_intermediate_size=I,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=H // 2,
+                            num_experts=E, num_experts_per_tok=2, norm_topk_prob=True)
+    qc = AWQConfig(bits=4, group_size=G, sym=False).to_dict()
+    qc["meta"]["offload_to_disk_path"] = "/tmp/gptqmodel_offload"
+    cfg.quantization_config = qc  # as gptqmodel/models/writer.py sets it before save_pretrained
+    _save_config(cfg, os.path.join(d, "config.json"))
+    save_file(ref, d + ".dequantized.safetensors", metadata={"producer": "GPTQModel 7.6.0 dequantize_gemm"})
+
+
 def main(out: str) -> int:
     transformers_configs(out)
     transformers_checkpoint(out)
     mlx_checkpoints(out)
-    gptqmodel_configs(out)
+    if gptqmodel_configs(out):
+        gptqmodel_awq_checkpoint(out)
     return 0
 
 
