@@ -1,12 +1,14 @@
 """jax_nbx.loaders.load_moe: every family's block written as a Hugging Face
 safetensors checkpoint (the names and layouts of tests/test_families.py's
-builders, which follow transformers 5.24.0), loaded back, run through the
+builders, which follow transformers 5.24.0; the config.json transformers
+5.24.0 writes for each, from tests/data), loaded back, run through the
 NNX and Equinox layers and compared with the family's float64 block; the
 tensors kept in place (lists, stored layout); missing and mis-shaped
 tensors named."""
 from __future__ import annotations
 
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -21,25 +23,12 @@ from jax_nbx.loaders import CheckpointError, load_moe  # noqa: E402
 
 from test_families import FAMILIES, H, _rand  # noqa: E402
 
-# config.json of each builder's block (transformers' field names)
-HF_CONFIGS = {
-    "mixtral": dict(model_type="mixtral", intermediate_size=24, num_local_experts=8, num_experts_per_tok=2),
-    "qwen2_moe": dict(model_type="qwen2_moe", moe_intermediate_size=24, num_experts=16, num_experts_per_tok=4,
-                      norm_topk_prob=False, shared_expert_intermediate_size=52),
-    "qwen3_moe": dict(model_type="qwen3_moe", moe_intermediate_size=20, num_experts=32, num_experts_per_tok=8,
-                      norm_topk_prob=True),
-    "olmoe": dict(model_type="olmoe", intermediate_size=24, num_experts=16, num_experts_per_tok=4,
-                  norm_topk_prob=False),
-    "granitemoe": dict(model_type="granitemoe", intermediate_size=24, num_local_experts=33, num_experts_per_tok=8),
-    "gpt_oss": dict(model_type="gpt_oss", intermediate_size=24, num_local_experts=32, num_experts_per_tok=4,
-                    swiglu_limit=7.0),
-    "deepseek_v3": dict(model_type="deepseek_v3", moe_intermediate_size=24, n_routed_experts=64,
-                        num_experts_per_tok=8, n_shared_experts=2, n_group=8, topk_group=4, norm_topk_prob=True,
-                        routed_scaling_factor=2.5),
-    "deepseek_v2": dict(model_type="deepseek_v2", moe_intermediate_size=24, n_routed_experts=64,
-                        num_experts_per_tok=6, n_shared_experts=2, n_group=8, topk_group=3,
-                        topk_method="group_limited_greedy", routed_scaling_factor=16.0),
-}
+# config.json of each builder's block, as transformers 5.24.0 writes it (its config classes'
+# save_pretrained: tests/data/README.md)
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "data" / "transformers" / "configs"
+HF_CONFIGS = {name: json.loads((CONFIGS / f"{name}.tiny.json").read_text())
+              for name in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "deepseek_v3",
+                           "deepseek_v2")}
 BLOCK = {"mixtral": "block_sparse_moe", "granitemoe": "block_sparse_moe"}
 MIXTRAL_LISTS = ("w1", "w3", "w2")
 

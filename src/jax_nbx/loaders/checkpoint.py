@@ -19,12 +19,23 @@ transformers v5 fused  ``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_p
 gpt-oss                ``router.weight/bias``, ``experts.gate_up_proj[_bias]`` ``[E, H, 2I]``
                        (interleaved), ``experts.down_proj[_bias]``
 Granite-MoE            ``router.layer.weight``, ``input_linear.weight``, ``output_linear.weight``
+Llama-4                ``feed_forward.router.weight``, ``experts.gate_up_proj`` ``[E, H, 2I]``
+                       (concatenated), ``experts.down_proj``, ``shared_expert.*_proj.weight``
+mlx-lm                 ``gate.weight`` (MLX-quantized: ``.scales``, ``.biases``),
+                       ``switch_mlp.gate_proj/up_proj/down_proj.weight`` ``[E, out, in]``
 =====================  ==============================================================
 
-Quantized per-expert projections convert losslessly to jax_nbx's int4
-format (`jax_nbx.loaders`): GPTQ and AWQ (``.qweight``, ``.qzeros``,
-``.scales``, GPTQ's ``.g_idx``) and MLX's affine 4-bit (a uint32 ``.weight``
-with ``.scales`` and ``.biases``).
+Quantized projections convert losslessly to jax_nbx's int4 format
+(`jax_nbx.loaders`): GPTQ v1 and AWQ GEMM (``.qweight``, ``.qzeros``,
+``.scales``, GPTQ's ``.g_idx``; AutoGPTQ's, AutoAWQ's and GPTQModel's
+config.json) and MLX's affine 4-bit (a uint32 ``.weight`` with ``.scales``
+and ``.biases``, per expert or mlx-lm's stacked ``switch_mlp``; the bits,
+group size and mode of each module from config.json's ``quantization`` as
+mlx-lm writes it).  An MLX-quantized router (mlx-lm keeps Qwen3-MoE's at 8
+bits) is dequantized to float32.  What is not read is refused naming it: a
+``quant_method``, a GPTQ/AWQ ``checkpoint_format``/``format``/``version``
+other than v1 GPTQ and GEMM AWQ, GPTQModel's ``pack_dtype`` and ``dynamic``,
+other widths than 4 bits, MLX's modes other than affine.
 """
 from __future__ import annotations
 
@@ -38,6 +49,7 @@ import numpy as np
 
 from ..experts import Experts, SharedExperts
 from ..nn.block import MoEConfig, MoEParams, read_hf_config
+from . import quant_import as qi
 
 __all__ = ["load_moe", "load_experts", "CheckpointError"]
 
@@ -124,7 +136,7 @@ class _Reader:
 
 def _find_prefix(names, layer: int) -> str:
     pat = re.compile(rf"^(.*?layers\.{layer}\.(?:mlp|block_sparse_moe|feed_forward)\.)"
-                     r"(?:experts\.|gate\.weight|router\.|input_linear\.)")
+                     r"(?:experts\.|switch_mlp\.|gate\.weight|router\.|input_linear\.)")
     found = sorted({m.group(1) for n in names if (m := pat.match(n))})
     if len(found) != 1:
         what = "no" if not found else f"several ({found})"
@@ -138,42 +150,106 @@ def _expect(name: str, t, shape: tuple) -> None:
         raise CheckpointError(f"checkpoint: tensor {name!r} has shape {tuple(t.shape)}; expected {tuple(shape)}")
 
 
+# What each quantizer's checkpoint may say of its packing, and what converts: GPTQ v1 (AutoGPTQ,
+# GPTQModel's "gptq": zeros stored minus one) and AWQ GEMM (AutoAWQ's "version", GPTQModel 7.6's
+# "format"/"checkpoint_format"/"version" = "gemm"; tests/data/gptqmodel/).
+_READ_FORMATS = {"gptq": ("gptq",), "awq": ("gemm",)}
+_FORMAT_KEYS = {"gptq": ("checkpoint_format", "format"), "awq": ("checkpoint_format", "format", "version")}
+
+
+def _quantization_config(hf_config: dict | None) -> dict:
+    """transformers' ``quantization_config`` (of the config or its text_config), or {}."""
+    c = hf_config or {}
+    qc = c.get("quantization_config") or (c.get("text_config") or {}).get("quantization_config") or {}
+    return qc if isinstance(qc, dict) else {}
+
+
+def _check_quantization_config(hf_config: dict | None) -> None:
+    """Refuse, naming it, a ``quant_method`` whose tensors jax_nbx does not read (mlx-lm's copy of
+    its ``quantization`` dict, which has no quant_method, is read elsewhere)."""
+    qc = _quantization_config(hf_config)
+    method = qc.get("quant_method")
+    if method is not None and str(method).lower() not in _READ_FORMATS:
+        raise CheckpointError(f"checkpoint: config.json's quantization_config.quant_method={method!r} is not "
+                              "read: jax_nbx converts GPTQ (v1) and AWQ (GEMM) 4-bit checkpoints and MLX's "
+                              "affine ones; dequantize it first")
+
+
+def _check_gptq_awq(method: str, qc: dict) -> None:
+    """quantization_config's packing fields for ``method`` ('gptq' or 'awq'): refused by name when
+    they say a layout other than the one its importer reads."""
+    for key in _FORMAT_KEYS[method]:
+        v = qc.get(key)
+        if v is not None and str(v).lower() not in _READ_FORMATS[method]:
+            raise CheckpointError(f"checkpoint: quantization_config.{key}={v!r} ({method.upper()}) is not read; "
+                                  f"only {' / '.join(map(repr, _READ_FORMATS[method]))} converts"
+                                  + (" (v1: zeros stored minus one)" if method == "gptq" else " (AutoAWQ's GEMM "
+                                                                                              "packing)"))
+    if qc.get("pack_dtype") not in (None, "int32"):
+        raise CheckpointError(f"checkpoint: quantization_config.pack_dtype={qc['pack_dtype']!r} (GPTQModel's) is "
+                              "not read; only int32 words convert")
+    if qc.get("dynamic"):
+        raise CheckpointError(f"checkpoint: quantization_config.dynamic={qc['dynamic']!r} (GPTQModel's per-module "
+                              "bits and group sizes) is not read")
+
+
 def _quant_method(reader: _Reader, base: str, hf_config: dict | None) -> str | None:
     """'gptq', 'awq', 'mlx' or None (dense) for the projection stored under ``base``."""
     if reader.has(base + "qweight"):
-        qc = (hf_config or {}).get("quantization_config") or {}
+        qc = _quantization_config(hf_config)
         method = str(qc.get("quant_method", "")).lower()
-        if str(qc.get("checkpoint_format", "gptq")).lower() not in ("gptq", ""):
-            raise CheckpointError(f"checkpoint: quantization_config.checkpoint_format="
-                                  f"{qc['checkpoint_format']!r} (GPTQModel's) is not read; only the v1 'gptq' "
-                                  "format (zeros stored minus one) converts")
-        if method in ("gptq", "awq"):
-            return method
-        qw = reader.get(base + "qweight")
-        sc = reader.get(base + "scales")
-        if qw.shape[1] == sc.shape[1]:
-            return "gptq"
-        if qw.shape[1] * 8 == sc.shape[1]:
-            return "awq"
-        raise CheckpointError(f"checkpoint: {base}qweight {tuple(qw.shape)} and {base}scales {tuple(sc.shape)} "
-                              "match neither GPTQ (packed along K) nor AWQ (packed along N)")
-    if reader.has(base + "weight") and reader.has(base + "scales") and reader.has(base + "biases"):
+        if method not in _READ_FORMATS:
+            qw = reader.get(base + "qweight")
+            sc = reader.get(base + "scales")
+            if qw.shape[1] == sc.shape[1]:
+                method = "gptq"
+            elif qw.shape[1] * 8 == sc.shape[1]:
+                method = "awq"
+            else:
+                raise CheckpointError(f"checkpoint: {base}qweight {tuple(qw.shape)} and {base}scales "
+                                      f"{tuple(sc.shape)} match neither GPTQ (packed along K) nor AWQ (packed "
+                                      "along N)")
+        _check_gptq_awq(method, qc)
+        return method
+    if reader.has(base + "weight") and reader.has(base + "scales"):
         return "mlx"
     return None
 
 
+def _mlx_params(hf_config: dict | None, module: str) -> dict:
+    """bits, group_size, mode of MLX module ``module`` (e.g. 'model.layers.0.mlp.gate'), as mlx-lm
+    0.32's load_model reads them: config.json's ``quantization`` (or mlx-lm's copy of it,
+    ``quantization_config``), its entry for the module (missing keys: ``to_quantized``'s
+    defaults, mode "affine") before the top level.  No such config: 4 bits, affine, G from the
+    shapes."""
+    c = hf_config or {}
+    q = c.get("quantization")
+    if q is None:
+        qc = _quantization_config(c)
+        q = qc if "quant_method" not in qc and "bits" in qc else None
+    if not isinstance(q, dict):
+        return dict(bits=4, group_size=None, mode="affine")
+    per = q.get(module)
+    src = per if isinstance(per, dict) else q
+    mode = src.get("mode", "affine")
+    g_default, b_default = qi.MLX_MODES.get(mode, (None, None))
+    return dict(bits=int(src.get("bits") or b_default or 4), group_size=src.get("group_size") or g_default,
+                mode=mode)
+
+
+def _mlx_tensors(reader: _Reader, base: str) -> list:
+    return [np.asarray(reader.get(base + p)) if reader.has(base + p) else None for p in ("weight", "scales", "biases")]
+
+
 def _quantized(reader: _Reader, base: str, method: str, hf_config: dict | None):
     """One projection: (QuantizedWeight in jax_nbx's int4 format [K/2, N], act-order row permutation or None)."""
-    from . import quant_import as qi
     if method == "mlx":
-        q = (hf_config or {}).get("quantization") or {}
-        args = [np.asarray(reader.get(base + p)) for p in ("weight", "scales", "biases")]
         try:
-            return qi.from_mlx(*args, bits=int(q.get("bits", 4)), group_size=int(q.get("group_size", 64))), None
-        except ValueError as err:
+            return qi.from_mlx(*_mlx_tensors(reader, base), **_mlx_params(hf_config, base[:-1])), None
+        except (ValueError, TypeError) as err:
             raise CheckpointError(f"checkpoint: {base}*: {err}") from err
     args = [np.asarray(reader.get(base + p)) for p in ("qweight", "qzeros", "scales")]
-    bits = int(((hf_config or {}).get("quantization_config") or {}).get("bits", 4))
+    bits = int(_quantization_config(hf_config).get("bits", 4))
     try:
         if method == "awq":
             return qi.from_awq(*args, bits=bits), None
@@ -181,6 +257,33 @@ def _quantized(reader: _Reader, base: str, method: str, hf_config: dict | None):
         return qi.from_gptq(*args, g_idx=g_idx, bits=bits, allow_row_permutation=True)
     except ValueError as err:
         raise CheckpointError(f"checkpoint: {base}*: {err}") from err
+
+
+def _switch_mlp(reader: _Reader, pfx: str, E: int, H: int, hf_config: dict | None) -> Experts:
+    """mlx-lm's SwitchGLU (``switch_mlp.{gate,up,down}_proj``): stacked ``[E, out, in]`` weights,
+    MLX-quantized (uint32 ``weight``, ``scales``, ``biases``: stacked int4) or dense."""
+    bases = [f"{pfx}switch_mlp.{n}." for n in _PROJ_NAMES[0]]
+    if not reader.has(bases[0] + "scales"):  # an unquantized mlx-lm model: [E, out, in] as stored
+        g, u, d = (reader.get(b + "weight") for b in bases)
+        I = int(g.shape[1]) if g.ndim == 3 else -1
+        for b, t, want in zip(bases, (g, u, d), ((E, I, H), (E, I, H), (E, H, I))):
+            _expect(b + "weight", t, want)
+        return Experts(g, u, d, layout="out_in")
+    projs = [_quantized(reader, b, "mlx", hf_config)[0] for b in bases]
+    I = int(projs[0].shape[-1])
+    for b, w, want in zip(bases, projs, ((E, H, I), (E, H, I), (E, I, H))):
+        if tuple(w.shape) != want:
+            raise CheckpointError(f"checkpoint: {b}* dequantize to {tuple(w.shape[:1] + w.shape[:0:-1])} "
+                                  f"(E, out, in); expected {(want[0],) + want[:0:-1]}")
+    return Experts(*projs)
+
+
+def _mlx_router(reader: _Reader, base: str, hf_config: dict | None):
+    """An MLX-quantized router (mlx-lm keeps Qwen3-MoE's at 8 bits) as float32 ``[E, H]``."""
+    try:
+        return qi.dequantize_mlx(*_mlx_tensors(reader, base), **_mlx_params(hf_config, base[:-1]))
+    except (ValueError, TypeError) as err:
+        raise CheckpointError(f"checkpoint: {base}* (a quantized router): {err}") from err
 
 
 def _per_expert(reader: _Reader, pfx: str, E: int, H: int, hf_config: dict | None) -> Experts:
@@ -203,8 +306,7 @@ def _per_expert(reader: _Reader, pfx: str, E: int, H: int, hf_config: dict | Non
                                   "need its own permutation of x; re-quantize without desc_act")
         gw, uw, dw = g[0], u[0], d[0]
         if d[1] is not None:  # act-order down: its rows (the intermediate) permuted, gate/up's columns alike
-            from .quant_import import permute_columns
-            gw, uw = permute_columns(gw, d[1]), permute_columns(uw, d[1])
+            gw, uw = qi.permute_columns(gw, d[1]), qi.permute_columns(uw, d[1])
         for j, w in enumerate((gw, uw, dw)):
             projs[j].append(w)
     if method is None:
@@ -279,33 +381,47 @@ def load_moe(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], layer:
         ``...layers.{layer}.block_sparse_moe.``); or give ``prefix``.
       prefix: the block's name prefix, e.g. ``"model.layers.3.mlp."``.
       config: the block's `jax_nbx.nn.MoEConfig`; default: from the folder's
-        ``config.json`` when there is one (`MoEConfig.from_hf`).  It fixes
-        the layout of fused gate||up tensors (gpt-oss's interleaved ``[E, H,
-        2I]``); without it, fused tensors are told apart by their shapes.
+        ``config.json`` when there is one (`MoEConfig.from_hf`: a
+        config.json it cannot read -- a bad value, a model_type it does not
+        know -- raises `CheckpointError` naming the key; pass ``config=`` to
+        load the block without reading it).  It fixes the layout of fused
+        gate||up tensors (gpt-oss's interleaved ``[E, H, 2I]``); without it
+        (no config.json: a file or a list of files), fused tensors are told
+        apart by their shapes.  Quantization settings are read from the
+        folder's config.json either way.
       progress: a progress bar over the tensors read (default: when the
         checkpoint has several files; needs ``tqdm``).
 
     Returns:
-      `jax_nbx.nn.MoEParams`: ``router [E, H]`` as stored, per-expert
-      checkpoints as per-expert lists in ``layout="out_in"`` (dense) or as
-      int4 `jax_nbx.QuantizedWeight` lists (GPTQ/AWQ/MLX), fused ones as
-      stacked `Experts.fused`, biases, the correction bias and the shared
-      expert when the checkpoint has them.
+      `jax_nbx.nn.MoEParams`: ``router [E, H]`` as stored (an MLX-quantized
+      one dequantized to float32), per-expert checkpoints as per-expert
+      lists in ``layout="out_in"`` (dense) or as int4
+      `jax_nbx.QuantizedWeight` lists (GPTQ/AWQ/MLX), fused ones as stacked
+      `Experts.fused`, mlx-lm's ``switch_mlp`` as stacked experts (int4, or
+      dense ``out_in``), biases, the correction bias and the shared expert
+      when the checkpoint has them.
 
     Raises:
-      CheckpointError (a ValueError) naming the missing or mis-shaped tensor.
+      CheckpointError (a ValueError) naming the missing or mis-shaped
+      tensor, the config.json key that cannot be read, or the format, mode
+      or checkpoint_format that is not read.
     """
     if layer is None and prefix is None:
         raise ValueError("load_moe: pass layer= (an int) or prefix= (e.g. 'model.layers.0.mlp.')")
     files, wmap, cfg_path = safetensors_files(checkpoint)
     hf_config = None
     if cfg_path is not None:
-        hf_config = read_hf_config(cfg_path)
+        try:
+            hf_config = read_hf_config(cfg_path)
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"checkpoint: {cfg_path} cannot be read: {err}") from err
         if config is None:
             try:
                 config = MoEConfig.from_hf(hf_config)
-            except ValueError:
-                config = None
+            except ValueError as err:
+                raise CheckpointError(f"checkpoint: {cfg_path}: {err}; pass config= (a jax_nbx.nn.MoEConfig) "
+                                      "to load the block without reading it") from err
+        _check_quantization_config(hf_config)
     reader = _Reader(files, wmap, progress)
     try:
         pfx = prefix if prefix is not None else _find_prefix(reader.wmap, int(layer))
@@ -316,6 +432,8 @@ def load_moe(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], layer:
             raise CheckpointError(f"checkpoint: the router of {pfx!r} is missing: expected {pfx}gate.weight, "
                                   f"{pfx}router.weight or {pfx}router.layer.weight")
         router = reader.get(rname)
+        if reader.has(rname[:-len("weight")] + "scales"):  # MLX-quantized (mlx-lm): float32
+            router = _mlx_router(reader, rname[:-len("weight")], hf_config)
         if router.ndim != 2:
             raise CheckpointError(f"checkpoint: tensor {rname!r} has shape {tuple(router.shape)}; expected [E, H]")
         E, H = (int(s) for s in router.shape)
@@ -326,6 +444,8 @@ def load_moe(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], layer:
                                   "format), which jax_nbx does not read; dequantize it to bf16 first")
         if reader.has(pfx + "experts.gate_up_proj") or reader.has(pfx + "input_linear.weight"):
             experts = _fused(reader, pfx, E, H, config)
+        elif reader.has(pfx + "switch_mlp.gate_proj.weight"):
+            experts = _switch_mlp(reader, pfx, E, H, hf_config)
         else:
             experts = _per_expert(reader, pfx, E, H, hf_config)
         if config is not None and experts.intermediate != config.intermediate_size:

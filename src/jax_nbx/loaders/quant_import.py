@@ -44,7 +44,8 @@ import numpy as np
 
 from ..formats import GROUP_SIZES, QuantizedWeight
 
-__all__ = ["from_gptq", "from_awq", "from_mlx", "permute_columns", "absorb_act_order", "AWQ_ORDER"]
+__all__ = ["from_gptq", "from_awq", "from_mlx", "dequantize_mlx", "check_mlx_mode", "permute_columns",
+           "absorb_act_order", "AWQ_ORDER", "MLX_MODES"]
 
 # AutoAWQ's GEMM packing: nibble i of a word holds column 8m + AWQ_ORDER[i].
 # As in AutoAWQ's awq/utils/packing_utils.py (AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7],
@@ -261,7 +262,35 @@ def from_awq(qweight, qzeros, scales, *, bits: int = 4, group_size: int | None =
     return _result(q, s32, _zero_offset(z, s32), G, "from_awq")
 
 
-def from_mlx(weight, scales, biases, *, bits: int = 4, group_size: int = 64) -> QuantizedWeight:
+# mlx.core.quantize's modes (MLX 0.32): (default group size, default bits) of each, as
+# mlx_lm.utils.quantize_model's defaults_for_mode and nn.QuantizedLinear take them.
+MLX_MODES: dict[str, tuple[int, int]] = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
+MLX_AFFINE_BITS = (2, 3, 4, 5, 6, 8)  # mlx.core.quantize's affine widths
+
+
+def check_mlx_mode(mode: str) -> None:
+    """The one place where MLX's quantization modes jax_nbx does not read are
+    refused (ValueError naming the mode): only ``"affine"`` converts (to
+    int4); MLX's float modes ``"mxfp4"``, ``"nvfp4"``, ``"mxfp8"`` (uint8
+    scales, no biases) are not read yet."""
+    if mode == "affine":
+        return
+    if mode in MLX_MODES:
+        raise ValueError(f"mode={mode!r}: jax_nbx does not read MLX's {mode} weights yet (only mode='affine', "
+                         f"whose 4-bit weights convert losslessly to int4)")
+    raise ValueError(f"mode={mode!r} is not one of MLX's quantization modes {tuple(MLX_MODES)}")
+
+
+def _mlx_scales(name: str, a, mode: str) -> np.ndarray:
+    why = ""
+    if a is not None and np.asarray(a).dtype == np.uint8:
+        why = (f" (uint8 scales are those of MLX's float modes mxfp4, nvfp4 and mxfp8: pass mode= to name it; "
+               f"got mode={mode!r})")
+    return _array(name, a, _MLX_SCALES, why)
+
+
+def from_mlx(weight, scales, biases, *, bits: int = 4, group_size: int | None = 64,
+             mode: str = "affine") -> QuantizedWeight:
     """One MLX affine-quantized linear layer (``mlx.core.quantize``, mode
     "affine"; ``mlx.nn.QuantizedLinear``'s ``weight``/``scales``/``biases``)
     as an int4 `QuantizedWeight` ``[K, N]`` (transposed from MLX's out x in).
@@ -274,13 +303,19 @@ def from_mlx(weight, scales, biases, *, bits: int = 4, group_size: int = 64) -> 
 
     Converted: scale and bias to float32 (exact), transposed to ``[K/G, N]``;
     ``zero = bias``: the same formula.  ``group_size`` (MLX's default 64; a
-    checkpoint's config.json says which) must agree with the shapes.  Leading
-    expert axes (e.g. ``SwitchLinear``'s ``[E, N, K/8]``) are accepted.
-    Raises ValueError/TypeError naming the argument.
+    checkpoint's config.json says which; None: from the shapes) must agree
+    with the shapes.  Leading expert axes (e.g. mlx-lm's ``SwitchLinear``
+    ``[E, N, K/8]``) are accepted.
+
+    ``mode``: MLX's quantization mode, ``"affine"`` (the default) only; the
+    float modes ``"mxfp4"``, ``"nvfp4"``, ``"mxfp8"`` are refused naming the
+    mode (`check_mlx_mode`).  Raises ValueError/TypeError naming the
+    argument.
     """
+    check_mlx_mode(mode)
     _check_bits(bits, "MLX")
     weight = _array("weight", weight, _WORD_DTYPES)
-    scales = _array("scales", scales, _MLX_SCALES)
+    scales = _mlx_scales("scales", scales, mode)
     biases = _array("biases", biases, _MLX_SCALES)
     lead, N, K = weight.shape[:-2], weight.shape[-2], weight.shape[-1] * 8
     if scales.ndim != weight.ndim or scales.shape[:-2] != lead or scales.shape[-2] != N:
@@ -293,6 +328,47 @@ def from_mlx(weight, scales, biases, *, bits: int = 4, group_size: int = 64) -> 
     b32 = np.swapaxes(biases.astype(np.float32), -1, -2)
     return _result(np.ascontiguousarray(q), np.ascontiguousarray(s32), np.ascontiguousarray(b32),
                    G, "from_mlx")
+
+
+def dequantize_mlx(weight, scales, biases, *, bits: int, group_size: int | None = None,
+                   mode: str = "affine") -> np.ndarray:
+    """An MLX affine-quantized matrix as float32 ``[..., N, K]`` (its own
+    out x in layout), at any width MLX's affine mode takes (2, 3, 4, 5, 6, 8
+    bits): what `load_moe` does with a quantized router (mlx-lm keeps
+    Qwen3-MoE's at 8 bits), which jax_nbx holds in float.
+
+    ``weight`` uint32 ``[..., N, K·bits/32]``: each row a little-endian bit
+    stream, element ``k`` in bits ``k·bits ..`` (words low bits first; at 3,
+    5 and 6 bits an element may straddle two words); ``scales``, ``biases``
+    ``[..., N, K/G]``; ``W = q * scale + bias`` per group of G along K,
+    computed in float32 (what ``mx.dequantize`` gives with float32 scales and
+    biases; bit for bit with 16-bit ones).  ``group_size`` None: from the
+    shapes (any G dividing K).  ``mode`` as `from_mlx` (affine only)."""
+    check_mlx_mode(mode)
+    if bits not in MLX_AFFINE_BITS:
+        raise ValueError(f"bits={bits}: MLX's affine mode packs {MLX_AFFINE_BITS} bits")
+    weight = _array("weight", weight, _WORD_DTYPES)
+    scales = _mlx_scales("scales", scales, mode)
+    biases = _array("biases", biases, _MLX_SCALES)
+    lead, N, words = weight.shape[:-2], weight.shape[-2], weight.shape[-1]
+    if (words * 32) % bits:
+        raise ValueError(f"weight has {words} words per row: not a whole number of {bits}-bit values")
+    K = words * 32 // bits
+    if scales.ndim != weight.ndim or scales.shape[:-2] != lead or scales.shape[-2] != N:
+        raise ValueError(f"scales has shape {scales.shape}; expected {lead + (N, 'K/G')} "
+                         f"(out_features, groups) for weight of shape {weight.shape}")
+    n_groups = scales.shape[-1]
+    if n_groups <= 0 or K % n_groups or (group_size is not None and group_size * n_groups != K):
+        raise ValueError(f"scales has {n_groups} groups for K={K} ({bits}-bit weight of shape {weight.shape})"
+                         + ("" if group_size is None else f"; group_size={group_size} does not match"))
+    _check_shape("biases", biases, scales.shape, "like scales")
+    G = K // n_groups
+    by = np.ascontiguousarray(weight).view(np.uint32).astype("<u4").view(np.uint8)
+    stream = np.unpackbits(by.reshape(lead + (N, words * 4)), axis=-1, bitorder="little")
+    vals = stream.reshape(lead + (N, K, bits)).astype(np.uint32) << np.arange(bits, dtype=np.uint32)
+    q = vals.sum(-1, dtype=np.uint32).astype(np.float32).reshape(lead + (N, n_groups, G))
+    w = q * scales.astype(np.float32)[..., None] + biases.astype(np.float32)[..., None]
+    return w.reshape(lead + (N, K)).astype(np.float32)
 
 
 def _check_perm(perm, N: int, lead: tuple) -> np.ndarray:

@@ -30,8 +30,8 @@ from ..routing import (
     router_z_loss,
 )
 
-__all__ = ["MoEConfig", "MoEParams", "RouterAux", "ROUTINGS", "init_params", "moe_block", "partition_specs",
-           "read_hf_config"]
+__all__ = ["MoEConfig", "MoEParams", "RouterAux", "ROUTINGS", "HF_DEFAULTS", "init_params", "moe_block",
+           "partition_specs", "read_hf_config"]
 
 ROUTINGS = ("softmax", "softmax_topk", "sigmoid", "topk_sigmoid")
 
@@ -129,47 +129,166 @@ class MoEConfig:
     @classmethod
     def from_hf(cls, config: dict | str | os.PathLike, **overrides) -> MoEConfig:
         """The block of a Hugging Face ``config.json`` (a dict, the file, or
-        its folder): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE,
-        DeepSeek-V2/V3, gpt-oss (read from transformers 5.24.0's
-        ``configuration_*.py``); ``overrides`` replace fields (e.g.
-        ``implementation=``)."""
+        its folder; a ``text_config`` inside is read instead): Mixtral,
+        Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE, DeepSeek-V2/V3, gpt-oss,
+        Llama-4 (``llama4_text``), as transformers 5.24.0's
+        ``configuration_*.py`` and ``modeling_*.py`` define them.
+
+        A key the file leaves out takes its config class's default (what
+        transformers fills in; `HF_DEFAULTS`), and the other names of its
+        class's ``attribute_map`` are read too (transformers 5.24 writes
+        Qwen3-MoE's expert count as ``num_local_experts``, older files
+        ``num_experts``).  ``hidden_act`` picks the gated unit (``silu`` ->
+        ``"swiglu"``, ``gelu`` -> ``"geglu_erf"``, the tanh GELUs ->
+        ``"geglu"``; gpt-oss's experts ignore it and use ``swiglu_alpha``,
+        ``swiglu_limit``).  ``overrides`` replace fields (e.g.
+        ``implementation=``).
+
+        Raises ValueError naming the key whose value cannot be read (a
+        missing count, a string for a number, an activation or
+        ``topk_method`` jax_nbx does not have) or the model_type it does not
+        know."""
         config = read_hf_config(config)
-        c = config.get("text_config", config)
+        c = config.get("text_config") or config
         mt = c.get("model_type", "")
-        g = c.get
-        kw: dict[str, Any] = dict(hidden_size=g("hidden_size"), top_k=g("num_experts_per_tok"),
-                                  initializer_range=g("initializer_range", 0.02))
-        if mt == "mixtral":
-            kw.update(intermediate_size=g("intermediate_size"), num_experts=g("num_local_experts"))
-        elif mt in ("qwen3_moe", "qwen2_moe", "olmoe"):
-            kw.update(intermediate_size=g("moe_intermediate_size", g("intermediate_size")),
-                      num_experts=g("num_experts"), norm_topk_prob=bool(g("norm_topk_prob", mt != "olmoe")))
-            if mt == "qwen2_moe" and g("shared_expert_intermediate_size"):
-                kw.update(shared_intermediate_size=g("shared_expert_intermediate_size"), shared_gate=True)
+        if mt not in HF_DEFAULTS:
+            raise ValueError(f"MoEConfig.from_hf: model_type {mt!r} is not one of {', '.join(HF_DEFAULTS)}; "
+                             "build MoEConfig directly")
+        r = _HFReader(c, mt)
+        kw: dict[str, Any] = dict(hidden_size=r.int("hidden_size"), top_k=r.int("num_experts_per_tok"),
+                                  initializer_range=r.float("initializer_range"))
+        if mt != "gpt_oss":  # GptOssExperts' gate ignores hidden_act
+            kw.update(activation=r.activation())
+        if mt in ("mixtral", "granitemoe", "gpt_oss", "llama4_text"):
+            kw.update(intermediate_size=r.int("intermediate_size"), num_experts=r.int("num_local_experts"))
+        if mt in ("qwen3_moe", "qwen2_moe"):
+            kw.update(intermediate_size=r.int("moe_intermediate_size"), num_experts=r.int("num_local_experts")
+                      if mt == "qwen3_moe" else r.int("num_experts"), norm_topk_prob=r.bool("norm_topk_prob"))
+            if mt == "qwen2_moe":
+                shared = r.int("shared_expert_intermediate_size", allow_zero=True)
+                kw.update(shared_intermediate_size=shared, shared_gate=shared > 0)
+        elif mt == "olmoe":
+            kw.update(intermediate_size=r.int("intermediate_size"), num_experts=r.int("num_experts"),
+                      norm_topk_prob=r.bool("norm_topk_prob"))
         elif mt in ("deepseek_v2", "deepseek_v3"):
-            kw.update(intermediate_size=g("moe_intermediate_size"), num_experts=g("n_routed_experts"),
-                      routed_scaling_factor=float(g("routed_scaling_factor", 1.0)),
-                      shared_intermediate_size=(g("n_shared_experts") or 0) * g("moe_intermediate_size"))
+            I = r.int("moe_intermediate_size")
+            kw.update(intermediate_size=I, num_experts=r.int("n_routed_experts"),
+                      routed_scaling_factor=r.float("routed_scaling_factor"),
+                      shared_intermediate_size=r.int("n_shared_experts", allow_zero=True) * I)
             if mt == "deepseek_v3":
-                kw.update(routing="sigmoid", correction_bias=True, norm_topk_prob=bool(g("norm_topk_prob", True)),
-                          n_group=g("n_group", 1) or 1, topk_group=g("topk_group", 1) or 1)
-            else:  # transformers' DeepSeek-V2 does not renormalize (jax_nbx.route's docstring)
+                kw.update(routing="sigmoid", correction_bias=True, norm_topk_prob=r.bool("norm_topk_prob"),
+                          n_group=r.int("n_group"), topk_group=r.int("topk_group"))
+            else:  # DeepseekV2TopkRouter never renormalizes (norm_topk_prob is not read by the model)
                 kw.update(norm_topk_prob=False)
-                if g("topk_method") == "group_limited_greedy":
-                    kw.update(n_group=g("n_group", 1), topk_group=g("topk_group", 1))
+                method = r.get("topk_method")
+                if method == "group_limited_greedy":
+                    kw.update(n_group=r.int("n_group"), topk_group=r.int("topk_group"))
+                elif method != "greedy":
+                    raise ValueError(f"MoEConfig.from_hf: deepseek_v2 config.json: topk_method={method!r} is not "
+                                     "one DeepseekV2TopkRouter takes ('greedy', 'group_limited_greedy')")
         elif mt == "granitemoe":
-            kw.update(intermediate_size=g("intermediate_size"), num_experts=g("num_local_experts"),
-                      routing="softmax_topk", fusion="concat")
+            kw.update(routing="softmax_topk", fusion="concat")
         elif mt == "gpt_oss":
-            kw.update(intermediate_size=g("intermediate_size"), num_experts=g("num_local_experts"),
-                      routing="softmax_topk", router_bias=True, expert_bias=True, fusion="interleaved",
-                      layout="in_out",
-                      activation=Activation("swiglu_clamped", alpha=1.702, limit=float(g("swiglu_limit", 7.0))))
-        else:
-            raise ValueError(f"MoEConfig.from_hf: model_type {mt!r} is not one of mixtral, qwen2_moe, qwen3_moe, "
-                             "olmoe, deepseek_v2, deepseek_v3, granitemoe, gpt_oss; build MoEConfig directly")
+            kw.update(routing="softmax_topk", router_bias=True, expert_bias=True, fusion="interleaved",
+                      layout="in_out", activation=Activation("swiglu_clamped", alpha=r.float("swiglu_alpha"),
+                                                             limit=r.float("swiglu_limit")))
+        elif mt == "llama4_text":  # Llama4TextMoe: a shared expert of the routed experts' width
+            kw.update(routing="topk_sigmoid", weights_on="input", fusion="concat", layout="in_out",
+                      shared_intermediate_size=kw["intermediate_size"])
         kw.update(overrides)
-        return cls(**kw)
+        try:
+            return cls(**kw)
+        except ValueError as err:
+            raise ValueError(f"MoEConfig.from_hf: {mt} config.json: {err}") from err
+
+
+# transformers 5.24.0's config classes (models/<family>/configuration_<family>.py): the default of
+# every key MoEConfig.from_hf reads, as the class fills in a key that a config.json leaves out
+# (checked against the classes' own to_json_file in tests/library/test_loader_fixtures.py).
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                    hidden_act="silu", initializer_range=0.02),
+    "qwen2_moe": dict(hidden_size=2048, moe_intermediate_size=1408, num_experts=60, num_experts_per_tok=4,
+                      norm_topk_prob=False, shared_expert_intermediate_size=5632, hidden_act="silu",
+                      initializer_range=0.02),
+    "qwen3_moe": dict(hidden_size=2048, moe_intermediate_size=768, num_local_experts=128, num_experts_per_tok=8,
+                      norm_topk_prob=False, hidden_act="silu", initializer_range=0.02),
+    "olmoe": dict(hidden_size=2048, intermediate_size=2048, num_experts=64, num_experts_per_tok=8,
+                  norm_topk_prob=False, hidden_act="silu", initializer_range=0.02),
+    "granitemoe": dict(hidden_size=4096, intermediate_size=11008, num_local_experts=8, num_experts_per_tok=2,
+                       hidden_act="silu", initializer_range=0.02),
+    "deepseek_v2": dict(hidden_size=4096, moe_intermediate_size=1407, n_routed_experts=64, num_experts_per_tok=None,
+                        n_shared_experts=2, routed_scaling_factor=1.0, topk_method="greedy", n_group=None,
+                        topk_group=None, hidden_act="silu", initializer_range=0.02),
+    "deepseek_v3": dict(hidden_size=7168, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8,
+                        n_shared_experts=1, routed_scaling_factor=2.5, n_group=8, topk_group=4,
+                        norm_topk_prob=True, hidden_act="silu", initializer_range=0.02),
+    "gpt_oss": dict(hidden_size=2880, intermediate_size=2880, num_local_experts=128, num_experts_per_tok=4,
+                    swiglu_alpha=1.702, swiglu_limit=7.0, initializer_range=0.02),
+    "llama4_text": dict(hidden_size=5120, intermediate_size=8192, num_local_experts=16, num_experts_per_tok=1,
+                        hidden_act="silu", initializer_range=0.02),
+}
+# Their attribute_map: another name a config.json may give the key (-> the class's attribute).
+HF_ALIASES: dict[str, dict[str, str]] = {
+    "mixtral": {"num_experts": "num_local_experts"},
+    "qwen3_moe": {"num_experts": "num_local_experts"},
+    "olmoe": {"num_local_experts": "num_experts"},
+    "deepseek_v2": {"num_experts": "n_routed_experts"},
+    "deepseek_v3": {"num_local_experts": "n_routed_experts"},
+    "gpt_oss": {"num_experts": "num_local_experts"},
+}
+# hidden_act -> the gated unit: transformers' ACT2FN (activations.py, 5.24.0): silu/swish
+# nn.functional.silu; gelu/gelu_python the erf GELU; gelu_pytorch_tanh, gelu_python_tanh,
+# gelu_new and gelu_fast the tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+HF_ACTIVATIONS: dict[str, str] = {
+    "silu": "swiglu", "swish": "swiglu", "gelu": "geglu_erf", "gelu_python": "geglu_erf",
+    "gelu_pytorch_tanh": "geglu", "gelu_python_tanh": "geglu", "gelu_new": "geglu", "gelu_fast": "geglu",
+}
+
+
+class _HFReader:
+    """The keys of one family's config.json: its class's default where absent, its attribute_map's
+    names read too, each value checked (ValueError naming the key)."""
+
+    def __init__(self, c: dict, mt: str):
+        self.c, self.mt = c, mt
+
+    def _fail(self, key: str, v, what: str):
+        raise ValueError(f"MoEConfig.from_hf: {self.mt} config.json: {key}={v!r} {what}")
+
+    def get(self, key: str):
+        names = [key] + [a for a, k in HF_ALIASES.get(self.mt, {}).items() if k == key]
+        present = [n for n in names if n in self.c]
+        if len(present) > 1 and len({json.dumps(self.c[n]) for n in present}) > 1:
+            raise ValueError(f"MoEConfig.from_hf: {self.mt} config.json: "
+                             + " and ".join(f"{n}={self.c[n]!r}" for n in present)
+                             + " disagree (the same attribute of its config class)")
+        return self.c[present[0]] if present else HF_DEFAULTS[self.mt][key]
+
+    def int(self, key: str, allow_zero: bool = False) -> int:
+        v = self.get(key)
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < (0 if allow_zero else 1):
+            self._fail(key, v, f"is not a {'non-negative' if allow_zero else 'positive'} integer")
+        return int(v)
+
+    def float(self, key: str) -> float:
+        v = self.get(key)
+        if not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, bool) or not np.isfinite(v):
+            self._fail(key, v, "is not a finite number")
+        return float(v)
+
+    def bool(self, key: str) -> bool:
+        v = self.get(key)
+        if not isinstance(v, (bool, np.bool_)):
+            self._fail(key, v, "is not a boolean")
+        return bool(v)
+
+    def activation(self) -> str:
+        v = self.get("hidden_act")
+        if v not in HF_ACTIVATIONS:
+            self._fail("hidden_act", v, f"is not one jax_nbx's gated units compute (transformers' names "
+                                        f"{', '.join(HF_ACTIVATIONS)})")
+        return HF_ACTIVATIONS[v]
 
 
 class MoEParams(NamedTuple):

@@ -1,0 +1,332 @@
+"""Regenerate tests/data/: the loaders' fixtures, written by the real
+third-party tools (never by jax_nbx), so that the loader tests check jax_nbx
+against producers nobody here wrote.  Run by hand, in a throwaway venv
+OUTSIDE the test install (the test suite imports none of these tools):
+
+    python3 -m venv /tmp/prod
+    /tmp/prod/bin/pip install "transformers==5.24.0" "mlx[cpu]==0.32.4" "mlx-lm==0.32.2" safetensors numpy
+    /tmp/prod/bin/pip install torch==2.13.0            # the CPU wheel (any CPU build)
+    # GPTQModel 7.6.0's quantization_config (its source, no build): optional
+    pip download --no-deps --no-binary :all: gptqmodel==7.6.0 -d /tmp/gptqm && tar xzf ... -C /tmp/gptqm
+    /tmp/prod/bin/pip install pypcre logbar device-smi tokenicer defuser threadpoolctl accelerate pillow requests
+    PYTHONPATH=/tmp/gptqm/gptqmodel-7.6.0 /tmp/prod/bin/python benchmarks/make_loader_fixtures.py tests/data
+
+Writes (tests/data/README.md says what each file is):
+
+* transformers/configs/: each MoE family's config class, written by
+  transformers: ``<model_type>.defaults.json`` (``Cls().to_json_file(...,
+  use_diff=False)``: every key at the class's default) and
+  ``<model_type>.tiny.json`` (``Cls(**tiny).save_pretrained``: the shapes of
+  tests/library/test_families.py's blocks), a few variants, and
+  ``attribute_maps.json`` (each class's ``attribute_map``);
+* transformers/qwen3_moe_tiny/: a tiny Qwen3-MoE model's
+  ``save_pretrained`` (bfloat16), and beside it (qwen3_moe_tiny.block_io)
+  its MoE block's output on a fixed input, computed by transformers' own
+  ``Qwen3MoeSparseMoeBlock`` (float32);
+* mlx_lm/: that kind of model converted by ``mlx_lm.convert`` (affine 4-bit,
+  groups of 64 and 32, its 8-bit router; 8-bit and mxfp4 / nvfp4 for the
+  refusals), beside them (<folder>.reference) the block's output computed by
+  mlx-lm's own ``Qwen3MoeSparseMoeBlock``, ``mx.dequantize``'s router and expert 3, and
+  ``affine_bits.safetensors`` (``mx.quantize``/``mx.dequantize`` at 2..8 bits);
+* gptqmodel/: GPTQModel 7.6.0's ``AWQConfig(...).to_dict()`` (the
+  ``quantization_config`` its ``save`` writes into config.json), and a
+  Qwen3-MoE block whose experts GPTQModel's own AWQ packer packed, with the
+  weights its own ``dequantize_gemm`` gives, when the GPTQModel source is
+  importable.
+
+Every file is small (a few KB; the largest ~60 KB).  The outputs are
+deterministic up to the tools' own float formatting.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import numpy as np
+
+# The blocks of tests/library/test_families.py (H = 40), in each config class's own key names.
+SMALL = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+TINY = {
+    "mixtral": ("MixtralConfig", dict(hidden_size=40, intermediate_size=24, num_local_experts=8,
+                                      num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(hidden_size=40, moe_intermediate_size=24, num_experts=16,
+                                         num_experts_per_tok=4, norm_topk_prob=False,
+                                         shared_expert_intermediate_size=52)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(hidden_size=40, moe_intermediate_size=20, num_experts=32,
+                                         num_experts_per_tok=8, norm_topk_prob=True)),
+    "olmoe": ("OlmoeConfig", dict(hidden_size=40, intermediate_size=24, num_experts=16, num_experts_per_tok=4,
+                                  norm_topk_prob=False)),
+    "granitemoe": ("GraniteMoeConfig", dict(hidden_size=40, intermediate_size=24, num_local_experts=33,
+                                            num_experts_per_tok=8)),
+    "gpt_oss": ("GptOssConfig", dict(hidden_size=40, intermediate_size=24, num_local_experts=32,
+                                     num_experts_per_tok=4, head_dim=10)),
+    "deepseek_v3": ("DeepseekV3Config", dict(hidden_size=40, moe_intermediate_size=24, n_routed_experts=64,
+                                             num_experts_per_tok=8, n_shared_experts=2, n_group=8, topk_group=4,
+                                             norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=None,
+                                             kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=6,
+                                             v_head_dim=10)),
+    "deepseek_v2": ("DeepseekV2Config", dict(hidden_size=40, moe_intermediate_size=24, n_routed_experts=64,
+                                             num_experts_per_tok=6, n_shared_experts=2, n_group=8, topk_group=3,
+                                             topk_method="group_limited_greedy", routed_scaling_factor=16.0,
+                                             q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
+                                             qk_nope_head_dim=6, v_head_dim=10)),
+    "llama4_text": ("Llama4TextConfig", dict(hidden_size=40, intermediate_size=24, intermediate_size_mlp=48,
+                                             num_local_experts=16, num_experts_per_tok=1, head_dim=10)),
+}
+# Variants: a key at a value other than the default (hidden_act, gpt-oss's swiglu_*).
+VARIANTS = {
+    "olmoe.gelu": ("OlmoeConfig", dict(TINY["olmoe"][1], hidden_act="gelu")),
+    "mixtral.gelu_pytorch_tanh": ("MixtralConfig", dict(TINY["mixtral"][1], hidden_act="gelu_pytorch_tanh")),
+    "qwen3_moe.relu": ("Qwen3MoeConfig", dict(TINY["qwen3_moe"][1], hidden_act="relu")),
+    "gpt_oss.swiglu": ("GptOssConfig", dict(TINY["gpt_oss"][1], swiglu_alpha=1.5, swiglu_limit=5.0)),
+}
+# Classes whose defaults alone are no block (DeepSeek-V2's num_experts_per_tok defaults to None).
+DEFAULT_ARGS = {"deepseek_v2": dict(num_experts_per_tok=6)}
+
+
+def _save_config(cfg, path: str) -> None:
+    """``save_pretrained`` (what a checkpoint's config.json is), renamed."""
+    with tempfile.TemporaryDirectory() as d:
+        cfg.save_pretrained(d)
+        shutil.copy(os.path.join(d, "config.json"), path)
+
+
+def transformers_configs(out: str) -> None:
+    import transformers as tf
+    d = os.path.join(out, "transformers", "configs")
+    os.makedirs(d, exist_ok=True)
+    maps = {}
+    for mt, (cls_name, kw) in TINY.items():
+        cls = getattr(tf, cls_name)
+        maps[mt] = dict(getattr(cls, "attribute_map", {}))
+        cls(**DEFAULT_ARGS.get(mt, {})).to_json_file(os.path.join(d, f"{mt}.defaults.json"), use_diff=False)
+        _save_config(cls(**SMALL, **kw), os.path.join(d, f"{mt}.tiny.json"))
+    for name, (cls_name, kw) in VARIANTS.items():
+        _save_config(getattr(tf, cls_name)(**SMALL, **kw), os.path.join(d, f"{name}.json"))
+    # Llama-4 as released: the composite "llama4" config, the MoE text model under text_config
+    t = dict(SMALL, **TINY["llama4_text"][1])
+    _save_config(tf.Llama4Config(text_config=t, vision_config=dict(hidden_size=16, intermediate_size=32,
+                                                                    num_hidden_layers=1, num_attention_heads=2,
+                                                                    vision_output_dim=16, projector_input_dim=16,
+                                                                    projector_output_dim=16)),
+                 os.path.join(d, "llama4.tiny.json"))
+    with open(os.path.join(d, "attribute_maps.json"), "w") as f:
+        json.dump({"transformers": tf.__version__, "attribute_map": maps}, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _tiny_qwen3_moe(folder: str, H: int, I: int, E: int, k: int, seed: int) -> None:
+    """A 1-layer Qwen3-MoE of random weights (bfloat16), ``save_pretrained`` to ``folder``, with a
+    word-level tokenizer (mlx_lm.convert saves one)."""
+    import torch
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    torch.manual_seed(seed)
+    cfg = tf.Qwen3MoeConfig(vocab_size=32, hidden_size=H, intermediate_size=2 * H, moe_intermediate_size=I,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=H // 2,
+                            num_experts=E, num_experts_per_tok=k, norm_topk_prob=True, tie_word_embeddings=True)
+    model = tf.Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():  # transformers initializes with std 0.02: a spread the block's output can show
+        for n, p in model.named_parameters():
+            if "mlp" in n:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    model.to(torch.bfloat16).save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(32)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1").save_pretrained(folder)
+
+
+def transformers_checkpoint(out: str) -> None:
+    """A tiny Qwen3-MoE saved by transformers, and its block's output by transformers' module."""
+    import torch
+    import transformers as tf
+    from safetensors.numpy import save_file
+    d = os.path.join(out, "transformers", "qwen3_moe_tiny")
+    os.makedirs(d, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        _tiny_qwen3_moe(tmp, H=32, I=16, E=4, k=2, seed=1)
+        for f in ("config.json", "model.safetensors"):
+            shutil.copy(os.path.join(tmp, f), d)
+        model = tf.Qwen3MoeForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+    block = model.model.layers[0].mlp
+    x = np.random.default_rng(2).standard_normal((7, 32)).astype(np.float32)
+    with torch.no_grad():
+        y = block(torch.from_numpy(x)[None])
+    y = y[0] if isinstance(y, tuple) else y
+    save_file({"x": x, "y": y[0].numpy().astype(np.float32)}, d + ".block_io.safetensors",
+              metadata={"producer": f"transformers {tf.__version__} Qwen3MoeSparseMoeBlock, float32"})
+
+
+def _hub_style(folder: str) -> None:
+    """mlx-lm 0.32.2's qwen3_moe.ModelArgs needs ``num_experts`` and ``rope_theta``, which
+    transformers 5.24's config.json names ``num_local_experts`` and ``rope_parameters``: written
+    back as the hub's Qwen3-MoE configs have them."""
+    p = os.path.join(folder, "config.json")
+    with open(p) as f:
+        c = json.load(f)
+    c["num_experts"] = c.pop("num_local_experts")
+    c["rope_theta"] = c["rope_parameters"]["rope_theta"]
+    with open(p, "w") as f:
+        json.dump(c, f, indent=2)
+
+
+def _block_only(src: str, dst: str, prefix: str = "model.layers.0.mlp.") -> None:
+    """The MoE block's tensors of an mlx-lm output, re-saved with mlx's own save (metadata as
+    mlx-lm's save_model writes it), and its config.json: the refusal fixtures, kept small."""
+    import mlx.core as mx
+    os.makedirs(dst, exist_ok=True)
+    arrays = {k: v for k, v in mx.load(os.path.join(src, "model.safetensors")).items() if k.startswith(prefix)}
+    mx.save_safetensors(os.path.join(dst, "model.safetensors"), arrays, metadata={"format": "mlx"})
+    shutil.copy(os.path.join(src, "config.json"), dst)
+
+
+def mlx_checkpoints(out: str) -> None:
+    import mlx.core as mx
+    import mlx_lm
+    from mlx.utils import tree_map
+    from mlx_lm import convert
+    from mlx_lm.utils import load_model
+    d = os.path.join(out, "mlx_lm")
+    os.makedirs(d, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = os.path.join(tmp, "hf")
+        _tiny_qwen3_moe(hf, H=64, I=64, E=4, k=2, seed=3)
+        _hub_style(hf)
+        runs = {"qwen3_moe_q4_g64": dict(q_group_size=64, q_bits=4),
+                "qwen3_moe_q4_g32": dict(q_group_size=32, q_bits=4),
+                "qwen3_moe_q8_g64": dict(q_group_size=64, q_bits=8),
+                "qwen3_moe_mxfp4": dict(q_mode="mxfp4"),
+                "qwen3_moe_nvfp4": dict(q_mode="nvfp4")}
+        for name, kw in runs.items():
+            conv = os.path.join(tmp, name)
+            convert(hf, conv, quantize=True, **kw)
+            dst = os.path.join(d, name)
+            if name == "qwen3_moe_q4_g64":  # kept whole, as mlx-lm wrote it
+                os.makedirs(dst, exist_ok=True)
+                for f in ("config.json", "model.safetensors", "model.safetensors.index.json"):
+                    shutil.copy(os.path.join(conv, f), dst)
+            else:
+                _block_only(conv, dst)
+            if name not in ("qwen3_moe_q4_g64", "qwen3_moe_q4_g32"):
+                continue
+            # the block's output by mlx-lm's own module, scales and biases made float32 (exact) so
+            # that mlx computes in float32; and mx.dequantize's weights
+            from pathlib import Path
+            model, config = load_model(Path(conv))
+            block = model.model.layers[0].mlp
+            block.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a,
+                                  block.parameters()))
+            x = mx.array(np.random.default_rng(4).standard_normal((9, 64)).astype(np.float32))
+            y = block(x)
+            ref = {"x": x, "y": y}
+            mods = (("gate", block.gate), ("switch_mlp.gate_proj", block.switch_mlp.gate_proj),
+                    ("switch_mlp.up_proj", block.switch_mlp.up_proj),
+                    ("switch_mlp.down_proj", block.switch_mlp.down_proj))
+            for n, m in mods if name == "qwen3_moe_q4_g64" else ():
+                w = mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits)
+                ref[n] = w if n == "gate" else w[3]  # the router; expert 3 of each projection
+            mx.eval(ref)
+            mx.save_safetensors(dst + ".reference.safetensors", ref,
+                                metadata={"producer": f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}"})
+    # mx.quantize / mx.dequantize of one small matrix at every affine width (the router's reader)
+    rng = np.random.default_rng(5)
+    arrays = {}
+    for bits in (2, 3, 4, 5, 6, 8):
+        for G in (32, 64):
+            w = mx.array(rng.standard_normal((2, 128)).astype(np.float32)).astype(mx.bfloat16)
+            q, s, b = mx.quantize(w, group_size=G, bits=bits)
+            arrays.update({f"b{bits}g{G}.weight": q, f"b{bits}g{G}.scales": s, f"b{bits}g{G}.biases": b,
+                           f"b{bits}g{G}.dequantized": mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32),
+                                                                     group_size=G, bits=bits)})
+    mx.eval(arrays)
+    mx.save_safetensors(os.path.join(d, "affine_bits.safetensors"), arrays,
+                        metadata={"producer": f"mlx {mx.__version__} mx.quantize / mx.dequantize"})
+
+
+def gptqmodel_configs(out: str) -> bool:
+    try:
+        import gptqmodel
+        from gptqmodel.quantization.config import FORMAT, AWQConfig, GPTQConfig
+    except Exception as err:  # noqa: BLE001  (optional: its source on PYTHONPATH)
+        print(f"gptqmodel not importable ({err!r}): gptqmodel/ left as it is", file=sys.stderr)
+        return False
+    d = os.path.join(out, "gptqmodel")
+    os.makedirs(d, exist_ok=True)
+
+    def clean(qc: dict) -> dict:  # the temporary folder GPTQModel picks at each run, made stable
+        if "offload_to_disk_path" in qc.get("meta", {}):
+            qc["meta"]["offload_to_disk_path"] = "/tmp/gptqmodel_offload"
+        return qc
+
+    written = {
+        "awq_gemm": clean(AWQConfig(bits=4, group_size=32).to_dict()),
+        "awq_gemv": clean(AWQConfig(bits=4, group_size=32, format=FORMAT.GEMV).to_dict()),
+        "gptq": clean(GPTQConfig(bits=4, group_size=32).to_dict()),
+        "gptq_v2": clean(GPTQConfig(bits=4, group_size=32, format=FORMAT.GPTQ_V2).to_dict()),
+    }
+    for name, qc in written.items():
+        with open(os.path.join(d, f"{name}.quantization_config.json"), "w") as f:
+            json.dump({"gptqmodel": gptqmodel.__version__, "quantization_config": qc}, f, indent=2, default=str)
+            f.write("\n")
+    return True
+
+
+def gptqmodel_awq_checkpoint(out: str) -> None:
+    """A Qwen3-MoE block whose experts are packed by GPTQModel 7.6.0's own AWQ GEMM packer
+    (``AwqTorchLinear.pack``, the CPU module; its CUDA twin AwqGEMMLinear.pack is the same code),
+    with AWQ's asymmetric min/max scales and zeros, and the weights GPTQModel's own
+    ``dequantize_gemm`` gives (float32 scales: exact).  Not a whole GPTQModel quantization
+    (that needs a calibration run): its packing and its config.json."""
+    import torch
+    import transformers as tf
+    from gptqmodel.nn_modules.qlinear.torch_awq import AwqTorchLinear
+    from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+    from gptqmodel.quantization.config import AWQConfig
+    from safetensors.torch import save_file
+    d = os.path.join(out, "gptqmodel", "qwen3_moe_awq")
+    os.makedirs(d, exist_ok=True)
+    E, H, I, G = 4, 32, 32, 32
+    torch.manual_seed(6)
+    pfx = "model.layers.0.mlp."
+    tensors = {pfx + "gate.weight": (torch.randn(E, H) * H ** -0.5).to(torch.bfloat16)}
+    ref = {}
+    for e in range(E):
+        for n, K, N in (("gate_proj", H, I), ("up_proj", H, I), ("down_proj", I, H)):
+            lin = torch.nn.Linear(K, N, bias=False)
+            with torch.no_grad():
+                lin.weight.normal_(0.0, K ** -0.5)
+            w = lin.weight.data.reshape(N, K // G, G)  # AWQ's pseudo_quantize_tensor, zero_point=True
+            mx_, mn_ = w.amax(-1), w.amin(-1)
+            scales = ((mx_ - mn_).clamp(min=1e-5) / 15).half().float()
+            zeros = (-torch.round(mn_ / scales)).clamp(0, 15)
+            m = AwqTorchLinear(bits=4, group_size=G, sym=False, desc_act=False, in_features=K, out_features=N)
+            m.pack(lin, scales, zeros)
+            base = f"{pfx}experts.{e}.{n}."
+            for t in ("qweight", "qzeros", "scales"):
+                tensors[base + t] = getattr(m, t).contiguous()
+            ref[base + "weight"] = dequantize_gemm(m.qweight, m.qzeros, m.scales.float(), 4, G).contiguous()
+    save_file(tensors, os.path.join(d, "model.safetensors"))
+    cfg = tf.Qwen3MoeConfig(vocab_size=32, hidden_size=H, intermediate_size=2 * H, moe_intermediate_size=I,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=H // 2,
+                            num_experts=E, num_experts_per_tok=2, norm_topk_prob=True)
+    qc = AWQConfig(bits=4, group_size=G, sym=False).to_dict()
+    qc["meta"]["offload_to_disk_path"] = "/tmp/gptqmodel_offload"
+    cfg.quantization_config = qc  # as gptqmodel/models/writer.py sets it before save_pretrained
+    _save_config(cfg, os.path.join(d, "config.json"))
+    save_file(ref, d + ".dequantized.safetensors", metadata={"producer": "GPTQModel 7.6.0 dequantize_gemm"})
+
+
+def main(out: str) -> int:
+    transformers_configs(out)
+    transformers_checkpoint(out)
+    mlx_checkpoints(out)
+    if gptqmodel_configs(out):
+        gptqmodel_awq_checkpoint(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "tests/data"))
