@@ -6,6 +6,8 @@ builds it; jaxlib's and nanobind's headers are system headers).
 Clang is installed by .ci/run; where a compiler is missing its case skips."""
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import pathlib
 import shutil
 import subprocess
@@ -46,13 +48,8 @@ def _nanobind_include() -> str:
     return nanobind.include_dir()
 
 
-@pytest.mark.parametrize("compiler", ["g++", "clang++"])
-@pytest.mark.parametrize("source", _sources())
-def test_compiles_without_warnings(compiler, source, tmp_path):
-    if shutil.which(compiler) is None:
-        pytest.skip(f"{compiler} is not installed")
-    if sys.platform != "linux":
-        pytest.skip("checked on Linux")
+def _compile(compiler: str, source: str, tmp_path: pathlib.Path) -> str:
+    """"" when ``source`` compiles clean, else the command and its errors."""
     cmd = [compiler, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
            "-isystem", jax.ffi.include_dir(), "-isystem", _nanobind_include(),
            "-isystem", sysconfig.get_paths()["include"], "-I", str(SRC),
@@ -60,8 +57,21 @@ def test_compiles_without_warnings(compiler, source, tmp_path):
     if source.startswith("cuda/"):
         cmd[1:1] = ["-isystem", str(CUDA_INCLUDE)]
     if source == "metal/library_source.cc":  # CMake generates its include: a stand-in of the same form
-        (tmp_path / "metal").mkdir()
+        (tmp_path / "metal").mkdir(exist_ok=True)
         (tmp_path / "metal" / "library_source.inc").write_text('R"NBX_MSL(// kernels)NBX_MSL"')
         cmd[1:1] = ["-I", str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, f"{' '.join(cmd)}\n{out.stderr[-4000:]}"
+    return "" if out.returncode == 0 else f"{' '.join(cmd)}\n{out.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("compiler", ["g++", "clang++"])
+def test_compiles_without_warnings(compiler, tmp_path):
+    """Every source, each compiled on its own (in parallel: one per core)."""
+    if shutil.which(compiler) is None:
+        pytest.skip(f"{compiler} is not installed")
+    if sys.platform != "linux":
+        pytest.skip("checked on Linux")
+    sources = _sources()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        errors = [e for e in pool.map(lambda src: _compile(compiler, src, tmp_path), sources) if e]
+    assert not errors, f"{len(errors)} of {len(sources)} sources:\n" + "\n".join(errors)

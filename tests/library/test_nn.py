@@ -66,8 +66,9 @@ def _rel(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-@pytest.mark.parametrize("lists", [False, True], ids=["stacked", "lists"])
-@pytest.mark.parametrize("name", list(CONFIGS))
+# lists with the richest config (biases, interleaved, clamped): the layers hold lists as they hold arrays
+@pytest.mark.parametrize("name,lists", [(n, False) for n in CONFIGS] + [("biases", True)],
+                         ids=[f"{n}-stacked" for n in CONFIGS] + ["biases-lists"])
 def test_layers_forward_and_gradients(name, lists):
     """NNXMoE under nnx.jit/nnx.grad and EqxMoE under eqx.filter_jit/filter_grad
     equal moe_block and fused_moe by hand (bit for bit: the same program),

@@ -62,7 +62,8 @@ def _cap(backend, x, w, ids, ex, tokens: int) -> int:
 
 
 @pytest.mark.parametrize("fmt", ["dense", "int4"])
-@pytest.mark.parametrize("band", [pytest.param(1, marks=pytest.mark.sweep), pytest.param(3, marks=CORE), 16])
+@pytest.mark.parametrize("band", [pytest.param(1, marks=pytest.mark.sweep), pytest.param(3, marks=CORE),
+                                  pytest.param(16, marks=pytest.mark.sweep)])
 def test_bands_are_bit_identical(backend, fmt, band):
     """Small bands stream the weights (few rows per expert), large ones pack
     them: the results do not differ in a single bit, eagerly or under jit."""
