@@ -3,9 +3,9 @@
 # default 420: the device tool allows 600 s per command; set it so that the
 # session's device time leaves room for a rerun):
 #   1. build with the CUDA handler required;
-#   2. the GPU tests (tests/test_cuda.py: forward, the CUDA backward, lists, quantized);
-#   3. the CPU micro-kernels of every ISA this machine's CPU has (tests/test_kernels.py) and
-#      precision="bfloat16" through the op (tests/test_precision.py: the avx512_bf16 kernels
+#   2. the GPU tests (tests/cuda/test_cuda_gpu.py: forward, the CUDA backward, lists, quantized);
+#   3. the CPU micro-kernels of every ISA this machine's CPU has (tests/cpu/test_kernels.py) and
+#      precision="bfloat16" through the op (tests/cpu/test_precision.py: the avx512_bf16 kernels
 #      where the CPU has them);
 #   4. benchmarks/gpu.py: forward and gradient checks against float64 / float32, then the
 #      timing table (prefill and decode vs ragged_dot and dense and the anchors, quantized
@@ -34,15 +34,16 @@ left() { local l=$(( DEADLINE - $(date +%s) )); (( l < $1 )) && echo $(( l > 1 ?
 head -3 "$LOGS/machine.txt"; tail -1 "$LOGS/machine.txt"
 echo "== build (CUDA handler required)"
 if ! timeout "$(left 240)" $PY -m pip install --no-build-isolation --no-deps -e . \
-    --config-settings=cmake.define.NBX_CUDA=ON > "$LOGS/build.log" 2>&1; then
+    --config-settings=cmake.define.NBX_CUDA=ON --config-settings=cmake.define.NBX_TESTING=ON \
+    > "$LOGS/build.log" 2>&1; then
   tail -40 "$LOGS/build.log"; echo "BUILD FAILED"; exit 1
 fi
 echo "built in $(( $(date +%s) - START )) s"
 echo "== GPU tests"
-timeout "$(left 120)" $PY -m pytest -q --maxfail=5 tests/test_cuda.py -p no:cacheprovider > "$LOGS/tests.log" 2>&1
+timeout "$(left 120)" $PY -m pytest -q --maxfail=5 tests/cuda/test_cuda_gpu.py -p no:cacheprovider > "$LOGS/tests.log" 2>&1
 echo "pytest exit $?"; tail -15 "$LOGS/tests.log"
 echo "== CPU micro-kernels of every ISA this machine's CPU has (its flags: machine.txt)"
-timeout "$(left 60)" $PY -m pytest -q tests/test_kernels.py tests/test_precision.py -p no:cacheprovider \
+timeout "$(left 60)" $PY -m pytest -q tests/cpu/test_kernels.py tests/cpu/test_precision.py -p no:cacheprovider \
   > "$LOGS/cpu_kernels.log" 2>&1
 echo "pytest exit $?"; tail -3 "$LOGS/cpu_kernels.log"
 echo "== check and time ($(( DEADLINE - $(date +%s) )) s left)"

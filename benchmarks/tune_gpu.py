@@ -15,7 +15,7 @@ so a run cut short by --budget-seconds (no new candidate starts after it) or
 by a timeout keeps what it finished.  A progress bar shows the candidates.
 
 Needs a CUDA GPU.  Status: tested on the CPU with a stand-in timer
-(tests/test_tune_gpu.py: the search, the budget, the file the planner reads);
+(tests/cuda/test_tune_gpu.py: the search, the budget, the file the planner reads);
 never run on a GPU.
 """
 from __future__ import annotations
