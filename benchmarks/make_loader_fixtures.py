@@ -27,7 +27,9 @@ Writes (tests/data/README.md says what each file is):
   groups of 64 and 32, its 8-bit router; 8-bit and mxfp4 / nvfp4 for the
   refusals), beside them (<folder>.reference) the block's output computed by
   mlx-lm's own ``Qwen3MoeSparseMoeBlock``, ``mx.dequantize``'s router and expert 3, and
-  ``affine_bits.safetensors`` (``mx.quantize``/``mx.dequantize`` at 2..8 bits);
+  ``affine_bits.safetensors`` (``mx.quantize``/``mx.dequantize`` at 2..8 bits), and
+  MLX's mxfp4: the block's output on the mxfp4 conversion and
+  ``mxfp4_matrices.safetensors`` (``mx.quantize``/``mx.dequantize``/``mx.gather_qmm``);
 * gptqmodel/: GPTQModel 7.6.0's ``AWQConfig(...).to_dict()`` (the
   ``quantization_config`` its ``save`` writes into config.json), and a
   Qwen3-MoE block whose experts GPTQModel's own AWQ packer packed, with the
@@ -319,14 +321,77 @@ def gptqmodel_awq_checkpoint(out: str) -> None:
     save_file(ref, d + ".dequantized.safetensors", metadata={"producer": "GPTQModel 7.6.0 dequantize_gemm"})
 
 
-def main(out: str) -> int:
+def mlx_mxfp4(out: str) -> None:
+    """MLX's own mxfp4 (``mode="mxfp4"``): ``mlx_lm/qwen3_moe_mxfp4.reference``, the block
+    output of mlx-lm's ``Qwen3MoeSparseMoeBlock`` on the mxfp4 conversion (re-converted here and
+    checked byte for byte against the stored folder) and ``mx.dequantize`` of expert 3; and
+    ``mlx_lm/mxfp4_matrices``: ``mx.quantize(w, mode="mxfp4")`` of float32 matrices (random,
+    exact E2M1 ties, blocks of zeros, large and tiny magnitudes), ``mx.dequantize`` of them, and
+    ``mx.gather_qmm`` of x against them (per expert ids)."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm import convert
+    from mlx_lm.utils import load_model
+    from pathlib import Path
+    d = os.path.join(out, "mlx_lm")
+    meta = {"producer": f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}"}
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = os.path.join(tmp, "hf")
+        _tiny_qwen3_moe(hf, H=64, I=64, E=4, k=2, seed=3)
+        _hub_style(hf)
+        conv = os.path.join(tmp, "mxfp4")
+        convert(hf, conv, quantize=True, q_mode="mxfp4")
+        _block_only(conv, os.path.join(tmp, "block"))
+        new = mx.load(os.path.join(tmp, "block", "model.safetensors"))
+        old = mx.load(os.path.join(d, "qwen3_moe_mxfp4", "model.safetensors"))
+        assert new.keys() == old.keys() and all(mx.array_equal(new[n], old[n]).item() for n in new), \
+            "the re-conversion differs from the stored qwen3_moe_mxfp4/"
+        model, _ = load_model(Path(conv))
+        block = model.model.layers[0].mlp
+        x = mx.array(np.random.default_rng(4).standard_normal((9, 64)).astype(np.float32))
+        ref = {"x": x, "y": block(x)}
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            m = getattr(block.switch_mlp, n)
+            ref["switch_mlp." + n] = mx.dequantize(m.weight, m.scales, group_size=m.group_size, bits=m.bits,
+                                                   mode="mxfp4", dtype=mx.float32)[3]
+        mx.eval(ref)
+        mx.save_safetensors(os.path.join(d, "qwen3_moe_mxfp4.reference.safetensors"), ref, metadata=meta)
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((3, 40, 96)).astype(np.float32)
+    w[0, 0, :32] = 0.0                                          # a block of zeros
+    w[0, 1, :32] = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4, np.float32)  # E2M1 ties
+    w[1, 2] *= 1e4                                              # large magnitudes
+    w[2, 3] *= 1e-6                                             # tiny ones
+    arrays = {"w": mx.array(w)}
+    q, s = mx.quantize(arrays["w"], mode="mxfp4")
+    arrays.update({"weight": q, "scales": s,
+                   "dequantized": mx.dequantize(q, s, mode="mxfp4", dtype=mx.float32)})
+    x = rng.standard_normal((5, 1, 96)).astype(np.float32)
+    ids = np.array([0, 2, 1, 2, 0], np.uint32)
+    arrays.update({"x": mx.array(x), "ids": mx.array(ids.astype(np.int32)),
+                   "gather_qmm": mx.gather_qmm(mx.array(x), q, s, transpose=True, mode="mxfp4",
+                                               rhs_indices=mx.array(ids))})
+    mx.eval(arrays)
+    mx.save_safetensors(os.path.join(d, "mxfp4_matrices.safetensors"), arrays,
+                        metadata={"producer": f"mlx {mx.__version__} mx.quantize / mx.dequantize / "
+                                              "mx.gather_qmm, mode='mxfp4'"})
+
+
+def main(out: str, only: str | None = None) -> int:
+    if only == "mxfp4":
+        mlx_mxfp4(out)
+        return 0
     transformers_configs(out)
     transformers_checkpoint(out)
     mlx_checkpoints(out)
+    mlx_mxfp4(out)
     if gptqmodel_configs(out):
         gptqmodel_awq_checkpoint(out)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "tests/data"))
+    # make_loader_fixtures.py [OUT] [--only mxfp4]
+    args = [a for a in sys.argv[1:] if not a.startswith("--only")]
+    only = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--only=")), None)
+    sys.exit(main(args[0] if args else "tests/data", only))

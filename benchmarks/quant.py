@@ -4,7 +4,8 @@
                                [--isas avx512,avx2] [--json out.json]
 
 For each model and T: median time of the op with bf16 weights, int8 weights
-and int4 weights (group 128, bf16 scales) under each instruction set the CPU
+int4 weights (group 128, bf16 scales) and mxfp4 weights (E2M1, E8M0 scales per
+32) under each instruction set the CPU
 supports (`jax_nbx.cpu.set_isa`), all in one process and interleaved (each
 round runs every ISA and format once), and the speed ratios bf16 time /
 quantized time (higher is better for the quantized experts; issue #19's goals:
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import jax_nbx as nbx
 from jax_nbx._bench import format_table, machine, make_layer
 
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = ("bf16", "int8", "int4", "mxfp4")
 
 
 def main(argv=None):
@@ -50,11 +51,12 @@ def main(argv=None):
             x0, w0, ids0, ex = make_layer(m, 1, jnp.bfloat16)
             q8 = nbx.quantize(ex, "int8", scale_dtype=jnp.bfloat16)
             q4 = nbx.quantize(ex, "int4", group_size=128, scale_dtype=jnp.bfloat16)
-            jax.block_until_ready((q8, q4))
+            qm = nbx.quantize(ex, "mxfp4")
+            jax.block_until_ready((q8, q4, qm))
             for T in (int(t) for t in args.tokens.split(",")):
                 x, w, ids, _ = make_layer(m, T, jnp.bfloat16, seed=T)
                 fns = {"bf16": lambda: f(x, w, ids, ex), "int8": lambda: f(x, w, ids, q8),
-                       "int4": lambda: f(x, w, ids, q4)}
+                       "int4": lambda: f(x, w, ids, q4), "mxfp4": lambda: f(x, w, ids, qm)}
                 times = {(i, k): [] for i in isas for k in fns}
                 for r in range(args.repeats + 1):  # round 0 warms up (compiles, first touches)
                     for i in isas:
@@ -69,7 +71,7 @@ def main(argv=None):
                 for i in isas:
                     row = [name, str(T), i + ("*" if i == chosen else "")]
                     row += [f"{med[(i, k)]:.2f}" for k in FORMATS]
-                    row += [f"{med[(i, 'bf16')] / med[(i, 'int8')]:.2f}", f"{med[(i, 'bf16')] / med[(i, 'int4')]:.2f}"]
+                    row += [f"{med[(i, 'bf16')] / med[(i, q)]:.2f}" for q in FORMATS[1:]]
                     row += [" ".join(f"{med[(i, k)] / best[k]:.2f}" for k in FORMATS)]
                     rows.append(row)
                     print(row, flush=True)
@@ -77,8 +79,8 @@ def main(argv=None):
                                 "all_ms": {f"{i}/{k}": [t * 1e3 for t in v] for (i, k), v in times.items()}})
     finally:
         nbx.cpu.set_isa(chosen)
-    print(format_table(["model", "T", "ISA", "bf16 ms", "int8 ms", "int4 g128 ms", "int8 speed / bf16",
-                        "int4 speed / bf16", "÷ best ISA (bf16 int8 int4)"], rows))
+    print(format_table(["model", "T", "ISA", "bf16 ms", "int8 ms", "int4 g128 ms", "mxfp4 ms", "int8 speed / bf16",
+                        "int4 speed / bf16", "mxfp4 speed / bf16", "÷ best ISA (bf16 int8 int4 mxfp4)"], rows))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"machine": machine(), "isa_chosen": chosen, "isas": isas, "rows": results}, fh, indent=1)

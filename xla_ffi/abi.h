@@ -66,7 +66,8 @@ inline constexpr double kClampedSwiGLULimit = 7.0;
 #define NBX_WEIGHT_FORMATS(X) \
   X(kDense, 0, "dense")       \
   X(kInt8, 1, "int8")         \
-  X(kInt4, 2, "int4")
+  X(kInt4, 2, "int4")         \
+  X(kMxfp4, 3, "mxfp4")
 #define NBX_FORMAT_ENUMERATOR(e, code, name) e = code,
 enum class WeightFormat : int32_t { NBX_WEIGHT_FORMATS(NBX_FORMAT_ENUMERATOR) };
 #undef NBX_FORMAT_ENUMERATOR

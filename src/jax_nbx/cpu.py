@@ -8,7 +8,7 @@ instruction set (`FAMILIES`; xla_ffi/cpu/isa.cc):
 * ``packed``: the K-block GEMMs, packing and blocking (prefill, and any
   expert with more than 6 rows in a call);
 * ``stream``: float32/bfloat16 weights streamed in place (decode);
-* ``qstream``: int8/int4 weights streamed in place (quantized decode).
+* ``qstream``: int8/int4/mxfp4 weights streamed in place (quantized decode).
 
 By default every family takes the best instruction set the CPU supports,
 except where a measurement says otherwise (AMD family 19h, Zen 4: AVX2, which

@@ -1,4 +1,4 @@
-"""Quantized experts: the int8 and int4 formats, quantize/dequantize, the op on
+"""Quantized experts: the int8, int4 and mxfp4 formats, quantize/dequantize, the op on
 quantized experts (the CPU handler's streaming decode kernels and its
 dequantizing packers, the "xla" path), and the errors."""
 from __future__ import annotations
@@ -17,7 +17,8 @@ pytestmark = pytest.mark.sanitize
 
 # max |y - ref| / max |ref| against the ORIGINAL float weights (random Gaussian
 # weights, the hard case for 4 bits); against the dequantized weights the op is exact to f32.
-QUANT_ERR = {("int8", None): 0.03, ("int4", 32): 0.2, ("int4", 64): 0.25, ("int4", 128): 0.3}
+QUANT_ERR = {("int8", None): 0.03, ("int4", 32): 0.2, ("int4", 64): 0.25, ("int4", 128): 0.3,
+             ("mxfp4", 32): 0.35}
 
 
 @pytest.mark.parametrize("kind,G", list(QUANT_ERR), ids=lambda v: str(v))
@@ -46,7 +47,7 @@ def test_quantized_ffi_odd_sizes_bands_and_bad_ids(T):
         nbx.fused_moe(x, w, ids.at[0, 1].set(7), q, implementation="ffi")
 
 
-FORMATS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)]
+FORMATS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128), ("mxfp4", 32)]
 SCALES = {"sf32": jnp.float32, "sbf16": jnp.bfloat16}
 
 
@@ -88,7 +89,7 @@ def test_quant_stream_and_pack_match_float64(kind, G, scale, lists, T, isa):
 
 
 @pytest.mark.parametrize("T", [1, 4])
-@pytest.mark.parametrize("kind,G", [("int8", None), ("int4", 64)], ids=lambda v: str(v))
+@pytest.mark.parametrize("kind,G", [("int8", None), ("int4", 64), ("mxfp4", 32)], ids=lambda v: str(v))
 def test_quant_stream_past_one_item(kind, G, T, isa):
     """N past kMaxStreamCols (1024): several streamed items per projection."""
     H, I = _shape(kind, G, wide=True)
@@ -102,7 +103,7 @@ def test_quant_stream_past_one_item(kind, G, T, isa):
 
 @pytest.mark.parametrize("xd", ["f32", "bf16"])
 @pytest.mark.parametrize("band", [1, 7])
-@pytest.mark.parametrize("kind,G", [("int8", None), ("int4", 32)], ids=lambda v: str(v))
+@pytest.mark.parametrize("kind,G", [("int8", None), ("int4", 32), ("mxfp4", 32)], ids=lambda v: str(v))
 def test_quant_bands_are_bit_identical(kind, G, band, xd, isa):
     """Unbanded, each expert has ~24 rows (packed); in bands of 1 or 2 tokens
     (bf16 x: token bands) each has <= 6 (streamed): the same bits."""
@@ -163,7 +164,7 @@ def test_quantize_errors():
         nbx.quantize(ex, "int4", group_size=64)
     with pytest.raises(ValueError, match="group_size must be one of"):
         nbx.quantize(ex, "int4", group_size=48)
-    with pytest.raises(ValueError, match=r"kind must be one of \('int8', 'int4'\); got 'int2'"):
+    with pytest.raises(ValueError, match=r"kind must be one of \('int8', 'int4', 'mxfp4'\); got 'int2'"):
         nbx.quantize(ex, "int2")
     q = nbx.quantize(ex, "int8")
     with pytest.raises(ValueError, match="already quantized"):

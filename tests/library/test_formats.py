@@ -21,7 +21,7 @@ pytestmark = pytest.mark.fast
 
 
 def test_the_registry_holds_every_format_of_the_contract():
-    assert formats.names() == contract.WEIGHT_FORMATS == ("dense", "int8", "int4")
+    assert formats.names() == contract.WEIGHT_FORMATS == ("dense", "int8", "int4", "mxfp4")
     for name in formats.names():
         fmt = formats.get(name)
         assert fmt.code == contract.FORMAT_CODES[name]
@@ -32,6 +32,11 @@ def test_the_registry_holds_every_format_of_the_contract():
     assert int4.values_per_byte == 2 and int4.part_shape("q", 64, 5, 32) == (32, 5)
     assert int4.part_shape("scale", 64, 5, 32) == (2, 5)
     assert formats.get("int8").part_shape("scale", 64, 5, None) == (5,)
+    mx = formats.get("mxfp4")
+    assert mx.parts == ("q", "scale") and mx.group_sizes == (32,) and mx.values_per_byte == 2
+    assert mx.part_dtypes == {"q": (np.dtype("uint8"),), "scale": (np.dtype("uint8"),)}
+    assert mx.part_shape("q", 64, 5, 32) == (32, 5) and mx.part_shape("scale", 64, 5, 32) == (2, 5)
+    assert mx.compute_part is None and mx.default_group_size == 32
 
 
 def test_the_spec_drives_validation():
@@ -60,13 +65,13 @@ def _raw_cpu(x, w, ids, ex, target="forward", **overrides):
 def test_an_unknown_format_is_refused_by_name_on_every_path():
     x, w, ids, ex = make_problem(2, 5, 4, 2, 64, 32)
     # Python: the registry, the weights' validation, quantize, fused_moe (before any backend)
-    with pytest.raises(ValueError, match=r"unknown weight format 'int3'; jax_nbx knows \('dense', 'int8', 'int4'\)"):
+    with pytest.raises(ValueError, match=r"unknown weight format 'int3'; jax_nbx knows \('dense', 'int8', 'int4', 'mxfp4'\)"):
         formats.get("int3")
     q = nbx.quantize(ex, "int8").down
     odd = nbx.QuantizedWeight(q.q, q.scale, kind="int3")
     with pytest.raises(ValueError, match="w: unknown weight format 'int3'"):
         odd.validate("w")
-    with pytest.raises(ValueError, match=r"kind must be one of \('int8', 'int4'\); got 'int3'"):
+    with pytest.raises(ValueError, match=r"kind must be one of \('int8', 'int4', 'mxfp4'\); got 'int3'"):
         nbx.quantize(ex, "int3")
     q3 = nbx.Experts(*(nbx.QuantizedWeight(a.q, a.scale, kind="int3") for a in
                        (nbx.quantize(ex, "int8").gate, nbx.quantize(ex, "int8").up, q)))

@@ -10,6 +10,7 @@ not read (a config key, a format, a mode) is refused by name.  None of the
 tools is imported here."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -217,6 +218,25 @@ def test_dequantize_mlx_every_affine_width():
         dequantize_mlx(t["b4g32.weight"], t["b4g32.scales"], t["b4g32.biases"], bits=7, group_size=32)
 
 
+def test_mlx_lm_mxfp4_block_matches_mlx_lm():
+    """mlx-lm's mxfp4 conversion (mode "mxfp4": uint32 codes, uint8 E8M0
+    scales, no biases) loads as jax_nbx's mxfp4 format, each expert's weights
+    are mx.dequantize's bit for bit, and the block -- on the CPU handler and
+    the xla reference -- gives mlx-lm's own Qwen3MoeSparseMoeBlock (MLX's
+    gather_qmm on the same bytes)."""
+    params = load_moe(MLX / "qwen3_moe_mxfp4", layer=0)
+    config = nn.MoEConfig.from_hf(MLX / "qwen3_moe_mxfp4")
+    ex = params.experts
+    assert ex.gate.kind == "mxfp4" and ex.gate.group_size == 32 and ex.gate.shape == (4, 64, 64)
+    ref = load_file(str(MLX / "qwen3_moe_mxfp4.reference.safetensors"))
+    for n, w in (("gate_proj", ex.gate), ("up_proj", ex.up), ("down_proj", ex.down)):
+        assert np.array_equal(np.asarray(w.dequantize(jnp.float32))[3].T, ref[f"switch_mlp.{n}"]), n
+    for impl in ("cpu", "xla"):
+        cfg = dataclasses.replace(config, implementation=impl)
+        y, _ = jax.jit(lambda p, x: nn.moe_block(p, x, cfg))(params, jnp.asarray(ref["x"]))
+        assert _rel(y, ref["y"]) <= 1e-5, (impl, _rel(y, ref["y"]))
+
+
 def test_mlx_lm_other_widths_are_refused_by_name():
     with pytest.raises(CheckpointError, match=r"switch_mlp\.gate_proj.*bits=8"):
         load_moe(MLX / "qwen3_moe_q8_g64", layer=0)
@@ -324,11 +344,11 @@ def test_from_hf_hidden_act_and_swiglu_parameters():
 
 # --- 6. MLX's other modes: refused naming the mode -----------------------------------------------
 
-@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("mode", ["nvfp4"])
 def test_mlx_float_modes_are_refused_by_name(mode):
-    """mlx-lm's mxfp4 / nvfp4 conversions (uint8 scales, no biases): load_moe
-    names the mode, and so does from_mlx(mode=...); from_mlx's default is
-    "affine", and uint8 scales without mode= say which modes store them."""
+    """mlx-lm's nvfp4 conversion (uint8 scales, no biases): load_moe names
+    the mode, and so does from_mlx(mode=...) (mxfp8 too); from_mlx's default
+    is "affine", and uint8 scales without mode= say which modes store them."""
     with pytest.raises(CheckpointError, match=rf"mode='{mode}'.*does not read"):
         load_moe(MLX / f"qwen3_moe_{mode}", layer=0)
     t = load_file(str(MLX / f"qwen3_moe_{mode}" / "model.safetensors"))

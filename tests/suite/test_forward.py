@@ -68,11 +68,12 @@ def test_skewed_and_repeated_routing(backend, routing):
 
 
 @pytest.mark.parametrize("fmt,G", [pytest.param("int8", None, marks=CORE), pytest.param("int4", 32, marks=CORE),
-                                   pytest.param("int4", 64, marks=pytest.mark.sweep)])
+                                   pytest.param("int4", 64, marks=pytest.mark.sweep),
+                                   pytest.param("mxfp4", 32, marks=CORE)])
 @pytest.mark.parametrize("T", [1, 33])
 def test_quantized_formats_match_their_dequantization(backend, fmt, G, T):
     """Quantized experts give the float64 op on their dequantized weights."""
-    backend.require(QUANT)
+    backend.require_format(fmt)
     x, w, ids, ex = make_problem(T + 3, T, 6, 2, 64, 64)
     q = nbx.quantize(ex, fmt, group_size=G)
     y = run(backend, x, w, ids, q)

@@ -63,11 +63,7 @@ class InterpretedCuda(Backend):
     name = NAME
 
     def why_not(self, problem: Problem) -> str:
-        if problem.bf16_dot:
-            return "precision='bfloat16' runs on the CPU handler only"
-        if problem.quant is not None and not problem.plain:
-            return "quantized experts take the plain layout"
-        return ""
+        return P.kernels_refusal(problem.quant, problem.plain, problem.bf16_dot)
 
     def why_not_by_default(self, problem: Problem) -> str:
         return "a test backend: named only"

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "cpu/kernels_base.h"
+#include "formats/mxfp4.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -13,13 +14,17 @@ namespace nbx {
 namespace {
 
 // ---- Quantized weights (QuantMatrix, kernel_table.h) ----------------------
+// The kernels' cases, one per quantized format (formats/<name>.h).
+enum QKind : int { kQInt8 = 0, kQInt4 = 1, kQMxfp4 = 2 };
+
 // The streamed and the packed paths of one ISA do the same arithmetic, so
 // banded and unbanded results stay identical: int8 accumulates a * q in kk
 // order (q exact in float32) and multiplies each column's sum by its scale
 // once (the streaming kernels at the end, the packed ones in the epilogue);
 // int4 dequantizes each weight with one expression, q * scale + min (one FMA
 // where the ISA has one; vector lanes and scalar tail alike), then
-// accumulates a * w in kk order as the dense kernels do.
+// accumulates a * w in kk order as the dense kernels do; mxfp4 as int4, its
+// weight E2M1(code) * 2^(s - 127) one exact product (no min).
 
 template <int VL> struct I32T;
 template <> struct I32T<4> { typedef int32_t type __attribute__((vector_size(16))); };
@@ -155,6 +160,72 @@ NBX_AI void Int4ToFloat(const uint8_t* p, typename VecT<VL>::type& lo,
   hi = __builtin_convertvector(w >> 4, typename VecT<VL>::type);
 }
 
+// The 4-bit codes of VL bytes as mxfp4's E2M1 values (formats/mxfp4.h): the
+// low nibbles (even row) and the high nibbles (odd row).  Built from the bits,
+// exactly kE2M1Values[code]: magnitude code m >= 2 is 2^(m/2 - 1) * (1 + (m&1)/2),
+// whose bits are (m << 22) + 0x3F000000; m = 1 is 0.5 (0x3F000000), m = 0 is 0;
+// bit 3 is the sign.
+template <int VL>
+NBX_AI typename VecT<VL>::type E2M1FromCodes(typename U32T<VL>::type n) {
+  typedef typename U32T<VL>::type U;
+  const U m = n & 7u;
+  const U big = reinterpret_cast<U>(m > 1u);  // all ones where m >= 2
+  const U bits = (((m << 22) + 0x3F000000u) & big) | (((m & 1u) * 0x3F000000u) & ~big) |
+                 ((n & 8u) << 28);
+  typename VecT<VL>::type f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <int VL>
+NBX_AI void Fp4ToFloat(const uint8_t* p, typename VecT<VL>::type& lo,
+                       typename VecT<VL>::type& hi) {
+  typedef typename U32T<VL>::type U;
+  const U w = reinterpret_cast<U>(WidenBytes<VL, false>(p));
+  lo = E2M1FromCodes<VL>(w & 15u);
+  hi = E2M1FromCodes<VL>(w >> 4);
+}
+
+// VL E8M0 scale bytes as float32: 2^(s - 127) (bits s << 23; s = 0 the
+// subnormal 2^-127, s = 255 NaN), exactly formats::E8M0Value.
+template <int VL>
+NBX_AI typename VecT<VL>::type E8M0ToFloat(const uint8_t* p) {
+  typedef typename U32T<VL>::type U;
+  const U s = reinterpret_cast<U>(WidenBytes<VL, false>(p));
+  const U zero = reinterpret_cast<U>(s == 0u), nan = reinterpret_cast<U>(s == 255u);
+  const U bits = ((s << 23) & ~zero & ~nan) | (0x00400000u & zero) | (0x7FC00000u & nan);
+  typename VecT<VL>::type f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// One 4-bit code's value: int4's q, mxfp4's E2M1 value.
+template <int kQ>
+NBX_AI float NibbleValue(unsigned code) {
+  if constexpr (kQ == kQMxfp4) return formats::kE2M1Values[code];
+  else return static_cast<float>(code);
+}
+
+// VL 4-bit codes' values (low nibbles, high nibbles).
+template <int VL, int kQ>
+NBX_AI void NibblesToFloat(const uint8_t* p, typename VecT<VL>::type& lo,
+                           typename VecT<VL>::type& hi) {
+  if constexpr (kQ == kQMxfp4) Fp4ToFloat<VL>(p, lo, hi);
+  else Int4ToFloat<VL>(p, lo, hi);
+}
+
+// The float32 scales of columns [c0, c0+n): E8M0 bytes (mxfp4).
+template <int VL>
+NBX_AI void E8M0ScalesToFloat(const void* p, int64_t c0, int n, float* dst) {
+  const uint8_t* s = static_cast<const uint8_t*>(p) + c0;
+  const int nv = n / VL * VL;
+  for (int c = 0; c < nv; c += VL) {
+    const typename VecT<VL>::type v = E8M0ToFloat<VL>(s + c);
+    memcpy(dst + c, &v, sizeof v);
+  }
+  for (int c = nv; c < n; ++c) dst[c] = formats::E8M0Value(s[c]);
+}
+
 // The float32 scales of columns [c0, c0+n).
 template <int VL, bool kB>
 NBX_AI void ScalesToFloat(const void* p, int64_t c0, int n, float* dst) {
@@ -173,7 +244,7 @@ NBX_AI void ScalesToFloat(const void* p, int64_t c0, int n, float* dst) {
 // (<= 1 kB) and the runs cross pages the hardware prefetcher stops at.
 constexpr int kPrefetchRows = 8;
 
-template <int VL, int R, bool kInt4, bool kB>
+template <int VL, int R, int kQ, bool kB>
 void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n0, int64_t K,
                      int ncols, float* acc) {
   using V = typename VecT<VL>::type;
@@ -182,7 +253,7 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
   for (int i = 0; i < R * ncols; ++i) acc[i] = 0.0f;
   // the item's scales (and mins) in float32, converted once (int4: per group)
   float sc[kMaxStreamCols], zc[kMaxStreamCols];
-  if constexpr (!kInt4) {
+  if constexpr (kQ == kQInt8) {
     const int8_t* q = static_cast<const int8_t*>(m.q) + n0;
     ScalesToFloat<VL, kB>(m.scale, n0, ncols, sc);
     // two rows of W per pass over the accumulators (the same per-element
@@ -246,19 +317,28 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
       if (kk / 2 + kPrefetchRows < K / 2)
         for (int l = 0; l < ncols; l += 64) __builtin_prefetch(qr + kPrefetchRows * N + l, 0, 3);
       if (kk % m.group == 0) {
-        ScalesToFloat<VL, kB>(m.scale, (kk / m.group) * N + n0, ncols, sc);
-        ScalesToFloat<VL, kB>(m.zero, (kk / m.group) * N + n0, ncols, zc);
+        if constexpr (kQ == kQMxfp4) {
+          E8M0ScalesToFloat<VL>(m.scale, (kk / m.group) * N + n0, ncols, sc);
+        } else {
+          ScalesToFloat<VL, kB>(m.scale, (kk / m.group) * N + n0, ncols, sc);
+          ScalesToFloat<VL, kB>(m.zero, (kk / m.group) * N + n0, ncols, zc);
+        }
       }
       float a0[R], a1[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) a0[r] = a[kk * as + r], a1[r] = a[(kk + 1) * as + r];
       for (int c = 0; c < nv; c += VL) {
-        V lo, hi;
-        Int4ToFloat<VL>(qr + c, lo, hi);
+        V lo, hi, w0, w1;
+        NibblesToFloat<VL, kQ>(qr + c, lo, hi);
         const V s = Load<VL>(sc + c);
-        const V z = Load<VL>(zc + c);
-        const V w0 = lo * s + z;
-        const V w1 = hi * s + z;
+        if constexpr (kQ == kQMxfp4) {
+          w0 = lo * s;
+          w1 = hi * s;
+        } else {
+          const V z = Load<VL>(zc + c);
+          w0 = lo * s + z;
+          w1 = hi * s + z;
+        }
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           V v;
@@ -269,9 +349,14 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
         }
       }
       for (int c = nv; c < ncols; ++c) {
-        const float s = sc[c], z = zc[c];
-        const float w0 = static_cast<float>(qr[c] & 15) * s + z;
-        const float w1 = static_cast<float>(qr[c] >> 4) * s + z;
+        float w0, w1;
+        if constexpr (kQ == kQMxfp4) {
+          w0 = NibbleValue<kQ>(qr[c] & 15) * sc[c];
+          w1 = NibbleValue<kQ>(qr[c] >> 4) * sc[c];
+        } else {
+          w0 = NibbleValue<kQ>(qr[c] & 15) * sc[c] + zc[c];
+          w1 = NibbleValue<kQ>(qr[c] >> 4) * sc[c] + zc[c];
+        }
         for (int r = 0; r < R; ++r) {
           acc[r * ncols + c] += a0[r] * w0;
           acc[r * ncols + c] += a1[r] * w1;
@@ -286,12 +371,15 @@ void AccumulateRowsQFormat(const float* a, int64_t as, const QuantMatrix& m, int
                            int64_t K, int ncols, float* acc) {
   switch (m.format) {
     case abi::WeightFormat::kInt4:
-      if (m.bf16_scales) AccumulateRowsQ<VL, R, true, true>(a, as, m, n0, K, ncols, acc);
-      else AccumulateRowsQ<VL, R, true, false>(a, as, m, n0, K, ncols, acc);
+      if (m.bf16_scales) AccumulateRowsQ<VL, R, kQInt4, true>(a, as, m, n0, K, ncols, acc);
+      else AccumulateRowsQ<VL, R, kQInt4, false>(a, as, m, n0, K, ncols, acc);
       return;
     case abi::WeightFormat::kInt8:
-      if (m.bf16_scales) AccumulateRowsQ<VL, R, false, true>(a, as, m, n0, K, ncols, acc);
-      else AccumulateRowsQ<VL, R, false, false>(a, as, m, n0, K, ncols, acc);
+      if (m.bf16_scales) AccumulateRowsQ<VL, R, kQInt8, true>(a, as, m, n0, K, ncols, acc);
+      else AccumulateRowsQ<VL, R, kQInt8, false>(a, as, m, n0, K, ncols, acc);
+      return;
+    case abi::WeightFormat::kMxfp4:
+      AccumulateRowsQ<VL, R, kQMxfp4, false>(a, as, m, n0, K, ncols, acc);
       return;
     case abi::WeightFormat::kDense: break;
   }
@@ -329,13 +417,13 @@ void Gemm2StreamQuant(const float* a, int64_t as, int rows, const QuantMatrix* w
 
 // Packing: dequantized rows [k0, k0+kc) of columns [n0, n0+nc) into panels of
 // `width` columns (KernelTable::qpack), whole runs of VL values at a time.
-template <int VL, bool kInt4, bool kB>
+template <int VL, int kQ, bool kB>
 void PackQuantT(const QuantMatrix& m, int64_t k0, int kc, int64_t n0, int nc, int width,
                 float* dst, int64_t rs, int64_t ps) {
   using V = typename VecT<VL>::type;
   const int64_t N = m.N;
   const int np = (nc + width - 1) / width;
-  if constexpr (!kInt4) {
+  if constexpr (kQ == kQInt8) {
     for (int i = 0; i < kc; ++i) {
       const int8_t* qr = static_cast<const int8_t*>(m.q) + (k0 + i) * N + n0;
       for (int p = 0; p < np; ++p) {
@@ -365,12 +453,18 @@ void PackQuantT(const QuantMatrix& m, int64_t k0, int kc, int64_t n0, int nc, in
         for (int j = 0; j < width; j += VL) {
           const int c = p * width + j, n = nc - c;
           if (n >= VL) {
-            V lo, hi;
-            Int4ToFloat<VL>(qr + c, lo, hi);
-            const V s = LoadScales<VL, kB>(m.scale, g + c);
-            const V z = LoadScales<VL, kB>(m.zero, g + c);
-            const V w0 = lo * s + z;
-            const V w1 = hi * s + z;
+            V lo, hi, w0, w1;
+            NibblesToFloat<VL, kQ>(qr + c, lo, hi);
+            if constexpr (kQ == kQMxfp4) {
+              const V s = E8M0ToFloat<VL>(static_cast<const uint8_t*>(m.scale) + g + c);
+              w0 = lo * s;
+              w1 = hi * s;
+            } else {
+              const V s = LoadScales<VL, kB>(m.scale, g + c);
+              const V z = LoadScales<VL, kB>(m.zero, g + c);
+              w0 = lo * s + z;
+              w1 = hi * s + z;
+            }
             if (pair) {
               memcpy(d0 + j, &w0, sizeof w0);
               memcpy(d1 + j, &w1, sizeof w1);
@@ -381,9 +475,15 @@ void PackQuantT(const QuantMatrix& m, int64_t k0, int kc, int64_t n0, int nc, in
             for (int t = 0; t < VL; ++t) {
               float w0 = 0.0f, w1 = 0.0f;
               if (t < n) {
-                const float s = ScaleAt<kB>(m.scale, g + c + t), z = ScaleAt<kB>(m.zero, g + c + t);
-                w0 = static_cast<float>(qr[c + t] & 15) * s + z;
-                w1 = static_cast<float>(qr[c + t] >> 4) * s + z;
+                if constexpr (kQ == kQMxfp4) {
+                  const float s = formats::E8M0Value(static_cast<const uint8_t*>(m.scale)[g + c + t]);
+                  w0 = NibbleValue<kQ>(qr[c + t] & 15) * s;
+                  w1 = NibbleValue<kQ>(qr[c + t] >> 4) * s;
+                } else {
+                  const float s = ScaleAt<kB>(m.scale, g + c + t), z = ScaleAt<kB>(m.zero, g + c + t);
+                  w0 = NibbleValue<kQ>(qr[c + t] & 15) * s + z;
+                  w1 = NibbleValue<kQ>(qr[c + t] >> 4) * s + z;
+                }
               }
               if (pair) {
                 d0[j + t] = w0;
@@ -405,12 +505,15 @@ void PackQuant(const QuantMatrix* m, int64_t k0, int kc, int64_t n0, int nc, int
                float* dst, int64_t rs, int64_t ps) {
   switch (m->format) {
     case abi::WeightFormat::kInt4:
-      if (m->bf16_scales) PackQuantT<VL, true, true>(*m, k0, kc, n0, nc, width, dst, rs, ps);
-      else PackQuantT<VL, true, false>(*m, k0, kc, n0, nc, width, dst, rs, ps);
+      if (m->bf16_scales) PackQuantT<VL, kQInt4, true>(*m, k0, kc, n0, nc, width, dst, rs, ps);
+      else PackQuantT<VL, kQInt4, false>(*m, k0, kc, n0, nc, width, dst, rs, ps);
       return;
     case abi::WeightFormat::kInt8:
-      if (m->bf16_scales) PackQuantT<VL, false, true>(*m, k0, kc, n0, nc, width, dst, rs, ps);
-      else PackQuantT<VL, false, false>(*m, k0, kc, n0, nc, width, dst, rs, ps);
+      if (m->bf16_scales) PackQuantT<VL, kQInt8, true>(*m, k0, kc, n0, nc, width, dst, rs, ps);
+      else PackQuantT<VL, kQInt8, false>(*m, k0, kc, n0, nc, width, dst, rs, ps);
+      return;
+    case abi::WeightFormat::kMxfp4:
+      PackQuantT<VL, kQMxfp4, false>(*m, k0, kc, n0, nc, width, dst, rs, ps);
       return;
     case abi::WeightFormat::kDense: break;
   }

@@ -57,8 +57,9 @@ struct FormatSpec {
   // num_group_sizes == 0: no groups (group_size is 0, a scale per column).
   int32_t num_group_sizes;
   int32_t group_sizes[kMaxGroupSizes];
-  // Element types whose dtype is the weights' compute type: the dense
-  // weights' own, or the scales' for quantized formats (part index).
+  // The part whose dtype is the weights' compute type: the dense weights'
+  // own, or the scales' for quantized formats (part index); -1: float32
+  // (formats whose scales are not a float type, e.g. mxfp4's E8M0 bytes).
   int32_t compute_dtype_part;
 };
 

@@ -12,6 +12,7 @@
 #include "formats/format.h"
 #include "formats/int4.h"
 #include "formats/int8.h"
+#include "formats/mxfp4.h"
 
 namespace nbx::formats {
 
@@ -27,6 +28,7 @@ inline constexpr FormatEntry kFormats[abi::kNumWeightFormats] = {
     {&kDenseSpec, &DenseReference},
     {&kInt8Spec, &Int8Reference},
     {&kInt4Spec, &Int4Reference},
+    {&kMxfp4Spec, &Mxfp4Reference},
 };
 
 constexpr bool CodesInOrder() {

@@ -18,6 +18,7 @@
 #include "abi.h"
 #include "cpu/kernel_table.h"
 #include "dtypes.h"
+#include "formats/mxfp4.h"
 
 namespace nbx {
 namespace kernel_testing {
@@ -415,11 +416,13 @@ class ScaleArray {
 
 struct QuantFormat {
   std::string Name() const {
+    if (mxfp4) return "mxfp4/g32";
     return (int4 ? Fmt("int4/g%d", group) : std::string("int8")) + (bf16_scales ? "/bf16-scales" : "/f32-scales");
   }
-  bool int4;
-  int group;  // int4: rows per group
+  bool int4;  // 4-bit codes packed two per byte along K in groups (int4, mxfp4)
+  int group;  // rows per group
   bool bf16_scales;
+  bool mxfp4 = false;  // (with int4) E2M1 codes, E8M0 scale bytes, no mins
 };
 
 std::vector<QuantFormat> QuantFormats() {
@@ -428,6 +431,7 @@ std::vector<QuantFormat> QuantFormats() {
     v.push_back({false, 0, b});
     for (int group : {32, 64, 128}) v.push_back({true, group, b});
   }
+  v.push_back({true, 32, false, true});
   return v;
 }
 
@@ -443,15 +447,17 @@ std::vector<int64_t> QuantKs(const QuantFormat& f) {
 // A quantized K x N matrix (QuantMatrix) of which columns [n0, n0+ncols) and
 // rows [k0, k1) are the case's: the scales (and mins) of other columns, and
 // int4 groups without such a row, are NaN.  q: any int8; int4 any nibbles;
-// scales in [-1, 1] / 127 (int8) or / 15 (int4), mins in [-1, 1].
+// scales in [-1, 1] / 127 (int8) or / 15 (int4), mins in [-1, 1]; mxfp4 any
+// E2M1 codes, E8M0 scales 2^-8 .. 2^2 (NaN: the byte 255).
 class QuantWeights {
  public:
   QuantWeights(const QuantFormat& f, int64_t K, int64_t N, int64_t n0, int ncols, Rng& rng,
                int64_t k0 = 0, int64_t k1 = -1)
       : f_(f), K_(K), N_(N), n0_(n0), ncols_(ncols),
         q_(static_cast<size_t>((f.int4 ? K / 2 : K) * N)),
-        scale_(f.int4 ? K / f.group * N : N, f.bf16_scales),
-        zero_(f.int4 ? K / f.group * N : 0, f.bf16_scales) {
+        scale_(f.mxfp4 ? 0 : f.int4 ? K / f.group * N : N, f.bf16_scales),
+        zero_(f.int4 && !f.mxfp4 ? K / f.group * N : 0, f.bf16_scales),
+        e8m0_(f.mxfp4 ? K / f.group * N : 0) {
     if (k1 < 0) k1 = K;
     for (uint8_t& b : q_) b = static_cast<uint8_t>(rng.Int(0, 255));
     const int64_t groups = f.int4 ? K / f.group : 1;
@@ -459,12 +465,18 @@ class QuantWeights {
       const bool live = !f.int4 || (g * f.group < k1 && (g + 1) * f.group > k0);
       for (int64_t n = 0; n < N; ++n) {
         const bool ours = live && n >= n0 && n < n0 + ncols;
+        if (f.mxfp4) {
+          e8m0_[g * N + n] = static_cast<uint8_t>(ours ? rng.Int(119, 129) : 255);
+          continue;
+        }
         scale_.Set(g * N + n, ours ? rng.Uniform() / (f.int4 ? 15.0f : 127.0f) : kNaN);
         if (f.int4) zero_.Set(g * N + n, ours ? rng.Uniform() : kNaN);
       }
     }
   }
   QuantMatrix Matrix() const {
+    if (f_.mxfp4)
+      return QuantMatrix{q_.data(), e8m0_.data(), nullptr, N_, f_.group, abi::WeightFormat::kMxfp4, false};
     return QuantMatrix{q_.data(), scale_.Data(), f_.int4 ? zero_.Data() : nullptr, N_,
                        f_.int4 ? f_.group : K_,
                        f_.int4 ? abi::WeightFormat::kInt4 : abi::WeightFormat::kInt8,
@@ -483,6 +495,12 @@ class QuantWeights {
         }
         const uint8_t byte = q_[(k / 2) * N_ + n];
         const int64_t g = (k / f_.group) * N_ + n;
+        if (f_.mxfp4) {  // E2M1(code) * 2^(s - 127): exact in float32 (formats/mxfp4.h)
+          const double v = static_cast<double>(formats::kE2M1Values[(k & 1) ? byte >> 4 : byte & 15]) *
+                           std::ldexp(1.0, static_cast<int>(e8m0_[g]) - 127);
+          m.Set(i, c, v, std::fabs(v));
+          continue;
+        }
         const double qs = ((k & 1) ? byte >> 4 : byte & 15) * static_cast<double>(scale_.Get(g));
         const double z = zero_.Get(g);
         m.Set(i, c, qs + z, std::fabs(qs) + std::fabs(z));
@@ -513,6 +531,7 @@ class QuantWeights {
   int ncols_;
   std::vector<uint8_t> q_;
   ScaleArray scale_, zero_;
+  std::vector<uint8_t> e8m0_;  // mxfp4's scale bytes
 };
 
 // Columns [c0, c0+nc) of the weights as one packed B micro-panel of K rows

@@ -1,6 +1,6 @@
 """Weight formats: the registry, quantization and the handlers' view.
 
-Each format is one module here (``dense``, ``int8``, ``int4``) with its math,
+Each format is one module here (``dense``, ``int8``, ``int4``, ``mxfp4``) with its math,
 over a spec read from the contract (``xla_ffi/formats/<name>.h``: parts,
 dtypes, shapes, packing, groups); ``registry`` holds them by name.  Adding a
 format is its code in ``xla_ffi/abi.h``, its C++ header in
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..experts import Experts
-from . import dense, int4, int8  # noqa: F401  (each registers its format)
+from . import dense, int4, int8, mxfp4  # noqa: F401  (each registers its format)
 from .registry import get, names, quantized_names
 from .spec import Format
 from .weight import QuantizedWeight
@@ -25,21 +25,22 @@ from .weight import QuantizedWeight
 __all__ = ["QuantizedWeight", "Format", "quantize", "dequantize", "get", "names", "GROUP_SIZES",
            "is_quantized", "quant_format", "weight_groups"]
 
-GROUP_SIZES = int4.INT4.group_sizes  # int4's (the only grouped format so far)
+GROUP_SIZES = int4.INT4.group_sizes  # int4's (the loaders' GPTQ/AWQ/MLX affine imports)
 _SCALE_DTYPES = (np.dtype("float32"), np.dtype(jnp.bfloat16))
 
 
-def quantize(experts: Experts, kind: str = "int8", *, group_size: int | None = 128,
+def quantize(experts: Experts, kind: str = "int8", *, group_size: int | None = None,
              scale_dtype=jnp.float32) -> Experts:
     """Quantizes every projection of ``experts`` into the format ``kind``
-    (`names`: "int8", "int4"; each format's module documents its math).
+    (`names`: "int8", "int4", "mxfp4"; each format's module documents its math).
     Stacked experts stay stacked, lists stay lists; experts in a checkpoint
     layout (``layout="out_in"``, fused gate_up) are quantized from their
     plain ``[E, K, N]`` copies (stacked).  ``group_size``: the
-    group along K of grouped formats (int4: 32, 64 or 128; ignored by the
-    others).  Raises ValueError for an unknown format, a group size the
-    format does not take or that does not divide K, TypeError for a scale
-    dtype other than float32/bfloat16."""
+    group along K of grouped formats (int4: 32, 64 or 128, default 128;
+    mxfp4: 32; ignored by the others).  ``scale_dtype``: int8's and int4's
+    scales (float32 or bfloat16; mxfp4's are E8M0 bytes).  Raises ValueError
+    for an unknown format, a group size the format does not take or that does
+    not divide K, TypeError for a scale dtype other than float32/bfloat16."""
     if kind not in quantized_names():
         raise ValueError(f"kind must be one of {quantized_names()}; got {kind!r}")
     fmt = get(kind)
@@ -53,7 +54,7 @@ def quantize(experts: Experts, kind: str = "int8", *, group_size: int | None = 1
         raise ValueError("quantize takes experts without biases (quantized experts have no biases yet)")
     if not experts.is_plain:  # a checkpoint layout: quantize its plain [E, K, N] copies (stacked)
         experts = experts.canonical()[0]
-    gs = group_size if fmt.grouped else None
+    gs = (fmt.default_group_size if group_size is None else group_size) if fmt.grouped else None
 
     def one(a):
         return fmt.quantize_matrix(jnp.asarray(a).astype(jnp.float32), gs, scale_dtype)

@@ -26,6 +26,7 @@ def unpack_nibbles(packed: jax.Array) -> jax.Array:
 
 class Int4(Format):
     name = "int4"
+    default_group_size = 128
 
     def quantize_matrix(self, w: jax.Array, group_size, scale_dtype) -> QuantizedWeight:
         K, N = w.shape[-2:]

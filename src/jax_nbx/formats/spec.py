@@ -27,6 +27,7 @@ class Format:
     """One weight format (subclassed once per format, registered by name)."""
 
     name: str = ""
+    default_group_size: int | None = None  # `jax_nbx.quantize`'s group_size=None for grouped formats
 
     def __init__(self) -> None:
         if self.name not in contract.FORMAT_CODES:
@@ -43,7 +44,10 @@ class Format:
                       for p in spec["parts"] if p["same_dtype_as"] >= 0}
         self.values_per_byte: int = spec["values_per_byte"]
         self.group_sizes: tuple[int, ...] = tuple(spec["group_sizes"])
-        self.compute_part: str = self.parts[spec["compute_dtype_part"]]
+        # the part whose dtype the weights compute in; None: float32 (scales
+        # that are no float type, e.g. mxfp4's E8M0 bytes)
+        cp = spec["compute_dtype_part"]
+        self.compute_part: str | None = self.parts[cp] if cp >= 0 else None
 
     @property
     def grouped(self) -> bool:

@@ -57,8 +57,10 @@ class QuantizedWeight:
 
     @property
     def dtype(self) -> np.dtype:
-        """The dtype the weights compute in (the scales')."""
-        return np.dtype(getattr(self, self.format.compute_part).dtype)
+        """The dtype the weights compute in (the scales', or float32 where
+        the scales are no float type)."""
+        part = self.format.compute_part
+        return np.dtype(getattr(self, part).dtype) if part else np.dtype(np.float32)
 
     def validate(self, name: str) -> None:
         """Raises ValueError/TypeError naming ``name`` if the arrays do not fit the format."""

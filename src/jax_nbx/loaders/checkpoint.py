@@ -25,17 +25,19 @@ mlx-lm                 ``gate.weight`` (MLX-quantized: ``.scales``, ``.biases``)
                        ``switch_mlp.gate_proj/up_proj/down_proj.weight`` ``[E, out, in]``
 =====================  ==============================================================
 
-Quantized projections convert losslessly to jax_nbx's int4 format
-(`jax_nbx.loaders`): GPTQ v1 and AWQ GEMM (``.qweight``, ``.qzeros``,
-``.scales``, GPTQ's ``.g_idx``; AutoGPTQ's, AutoAWQ's and GPTQModel's
-config.json) and MLX's affine 4-bit (a uint32 ``.weight`` with ``.scales``
-and ``.biases``, per expert or mlx-lm's stacked ``switch_mlp``; the bits,
-group size and mode of each module from config.json's ``quantization`` as
-mlx-lm writes it).  An MLX-quantized router (mlx-lm keeps Qwen3-MoE's at 8
-bits) is dequantized to float32.  What is not read is refused naming it: a
-``quant_method``, a GPTQ/AWQ ``checkpoint_format``/``format``/``version``
-other than v1 GPTQ and GEMM AWQ, GPTQModel's ``pack_dtype`` and ``dynamic``,
-other widths than 4 bits, MLX's modes other than affine.
+Quantized projections convert losslessly to jax_nbx's formats
+(`jax_nbx.loaders`): GPTQ v1 and AWQ GEMM to int4 (``.qweight``,
+``.qzeros``, ``.scales``, GPTQ's ``.g_idx``; AutoGPTQ's, AutoAWQ's and
+GPTQModel's config.json), MLX's affine 4-bit to int4 (a uint32 ``.weight``
+with ``.scales`` and ``.biases``) and MLX's mxfp4 to mxfp4 (uint32
+``.weight``, uint8 ``.scales``), per expert or mlx-lm's stacked
+``switch_mlp``; the bits, group size and mode of each module from
+config.json's ``quantization`` as mlx-lm writes it.  An MLX-quantized router
+(mlx-lm keeps Qwen3-MoE's at 8 bits) is dequantized to float32.  What is not
+read is refused naming it: a ``quant_method``, a GPTQ/AWQ
+``checkpoint_format``/``format``/``version`` other than v1 GPTQ and GEMM
+AWQ, GPTQModel's ``pack_dtype`` and ``dynamic``, other widths than 4 bits,
+MLX's nvfp4 and mxfp8 modes, gpt-oss's MXFP4 experts (they carry biases).
 """
 from __future__ import annotations
 
@@ -440,8 +442,9 @@ def load_moe(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], layer:
         if config is not None:
             _expect(rname, router, (config.num_experts, config.hidden_size))
         if reader.has(pfx + "experts.gate_up_proj_blocks"):
-            raise CheckpointError(f"checkpoint: {pfx}experts.gate_up_proj_blocks is MXFP4 (gpt-oss's release "
-                                  "format), which jax_nbx does not read; dequantize it to bf16 first")
+            raise CheckpointError(f"checkpoint: {pfx}experts.gate_up_proj_blocks is MXFP4 with expert biases "
+                                  "(gpt-oss's release format): jax_nbx has the mxfp4 format but its quantized "
+                                  "experts take no biases yet; dequantize them to bf16 first")
         if reader.has(pfx + "experts.gate_up_proj") or reader.has(pfx + "input_linear.weight"):
             experts = _fused(reader, pfx, E, H, config)
         elif reader.has(pfx + "switch_mlp.gate_proj.weight"):

@@ -268,17 +268,38 @@ MLX_MODES: dict[str, tuple[int, int]] = {"affine": (64, 4), "mxfp4": (32, 4), "n
 MLX_AFFINE_BITS = (2, 3, 4, 5, 6, 8)  # mlx.core.quantize's affine widths
 
 
+MLX_READ_MODES = ("affine", "mxfp4")  # the modes jax_nbx reads (to int4, to mxfp4)
+
+
 def check_mlx_mode(mode: str) -> None:
     """The one place where MLX's quantization modes jax_nbx does not read are
-    refused (ValueError naming the mode): only ``"affine"`` converts (to
-    int4); MLX's float modes ``"mxfp4"``, ``"nvfp4"``, ``"mxfp8"`` (uint8
-    scales, no biases) are not read yet."""
-    if mode == "affine":
+    refused (ValueError naming the mode): ``"affine"`` converts to int4 (4
+    bits), ``"mxfp4"`` is read as it is (the mxfp4 format); MLX's other
+    float modes ``"nvfp4"`` and ``"mxfp8"`` are not read yet."""
+    if mode in MLX_READ_MODES:
         return
     if mode in MLX_MODES:
-        raise ValueError(f"mode={mode!r}: jax_nbx does not read MLX's {mode} weights yet (only mode='affine', "
-                         f"whose 4-bit weights convert losslessly to int4)")
+        raise ValueError(f"mode={mode!r}: jax_nbx does not read MLX's {mode} weights yet (it reads "
+                         f"modes {MLX_READ_MODES}: 4-bit affine as int4, mxfp4 as mxfp4)")
     raise ValueError(f"mode={mode!r} is not one of MLX's quantization modes {tuple(MLX_MODES)}")
+
+
+def _from_mlx_mxfp4(weight, scales, biases, bits: int, group_size: int | None) -> QuantizedWeight:
+    """`from_mlx` of ``mode="mxfp4"``: MLX's bytes are the format's, transposed (lossless)."""
+    if bits != 4:
+        raise ValueError(f"bits={bits}: MLX's mxfp4 mode is 4 bits")
+    if group_size not in (None, 32):
+        raise ValueError(f"group_size={group_size}: MLX's mxfp4 mode has blocks of 32")
+    if biases is not None:
+        raise ValueError("biases: MLX's mxfp4 mode has none (pass biases=None)")
+    weight = _array("weight", weight, _WORD_DTYPES)
+    scales = _array("scales", scales, (np.dtype(np.uint8),), " (mxfp4's E8M0 exponents)")
+    lead, N, K = weight.shape[:-2], weight.shape[-2], weight.shape[-1] * 8
+    _check_shape("scales", scales, lead + (N, K // 32), "(out_features, K/32)")
+    by = np.ascontiguousarray(weight).astype("<u4").view(np.uint8)     # [..., N, K/2], low nibble = even k
+    q = np.ascontiguousarray(np.swapaxes(by, -1, -2))                   # [..., K/2, N]
+    s = np.ascontiguousarray(np.swapaxes(scales, -1, -2))               # [..., K/32, N]
+    return QuantizedWeight(jnp.asarray(q), jnp.asarray(s), None, kind="mxfp4", group_size=32)
 
 
 def _mlx_scales(name: str, a, mode: str) -> np.ndarray:
@@ -307,12 +328,16 @@ def from_mlx(weight, scales, biases, *, bits: int = 4, group_size: int | None = 
     with the shapes.  Leading expert axes (e.g. mlx-lm's ``SwitchLinear``
     ``[E, N, K/8]``) are accepted.
 
-    ``mode``: MLX's quantization mode, ``"affine"`` (the default) only; the
-    float modes ``"mxfp4"``, ``"nvfp4"``, ``"mxfp8"`` are refused naming the
-    mode (`check_mlx_mode`).  Raises ValueError/TypeError naming the
-    argument.
+    ``mode``: MLX's quantization mode: ``"affine"`` (the default), or
+    ``"mxfp4"`` (``weight`` uint32 ``[N, K/8]``, ``scales`` uint8 E8M0
+    ``[N, K/32]``, no biases: the bytes are jax_nbx's mxfp4 format's,
+    transposed to ``[K/2, N]`` and ``[K/32, N]``, lossless); ``"nvfp4"`` and
+    ``"mxfp8"`` are refused naming the mode (`check_mlx_mode`).  Raises
+    ValueError/TypeError naming the argument.
     """
     check_mlx_mode(mode)
+    if mode == "mxfp4":
+        return _from_mlx_mxfp4(weight, scales, biases, bits, group_size)
     _check_bits(bits, "MLX")
     weight = _array("weight", weight, _WORD_DTYPES)
     scales = _mlx_scales("scales", scales, mode)
@@ -343,8 +368,12 @@ def dequantize_mlx(weight, scales, biases, *, bits: int, group_size: int | None 
     ``[..., N, K/G]``; ``W = q * scale + bias`` per group of G along K,
     computed in float32 (what ``mx.dequantize`` gives with float32 scales and
     biases; bit for bit with 16-bit ones).  ``group_size`` None: from the
-    shapes (any G dividing K).  ``mode`` as `from_mlx` (affine only)."""
+    shapes (any G dividing K).  ``mode`` as `from_mlx` (``"mxfp4"``: its
+    dequantization, E2M1 values times E8M0 scales, exact in float32)."""
     check_mlx_mode(mode)
+    if mode == "mxfp4":
+        w = _from_mlx_mxfp4(weight, scales, biases, bits, group_size).dequantize(jnp.float32)
+        return np.ascontiguousarray(np.swapaxes(np.asarray(w), -1, -2))
     if bits not in MLX_AFFINE_BITS:
         raise ValueError(f"bits={bits}: MLX's affine mode packs {MLX_AFFINE_BITS} bits")
     weight = _array("weight", weight, _WORD_DTYPES)

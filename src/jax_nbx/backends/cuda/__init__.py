@@ -14,6 +14,7 @@ import jax
 from ... import _registry
 from ...experts import Experts
 from ..base import Backend, Problem
+from . import plan
 
 
 class CudaBackend(Backend):
@@ -26,12 +27,7 @@ class CudaBackend(Backend):
         why = _registry.cuda_unavailable_reason()
         if why:
             return why
-        if problem.quant is not None and not problem.plain:
-            return (f"reads {problem.quant[0]} experts in the plain layout only (gate, up [E, H, I], "
-                    "down [E, I, H], no biases, no fused gate_up)")
-        if problem.bf16_dot:
-            return "precision='bfloat16' runs on the CPU handler only"
-        return ""
+        return plan.kernels_refusal(problem.quant, problem.plain, problem.bf16_dot)
 
     device = "cuda"
 

@@ -57,6 +57,20 @@ def kernels_formats() -> dict[int, str]:
     return {QUANT_CODES[n]: n for n in ("dense", "int8", "int4")}
 
 
+def kernels_refusal(quant, plain: bool, bf16_dot: bool) -> str:
+    """Why the Triton kernels cannot run a problem ("" when they can): its
+    experts' format (``quant``: (name, group) or None), layout, precision."""
+    if quant is not None and quant[0] not in kernels_formats().values():
+        return (f"the CUDA kernels have no tile dequantization for {quant[0]!r} weights "
+                f"(kernels.py _wtile: {sorted(kernels_formats().values())})")
+    if quant is not None and not plain:
+        return (f"reads {quant[0]} experts in the plain layout only (gate, up [E, H, I], "
+                "down [E, I, H], no biases, no fused gate_up)")
+    if bf16_dot:
+        return "precision='bfloat16' runs on the CPU handler only"
+    return ""
+
+
 def _tl_name(dtype) -> str:
     d = np.dtype(dtype)
     if d.name == "bfloat16":

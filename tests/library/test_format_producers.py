@@ -1,0 +1,92 @@
+"""The weight formats against producers nobody here wrote: ml_dtypes'
+E2M1 and E8M0 element types, and MLX 0.32.4's mx.quantize / mx.dequantize /
+mx.gather_qmm with mode="mxfp4" (tests/data/mlx_lm/mxfp4_matrices.safetensors,
+written by benchmarks/make_loader_fixtures.py; MLX is not imported here)."""
+from __future__ import annotations
+
+import pathlib
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import jax_nbx as nbx
+from jax_nbx.formats.mxfp4 import E2M1_VALUES, e2m1_codes, e8m0_values
+from jax_nbx.loaders import dequantize_mlx, from_mlx
+
+pytestmark = pytest.mark.fast
+
+MLX = pathlib.Path(__file__).resolve().parents[1] / "data" / "mlx_lm"
+
+
+def test_e2m1_and_e8m0_values_are_ml_dtypes():
+    """Every E2M1 code's value and every E8M0 byte's (255: NaN; 0: 2^-127)."""
+    codes = np.arange(16, dtype=np.uint8)
+    np.testing.assert_array_equal(E2M1_VALUES, codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32))
+    assert np.array_equal(np.signbit(E2M1_VALUES), codes >= 8)
+    s = np.arange(256, dtype=np.uint8)
+    want = s.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(e8m0_values(jnp.asarray(s))), want)
+
+
+def test_e2m1_rounding_is_ml_dtypes():
+    """Our rounding to E2M1 codes (ties to even, saturating, the sign of -0
+    kept) is ml_dtypes' float32 -> float4_e2m1fn cast, bit for bit, on every
+    tie, around every value and far outside the range."""
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+    grid = np.concatenate([E2M1_VALUES[:8], mids, np.nextafter(mids, 0), np.nextafter(mids, 9),
+                           [6.5, 7.0, 100.0, np.inf, 1e-30, 0.0]]).astype(np.float32)
+    v = np.concatenate([grid, -grid, np.random.default_rng(0).standard_normal(4096).astype(np.float32) * 3])
+    want = v.astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
+    np.testing.assert_array_equal(np.asarray(e2m1_codes(jnp.asarray(v))), want)
+
+
+def _mlx():
+    return load_file(str(MLX / "mxfp4_matrices.safetensors"))
+
+
+def test_mlx_mxfp4_dequantizes_bit_for_bit():
+    """from_mlx(mode="mxfp4") reads MLX's bytes as they are; our
+    dequantization equals mx.dequantize's (float32), transposed."""
+    t = _mlx()
+    w = from_mlx(t["weight"], t["scales"], None, mode="mxfp4")
+    assert w.kind == "mxfp4" and w.shape == (3, 96, 40) and w.q.shape == (3, 48, 40) and w.scale.shape == (3, 3, 40)
+    np.testing.assert_array_equal(np.swapaxes(np.asarray(w.dequantize(jnp.float32)), -1, -2), t["dequantized"])
+    np.testing.assert_array_equal(dequantize_mlx(t["weight"], t["scales"], None, bits=4, mode="mxfp4"),
+                                  t["dequantized"])
+
+
+def test_mlx_gather_qmm_is_our_dequantization():
+    """mx.gather_qmm (MLX's own mxfp4 kernel: x @ W[ids].T) against float64
+    products with our dequantized weights."""
+    t = _mlx()
+    w = np.swapaxes(np.asarray(from_mlx(t["weight"], t["scales"], None, mode="mxfp4").dequantize(jnp.float32)), -1, -2)
+    x, ids = t["x"].astype(np.float64), t["ids"]
+    ref = np.einsum("tk,tnk->tn", x[:, 0], w[ids].astype(np.float64))
+    got = t["gather_qmm"][:, 0]
+    assert np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref))
+
+
+def test_quantize_mxfp4_agrees_with_mlx():
+    """jax_nbx.quantize(..., "mxfp4") on the float32 matrices MLX quantized:
+    the same E8M0 scale in every block (2^ceil(log2(amax / 6)), no value
+    clipped; a block of zeros 2^0), the same codes except at exact E2M1 ties,
+    where MLX 0.32's CPU rounds toward zero and we round to the even code as
+    ml_dtypes does."""
+    t = _mlx()
+    w = np.swapaxes(t["w"], -1, -2)                                # [E, K, N]
+    ex = nbx.quantize(nbx.Experts(w, w, np.swapaxes(w, -1, -2)), "mxfp4")
+    ours = ex.gate
+    theirs = from_mlx(t["weight"], t["scales"], None, mode="mxfp4")
+    np.testing.assert_array_equal(np.asarray(ours.scale), np.asarray(theirs.scale))
+    qa, qb = np.asarray(ours.q), np.asarray(theirs.q)
+    codes = lambda q: np.stack([q & 15, q >> 4], axis=-2).reshape(q.shape[0], -1, q.shape[-1])  # noqa: E731
+    ca, cb = codes(qa), codes(qb)
+    scaled = np.abs(w / np.repeat(np.asarray(e8m0_values(jnp.asarray(theirs.scale))), 32, axis=-2))
+    ties = np.isin(scaled, [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    diff = ca != cb
+    assert not np.any(diff & ~ties) and diff.sum() >= 4
+    assert np.all(ca[ties] % 2 == 0)                                              # ours: the even code
+    assert np.all(np.abs(E2M1_VALUES[cb[diff]]) < np.abs(E2M1_VALUES[ca[diff]]))  # MLX: toward zero

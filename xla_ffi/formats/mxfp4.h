@@ -1,0 +1,53 @@
+// mxfp4 (OCP Microscaling Formats v1.0, MXFP4): E2M1 values in blocks of 32
+// along K, each block scaled by one E8M0 power of two.  q uint8 [K/2, N]: two
+// 4-bit codes per byte along K, the even row in the low nibble (packed[j, n] =
+// code[2j, n] | code[2j+1, n] << 4), as gpt-oss's checkpoints
+// (transformers integrations/mxfp4.py, _convert_moe_packed_tensors) and MLX's
+// mx.quantize(mode="mxfp4") store them (there along the rows of an [N, K]
+// matrix; the loaders transpose).  scale uint8 [K/32, N], E8M0 bits (bias
+// 127; 255 is NaN): W[k, n] = E2M1(code[k, n]) * 2^(scale[k/32, n] - 127).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "formats/format.h"
+
+namespace nbx::formats {
+
+inline constexpr FormatSpec kMxfp4Spec = {
+    abi::WeightFormat::kMxfp4, "mxfp4",
+    "OCP MXFP4: E2M1 codes packed two per byte along K (low nibble = even row), one E8M0 "
+    "scale byte per 32 rows of K",
+    2,
+    {{"q", kU8, PartRows::kPackedK, -1}, {"scale", kU8, PartRows::kGroups, -1}, {}},
+    2,
+    1, {32},
+    -1,
+};
+
+// The E2M1 values of codes 0..15 (sign bit 3, exponent bits 2-1 with bias 1,
+// mantissa bit 0): OCP MX v1.0 section 5.3.3; transformers' FP4_VALUES.
+inline constexpr float kE2M1Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                          -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// 2^(s - 127) for an E8M0 byte s, exactly (s = 0 is the subnormal 2^-127);
+// 255 is NaN.
+inline float E8M0Value(uint8_t s) {
+  if (s == 255) return std::numeric_limits<float>::quiet_NaN();
+  const uint32_t bits = s == 0 ? 0x00400000u : static_cast<uint32_t>(s) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// The code's value times the block's scale: one exact product (a power of two
+// times a value of at most three significant bits).
+inline float Mxfp4Reference(const PartsView& v, int64_t k, int64_t n) {
+  const uint8_t byte = static_cast<const uint8_t*>(v.part[0])[(k / 2) * v.N + n];
+  const uint8_t s = static_cast<const uint8_t*>(v.part[1])[(k / v.group) * v.N + n];
+  return kE2M1Values[k % 2 ? byte >> 4 : byte & 15] * E8M0Value(s);
+}
+
+}  // namespace nbx::formats
