@@ -328,11 +328,12 @@ def mlx_mxfp4(out: str) -> None:
     ``mlx_lm/mxfp4_matrices``: ``mx.quantize(w, mode="mxfp4")`` of float32 matrices (random,
     exact E2M1 ties, blocks of zeros, large and tiny magnitudes), ``mx.dequantize`` of them, and
     ``mx.gather_qmm`` of x against them (per expert ids)."""
+    from pathlib import Path
+
     import mlx.core as mx
     import mlx_lm
     from mlx_lm import convert
     from mlx_lm.utils import load_model
-    from pathlib import Path
     d = os.path.join(out, "mlx_lm")
     meta = {"producer": f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}"}
     with tempfile.TemporaryDirectory() as tmp:

@@ -48,6 +48,7 @@ def test_a_format_without_kernels_is_refused_by_name():
     path have none: they refuse it naming the format, so the default falls
     through to a backend that has them."""
     from jax_nbx.backends.cuda import plan
+
     from support.cuda_interpret import InterpretedCuda
 
     x, w, ids, ex = make_problem(9, 4, 4, 2, 64, 32)

@@ -65,7 +65,8 @@ def _raw_cpu(x, w, ids, ex, target="forward", **overrides):
 def test_an_unknown_format_is_refused_by_name_on_every_path():
     x, w, ids, ex = make_problem(2, 5, 4, 2, 64, 32)
     # Python: the registry, the weights' validation, quantize, fused_moe (before any backend)
-    with pytest.raises(ValueError, match=r"unknown weight format 'int3'; jax_nbx knows \('dense', 'int8', 'int4', 'mxfp4'\)"):
+    with pytest.raises(ValueError,
+                       match=r"unknown weight format 'int3'; jax_nbx knows \('dense', 'int8', 'int4', 'mxfp4'\)"):
         formats.get("int3")
     q = nbx.quantize(ex, "int8").down
     odd = nbx.QuantizedWeight(q.q, q.scale, kind="int3")

@@ -14,7 +14,6 @@ import pytest
 import jax_nbx as nbx
 
 from support.problems import DTYPES, dense, make_problem, np_moe, rel_err
-from support.runners import QUANT
 
 # (T, E, k, H, I): T in {1, 33, 222}; E = 1 and k = E; H, I odd
 CASES = [(1, 4, 2, 33, 20), (33, 8, 2, 65, 47), (222, 8, 3, 33, 20), (33, 1, 1, 17, 9), (5, 6, 6, 40, 24)]

@@ -12,7 +12,7 @@ import jax_nbx as nbx
 
 from support.layouts import LAYOUTS, canonical, np_block, routing, stored
 from support.problems import DTYPES, as_lists, dense, make_problem, np_moe, rel_err
-from support.runners import BANDS, QUANT
+from support.runners import BANDS
 from support.runners import LAYOUTS as LAYOUTS_FEATURE
 
 E, K, H, I = 6, 2, 45, 19  # H and I multiples of no block

@@ -14,7 +14,7 @@ import jax_nbx as nbx
 
 from support.layouts import canonical, np_block, routing, stored
 from support.problems import as_lists, dense, make_problem, np_moe, np_moe_grads, rel_err
-from support.runners import LAYOUTS, QUANT
+from support.runners import LAYOUTS
 
 
 @pytest.mark.sanitize

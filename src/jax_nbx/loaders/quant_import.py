@@ -310,7 +310,7 @@ def _mlx_scales(name: str, a, mode: str) -> np.ndarray:
     return _array(name, a, _MLX_SCALES, why)
 
 
-def from_mlx(weight, scales, biases, *, bits: int = 4, group_size: int | None = 64,
+def from_mlx(weight, scales, biases, *, bits: int = 4, group_size: int | None = None,
              mode: str = "affine") -> QuantizedWeight:
     """One MLX affine-quantized linear layer (``mlx.core.quantize``, mode
     "affine"; ``mlx.nn.QuantizedLinear``'s ``weight``/``scales``/``biases``)
@@ -324,8 +324,8 @@ def from_mlx(weight, scales, biases, *, bits: int = 4, group_size: int | None = 
 
     Converted: scale and bias to float32 (exact), transposed to ``[K/G, N]``;
     ``zero = bias``: the same formula.  ``group_size`` (MLX's default 64; a
-    checkpoint's config.json says which; None: from the shapes) must agree
-    with the shapes.  Leading expert axes (e.g. mlx-lm's ``SwitchLinear``
+    checkpoint's config.json says which; None, the default: from the shapes;
+    mxfp4: 32) must agree with the shapes.  Leading expert axes (e.g. mlx-lm's ``SwitchLinear``
     ``[E, N, K/8]``) are accepted.
 
     ``mode``: MLX's quantization mode: ``"affine"`` (the default), or
