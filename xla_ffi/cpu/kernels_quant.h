@@ -161,36 +161,43 @@ NBX_AI void Int4ToFloat(const uint8_t* p, typename VecT<VL>::type& lo,
 }
 
 // The 4-bit codes of VL lanes (0..15) as mxfp4's E2M1 values
-// (formats::kE2M1Values) by a table lookup: one variable permute of a 16-entry
-// table (AVX-512 vpermps), or of the 8 magnitudes (AVX2 vpermps; generic: a
-// two-register shuffle) with the sign, bit 3, moved to the float's sign bit.
+// (formats::kE2M1Values) by a table lookup: one variable permute of the
+// 16-entry table (AVX-512 vpermps), or of the 8 magnitudes with the sign, bit
+// 3, moved to the float's sign bit (AVX2 vpermps); lane by lane elsewhere.
 // Building the values from their bits instead (compares, selects, a multiply)
 // made mxfp4 decode 0.9-1.5x bf16's speed against int4's 2.3-3.5x
-// (benchmarks/quant.py, Zen 4, 2026-12-03).
+// (benchmarks/quant.py, Zen 4, 2026-12-03).  Intrinsics, not GCC's
+// __builtin_shuffle, which Clang lacks.
 template <int VL>
 NBX_AI typename VecT<VL>::type E2M1FromCodes(typename U32T<VL>::type n) {
   typedef typename VecT<VL>::type V;
-  typedef typename U32T<VL>::type U;
-  typedef typename I32T<VL>::type I;
+  V out;
+#if defined(__AVX512F__)
   if constexpr (VL == 16) {
-    const V tab = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-    return __builtin_shuffle(tab, reinterpret_cast<I>(n & 15u));
-  } else {
-    V mag;
-    if constexpr (VL == 8) {
-      const V tab = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-      mag = __builtin_shuffle(tab, reinterpret_cast<I>(n & 7u));
-    } else {
-      const V lo = {0.0f, 0.5f, 1.0f, 1.5f}, hi = {2.0f, 3.0f, 4.0f, 6.0f};
-      mag = __builtin_shuffle(lo, hi, reinterpret_cast<I>(n & 7u));
-    }
-    U bits;
-    memcpy(&bits, &mag, sizeof bits);
-    bits |= (n & 8u) << 28;
-    memcpy(&mag, &bits, sizeof mag);
-    return mag;
+    const __m512 tab = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f,
+                                      -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+    __m512i idx;
+    memcpy(&idx, &n, sizeof idx);
+    // (the zero-masked form: GCC 12 warns on the unmasked one's undefined pass-through)
+    const __m512 r = _mm512_maskz_permutexvar_ps(0xFFFF, idx, tab);  // indices taken mod 16
+    memcpy(&out, &r, sizeof out);
+    return out;
   }
+#endif
+#if defined(__AVX2__)
+  if constexpr (VL == 8) {
+    const __m256 tab = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    __m256i idx;
+    memcpy(&idx, &n, sizeof idx);
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(idx, _mm256_set1_epi32(8)), 28);
+    const __m256 mag = _mm256_permutevar8x32_ps(tab, idx);  // indices taken mod 8
+    const __m256 r = _mm256_or_ps(mag, _mm256_castsi256_ps(sign));
+    memcpy(&out, &r, sizeof out);
+    return out;
+  }
+#endif
+  for (int i = 0; i < VL; ++i) out[i] = formats::kE2M1Values[n[i] & 15u];
+  return out;
 }
 
 template <int VL>
