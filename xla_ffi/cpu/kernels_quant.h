@@ -174,8 +174,7 @@ NBX_AI typename VecT<VL>::type E2M1FromCodes(typename U32T<VL>::type n) {
   V out;
 #if defined(__AVX512F__)
   if constexpr (VL == 16) {
-    const __m512 tab = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f,
-                                      -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+    const __m512 tab = _mm512_loadu_ps(formats::kE2M1Values);
     __m512i idx;
     memcpy(&idx, &n, sizeof idx);
     // (the zero-masked form: GCC 12 warns on the unmasked one's undefined pass-through)
@@ -186,7 +185,7 @@ NBX_AI typename VecT<VL>::type E2M1FromCodes(typename U32T<VL>::type n) {
 #endif
 #if defined(__AVX2__)
   if constexpr (VL == 8) {
-    const __m256 tab = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    const __m256 tab = _mm256_loadu_ps(formats::kE2M1Values);  // the 8 magnitudes
     __m256i idx;
     memcpy(&idx, &n, sizeof idx);
     const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(idx, _mm256_set1_epi32(8)), 28);
