@@ -200,8 +200,7 @@ def mlx_checkpoints(out: str) -> None:
         runs = {"qwen3_moe_q4_g64": dict(q_group_size=64, q_bits=4),
                 "qwen3_moe_q4_g32": dict(q_group_size=32, q_bits=4),
                 "qwen3_moe_q8_g64": dict(q_group_size=64, q_bits=8),
-                "qwen3_moe_mxfp4": dict(q_mode="mxfp4"),
-                "qwen3_moe_nvfp4": dict(q_mode="nvfp4")}
+                "qwen3_moe_mxfp4": dict(q_mode="mxfp4")}
         for name, kw in runs.items():
             conv = os.path.join(tmp, name)
             convert(hf, conv, quantize=True, **kw)
@@ -321,13 +320,17 @@ def gptqmodel_awq_checkpoint(out: str) -> None:
     save_file(ref, d + ".dequantized.safetensors", metadata={"producer": "GPTQModel 7.6.0 dequantize_gemm"})
 
 
-def mlx_mxfp4(out: str) -> None:
-    """MLX's own mxfp4 (``mode="mxfp4"``): ``mlx_lm/qwen3_moe_mxfp4.reference``, the block
-    output of mlx-lm's ``Qwen3MoeSparseMoeBlock`` on the mxfp4 conversion (re-converted here and
-    checked byte for byte against the stored folder) and ``mx.dequantize`` of expert 3; and
-    ``mlx_lm/mxfp4_matrices``: ``mx.quantize(w, mode="mxfp4")`` of float32 matrices (random,
-    exact E2M1 ties, blocks of zeros, large and tiny magnitudes), ``mx.dequantize`` of them, and
-    ``mx.gather_qmm`` of x against them (per expert ids)."""
+MLX_FLOAT_MODES = ("mxfp4", "nvfp4", "mxfp8")
+
+
+def mlx_float_mode(out: str, mode: str) -> None:
+    """MLX's own float mode ``mode`` (mxfp4, nvfp4, mxfp8): ``mlx_lm/qwen3_moe_<mode>`` (the
+    block of mlx-lm's conversion; an existing folder is checked byte for byte against the
+    re-conversion) and ``mlx_lm/qwen3_moe_<mode>.reference``, the block output of mlx-lm's
+    ``Qwen3MoeSparseMoeBlock`` on it and ``mx.dequantize`` of expert 3; and
+    ``mlx_lm/<mode>_matrices``: ``mx.quantize(w, mode=mode)`` of float32 matrices (random,
+    exact E2M1 ties, blocks of zeros, large and tiny magnitudes), ``mx.dequantize`` of them,
+    and ``mx.gather_qmm`` of x against them (per expert ids)."""
     from pathlib import Path
 
     import mlx.core as mx
@@ -340,13 +343,17 @@ def mlx_mxfp4(out: str) -> None:
         hf = os.path.join(tmp, "hf")
         _tiny_qwen3_moe(hf, H=64, I=64, E=4, k=2, seed=3)
         _hub_style(hf)
-        conv = os.path.join(tmp, "mxfp4")
-        convert(hf, conv, quantize=True, q_mode="mxfp4")
+        conv = os.path.join(tmp, mode)
+        convert(hf, conv, quantize=True, q_mode=mode)
         _block_only(conv, os.path.join(tmp, "block"))
         new = mx.load(os.path.join(tmp, "block", "model.safetensors"))
-        old = mx.load(os.path.join(d, "qwen3_moe_mxfp4", "model.safetensors"))
-        assert new.keys() == old.keys() and all(mx.array_equal(new[n], old[n]).item() for n in new), \
-            "the re-conversion differs from the stored qwen3_moe_mxfp4/"
+        stored = os.path.join(d, f"qwen3_moe_{mode}")
+        if os.path.exists(stored):
+            old = mx.load(os.path.join(stored, "model.safetensors"))
+            assert new.keys() == old.keys() and all(mx.array_equal(new[n], old[n]).item() for n in new), \
+                f"the re-conversion differs from the stored qwen3_moe_{mode}/"
+        else:
+            shutil.copytree(os.path.join(tmp, "block"), stored)
         model, _ = load_model(Path(conv))
         block = model.model.layers[0].mlp
         x = mx.array(np.random.default_rng(4).standard_normal((9, 64)).astype(np.float32))
@@ -354,9 +361,9 @@ def mlx_mxfp4(out: str) -> None:
         for n in ("gate_proj", "up_proj", "down_proj"):
             m = getattr(block.switch_mlp, n)
             ref["switch_mlp." + n] = mx.dequantize(m.weight, m.scales, group_size=m.group_size, bits=m.bits,
-                                                   mode="mxfp4", dtype=mx.float32)[3]
+                                                   mode=mode, dtype=mx.float32)[3]
         mx.eval(ref)
-        mx.save_safetensors(os.path.join(d, "qwen3_moe_mxfp4.reference.safetensors"), ref, metadata=meta)
+        mx.save_safetensors(os.path.join(d, f"qwen3_moe_{mode}.reference.safetensors"), ref, metadata=meta)
     rng = np.random.default_rng(6)
     w = rng.standard_normal((3, 40, 96)).astype(np.float32)
     w[0, 0, :32] = 0.0                                          # a block of zeros
@@ -364,35 +371,36 @@ def mlx_mxfp4(out: str) -> None:
     w[1, 2] *= 1e4                                              # large magnitudes
     w[2, 3] *= 1e-6                                             # tiny ones
     arrays = {"w": mx.array(w)}
-    q, s = mx.quantize(arrays["w"], mode="mxfp4")
+    q, s = mx.quantize(arrays["w"], mode=mode)
     arrays.update({"weight": q, "scales": s,
-                   "dequantized": mx.dequantize(q, s, mode="mxfp4", dtype=mx.float32)})
+                   "dequantized": mx.dequantize(q, s, mode=mode, dtype=mx.float32)})
     x = rng.standard_normal((5, 1, 96)).astype(np.float32)
     ids = np.array([0, 2, 1, 2, 0], np.uint32)
     arrays.update({"x": mx.array(x), "ids": mx.array(ids.astype(np.int32)),
-                   "gather_qmm": mx.gather_qmm(mx.array(x), q, s, transpose=True, mode="mxfp4",
+                   "gather_qmm": mx.gather_qmm(mx.array(x), q, s, transpose=True, mode=mode,
                                                rhs_indices=mx.array(ids))})
     mx.eval(arrays)
-    mx.save_safetensors(os.path.join(d, "mxfp4_matrices.safetensors"), arrays,
+    mx.save_safetensors(os.path.join(d, f"{mode}_matrices.safetensors"), arrays,
                         metadata={"producer": f"mlx {mx.__version__} mx.quantize / mx.dequantize / "
-                                              "mx.gather_qmm, mode='mxfp4'"})
+                                              f"mx.gather_qmm, mode='{mode}'"})
 
 
 def main(out: str, only: str | None = None) -> int:
-    if only == "mxfp4":
-        mlx_mxfp4(out)
+    if only in MLX_FLOAT_MODES:
+        mlx_float_mode(out, only)
         return 0
     transformers_configs(out)
     transformers_checkpoint(out)
     mlx_checkpoints(out)
-    mlx_mxfp4(out)
+    for mode in MLX_FLOAT_MODES:
+        mlx_float_mode(out, mode)
     if gptqmodel_configs(out):
         gptqmodel_awq_checkpoint(out)
     return 0
 
 
 if __name__ == "__main__":
-    # make_loader_fixtures.py [OUT] [--only mxfp4]
+    # make_loader_fixtures.py [OUT] [--only=mxfp4|nvfp4|mxfp8]
     args = [a for a in sys.argv[1:] if not a.startswith("--only")]
     only = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--only=")), None)
     sys.exit(main(args[0] if args else "tests/data", only))

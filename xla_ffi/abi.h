@@ -67,7 +67,10 @@ inline constexpr double kClampedSwiGLULimit = 7.0;
   X(kDense, 0, "dense")       \
   X(kInt8, 1, "int8")         \
   X(kInt4, 2, "int4")         \
-  X(kMxfp4, 3, "mxfp4")
+  X(kMxfp4, 3, "mxfp4")       \
+  X(kFp8, 4, "fp8")           \
+  X(kMxfp8, 5, "mxfp8")       \
+  X(kNvfp4, 6, "nvfp4")
 #define NBX_FORMAT_ENUMERATOR(e, code, name) e = code,
 enum class WeightFormat : int32_t { NBX_WEIGHT_FORMATS(NBX_FORMAT_ENUMERATOR) };
 #undef NBX_FORMAT_ENUMERATOR

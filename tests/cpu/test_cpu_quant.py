@@ -1,6 +1,10 @@
-"""Quantized experts: the int8, int4 and mxfp4 formats, quantize/dequantize, the op on
-quantized experts (the CPU handler's streaming decode kernels and its
-dequantizing packers, the "xla" path), and the errors."""
+"""Quantized experts: the int8, int4, mxfp4, fp8, mxfp8 and nvfp4 formats,
+quantize/dequantize, the op on quantized experts (the CPU handler's streaming
+decode kernels and its dequantizing packers, the "xla" path), and the errors.
+
+The ASan tier (.ci/sanitize, the CI's longest job) runs the int8/int4/mxfp4
+cases; the other formats' kernels run there through the kernel testers
+(tests/cpu/test_kernels.py: qstream1/2, qpack, every format)."""
 from __future__ import annotations
 
 import jax
@@ -13,15 +17,22 @@ import jax_nbx as nbx
 from conftest import TOL, make_problem, np_moe, rel_err
 from support.handlers import ffi_forward as _ffi_forward
 
-pytestmark = pytest.mark.sanitize
+SAN = pytest.mark.sanitize
+NEW = ("fp8", "mxfp8", "nvfp4")  # outside the ASan tier's op tests (see above)
+
+
+def _params(cases):
+    """(kind, G) cases, those of the formats before NEW in the ASan tier."""
+    return [pytest.param(k, g, marks=() if k in NEW else SAN, id=f"{k}-{g}") for k, g in cases]
+
 
 # max |y - ref| / max |ref| against the ORIGINAL float weights (random Gaussian
 # weights, the hard case for 4 bits); against the dequantized weights the op is exact to f32.
 QUANT_ERR = {("int8", None): 0.03, ("int4", 32): 0.2, ("int4", 64): 0.25, ("int4", 128): 0.3,
-             ("mxfp4", 32): 0.35}
+             ("mxfp4", 32): 0.35, ("fp8", 128): 0.07, ("mxfp8", 32): 0.07, ("nvfp4", 16): 0.27}
 
 
-@pytest.mark.parametrize("kind,G", list(QUANT_ERR), ids=lambda v: str(v))
+@pytest.mark.parametrize("kind,G", _params(QUANT_ERR))
 def test_quantization_error_is_bounded(kind, G):
     """The op on quantized experts equals float64 on their dequantized weights
     (tests/suite for every backend) and stays within the format's error of the
@@ -33,6 +44,7 @@ def test_quantization_error_is_bounded(kind, G):
     assert rel_err(y, np_moe(x, w, ids, ex)) < QUANT_ERR[(kind, G)]
 
 
+@SAN
 @pytest.mark.parametrize("T", [1, 222])
 def test_quantized_ffi_odd_sizes_bands_and_bad_ids(T):
     x, w, ids, ex = make_problem(T, T, 7, 3, 128, 64, jnp.bfloat16, jnp.bfloat16)
@@ -47,7 +59,8 @@ def test_quantized_ffi_odd_sizes_bands_and_bad_ids(T):
         nbx.fused_moe(x, w, ids.at[0, 1].set(7), q, implementation="ffi")
 
 
-FORMATS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128), ("mxfp4", 32)]
+FORMATS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128), ("mxfp4", 32), ("fp8", 32), ("fp8", 64),
+           ("mxfp8", 32), ("nvfp4", 16)]
 SCALES = {"sf32": jnp.float32, "sbf16": jnp.bfloat16}
 
 
@@ -74,7 +87,7 @@ STREAM_PACK = [(1, False, "sf32"), (3, True, "sbf16"), (64, False, "sbf16"), (64
 
 @pytest.mark.parametrize("T,lists,scale", STREAM_PACK, ids=[f"T{t}-{'lists' if li else 'stacked'}-{sc}"
                                                               for t, li, sc in STREAM_PACK])
-@pytest.mark.parametrize("kind,G", FORMATS, ids=lambda v: str(v))
+@pytest.mark.parametrize("kind,G", _params(FORMATS))
 def test_quant_stream_and_pack_match_float64(kind, G, scale, lists, T, isa):
     H, I = _shape(kind, G)
     x, w, ids, ex = make_problem(T * 7 + (G or 0), T, 5, 2, H, I)
@@ -89,7 +102,7 @@ def test_quant_stream_and_pack_match_float64(kind, G, scale, lists, T, isa):
 
 
 @pytest.mark.parametrize("T", [1, 4])
-@pytest.mark.parametrize("kind,G", [("int8", None), ("int4", 64), ("mxfp4", 32)], ids=lambda v: str(v))
+@pytest.mark.parametrize("kind,G", _params([("int8", None), ("int4", 64), ("mxfp4", 32), ("fp8", 32), ("nvfp4", 16)]))
 def test_quant_stream_past_one_item(kind, G, T, isa):
     """N past kMaxStreamCols (1024): several streamed items per projection."""
     H, I = _shape(kind, G, wide=True)
@@ -103,7 +116,8 @@ def test_quant_stream_past_one_item(kind, G, T, isa):
 
 @pytest.mark.parametrize("xd", ["f32", "bf16"])
 @pytest.mark.parametrize("band", [1, 7])
-@pytest.mark.parametrize("kind,G", [("int8", None), ("int4", 32), ("mxfp4", 32)], ids=lambda v: str(v))
+@pytest.mark.parametrize("kind,G", _params([("int8", None), ("int4", 32), ("mxfp4", 32), ("fp8", 64), ("mxfp8", 32),
+                                            ("nvfp4", 16)]))
 def test_quant_bands_are_bit_identical(kind, G, band, xd, isa):
     """Unbanded, each expert has ~24 rows (packed); in bands of 1 or 2 tokens
     (bf16 x: token bands) each has <= 6 (streamed): the same bits."""
@@ -119,6 +133,7 @@ def test_quant_bands_are_bit_identical(kind, G, band, xd, isa):
                                   np.asarray(whole.astype(jnp.float32)))
 
 
+@SAN
 def test_quantized_grads_flow_to_x_and_weights_only():
     x, w, ids, ex = make_problem(4, 10, 4, 2, 64, 32)
     q = nbx.quantize(ex, "int8")
@@ -129,6 +144,7 @@ def test_quantized_grads_flow_to_x_and_weights_only():
     assert rel_err(gx, np.asarray(rx, np.float64)) < 1e-4 and rel_err(gw, np.asarray(rw, np.float64)) < 1e-4
 
 
+@SAN
 def test_int8_format():
     w = jnp.asarray([[1.0, -2.0], [0.5, 4.0], [-1.0, 0.0]])  # K=3, N=2
     q = nbx.quantize(nbx.Experts(w[None], w[None], w.T[None]), "int8").gate
@@ -136,6 +152,7 @@ def test_int8_format():
     np.testing.assert_array_equal(np.asarray(q.q[0]), [[127, -64], [64, 127], [-127, 0]])
 
 
+@SAN
 def test_int4_packing_low_nibble_first():
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
@@ -151,6 +168,7 @@ def test_int4_packing_low_nibble_first():
     assert np.max(np.abs(rebuilt - np.asarray(w))) <= np.max(s) / 2 + 1e-6
 
 
+@SAN
 def test_bf16_scales():
     x, w, ids, ex = make_problem(1, 8, 4, 2, 128, 64)
     q = nbx.quantize(ex, "int4", group_size=64, scale_dtype=jnp.bfloat16)
@@ -158,13 +176,15 @@ def test_bf16_scales():
     assert rel_err(nbx.fused_moe(x, w, ids, q), np_moe(x, w, ids, nbx.dequantize(q, jnp.float32))) < 1e-5
 
 
+@SAN
 def test_quantize_errors():
     x, w, ids, ex = make_problem(2, 4, 4, 2, 96, 64)
     with pytest.raises(ValueError, match=r"K=96 .* not divisible by group_size=64"):
         nbx.quantize(ex, "int4", group_size=64)
     with pytest.raises(ValueError, match="group_size must be one of"):
         nbx.quantize(ex, "int4", group_size=48)
-    with pytest.raises(ValueError, match=r"kind must be one of \('int8', 'int4', 'mxfp4'\); got 'int2'"):
+    with pytest.raises(ValueError, match=r"kind must be one of \('int8', 'int4', 'mxfp4', 'fp8', 'mxfp8', "
+                                         r"'nvfp4'\); got 'int2'"):
         nbx.quantize(ex, "int2")
     q = nbx.quantize(ex, "int8")
     with pytest.raises(ValueError, match="already quantized"):

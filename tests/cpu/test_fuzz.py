@@ -2,7 +2,7 @@
 
 Each case draws, from its own seed, a shape (T, E, k, H, I: odd sizes and
 T=1 often), an activation, the x and weight dtypes, a weight format (dense,
-int8, int4 or mxfp4 in groups), stacked or per-expert layout, a routing (top-k, or
+int8, or int4 / fp8 / mxfp4 / mxfp8 / nvfp4 in groups), stacked or per-expert layout, a routing (top-k, or
 independent draws with repeats), an id dtype (signed/unsigned, 8 to 64 bit,
 numpy or JAX), out-of-range ids with ``ids_outside="error"`` or ``"skip"``,
 and a workspace cap that forces bands.  It checks:
@@ -45,8 +45,9 @@ ID_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint
 def draw(i: int) -> dict:
     """Case i: every choice from one seeded generator (printed on failure)."""
     r = np.random.default_rng([SEED, i])
-    fmt = r.choice(["dense"] * 3 + ["int8", "int4", "mxfp4"])
-    G = int(r.choice([32, 64])) if fmt == "int4" else 32 if fmt == "mxfp4" else None
+    fmt = r.choice(["dense"] * 3 + ["int8", "int4", "mxfp4", "fp8", "mxfp8", "nvfp4"])
+    G = (int(r.choice([32, 64])) if fmt in ("int4", "fp8") else 16 if fmt == "nvfp4"
+         else 32 if fmt in ("mxfp4", "mxfp8") else None)
     T = int(r.choice([1, 1, 2, 3, 33, int(r.integers(4, 90))]))
     E = int(r.integers(1, 11))
     k = int(r.integers(1, min(E, 4) + 1))

@@ -43,25 +43,26 @@ def test_a_backend_that_cannot_run_a_call_says_why():
         nbx.fused_moe(x, w, ids, ex, precision="bfloat16")
 
 
-def test_a_format_without_kernels_is_refused_by_name():
-    """mxfp4 has CPU kernels and the reference; the CUDA kernels and the Metal
-    path have none: they refuse it naming the format, so the default falls
-    through to a backend that has them."""
+@pytest.mark.parametrize("fmt,G", [("mxfp4", 32), ("fp8", 32), ("mxfp8", 32), ("nvfp4", 16)])
+def test_a_format_without_kernels_is_refused_by_name(fmt, G):
+    """The microscaling and FP8 formats have CPU kernels and the reference;
+    the CUDA kernels and the Metal path have none: they refuse them naming the
+    format, so the default falls through to a backend that has them."""
     from jax_nbx.backends.cuda import plan
 
     from support.cuda_interpret import InterpretedCuda
 
     x, w, ids, ex = make_problem(9, 4, 4, 2, 64, 32)
-    q = nbx.quantize(ex, "mxfp4")
+    q = nbx.quantize(ex, fmt, group_size=G)
     problem = nbx.backends.Problem.of(q, x.dtype, 4, 64, 32, 2, nbx.Activation("swiglu"))
-    assert problem.quant == ("mxfp4", 32)
-    assert "no tile dequantization for 'mxfp4' weights" in plan.kernels_refusal(problem.quant, True, False)
-    assert "no tile dequantization for 'mxfp4'" in InterpretedCuda().why_not(problem)
+    assert problem.quant == (fmt, G)
+    assert f"no tile dequantization for '{fmt}' weights" in plan.kernels_refusal(problem.quant, True, False)
+    assert f"no tile dequantization for '{fmt}'" in InterpretedCuda().why_not(problem)
     from support import ffi_testing
 
     if not ffi_testing.metal_sim_unavailable():
         with ffi_testing.metal_sim():
-            assert "these are mxfp4" in backends.get("metal").why_not(problem)
+            assert f"these are {fmt}" in backends.get("metal").why_not(problem)
     assert backends.get("cpu").why_not(problem) == "" and backends.get("xla").why_not(problem) == ""
     assert _chosen(x, w, ids, q) == "cpu"
 

@@ -120,8 +120,9 @@ def test_enum_attributes_out_of_range_are_refused_by_name():
         jax.block_until_ready(_raw_forward(x, w, ids, ex, activation=clamped, act_limit=np.float32(0)))
     with pytest.raises(jax.errors.JaxRuntimeError, match="finite act_alpha"):
         jax.block_until_ready(_raw_forward(x, w, ids, ex, activation=clamped, act_alpha=np.float32(np.nan)))
-    with pytest.raises(jax.errors.JaxRuntimeError, match="unknown weight format code 5"):
-        jax.block_until_ready(_raw_forward(x, w, ids, ex, format=np.int32(5)))
+    bad = len(contract.WEIGHT_FORMATS)  # one past the last code
+    with pytest.raises(jax.errors.JaxRuntimeError, match=f"unknown weight format code {bad}"):
+        jax.block_until_ready(_raw_forward(x, w, ids, ex, format=np.int32(bad)))
     # an int64 where the contract says int32 is refused by XLA's decoder, not misread
     # (other shapes: JAX's executable cache compares attributes by value, 0 == int64 0)
     x, w, ids, ex = make_problem(3, 7, 3, 1, 12, 8)

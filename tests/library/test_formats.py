@@ -21,7 +21,8 @@ pytestmark = pytest.mark.fast
 
 
 def test_the_registry_holds_every_format_of_the_contract():
-    assert formats.names() == contract.WEIGHT_FORMATS == ("dense", "int8", "int4", "mxfp4")
+    assert formats.names() == contract.WEIGHT_FORMATS == ("dense", "int8", "int4", "mxfp4", "fp8", "mxfp8",
+                                                                 "nvfp4")
     for name in formats.names():
         fmt = formats.get(name)
         assert fmt.code == contract.FORMAT_CODES[name]
@@ -66,13 +67,15 @@ def test_an_unknown_format_is_refused_by_name_on_every_path():
     x, w, ids, ex = make_problem(2, 5, 4, 2, 64, 32)
     # Python: the registry, the weights' validation, quantize, fused_moe (before any backend)
     with pytest.raises(ValueError,
-                       match=r"unknown weight format 'int3'; jax_nbx knows \('dense', 'int8', 'int4', 'mxfp4'\)"):
+                       match=r"unknown weight format 'int3'; jax_nbx knows \('dense', 'int8', 'int4', "
+                             r"'mxfp4', 'fp8', 'mxfp8', 'nvfp4'\)"):
         formats.get("int3")
     q = nbx.quantize(ex, "int8").down
     odd = nbx.QuantizedWeight(q.q, q.scale, kind="int3")
     with pytest.raises(ValueError, match="w: unknown weight format 'int3'"):
         odd.validate("w")
-    with pytest.raises(ValueError, match=r"kind must be one of \('int8', 'int4', 'mxfp4'\); got 'int3'"):
+    with pytest.raises(ValueError, match=r"kind must be one of \('int8', 'int4', 'mxfp4', 'fp8', 'mxfp8', "
+                                         r"'nvfp4'\); got 'int3'"):
         nbx.quantize(ex, "int3")
     q3 = nbx.Experts(*(nbx.QuantizedWeight(a.q, a.scale, kind="int3") for a in
                        (nbx.quantize(ex, "int8").gate, nbx.quantize(ex, "int8").up, q)))

@@ -218,17 +218,18 @@ def test_dequantize_mlx_every_affine_width():
         dequantize_mlx(t["b4g32.weight"], t["b4g32.scales"], t["b4g32.biases"], bits=7, group_size=32)
 
 
-def test_mlx_lm_mxfp4_block_matches_mlx_lm():
-    """mlx-lm's mxfp4 conversion (mode "mxfp4": uint32 codes, uint8 E8M0
-    scales, no biases) loads as jax_nbx's mxfp4 format, each expert's weights
-    are mx.dequantize's bit for bit, and the block -- on the CPU handler and
-    the xla reference -- gives mlx-lm's own Qwen3MoeSparseMoeBlock (MLX's
-    gather_qmm on the same bytes)."""
-    params = load_moe(MLX / "qwen3_moe_mxfp4", layer=0)
-    config = nn.MoEConfig.from_hf(MLX / "qwen3_moe_mxfp4")
+@pytest.mark.parametrize("mode,block", [("mxfp4", 32), ("nvfp4", 16), ("mxfp8", 32)])
+def test_mlx_lm_float_mode_block_matches_mlx_lm(mode, block):
+    """mlx-lm's conversions in MLX's float modes (uint32 codes, uint8 E8M0
+    or E4M3 scales, no biases) load as jax_nbx's format of the same name,
+    each expert's weights are mx.dequantize's bit for bit, and the block --
+    on the CPU handler and the xla reference -- gives mlx-lm's own
+    Qwen3MoeSparseMoeBlock (MLX's gather_qmm on the same bytes)."""
+    params = load_moe(MLX / f"qwen3_moe_{mode}", layer=0)
+    config = nn.MoEConfig.from_hf(MLX / f"qwen3_moe_{mode}")
     ex = params.experts
-    assert ex.gate.kind == "mxfp4" and ex.gate.group_size == 32 and ex.gate.shape == (4, 64, 64)
-    ref = load_file(str(MLX / "qwen3_moe_mxfp4.reference.safetensors"))
+    assert ex.gate.kind == mode and ex.gate.group_size == block and ex.gate.shape == (4, 64, 64)
+    ref = load_file(str(MLX / f"qwen3_moe_{mode}.reference.safetensors"))
     for n, w in (("gate_proj", ex.gate), ("up_proj", ex.up), ("down_proj", ex.down)):
         assert np.array_equal(np.asarray(w.dequantize(jnp.float32))[3].T, ref[f"switch_mlp.{n}"]), n
     for impl in ("cpu", "xla"):
@@ -342,22 +343,18 @@ def test_from_hf_hidden_act_and_swiglu_parameters():
         "swiglu_clamped", alpha=1.5, limit=5.0)
 
 
-# --- 6. MLX's other modes: refused naming the mode -----------------------------------------------
+# --- 6. MLX's modes: read by name, others refused naming the mode -----------------------------------------------
 
-@pytest.mark.parametrize("mode", ["nvfp4"])
-def test_mlx_float_modes_are_refused_by_name(mode):
-    """mlx-lm's nvfp4 conversion (uint8 scales, no biases): load_moe names
-    the mode, and so does from_mlx(mode=...) (mxfp8 too); from_mlx's default
-    is "affine", and uint8 scales without mode= say which modes store them."""
-    with pytest.raises(CheckpointError, match=rf"mode='{mode}'.*does not read"):
-        load_moe(MLX / f"qwen3_moe_{mode}", layer=0)
-    t = load_file(str(MLX / f"qwen3_moe_{mode}" / "model.safetensors"))
+def test_mlx_modes_are_named():
+    """from_mlx refuses a mode MLX does not have, naming it; its default is
+    "affine", and uint8 scales without mode= say which modes store them."""
+    t = load_file(str(MLX / "qwen3_moe_nvfp4" / "model.safetensors"))
     w, s = t["model.layers.0.mlp.switch_mlp.up_proj.weight"], t["model.layers.0.mlp.switch_mlp.up_proj.scales"]
-    with pytest.raises(ValueError, match=rf"mode='{mode}'.*does not read"):
-        from_mlx(w, s, None, mode=mode)
-    with pytest.raises(ValueError, match=r"mode='mxfp8'.*does not read"):
-        from_mlx(w, s, None, mode="mxfp8")
     with pytest.raises(ValueError, match=r"mode='fp3'.*not one of"):
         from_mlx(w, s, None, mode="fp3")
     with pytest.raises(TypeError, match=r"scales has dtype uint8.*mode="):
         from_mlx(w, s, s)
+    with pytest.raises(ValueError, match=r"bits=4: MLX's mxfp8 mode is 8 bits"):
+        from_mlx(w, s, None, mode="mxfp8", bits=4)
+    with pytest.raises(ValueError, match=r"group_size=32: MLX's nvfp4 mode has blocks of 16"):
+        from_mlx(w, s, None, mode="nvfp4", group_size=32)

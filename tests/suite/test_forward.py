@@ -68,7 +68,8 @@ def test_skewed_and_repeated_routing(backend, routing):
 
 @pytest.mark.parametrize("fmt,G", [pytest.param("int8", None, marks=CORE), pytest.param("int4", 32, marks=CORE),
                                    pytest.param("int4", 64, marks=pytest.mark.sweep),
-                                   pytest.param("mxfp4", 32, marks=CORE)])
+                                   pytest.param("mxfp4", 32, marks=CORE), ("fp8", 32), ("mxfp8", 32),
+                                   ("nvfp4", 16)])
 @pytest.mark.parametrize("T", [1, 33])
 def test_quantized_formats_match_their_dequantization(backend, fmt, G, T):
     """Quantized experts give the float64 op on their dequantized weights."""

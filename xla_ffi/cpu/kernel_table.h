@@ -58,7 +58,7 @@ struct QuantMatrix {
 // How a quantized format's products are formed by the kernels.
 enum class QuantArith {
   kColumnScaled,  // sums of a * q; each column's sum times its scale once (int8)
-  kDequantized,   // each weight dequantized before its product (int4, mxfp4)
+  kDequantized,   // each weight dequantized before its product (int4, fp8, mxfp4, mxfp8, nvfp4)
 };
 
 // A format code that reached a kernel it has no case in: a bug (the decoder
@@ -73,7 +73,10 @@ inline QuantArith QuantArithOf(abi::WeightFormat f) {
   switch (f) {
     case abi::WeightFormat::kInt8: return QuantArith::kColumnScaled;
     case abi::WeightFormat::kInt4: return QuantArith::kDequantized;
-    case abi::WeightFormat::kMxfp4: return QuantArith::kDequantized;
+    case abi::WeightFormat::kMxfp4:
+    case abi::WeightFormat::kFp8:
+    case abi::WeightFormat::kMxfp8:
+    case abi::WeightFormat::kNvfp4: return QuantArith::kDequantized;
     case abi::WeightFormat::kDense: break;
   }
   FormatHasNoKernel("QuantArithOf", f);

@@ -9,10 +9,9 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
-#include <limits>
 
 #include "formats/format.h"
+#include "formats/minifloat.h"
 
 namespace nbx::formats {
 
@@ -26,21 +25,6 @@ inline constexpr FormatSpec kMxfp4Spec = {
     1, {32},
     -1,
 };
-
-// The E2M1 values of codes 0..15 (sign bit 3, exponent bits 2-1 with bias 1,
-// mantissa bit 0): OCP MX v1.0 section 5.3.3; transformers' FP4_VALUES.
-inline constexpr float kE2M1Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                                          -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-
-// 2^(s - 127) for an E8M0 byte s, exactly (s = 0 is the subnormal 2^-127);
-// 255 is NaN.
-inline float E8M0Value(uint8_t s) {
-  if (s == 255) return std::numeric_limits<float>::quiet_NaN();
-  const uint32_t bits = s == 0 ? 0x00400000u : static_cast<uint32_t>(s) << 23;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // The code's value times the block's scale: one exact product (a power of two
 // times a value of at most three significant bits).

@@ -10,9 +10,12 @@
 #include "abi.h"
 #include "formats/dense.h"
 #include "formats/format.h"
+#include "formats/fp8.h"
 #include "formats/int4.h"
 #include "formats/int8.h"
 #include "formats/mxfp4.h"
+#include "formats/mxfp8.h"
+#include "formats/nvfp4.h"
 
 namespace nbx::formats {
 
@@ -29,6 +32,9 @@ inline constexpr FormatEntry kFormats[abi::kNumWeightFormats] = {
     {&kInt8Spec, &Int8Reference},
     {&kInt4Spec, &Int4Reference},
     {&kMxfp4Spec, &Mxfp4Reference},
+    {&kFp8Spec, &Fp8Reference},
+    {&kMxfp8Spec, &Mxfp8Reference},
+    {&kNvfp4Spec, &Nvfp4Reference},
 };
 
 constexpr bool CodesInOrder() {

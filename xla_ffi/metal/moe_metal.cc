@@ -116,6 +116,9 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
     case abi::WeightFormat::kInt8:
     case abi::WeightFormat::kInt4:
     case abi::WeightFormat::kMxfp4:
+    case abi::WeightFormat::kFp8:
+    case abi::WeightFormat::kMxfp8:
+    case abi::WeightFormat::kNvfp4:
       return Fail(std::string(abi::kWeightFormatNames[static_cast<int32_t>(format)]) +
                   " experts are not supported on the Metal path yet (dense experts only)");
   }

@@ -28,6 +28,7 @@
 
 #include "cpu/dot_pack.h"
 #include "testing/kernel_test_support.h"
+#include "testing/quant_weights.h"
 
 namespace nb = nanobind;
 
@@ -419,8 +420,8 @@ struct QPackTester {
 
   void Test(Rng& rng, Report& report) const {
     Issues issues;
-    // int4: whole groups; int8: one row more than the range
-    const int64_t K = f.int4 ? (k0 + kc + f.group - 1) / f.group * f.group : k0 + kc + 1;
+    // grouped formats: whole groups; int8: one row more than the range
+    const int64_t K = f.group ? (k0 + kc + f.group - 1) / f.group * f.group : k0 + kc + 1;
     const QuantWeights qw(f, K, N, n0, nc, rng, k0, k0 + kc);
     const QuantMatrix m = qw.Matrix();
     const int panels = (nc + width - 1) / width;
@@ -431,9 +432,11 @@ struct QPackTester {
     const RefMatrix want = qw.Packed(k0, kc);
     ScanGrid("dst", dst, grid, true, [&](int i, int c, float got) -> std::string {
       if (c >= nc) return got == 0.0f ? "" : Fmt("padding got %.9g, want 0", got);
-      // int4: q * scale + min rounded once (FMA) or twice; mxfp4: exact
+      // int4: q * scale + min rounded once (FMA) or twice; every other
+      // format is one product the reference forms alike (exact: bit-equal)
       const size_t e = static_cast<size_t>(i) * nc + c;
-      return Compare(got, want.v[e], f.mxfp4 ? 0.0 : 0x1p-22 * want.m[e]);
+      const bool int4 = f.code == abi::WeightFormat::kInt4;
+      return Compare(got, want.v[e], int4 ? 0x1p-22 * want.m[e] : 0.0);
     }, issues);
     report.Add(Describe(), issues);
   }

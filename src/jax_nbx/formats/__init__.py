@@ -1,6 +1,7 @@
 """Weight formats: the registry, quantization and the handlers' view.
 
-Each format is one module here (``dense``, ``int8``, ``int4``, ``mxfp4``) with its math,
+Each format is one module here (``dense``, ``int8``, ``int4``, ``mxfp4``, ``fp8``,
+``mxfp8``, ``nvfp4``; shared element encodings in ``minifloat``) with its math,
 over a spec read from the contract (``xla_ffi/formats/<name>.h``: parts,
 dtypes, shapes, packing, groups); ``registry`` holds them by name.  Adding a
 format is its code in ``xla_ffi/abi.h``, its C++ header in
@@ -17,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..experts import Experts
-from . import dense, int4, int8, mxfp4  # noqa: F401  (each registers its format)
+from . import dense, fp8, int4, int8, mxfp4, mxfp8, nvfp4  # noqa: F401  (each registers its format)
+from .minifloat import as_bytes
 from .registry import get, names, quantized_names
 from .spec import Format
 from .weight import QuantizedWeight
@@ -32,13 +34,15 @@ _SCALE_DTYPES = (np.dtype("float32"), np.dtype(jnp.bfloat16))
 def quantize(experts: Experts, kind: str = "int8", *, group_size: int | None = None,
              scale_dtype=jnp.float32) -> Experts:
     """Quantizes every projection of ``experts`` into the format ``kind``
-    (`names`: "int8", "int4", "mxfp4"; each format's module documents its math).
+    (`names`: "int8", "int4", "mxfp4", "fp8", "mxfp8", "nvfp4"; each format's
+    module documents its math).
     Stacked experts stay stacked, lists stay lists; experts in a checkpoint
     layout (``layout="out_in"``, fused gate_up) are quantized from their
     plain ``[E, K, N]`` copies (stacked).  ``group_size``: the
-    group along K of grouped formats (int4: 32, 64 or 128, default 128;
-    mxfp4: 32; ignored by the others).  ``scale_dtype``: int8's and int4's
-    scales (float32 or bfloat16; mxfp4's are E8M0 bytes).  Raises ValueError
+    group along K of grouped formats (int4 and fp8: 32, 64 or 128, default
+    128; mxfp4, mxfp8: 32; nvfp4: 16; ignored by int8).  ``scale_dtype``:
+    int8's, int4's and fp8's scales (float32 or bfloat16; the mx formats'
+    are E8M0 bytes, nvfp4's E4M3 bytes).  Raises ValueError
     for an unknown format, a group size the format does not take or that does
     not divide K, TypeError for a scale dtype other than float32/bfloat16."""
     if kind not in quantized_names():
@@ -98,7 +102,9 @@ def weight_groups(weights, lists: bool):
     w0 = projs[0][0]
     quant = quant_format(Experts(*projs))
     if quant:
-        groups = [[getattr(m, part) for m in proj] for part in get(quant[0]).parts for proj in projs]
+        # byte parts given in their element dtype (float8_e4m3fn, ...) as uint8, bit for bit
+        groups = [[as_bytes(getattr(m, part)) for m in proj]
+                  for part in get(quant[0]).parts for proj in projs]
     else:
         groups = projs
     dtype = np.dtype(w0.dtype)  # for a QuantizedWeight: its compute (scales') dtype

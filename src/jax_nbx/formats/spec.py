@@ -28,6 +28,9 @@ class Format:
 
     name: str = ""
     default_group_size: int | None = None  # `jax_nbx.quantize`'s group_size=None for grouped formats
+    # byte parts that may also be given in their element dtype (e.g. q as
+    # jnp.float8_e4m3fn), taken bit for bit as the uint8 the spec names
+    element_dtypes: dict[str, Any] = {}
 
     def __init__(self) -> None:
         if self.name not in contract.FORMAT_CODES:
@@ -98,8 +101,12 @@ class Format:
         for part in self.parts:
             a = arrays[part]
             dt = np.dtype(a.dtype)
+            alias = self.element_dtypes.get(part)
+            if alias is not None and dt == np.dtype(alias):
+                dt = np.dtype(np.uint8)
             if dt not in self.part_dtypes[part]:
-                names = " or ".join(d.name for d in self.part_dtypes[part])
+                names = " or ".join([d.name for d in self.part_dtypes[part]]
+                                    + ([np.dtype(alias).name] if alias is not None else []))
                 raise TypeError(f"{where}.{part} has dtype {a.dtype}; {self.name} weights need {names}")
             tie = self._ties.get(part)
             if tie is not None and dt != np.dtype(arrays[tie].dtype):

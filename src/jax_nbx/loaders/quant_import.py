@@ -268,38 +268,46 @@ MLX_MODES: dict[str, tuple[int, int]] = {"affine": (64, 4), "mxfp4": (32, 4), "n
 MLX_AFFINE_BITS = (2, 3, 4, 5, 6, 8)  # mlx.core.quantize's affine widths
 
 
-MLX_READ_MODES = ("affine", "mxfp4")  # the modes jax_nbx reads (to int4, to mxfp4)
+# MLX's float modes, each read as the jax_nbx format of the same name: (bits, block)
+MLX_FLOAT_MODES: dict[str, tuple[int, int]] = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
+MLX_READ_MODES = ("affine",) + tuple(MLX_FLOAT_MODES)  # the modes jax_nbx reads
 
 
 def check_mlx_mode(mode: str) -> None:
-    """The one place where MLX's quantization modes jax_nbx does not read are
-    refused (ValueError naming the mode): ``"affine"`` converts to int4 (4
-    bits), ``"mxfp4"`` is read as it is (the mxfp4 format); MLX's other
-    float modes ``"nvfp4"`` and ``"mxfp8"`` are not read yet."""
+    """The one place where MLX's quantization modes are checked: ``"affine"``
+    converts to int4 (4 bits), the float modes ``"mxfp4"``, ``"nvfp4"`` and
+    ``"mxfp8"`` are read as they are (the formats of those names); anything
+    else is refused naming it (ValueError)."""
     if mode in MLX_READ_MODES:
         return
     if mode in MLX_MODES:
         raise ValueError(f"mode={mode!r}: jax_nbx does not read MLX's {mode} weights yet (it reads "
-                         f"modes {MLX_READ_MODES}: 4-bit affine as int4, mxfp4 as mxfp4)")
+                         f"modes {MLX_READ_MODES})")
     raise ValueError(f"mode={mode!r} is not one of MLX's quantization modes {tuple(MLX_MODES)}")
 
 
-def _from_mlx_mxfp4(weight, scales, biases, bits: int, group_size: int | None) -> QuantizedWeight:
-    """`from_mlx` of ``mode="mxfp4"``: MLX's bytes are the format's, transposed (lossless)."""
-    if bits != 4:
-        raise ValueError(f"bits={bits}: MLX's mxfp4 mode is 4 bits")
-    if group_size not in (None, 32):
-        raise ValueError(f"group_size={group_size}: MLX's mxfp4 mode has blocks of 32")
+def _from_mlx_float(weight, scales, biases, bits: int, group_size: int | None, mode: str) -> QuantizedWeight:
+    """`from_mlx` of a float mode: MLX's bytes are the format's, transposed
+    (lossless).  ``weight`` uint32 ``[..., N, K·bits/32]``, words low bits
+    first, so its bytes are the format's along K (4-bit: the even element in
+    the low nibble); ``scales`` uint8 ``[..., N, K/block]`` (E8M0 for the mx
+    modes, E4M3 for nvfp4)."""
+    want_bits, block = MLX_FLOAT_MODES[mode]
+    if bits not in (None, want_bits):
+        raise ValueError(f"bits={bits}: MLX's {mode} mode is {want_bits} bits")
+    if group_size not in (None, block):
+        raise ValueError(f"group_size={group_size}: MLX's {mode} mode has blocks of {block}")
     if biases is not None:
-        raise ValueError("biases: MLX's mxfp4 mode has none (pass biases=None)")
+        raise ValueError(f"biases: MLX's {mode} mode has none (pass biases=None)")
     weight = _array("weight", weight, _WORD_DTYPES)
-    scales = _array("scales", scales, (np.dtype(np.uint8),), " (mxfp4's E8M0 exponents)")
-    lead, N, K = weight.shape[:-2], weight.shape[-2], weight.shape[-1] * 8
-    _check_shape("scales", scales, lead + (N, K // 32), "(out_features, K/32)")
-    by = np.ascontiguousarray(weight).astype("<u4").view(np.uint8)     # [..., N, K/2], low nibble = even k
-    q = np.ascontiguousarray(np.swapaxes(by, -1, -2))                   # [..., K/2, N]
-    s = np.ascontiguousarray(np.swapaxes(scales, -1, -2))               # [..., K/32, N]
-    return QuantizedWeight(jnp.asarray(q), jnp.asarray(s), None, kind="mxfp4", group_size=32)
+    kind = "E4M3" if mode == "nvfp4" else "E8M0"
+    scales = _array("scales", scales, (np.dtype(np.uint8),), f" ({mode}'s {kind} scales)")
+    lead, N, K = weight.shape[:-2], weight.shape[-2], weight.shape[-1] * 32 // want_bits
+    _check_shape("scales", scales, lead + (N, K // block), f"(out_features, K/{block})")
+    by = np.ascontiguousarray(weight).astype("<u4").view(np.uint8)     # [..., N, K·bits/8]
+    q = np.ascontiguousarray(np.swapaxes(by, -1, -2))                   # [..., K·bits/8, N]
+    s = np.ascontiguousarray(np.swapaxes(scales, -1, -2))               # [..., K/block, N]
+    return QuantizedWeight(jnp.asarray(q), jnp.asarray(s), None, kind=mode, group_size=block)
 
 
 def _mlx_scales(name: str, a, mode: str) -> np.ndarray:
@@ -310,7 +318,7 @@ def _mlx_scales(name: str, a, mode: str) -> np.ndarray:
     return _array(name, a, _MLX_SCALES, why)
 
 
-def from_mlx(weight, scales, biases, *, bits: int = 4, group_size: int | None = None,
+def from_mlx(weight, scales, biases, *, bits: int | None = None, group_size: int | None = None,
              mode: str = "affine") -> QuantizedWeight:
     """One MLX affine-quantized linear layer (``mlx.core.quantize``, mode
     "affine"; ``mlx.nn.QuantizedLinear``'s ``weight``/``scales``/``biases``)
@@ -328,16 +336,20 @@ def from_mlx(weight, scales, biases, *, bits: int = 4, group_size: int | None = 
     mxfp4: 32) must agree with the shapes.  Leading expert axes (e.g. mlx-lm's ``SwitchLinear``
     ``[E, N, K/8]``) are accepted.
 
-    ``mode``: MLX's quantization mode: ``"affine"`` (the default), or
-    ``"mxfp4"`` (``weight`` uint32 ``[N, K/8]``, ``scales`` uint8 E8M0
-    ``[N, K/32]``, no biases: the bytes are jax_nbx's mxfp4 format's,
-    transposed to ``[K/2, N]`` and ``[K/32, N]``, lossless); ``"nvfp4"`` and
-    ``"mxfp8"`` are refused naming the mode (`check_mlx_mode`).  Raises
-    ValueError/TypeError naming the argument.
+    ``mode``: MLX's quantization mode: ``"affine"`` (the default), or a
+    float mode, read as the jax_nbx format of the same name, its bytes as
+    they are (transposed, lossless; no biases): ``"mxfp4"`` (``weight``
+    uint32 ``[N, K/8]``, ``scales`` uint8 E8M0 ``[N, K/32]``), ``"nvfp4"``
+    (``[N, K/8]``, E4M3 ``[N, K/16]``; weights MLX quantized with a
+    ``global_scale`` are not representable: that scale is not passed here)
+    or ``"mxfp8"`` (``[N, K/4]``, E8M0 ``[N, K/32]``).  ``bits``: None (the
+    default) is the mode's (affine: 4); anything else is refused naming the mode
+    (`check_mlx_mode`).  Raises ValueError/TypeError naming the argument.
     """
     check_mlx_mode(mode)
-    if mode == "mxfp4":
-        return _from_mlx_mxfp4(weight, scales, biases, bits, group_size)
+    if mode in MLX_FLOAT_MODES:
+        return _from_mlx_float(weight, scales, biases, bits, group_size, mode)
+    bits = 4 if bits is None else bits
     _check_bits(bits, "MLX")
     weight = _array("weight", weight, _WORD_DTYPES)
     scales = _mlx_scales("scales", scales, mode)
@@ -368,11 +380,11 @@ def dequantize_mlx(weight, scales, biases, *, bits: int, group_size: int | None 
     ``[..., N, K/G]``; ``W = q * scale + bias`` per group of G along K,
     computed in float32 (what ``mx.dequantize`` gives with float32 scales and
     biases; bit for bit with 16-bit ones).  ``group_size`` None: from the
-    shapes (any G dividing K).  ``mode`` as `from_mlx` (``"mxfp4"``: its
-    dequantization, E2M1 values times E8M0 scales, exact in float32)."""
+    shapes (any G dividing K).  ``mode`` as `from_mlx` (a float mode: its
+    format's dequantization, exact in float32)."""
     check_mlx_mode(mode)
-    if mode == "mxfp4":
-        w = _from_mlx_mxfp4(weight, scales, biases, bits, group_size).dequantize(jnp.float32)
+    if mode in MLX_FLOAT_MODES:
+        w = _from_mlx_float(weight, scales, biases, bits, group_size, mode).dequantize(jnp.float32)
         return np.ascontiguousarray(np.swapaxes(np.asarray(w), -1, -2))
     if bits not in MLX_AFFINE_BITS:
         raise ValueError(f"bits={bits}: MLX's affine mode packs {MLX_AFFINE_BITS} bits")

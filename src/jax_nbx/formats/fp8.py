@@ -1,0 +1,47 @@
+"""fp8: E4M3 values with a float scale per group of K and column (spec:
+``xla_ffi/formats/fp8.h``).
+
+One matrix ``W [K, N]``: ``W[k, n] = E4M3(q[k, n]) * scale[k // group_size,
+n]``, ``q`` uint8 ``[K, N]`` (float8_e4m3fn bits; ``jnp.float8_e4m3fn``
+arrays are taken too), ``scale`` float32 or bfloat16 ``[K/group_size, N]``,
+``group_size`` 32, 64 or 128 (default 128, the block of DeepSeek-V3's and
+Qwen3's "-FP8" checkpoints, whose 128x128 block scales the loaders repeat
+over each block's 128 columns; per-channel scales repeat over the groups).
+
+`quantize` (this library's producer) scales each group of one column by
+``amax / 448`` (1 for a group of zeros; in the scale dtype, the division by
+the rounded scale), as transformers' ``integrations/finegrained_fp8.py``
+does per block, and rounds ``W / scale`` to E4M3, ties to even (XLA's
+conversion, as ml_dtypes').
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import registry
+from .minifloat import E4M3_MAX, e4m3_codes, e4m3_values
+from .spec import Format
+from .weight import QuantizedWeight
+
+
+class Fp8(Format):
+    name = "fp8"
+    default_group_size = 128
+    element_dtypes = {"q": jnp.float8_e4m3fn}
+
+    def quantize_matrix(self, w: jax.Array, group_size, scale_dtype) -> QuantizedWeight:
+        K, N = w.shape[-2:]
+        self.check_group_size(group_size, K, f"fp8 weights {tuple(w.shape)}: ")
+        g = w.reshape(w.shape[:-2] + (K // group_size, group_size, N))
+        amax = jnp.max(jnp.abs(g), axis=-2)
+        scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(scale_dtype)
+        q = e4m3_codes(g / scale.astype(jnp.float32)[..., None, :]).reshape(w.shape)
+        return QuantizedWeight(q, scale, None, kind=self.name, group_size=group_size)
+
+    def dequantize(self, w: QuantizedWeight) -> jax.Array:
+        s = jnp.repeat(w.scale.astype(jnp.float32), w.group_size, axis=-2)
+        return e4m3_values(w.q) * s
+
+
+FP8 = registry.register(Fp8())
