@@ -1,17 +1,20 @@
 """Quantized experts vs bf16 experts on the CPU handler, every supported ISA side by side.
 
     python benchmarks/quant.py [--models olmoe-1b-7b,qwen3-30b-a3b] [--tokens 1,8,256]
+                               [--formats int8,int4,mxfp4,fp8,mxfp8,nvfp4]
                                [--isas avx512,avx2] [--json out.json]
 
-For each model and T: median time of the op with bf16 weights, int8 weights
-int4 weights (group 128, bf16 scales) and mxfp4 weights (E2M1, E8M0 scales per
-32) under each instruction set the CPU
+For each model and T: median time of the op with bf16 weights and with each
+quantized format -- int8 (bf16 scales), int4 (group 128, bf16 scales), mxfp4
+(E2M1, E8M0 scales per 32), fp8 (E4M3, bf16 scales per 128 rows), mxfp8 (E4M3,
+E8M0 per 32), nvfp4 (E2M1, E4M3 per 16) -- under each instruction set the CPU
 supports (`jax_nbx.cpu.set_isa`), all in one process and interleaved (each
 round runs every ISA and format once), and the speed ratios bf16 time /
 quantized time (higher is better for the quantized experts; issue #19's goals:
-decode int4 >= 2.5, int8 >= 1.6).  "÷ best ISA" is each ISA's time over the
-fastest ISA's, per format; the ISA jax_nbx chooses by itself is marked * (issue
-#19: its ratios never above 1.03).  x is bf16.
+decode int4 >= 2.5, int8 >= 1.6; issue #32's: mxfp4 and nvfp4 >= 3, fp8 >=
+1.8, prefill any <= 1.1x bf16's time).  "÷ best ISA" is each ISA's time over
+the fastest ISA's, per format; the ISA jax_nbx chooses by itself is marked *.
+x is bf16.
 """
 from __future__ import annotations
 
@@ -26,19 +29,26 @@ import jax.numpy as jnp
 import jax_nbx as nbx
 from jax_nbx._bench import format_table, machine, make_layer
 
-FORMATS = ("bf16", "int8", "int4", "mxfp4")
+# each format as `jax_nbx.quantize` makes it here: (kind, group_size, scale dtype)
+QUANT = {"int8": ("int8", None, jnp.bfloat16), "int4": ("int4", 128, jnp.bfloat16), "mxfp4": ("mxfp4", None, None),
+         "fp8": ("fp8", 128, jnp.bfloat16), "mxfp8": ("mxfp8", None, None), "nvfp4": ("nvfp4", None, None)}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="olmoe-1b-7b,qwen3-30b-a3b")
     ap.add_argument("--tokens", default="1,8,256")
+    ap.add_argument("--formats", default="int8,int4,mxfp4,fp8,mxfp8,nvfp4")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--isas", default=None, help="comma-separated (default: every ISA this CPU supports)")
     ap.add_argument("--json", default=None, help="also write the medians and every timing here")
     args = ap.parse_args(argv)
     chosen = nbx.cpu.isa()
     isas = args.isas.split(",") if args.isas else nbx.cpu.supported_isas()
+    FORMATS = ("bf16",) + tuple(args.formats.split(","))
+    for k in FORMATS[1:]:
+        if k not in QUANT:
+            ap.error(f"--formats: {k!r} is not one of {tuple(QUANT)}")
     for i in isas:
         if i not in nbx.cpu.supported_isas():
             ap.error(f"--isas: {i!r} is not supported here (supported: {nbx.cpu.supported_isas()})")
@@ -49,14 +59,13 @@ def main(argv=None):
         for name in args.models.split(","):
             m = nbx.MODELS[name]
             x0, w0, ids0, ex = make_layer(m, 1, jnp.bfloat16)
-            q8 = nbx.quantize(ex, "int8", scale_dtype=jnp.bfloat16)
-            q4 = nbx.quantize(ex, "int4", group_size=128, scale_dtype=jnp.bfloat16)
-            qm = nbx.quantize(ex, "mxfp4")
-            jax.block_until_ready((q8, q4, qm))
+            qs = {k: nbx.quantize(ex, QUANT[k][0], group_size=QUANT[k][1], scale_dtype=QUANT[k][2] or jnp.float32)
+                  for k in FORMATS[1:]}
+            jax.block_until_ready(qs)
             for T in (int(t) for t in args.tokens.split(",")):
                 x, w, ids, _ = make_layer(m, T, jnp.bfloat16, seed=T)
-                fns = {"bf16": lambda: f(x, w, ids, ex), "int8": lambda: f(x, w, ids, q8),
-                       "int4": lambda: f(x, w, ids, q4), "mxfp4": lambda: f(x, w, ids, qm)}
+                fns = {"bf16": lambda: f(x, w, ids, ex)}
+                fns.update({k: (lambda q=q: f(x, w, ids, q)) for k, q in qs.items()})
                 times = {(i, k): [] for i in isas for k in fns}
                 for r in range(args.repeats + 1):  # round 0 warms up (compiles, first touches)
                     for i in isas:
@@ -79,8 +88,8 @@ def main(argv=None):
                                 "all_ms": {f"{i}/{k}": [t * 1e3 for t in v] for (i, k), v in times.items()}})
     finally:
         nbx.cpu.set_isa(chosen)
-    print(format_table(["model", "T", "ISA", "bf16 ms", "int8 ms", "int4 g128 ms", "mxfp4 ms", "int8 speed / bf16",
-                        "int4 speed / bf16", "mxfp4 speed / bf16", "÷ best ISA (bf16 int8 int4 mxfp4)"], rows))
+    print(format_table(["model", "T", "ISA"] + [f"{k} ms" for k in FORMATS]
+                       + [f"{k} speed / bf16" for k in FORMATS[1:]] + [f"÷ best ISA ({' '.join(FORMATS)})"], rows))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"machine": machine(), "isa_chosen": chosen, "isas": isas, "rows": results}, fh, indent=1)

@@ -23,8 +23,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SRC = ROOT / "xla_ffi"
 # per-file flags (CMakeLists.txt's NBX_KERNEL_SOURCES)
 ISA_FLAGS = {
-    "cpu/kernels_avx2.cc": ["-mavx2", "-mfma"],
-    "cpu/kernels_dot_avx2.cc": ["-mavx2", "-mfma"],
+    "cpu/kernels_avx2.cc": ["-mavx2", "-mfma", "-mf16c"],
+    "cpu/kernels_dot_avx2.cc": ["-mavx2", "-mfma", "-mf16c"],
     "cpu/kernels_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
     "cpu/kernels_dot_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
     "cpu/kernels_dot_avx512bf16.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2",

@@ -238,6 +238,45 @@ def test_mlx_lm_float_mode_block_matches_mlx_lm(mode, block):
         assert _rel(y, ref["y"]) <= 1e-5, (impl, _rel(y, ref["y"]))
 
 
+@pytest.mark.parametrize("kind", ["block", "channel"])
+def test_fp8_checkpoints_match_their_producers(kind):
+    """FP8 experts as transformers' fine-grained FP8 (per-expert weights,
+    5.24's fused stacked ``*_scale_inv``, 128x128 blocks along both axes)
+    and compressed-tensors' per-channel FP8 write them load as jax_nbx's fp8
+    format: expert 0's weights are the producers' own dequantization bit for
+    bit, and the block -- CPU handler and xla reference -- gives
+    transformers' Qwen3MoeSparseMoeBlock on those weights."""
+    path = DATA / "fp8" / f"qwen3_moe_fp8_{kind}"
+    params = load_moe(path, layer=0)
+    config = nn.MoEConfig.from_hf(path)
+    ex = params.experts
+    assert ex.is_list and ex.gate[0].kind == "fp8" and ex.gate[0].shape == (256, 128)
+    ref = load_file(str(path) + ".reference.safetensors")
+    for n, w in (("gate_proj", ex.gate), ("up_proj", ex.up), ("down_proj", ex.down)):
+        got = np.asarray(w[0].dequantize(jnp.float32)).T[:16]
+        np.testing.assert_array_equal(got, ref[f"experts.0.{n}.rows16"], err_msg=n)
+    for impl in ("cpu", "xla"):
+        cfg = dataclasses.replace(config, implementation=impl)
+        y, _ = jax.jit(lambda p, x: nn.moe_block(p, x, cfg))(params, jnp.asarray(ref["x"]))
+        assert _rel(y, ref["y"]) <= 2e-6, (impl, _rel(y, ref["y"]))
+
+
+def test_fp8_configs_that_are_not_read_are_named(tmp_path):
+    """compressed-tensors formats other than FP8 float-quantized, and
+    unknown quant_methods, are refused naming the key and value."""
+    src = DATA / "fp8" / "qwen3_moe_fp8_channel"
+    qc = _json(src / "config.json")["quantization_config"]
+    bad = dict(qc, format="nvfp4-pack-quantized")
+    with pytest.raises(CheckpointError, match=r"format='nvfp4-pack-quantized' \(compressed-tensors\) is not read"):
+        load_moe(_copy(src, tmp_path / "a", quantization_config=bad), layer=0)
+    groups = json.loads(json.dumps(qc["config_groups"]))
+    groups["group_0"]["weights"].update(num_bits=4, type="int")
+    with pytest.raises(CheckpointError, match=r"config_groups\.group_0\.weights has num_bits=4, type='int'"):
+        load_moe(_copy(src, tmp_path / "b", quantization_config=dict(qc, config_groups=groups)), layer=0)
+    with pytest.raises(CheckpointError, match=r"quant_method='modelopt' is not read"):
+        load_moe(_copy(src, tmp_path / "c", quantization_config={"quant_method": "modelopt"}), layer=0)
+
+
 def test_mlx_lm_other_widths_are_refused_by_name():
     with pytest.raises(CheckpointError, match=r"switch_mlp\.gate_proj.*bits=8"):
         load_moe(MLX / "qwen3_moe_q8_g64", layer=0)

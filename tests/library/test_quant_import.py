@@ -330,3 +330,38 @@ def test_errors_name_the_argument():
         from_mlx(mw, ms, mb.astype(np.float64))
     with pytest.raises(TypeError, match=r"down_and_perm must be the \(weight, perm\) pair"):
         absorb_act_order(None, None, from_gptq(qweight, qzeros, scales))
+
+
+def test_from_fp8_block_and_channel_scales_are_exact():
+    """from_fp8 against the checkpoints' formula W[n, k] = E4M3(q[n, k]) *
+    scale[n // bn, k // bk] (float64): partial blocks along both axes (N=200,
+    K=192: groups of 64, the largest of the format's that divides K and 128),
+    per-channel [N, 1] and per-tensor [1] scales; stacked experts kept."""
+    import ml_dtypes
+
+    from jax_nbx.loaders import from_fp8
+
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 256, (3, 200, 192), dtype=np.uint8)
+    q[(q & 0x7F) == 0x7F] = 1  # no NaN codes
+    f8 = q.view(ml_dtypes.float8_e4m3fn)
+    vals = f8.astype(np.float64)
+    s = rng.uniform(0.5, 2.0, (3, 2, 2)).astype(np.float32)
+    w = from_fp8(f8, s, block=(128, 128))
+    assert w.kind == "fp8" and w.group_size == 64 and w.shape == (3, 192, 200)
+    want = vals * np.repeat(np.repeat(s.astype(np.float64), 128, 1), 128, 2)[:, :200, :192]
+    np.testing.assert_array_equal(np.swapaxes(np.asarray(w.dequantize(jnp.float32)), -1, -2), want.astype(np.float32))
+    ch = rng.uniform(0.5, 2.0, (3, 200, 1)).astype(np.float32)
+    np.testing.assert_array_equal(np.swapaxes(np.asarray(from_fp8(q, ch).dequantize(jnp.float32)), -1, -2),
+                                  (vals * ch).astype(np.float32))
+    t = np.array([0.25], np.float32)
+    np.testing.assert_array_equal(np.asarray(from_fp8(f8[0], t).dequantize(jnp.float32)).T,
+                                  (vals[0] * 0.25).astype(np.float32))
+    with pytest.raises(TypeError, match=r"weight has dtype int8; expected float8_e4m3fn"):
+        from_fp8(q.view(np.int8), s, block=(128, 128))
+    with pytest.raises(ValueError, match=r"scale has shape \(3, 2, 1\); expected \(3, 2, 2\)"):
+        from_fp8(q, s[..., :1], block=(128, 128))
+    with pytest.raises(ValueError, match=r"K=100 \(in_features\): the fp8 format's groups"):
+        from_fp8(q[..., :100], s, block=(128, 128))
+    with pytest.raises(ValueError, match=r"expected per-channel \(3, 200, 1\)"):
+        from_fp8(q, s)

@@ -422,7 +422,7 @@ struct QPackTester {
     Issues issues;
     // grouped formats: whole groups; int8: one row more than the range
     const int64_t K = f.group ? (k0 + kc + f.group - 1) / f.group * f.group : k0 + kc + 1;
-    const QuantWeights qw(f, K, N, n0, nc, rng, k0, k0 + kc);
+    const QuantWeights qw(f, K, N, n0, nc, rng, k0, k0 + kc, /*nan_codes=*/true);
     const QuantMatrix m = qw.Matrix();
     const int panels = (nc + width - 1) / width;
     const int64_t rs = width + 1, ps = kc * rs + 2;
@@ -436,6 +436,7 @@ struct QPackTester {
       // format is one product the reference forms alike (exact: bit-equal)
       const size_t e = static_cast<size_t>(i) * nc + c;
       const bool int4 = f.code == abi::WeightFormat::kInt4;
+      if (std::isnan(want.v[e])) return std::isnan(got) ? "" : Fmt("got %.9g, want NaN (a NaN code)", got);
       return Compare(got, want.v[e], int4 ? 0x1p-22 * want.m[e] : 0.0);
     }, issues);
     report.Add(Describe(), issues);

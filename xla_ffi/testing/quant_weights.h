@@ -61,13 +61,15 @@ std::vector<int64_t> QuantKs(const QuantFormat& f) {
 // A quantized K x N matrix (QuantMatrix) of which columns [n0, n0+ncols) and
 // rows [k0, k1) are the case's: the scales (and mins) of other columns, and
 // groups without such a row, are NaN (float NaN, E8M0 255, E4M3 0x7F).
-// Parts as the format's spec lays them out: q any bytes (E4M3 codes but NaN;
+// Parts as the format's spec lays them out: q any bytes (E4M3 codes but NaN
+// unless nan_codes;
 // int8 any), float scales in [-1, 1] / 127 (int8) or / 15, int4's mins in
 // [-1, 1], E8M0 scales 2^-8 .. 2^2, E4M3 scales 2^-3 .. 2^3.
 class QuantWeights {
  public:
+  // nan_codes: E4M3 q may hold the NaN codes too (qpack, whose check takes NaN for NaN)
   QuantWeights(const QuantFormat& f, int64_t K, int64_t N, int64_t n0, int ncols, Rng& rng,
-               int64_t k0 = 0, int64_t k1 = -1)
+               int64_t k0 = 0, int64_t k1 = -1, bool nan_codes = false)
       : f_(f), K_(K), N_(N), n0_(n0), ncols_(ncols) {
     if (k1 < 0) k1 = K;
     const formats::FormatSpec& spec = f.Spec();
@@ -84,7 +86,7 @@ class QuantWeights {
       if (part == 0) {
         for (uint8_t& b : bytes_[0]) {
           b = static_cast<uint8_t>(rng.Int(0, 255));
-          if (e4m3_q && (b & 0x7F) == 0x7F) b ^= 1;  // no NaN weights
+          if (e4m3_q && !nan_codes && (b & 0x7F) == 0x7F) b ^= 1;  // no NaN weights
         }
         continue;
       }

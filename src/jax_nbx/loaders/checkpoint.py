@@ -29,15 +29,19 @@ Quantized projections convert losslessly to jax_nbx's formats
 (`jax_nbx.loaders`): GPTQ v1 and AWQ GEMM to int4 (``.qweight``,
 ``.qzeros``, ``.scales``, GPTQ's ``.g_idx``; AutoGPTQ's, AutoAWQ's and
 GPTQModel's config.json), MLX's affine 4-bit to int4 (a uint32 ``.weight``
-with ``.scales`` and ``.biases``) and MLX's mxfp4 to mxfp4 (uint32
-``.weight``, uint8 ``.scales``), per expert or mlx-lm's stacked
-``switch_mlp``; the bits, group size and mode of each module from
-config.json's ``quantization`` as mlx-lm writes it.  An MLX-quantized router
-(mlx-lm keeps Qwen3-MoE's at 8 bits) is dequantized to float32.  What is not
-read is refused naming it: a ``quant_method``, a GPTQ/AWQ
+with ``.scales`` and ``.biases``) and MLX's float modes to the formats of
+their names (mxfp4, nvfp4, mxfp8: uint32 ``.weight``, uint8 ``.scales``),
+per expert or mlx-lm's stacked ``switch_mlp``, the bits, group size and mode
+of each module from config.json's ``quantization`` as mlx-lm writes it;
+FP8 E4M3 experts to fp8 (``.weight`` float8_e4m3fn with transformers'
+block ``.weight_scale_inv`` and ``weight_block_size``, or compressed-tensors'
+per-channel / per-tensor ``.weight_scale``; `fp8_import`).  An MLX-quantized
+router (mlx-lm keeps Qwen3-MoE's at 8 bits) is dequantized to float32.  What
+is not read is refused naming it: a ``quant_method``, a GPTQ/AWQ
 ``checkpoint_format``/``format``/``version`` other than v1 GPTQ and GEMM
 AWQ, GPTQModel's ``pack_dtype`` and ``dynamic``, other widths than 4 bits,
-MLX's nvfp4 and mxfp8 modes, gpt-oss's MXFP4 experts (they carry biases).
+compressed-tensors formats other than FP8 ``float-quantized``, gpt-oss's
+MXFP4 experts (they carry biases).
 """
 from __future__ import annotations
 
@@ -47,10 +51,12 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from ..experts import Experts, SharedExperts
 from ..nn.block import MoEConfig, MoEParams, read_hf_config
+from . import fp8_import
 from . import quant_import as qi
 
 __all__ = ["load_moe", "load_experts", "CheckpointError"]
@@ -84,6 +90,23 @@ def safetensors_files(checkpoint) -> tuple[list[str], dict | None, str | None]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint: {path} does not exist")
     return [path], None, None
+
+
+# safetensors dtypes its numpy/flax readers (0.8) cannot build (they look for numpy.float8_*):
+# read here from the file's own header (8-byte length, JSON of dtype, shape, data_offsets).
+_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+               "F8_E8M0": ml_dtypes.float8_e8m0fnu}
+
+
+def _raw_tensor(path: str, name: str, dtype) -> np.ndarray:
+    """Tensor ``name`` of safetensors file ``path`` read from its bytes as ``dtype``."""
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        info = json.loads(fh.read(n))[name]
+        start, end = info["data_offsets"]
+        fh.seek(8 + n + start)
+        buf = fh.read(end - start)
+    return np.frombuffer(buf, dtype=dtype).reshape(info["shape"])
 
 
 class _Reader:
@@ -125,7 +148,10 @@ class _Reader:
     def get(self, name: str):
         if name not in self.wmap:
             raise CheckpointError(f"checkpoint: tensor {name!r} is missing (looked in {len(self.files)} file(s))")
-        t = self._handle(self.wmap[name]).get_tensor(name)
+        f = self.wmap[name]
+        h = self._handle(f)
+        dtype = h.get_slice(name).get_dtype()
+        t = _raw_tensor(f, name, _RAW_DTYPES[dtype]) if dtype in _RAW_DTYPES else h.get_tensor(name)
         if self._bar is not None:
             self._bar.update(1)
         return t
@@ -166,15 +192,55 @@ def _quantization_config(hf_config: dict | None) -> dict:
     return qc if isinstance(qc, dict) else {}
 
 
+_FP8_METHODS = ("fp8", "compressed-tensors")  # transformers' fine-grained FP8; compressed-tensors' FP8
+
+
 def _check_quantization_config(hf_config: dict | None) -> None:
     """Refuse, naming it, a ``quant_method`` whose tensors jax_nbx does not read (mlx-lm's copy of
     its ``quantization`` dict, which has no quant_method, is read elsewhere)."""
     qc = _quantization_config(hf_config)
     method = qc.get("quant_method")
-    if method is not None and str(method).lower() not in _READ_FORMATS:
+    if method is not None and str(method).lower() not in (*_READ_FORMATS, *_FP8_METHODS):
         raise CheckpointError(f"checkpoint: config.json's quantization_config.quant_method={method!r} is not "
-                              "read: jax_nbx converts GPTQ (v1) and AWQ (GEMM) 4-bit checkpoints and MLX's "
-                              "affine ones; dequantize it first")
+                              "read: jax_nbx converts GPTQ (v1) and AWQ (GEMM) 4-bit checkpoints, FP8 ones "
+                              "(fine-grained 'fp8', compressed-tensors float-quantized) and MLX's; dequantize "
+                              "it first")
+    if str(method).lower() == "compressed-tensors":
+        _compressed_tensors_fp8(qc)
+
+
+def _compressed_tensors_fp8(qc: dict) -> tuple[int, int] | None:
+    """The weights' block (bn, bk) of a compressed-tensors FP8 config (None: per-channel or
+    per-tensor); anything but 8-bit float weights in the float-quantized format is refused by name."""
+    fmt = qc.get("format")
+    if fmt not in (None, "float-quantized"):
+        raise CheckpointError(f"checkpoint: quantization_config.format={fmt!r} (compressed-tensors) is not read; "
+                              "only 'float-quantized' (FP8 E4M3 weights) converts")
+    blocks = set()
+    for name, group in (qc.get("config_groups") or {}).items():
+        w = (group or {}).get("weights") or {}
+        if w.get("num_bits") != 8 or w.get("type") != "float":
+            raise CheckpointError(f"checkpoint: quantization_config.config_groups.{name}.weights has num_bits="
+                                  f"{w.get('num_bits')!r}, type={w.get('type')!r}; only 8-bit float (FP8) reads")
+        strategy = w.get("strategy")
+        if strategy == "block":
+            blocks.add(tuple(w.get("block_structure") or (128, 128)))
+        elif strategy not in ("channel", "tensor"):
+            raise CheckpointError(f"checkpoint: quantization_config.config_groups.{name}.weights.strategy="
+                                  f"{strategy!r} is not read (channel, tensor or block)")
+    if len(blocks) > 1:
+        raise CheckpointError(f"checkpoint: compressed-tensors groups with different blocks {sorted(blocks)}")
+    return next(iter(blocks), None)
+
+
+def _fp8_block(hf_config: dict | None, scale_inv: bool) -> tuple[int, int] | None:
+    """The block (bn, bk) of FP8 weights: transformers' ``weight_block_size`` (FineGrainedFP8Config's
+    default [128, 128]) for ``weight_scale_inv``; compressed-tensors' for ``weight_scale``."""
+    qc = _quantization_config(hf_config)
+    if scale_inv:
+        b = qc.get("weight_block_size") or (128, 128)
+        return (int(b[0]), int(b[1]))
+    return _compressed_tensors_fp8(qc) if str(qc.get("quant_method", "")).lower() == "compressed-tensors" else None
 
 
 def _check_gptq_awq(method: str, qc: dict) -> None:
@@ -196,7 +262,7 @@ def _check_gptq_awq(method: str, qc: dict) -> None:
 
 
 def _quant_method(reader: _Reader, base: str, hf_config: dict | None) -> str | None:
-    """'gptq', 'awq', 'mlx' or None (dense) for the projection stored under ``base``."""
+    """'gptq', 'awq', 'mlx', 'fp8' or None (dense) for the projection stored under ``base``."""
     if reader.has(base + "qweight"):
         qc = _quantization_config(hf_config)
         method = str(qc.get("quant_method", "")).lower()
@@ -215,7 +281,43 @@ def _quant_method(reader: _Reader, base: str, hf_config: dict | None) -> str | N
         return method
     if reader.has(base + "weight") and reader.has(base + "scales"):
         return "mlx"
+    if reader.has(base + "weight") and (reader.has(base + "weight_scale_inv") or reader.has(base + "weight_scale")
+                                        or _fused_fp8_scale_name(reader, base) is not None):
+        return "fp8"
     return None
+
+
+_EXPERT_BASE = re.compile(r"^(.*experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.$")
+
+
+def _fused_fp8_scale_name(reader: _Reader, base: str) -> str | None:
+    """transformers 5.24's save of fine-grained FP8 experts keeps each expert's weight but the
+    scales fused and stacked: ``experts.gate_up_proj_scale_inv`` [E, ceil(2I/bn), ceil(H/bk)]
+    (gate's rows, then up's) and ``experts.down_proj_scale_inv``; the name for ``base``, if held."""
+    m = _EXPERT_BASE.match(base)
+    if m is None:
+        return None
+    name = m.group(1) + ("down_proj" if m.group(3) == "down_proj" else "gate_up_proj") + "_scale_inv"
+    return name if reader.has(name) else None
+
+
+def _fp8_scale(reader: _Reader, base: str, hf_config: dict | None, rows: int):
+    """(scale, block) of the FP8 projection under ``base`` (``rows``: its out_features): its own
+    ``weight_scale_inv`` (block scales) or ``weight_scale`` (compressed-tensors), or its slice of
+    the fused stacked scales (`_fused_fp8_scale_name`) expanded to one row block per row."""
+    if reader.has(base + "weight_scale_inv"):
+        return reader.get(base + "weight_scale_inv"), _fp8_block(hf_config, True)
+    if reader.has(base + "weight_scale"):
+        return reader.get(base + "weight_scale"), _fp8_block(hf_config, False)
+    name = _fused_fp8_scale_name(reader, base)
+    bn, bk = _fp8_block(hf_config, True)
+    m = _EXPERT_BASE.match(base)
+    fused = np.asarray(reader.get(name))
+    e, first = int(m.group(2)), rows if m.group(3) == "up_proj" else 0
+    if fused.ndim != 3 or e >= fused.shape[0] or -(-(first + rows) // bn) > fused.shape[1]:
+        raise CheckpointError(f"checkpoint: tensor {name!r} has shape {fused.shape}; expected [E, row blocks, "
+                              f"column blocks] covering expert {e}'s {m.group(3)} rows {first}..{first + rows}")
+    return np.repeat(fused[e], bn, axis=0)[first:first + rows], (1, bk)
 
 
 def _mlx_params(hf_config: dict | None, module: str) -> dict:
@@ -248,6 +350,13 @@ def _quantized(reader: _Reader, base: str, method: str, hf_config: dict | None):
     if method == "mlx":
         try:
             return qi.from_mlx(*_mlx_tensors(reader, base), **_mlx_params(hf_config, base[:-1])), None
+        except (ValueError, TypeError) as err:
+            raise CheckpointError(f"checkpoint: {base}*: {err}") from err
+    if method == "fp8":
+        weight = reader.get(base + "weight")
+        scale, block = _fp8_scale(reader, base, hf_config, int(weight.shape[-2]))
+        try:
+            return fp8_import.from_fp8(weight, scale, block=block), None
         except (ValueError, TypeError) as err:
             raise CheckpointError(f"checkpoint: {base}*: {err}") from err
     args = [np.asarray(reader.get(base + p)) for p in ("qweight", "qzeros", "scales")]

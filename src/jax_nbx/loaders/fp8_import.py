@@ -1,0 +1,89 @@
+"""Lossless import of FP8 checkpoints into the "fp8" format.
+
+jax_nbx's fp8 (``jax_nbx.formats.fp8``): one matrix ``W [K, N]`` (``[in,
+out]``), ``W[k, n] = E4M3(q[k, n]) * scale[k // G, n]``, ``G`` 32, 64 or 128.
+The checkpoints store ``nn.Linear``'s ``[out, in]`` E4M3 weight and float32
+scales that multiply it:
+
+* block scales (transformers' fine-grained FP8, ``quant_method: "fp8"``,
+  DeepSeek-V3/R1 and Qwen3 "-FP8"): ``weight_scale_inv`` float32
+  ``[ceil(N / bn), ceil(K / bk)]`` for ``weight_block_size = [bn, bk]``
+  (``[128, 128]``): ``W[n, k] = q[n, k] * weight_scale_inv[n // bn, k // bk]``
+  (transformers ``integrations/finegrained_fp8.py``: the scale is the block's
+  ``amax / 448``, the "inverse" of the quantizer's multiplier);
+* per-channel or per-tensor scales (compressed-tensors ``float-quantized``,
+  strategy ``"channel"`` / ``"tensor"``): ``weight_scale`` ``[N, 1]`` or
+  ``[1]``: ``W[n, k] = q[n, k] * weight_scale[n]``.
+
+Converted: the E4M3 bytes unchanged, transposed to ``[K, N]``; each group of
+``G`` rows of K (the largest of 128, 64, 32 that divides K and the block's
+``bk``) gets its block's or column's scale, so every weight is the same
+product of the same two numbers: exact.  Activations are not quantized here
+(the checkpoints' dynamic activation scales are a runtime choice of their
+kernels; jax_nbx multiplies in the input's dtype).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from ..formats import QuantizedWeight
+
+__all__ = ["from_fp8"]
+
+_E4M3 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8))
+_GROUPS = (128, 64, 32)  # the fp8 format's group sizes, largest first
+
+
+def from_fp8(weight: Any, scale: Any, *, block: tuple[int, int] | None = None) -> QuantizedWeight:
+    """One FP8 E4M3 linear layer (``[..., N, K]``, out x in; leading expert
+    axes kept) as an fp8 `QuantizedWeight` ``[..., K, N]``.
+
+    ``weight``: float8_e4m3fn (or its uint8 bits).  ``block``: ``(bn, bk)``
+    for block scales (``scale`` float32 ``[..., ceil(N/bn), ceil(K/bk)]``,
+    transformers' ``weight_scale_inv``); None for per-channel
+    (``[..., N, 1]`` or ``[..., N]``) or per-tensor (``[..., 1]``) scales.
+    Scales float32, bfloat16 or float16 (float16 widened to float32, exact).
+    Raises TypeError/ValueError naming the argument."""
+    w = np.asarray(weight)
+    if w.dtype not in _E4M3:
+        raise TypeError(f"weight has dtype {w.dtype}; expected float8_e4m3fn (or its uint8 bits)")
+    if w.ndim < 2:
+        raise ValueError(f"weight has shape {w.shape}; expected [..., out, in]")
+    q = w.view(np.uint8)
+    s = np.asarray(scale)
+    if s.dtype not in (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)):
+        raise TypeError(f"scale has dtype {s.dtype}; expected float32, bfloat16 or float16")
+    if s.dtype == np.float16:
+        s = s.astype(np.float32)
+    lead, N, K = q.shape[:-2], q.shape[-2], q.shape[-1]
+    bk = block[1] if block is not None else None
+    G = next((g for g in _GROUPS if K % g == 0 and (bk is None or bk % g == 0)), None)
+    if G is None:
+        raise ValueError(f"weight has K={K} (in_features): the fp8 format's groups (32, 64, 128) must divide it"
+                         + (f" and the block's {bk}" if bk is not None else ""))
+    if block is not None:
+        bn, bk = (int(b) for b in block)
+        want = lead + (-(-N // bn), -(-K // bk))
+        if s.shape != want:
+            raise ValueError(f"scale has shape {s.shape}; expected {want} ([ceil(out/{bn}), ceil(in/{bk})] "
+                             f"block scales for weight {q.shape})")
+        cols = np.repeat(s, bn, axis=-2)[..., :N, :]                     # [..., N, ceil(K/bk)]
+        per = cols[..., (np.arange(K // G) * G) // bk]                   # [..., N, K/G]
+    else:
+        if s.shape in (lead + (N, 1), lead + (N,)):
+            col = s.reshape(lead + (N,))
+        elif s.shape in (lead + (1,), lead + (1, 1), ()):
+            col = np.broadcast_to(s.reshape(lead + (1,)) if lead or s.ndim else s.reshape(1), lead + (N,))
+        else:
+            raise ValueError(f"scale has shape {s.shape}; expected per-channel {lead + (N, 1)} or per-tensor "
+                             f"{lead + (1,)} for weight {q.shape} (block scales: pass block=)")
+        per = np.broadcast_to(col[..., :, None], lead + (N, K // G))
+    qt = np.ascontiguousarray(np.swapaxes(q, -1, -2))
+    st = np.ascontiguousarray(np.swapaxes(per, -1, -2))
+    out = QuantizedWeight(jnp.asarray(qt), jnp.asarray(st), None, kind="fp8", group_size=G)
+    out.validate("from_fp8")
+    return out
