@@ -430,8 +430,12 @@ def fp8_checkpoints(out: str) -> None:
     import torch
     import transformers as tf
     from compressed_tensors.compressors import BaseCompressor, ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 apply_quantization_config)
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
     from safetensors.torch import load_file, save_file
     from transformers.integrations import finegrained_fp8 as F8
