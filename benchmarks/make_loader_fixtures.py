@@ -478,7 +478,8 @@ def fp8_checkpoints(out: str) -> None:
             for i, p in enumerate(path):
                 if not hasattr(mod, p):
                     last = i == len(path) - 1
-                    mod.add_module(p, torch.nn.Linear(v.shape[1], v.shape[0], bias=False) if last else torch.nn.Module())
+                    child = torch.nn.Linear(v.shape[1], v.shape[0], bias=False) if last else torch.nn.Module()
+                    mod.add_module(p, child)
                 mod = getattr(mod, p)
             mod.weight.data.copy_(v.float())
         scheme = QuantizationScheme(
