@@ -511,6 +511,69 @@ def fp8_checkpoints(out: str) -> None:
         _fp8_reference(dst, cfg, w, f"compressed-tensors {compressed_tensors.__version__} float-quantized decompress")
 
 
+def gpt_oss_mxfp4(out: str) -> None:
+    """gpt-oss's MXFP4 release layout (``gpt_oss/gpt_oss_mxfp4``): a tiny ``GptOssConfig`` (H=64,
+    I=64, E=4, top-2; its config.json as transformers 5.24 saves it, plus the release's
+    ``quantization_config = {"quant_method": "mxfp4", ...}``) whose experts' weights MLX 0.32's
+    ``mx.quantize(mode="mxfp4")`` quantized -- its bytes along each row are gpt-oss's -- stored
+    under gpt-oss's names and shapes (``experts.gate_up_proj_blocks`` [E, 2I, H/32, 16], ``_scales``
+    [E, 2I, H/32], gate and up rows interleaved; ``down_proj_blocks``/``_scales``; bf16 biases and
+    router).  ``gpt_oss_mxfp4.reference``: transformers' own ``convert_moe_packed_tensors``
+    dequantization of expert 0 (``[K, N]`` float32) and the output of transformers' ``GptOssMLP``
+    (router and experts, float32) with the dequantized weights, on x (numpy seed 4)."""
+    import mlx.core as mx
+    import torch
+    import transformers as tf
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+    H, I, E = 64, 64, 4
+    d = os.path.join(out, "gpt_oss", "gpt_oss_mxfp4")
+    os.makedirs(d, exist_ok=True)
+    cfg = tf.GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2,
+                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                          vocab_size=32)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg.save_pretrained(tmp)
+        with open(os.path.join(tmp, "config.json")) as f:
+            c = json.load(f)
+    c["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(c, f, indent=2)
+    g = torch.Generator().manual_seed(7)
+    gate_up = torch.randn(E, 2 * I, H, generator=g) / H ** 0.5      # [E, N=2I, K=H] rows interleaved
+    down = torch.randn(E, H, I, generator=g) / I ** 0.5             # [E, N=H, K=I]
+    pfx = "model.layers.0.mlp."
+    t = {pfx + "router.weight": (torch.randn(E, H, generator=g) / H ** 0.5).to(torch.bfloat16),
+         pfx + "router.bias": (torch.randn(E, generator=g) * 0.1).to(torch.bfloat16),
+         pfx + "experts.gate_up_proj_bias": (torch.randn(E, 2 * I, generator=g) * 0.1).to(torch.bfloat16),
+         pfx + "experts.down_proj_bias": (torch.randn(E, H, generator=g) * 0.1).to(torch.bfloat16)}
+    for name, w in (("gate_up_proj", gate_up), ("down_proj", down)):
+        q, sc = mx.quantize(mx.array(w.numpy()), mode="mxfp4")          # uint32 [E, N, K/8], uint8 [E, N, K/32]
+        by = np.array(q).astype("<u4").view(np.uint8)                    # [E, N, K/2]
+        t[pfx + f"experts.{name}_blocks"] = torch.from_numpy(by.reshape(by.shape[0], by.shape[1], -1, 16).copy())
+        t[pfx + f"experts.{name}_scales"] = torch.from_numpy(np.array(sc).copy())
+    save_file(t, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    deq = {n: convert_moe_packed_tensors(t[pfx + f"experts.{n}_blocks"], t[pfx + f"experts.{n}_scales"],
+                                         dtype=torch.float32) for n in ("gate_up_proj", "down_proj")}
+    mlp = GptOssMLP(cfg).to(torch.float32).eval()
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((9, H)).astype(np.float32))
+    with torch.no_grad():
+        mlp.router.weight.copy_(t[pfx + "router.weight"].float())
+        mlp.router.bias.copy_(t[pfx + "router.bias"].float())
+        mlp.experts.gate_up_proj.copy_(deq["gate_up_proj"])              # [E, H, 2I]
+        mlp.experts.gate_up_proj_bias.copy_(t[pfx + "experts.gate_up_proj_bias"].float())
+        mlp.experts.down_proj.copy_(deq["down_proj"])                    # [E, I, H]
+        mlp.experts.down_proj_bias.copy_(t[pfx + "experts.down_proj_bias"].float())
+        y, _ = mlp(x[None])
+    ref = {"x": x, "y": y[0].contiguous(), "gate_up_proj.0": deq["gate_up_proj"][0].contiguous(),
+           "down_proj.0": deq["down_proj"][0].contiguous()}
+    save_file(ref, os.path.join(out, "gpt_oss", "gpt_oss_mxfp4.reference.safetensors"),
+              metadata={"producer": f"transformers {tf.__version__} convert_moe_packed_tensors / GptOssMLP; "
+                                    f"bytes by mlx {mx.__version__} mx.quantize(mode='mxfp4')"})
+
+
 def main(out: str, only: str | None = None) -> int:
     if only in MLX_FLOAT_MODES:
         mlx_float_mode(out, only)
@@ -518,19 +581,23 @@ def main(out: str, only: str | None = None) -> int:
     if only == "fp8":
         fp8_checkpoints(out)
         return 0
+    if only == "gpt_oss":
+        gpt_oss_mxfp4(out)
+        return 0
     transformers_configs(out)
     transformers_checkpoint(out)
     mlx_checkpoints(out)
     for mode in MLX_FLOAT_MODES:
         mlx_float_mode(out, mode)
     fp8_checkpoints(out)
+    gpt_oss_mxfp4(out)
     if gptqmodel_configs(out):
         gptqmodel_awq_checkpoint(out)
     return 0
 
 
 if __name__ == "__main__":
-    # make_loader_fixtures.py [OUT] [--only=mxfp4|nvfp4|mxfp8|fp8]
+    # make_loader_fixtures.py [OUT] [--only=mxfp4|nvfp4|mxfp8|fp8|gpt_oss]
     args = [a for a in sys.argv[1:] if not a.startswith("--only")]
     only = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--only=")), None)
     sys.exit(main(args[0] if args else "tests/data", only))

@@ -48,6 +48,11 @@ class WeightLayout(NamedTuple):
         """The stacked ``[E, H, I]``/``[E, I, H]`` layout without biases."""
         return self == WeightLayout.plain(self.views[7], self.intermediate)  # views[7]: down's stride_k
 
+    @property
+    def plain_views(self) -> bool:
+        """`native`'s views, biases or not (what quantized experts take)."""
+        return self._replace(bias=False).native
+
     def attrs(self) -> dict:
         """The values of the contract's "weight views" attributes (xla_ffi/abi.h;
         typed by `jax_nbx.contract.attributes`)."""

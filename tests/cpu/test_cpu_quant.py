@@ -199,3 +199,37 @@ def test_quantize_errors():
     mixed = nbx.Experts(ql.gate[:3] + [lists.gate[3]], ql.up, ql.down)
     with pytest.raises(TypeError, match="gate expert 3 is dense, expert 0 quantized"):
         nbx.fused_moe(x, w, ids, mixed)
+
+
+@pytest.mark.parametrize("kind,G", _params([("int4", 32), ("mxfp4", 32), ("nvfp4", 16), ("fp8", 32)]))
+def test_quantized_experts_with_biases(kind, G):
+    """gpt-oss's experts: quantized weights with gate, up and down biases and
+    the clamped SwiGLU, on the CPU handler (T=1 streams, T=40 packs; bands of
+    one token bit-identical to the whole call) and the xla reference, against
+    float64 on the dequantized weights; int8 takes no biases (refused by name)."""
+    x, w, ids, ex = make_problem(11, 40, 5, 2, 64, 96)
+    rng = np.random.default_rng(3)
+    b = {n: jnp.asarray(rng.standard_normal((5, s)), jnp.float32)
+         for n, s in (("gate_bias", 96), ("up_bias", 96), ("down_bias", 64))}
+    q = nbx.quantize(ex, kind, group_size=G)
+    qb = nbx.Experts(q.gate, q.up, q.down, **b)
+    act = nbx.Activation("swiglu_clamped", alpha=1.702, limit=7.0)
+    bias64 = tuple(np.asarray(b[n], np.float64) for n in ("gate_bias", "up_bias", "down_bias"))
+    for T in (1, 40):
+        ref = np_moe(x[:T], w[:T], ids[:T], nbx.dequantize(q, jnp.float32), act, biases=bias64)
+        for impl in ("cpu", "xla"):
+            y = nbx.fused_moe(x[:T], w[:T], ids[:T], qb, activation=act, implementation=impl)
+            assert rel_err(y, ref) < TOL["f32"], (T, impl)
+    cap = nbx.memory.fused_moe_workspace_bytes(1, 2, 5, 64, 96)
+    whole = nbx.fused_moe(x, w, ids, qb, activation=act, implementation="cpu")
+    banded = nbx.fused_moe(x, w, ids, qb, activation=act, implementation="cpu", max_workspace_bytes=cap)
+    np.testing.assert_array_equal(np.asarray(banded), np.asarray(whole))
+
+
+@SAN
+def test_int8_experts_take_no_biases():
+    x, w, ids, ex = make_problem(12, 3, 4, 2, 64, 32)
+    q = nbx.quantize(ex, "int8")
+    qb = nbx.Experts(q.gate, q.up, q.down, down_bias=jnp.zeros((4, 64)))
+    with pytest.raises(TypeError, match="int8 experts take no biases"):
+        nbx.fused_moe(x, w, ids, qb)

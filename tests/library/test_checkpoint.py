@@ -304,14 +304,15 @@ def test_act_order_gate_is_refused_with_the_reason(tmp_path):
 
 
 def test_unsupported_quantized_formats_are_refused_by_name(tmp_path):
-    """gpt-oss's MXFP4 tensors and GPTQModel's v2 format: refused, named."""
+    """A gpt-oss MXFP4 checkpoint missing its down projection, and GPTQModel's
+    v2 format: refused, named."""
     pfx = "model.layers.0.mlp."
     (tmp_path / "a").mkdir()
     save_file({pfx + "router.weight": np.zeros((4, 16), np.float32),
                pfx + "experts.gate_up_proj_blocks": np.zeros((4, 16, 2, 16), np.uint8),
                pfx + "experts.gate_up_proj_scales": np.zeros((4, 16, 2), np.uint8)},
               str(tmp_path / "a" / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"gate_up_proj_blocks is MXFP4"):
+    with pytest.raises(CheckpointError, match=r"experts\.down_proj_blocks' is missing"):
         load_moe(tmp_path / "a", layer=0)
     _quant_checkpoint(tmp_path / "b", "gptq")
     cfg = json.loads((tmp_path / "b" / "config.json").read_text())

@@ -261,6 +261,29 @@ def test_fp8_checkpoints_match_their_producers(kind):
         assert _rel(y, ref["y"]) <= 2e-6, (impl, _rel(y, ref["y"]))
 
 
+def test_gpt_oss_mxfp4_matches_transformers():
+    """gpt-oss's MXFP4 release layout (``*_blocks``/``*_scales``, gate and up
+    rows interleaved, biases) loads as stacked mxfp4 experts with biases:
+    expert 0's weights are transformers' own convert_moe_packed_tensors bit for
+    bit, and the block (router with bias, clamped SwiGLU) -- CPU handler and
+    xla reference -- gives transformers' GptOssMLP."""
+    path = DATA / "gpt_oss" / "gpt_oss_mxfp4"
+    params = load_moe(path, layer=0)
+    config = nn.MoEConfig.from_hf(path)
+    ex = params.experts
+    assert ex.gate.kind == "mxfp4" and ex.gate.shape == (4, 64, 64) and ex.has_bias
+    assert config.activation == nbx.Activation("swiglu_clamped", alpha=1.702, limit=7.0)
+    ref = load_file(str(path) + ".reference.safetensors")
+    gate_up = ref["gate_up_proj.0"]  # [H, 2I], gate the even columns
+    np.testing.assert_array_equal(np.asarray(ex.gate.dequantize(jnp.float32))[0], gate_up[:, 0::2])
+    np.testing.assert_array_equal(np.asarray(ex.up.dequantize(jnp.float32))[0], gate_up[:, 1::2])
+    np.testing.assert_array_equal(np.asarray(ex.down.dequantize(jnp.float32))[0], ref["down_proj.0"])
+    for impl in ("cpu", "xla"):
+        cfg = dataclasses.replace(config, implementation=impl)
+        y, _ = jax.jit(lambda p, x: nn.moe_block(p, x, cfg))(params, jnp.asarray(ref["x"]))
+        assert _rel(y, ref["y"]) <= 1e-6, (impl, _rel(y, ref["y"]))
+
+
 def test_fp8_configs_that_are_not_read_are_named(tmp_path):
     """compressed-tensors formats other than FP8 float-quantized, and
     unknown quant_methods, are refused naming the key and value."""

@@ -279,7 +279,15 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
       if constexpr (first) {
         float* out = b.A2 + panel * I * mr + n0 * mr;
         if constexpr (WS::kQuant) {
-          kt.qstream1(a, mr, rows, mats[0], mats[1], n0, K, cols, p.act, scratch, out, 1, mr);
+          if (!raw_glu) {
+            kt.qstream1(a, mr, rows, mats[0], mats[1], n0, K, cols, p.act, scratch, out, 1, mr);
+          } else {  // biases: the sums (unit weights: exact) into `raw`, then bias and gated unit
+            float* raw = scratch + b.scratch_layout.raw_offset;
+            kt.qstream2(a, mr, rows, mats[0], n0, K, cols, kOnes, scratch, raw, 2 * cols);
+            kt.qstream2(a, mr, rows, mats[1], n0, K, cols, kOnes, scratch, raw + cols, 2 * cols);
+            kt.glu(raw, raw + cols, 2 * cols, 1, rows, cols, bias_g ? bias_g + e * I + n0 : nullptr,
+                   bias_u ? bias_u + e * I + n0 : nullptr, p.act, out, 1, mr);
+          }
         } else if (!raw_glu) {
           stream1(a, mr, rows, mats[0] + n0 * col_step, mats[1] + n0 * col_step, ldw, K, cols,
                   p.act, scratch, out, 1, mr);

@@ -41,7 +41,7 @@ def forward_call(problem: Problem, band_tokens: int, x, w, ids, arrays, target: 
     in place."""
     layout = problem.layout
     weights, biases = split_arrays(arrays, layout)
-    if layout.native:
+    if layout.plain_views:
         groups, E, _, quant, _, _ = weight_groups(weights, problem.lists)
         bufs = [b for g in groups for b in (g if problem.lists else g[:1])]
     else:

@@ -55,7 +55,9 @@ def quantize(experts: Experts, kind: str = "int8", *, group_size: int | None = N
     if is_quantized(experts):
         raise ValueError("experts are already quantized")
     if experts.has_bias:
-        raise ValueError("quantize takes experts without biases (quantized experts have no biases yet)")
+        raise ValueError("quantize takes experts without biases: quantize the weights, then attach the "
+                         "biases (nbx.Experts(q.gate, q.up, q.down, gate_bias=..., up_bias=..., "
+                         "down_bias=...); every format but int8 takes them)")
     if not experts.is_plain:  # a checkpoint layout: quantize its plain [E, K, N] copies (stacked)
         experts = experts.canonical()[0]
     gs = (fmt.default_group_size if group_size is None else group_size) if fmt.grouped else None

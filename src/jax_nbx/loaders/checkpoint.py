@@ -40,8 +40,9 @@ router (mlx-lm keeps Qwen3-MoE's at 8 bits) is dequantized to float32.  What
 is not read is refused naming it: a ``quant_method``, a GPTQ/AWQ
 ``checkpoint_format``/``format``/``version`` other than v1 GPTQ and GEMM
 AWQ, GPTQModel's ``pack_dtype`` and ``dynamic``, other widths than 4 bits,
-compressed-tensors formats other than FP8 ``float-quantized``, gpt-oss's
-MXFP4 experts (they carry biases).
+compressed-tensors formats other than FP8 ``float-quantized``.  gpt-oss's
+MXFP4 experts (``experts.gate_up_proj_blocks``/``_scales``, ``down_proj_*``,
+biases) load as stacked mxfp4 experts with biases (`gpt_oss`).
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ from ..experts import Experts, SharedExperts
 from ..nn.block import MoEConfig, MoEParams, read_hf_config
 from . import fp8_import
 from . import quant_import as qi
+from .gpt_oss import from_gpt_oss_mxfp4
 
 __all__ = ["load_moe", "load_experts", "CheckpointError"]
 
@@ -192,7 +194,8 @@ def _quantization_config(hf_config: dict | None) -> dict:
     return qc if isinstance(qc, dict) else {}
 
 
-_FP8_METHODS = ("fp8", "compressed-tensors")  # transformers' fine-grained FP8; compressed-tensors' FP8
+# transformers' fine-grained FP8, compressed-tensors' FP8, gpt-oss's MXFP4 (loaders/gpt_oss.py)
+_FP8_METHODS = ("fp8", "compressed-tensors", "mxfp4")
 
 
 def _check_quantization_config(hf_config: dict | None) -> None:
@@ -206,41 +209,15 @@ def _check_quantization_config(hf_config: dict | None) -> None:
                               "(fine-grained 'fp8', compressed-tensors float-quantized) and MLX's; dequantize "
                               "it first")
     if str(method).lower() == "compressed-tensors":
-        _compressed_tensors_fp8(qc)
-
-
-def _compressed_tensors_fp8(qc: dict) -> tuple[int, int] | None:
-    """The weights' block (bn, bk) of a compressed-tensors FP8 config (None: per-channel or
-    per-tensor); anything but 8-bit float weights in the float-quantized format is refused by name."""
-    fmt = qc.get("format")
-    if fmt not in (None, "float-quantized"):
-        raise CheckpointError(f"checkpoint: quantization_config.format={fmt!r} (compressed-tensors) is not read; "
-                              "only 'float-quantized' (FP8 E4M3 weights) converts")
-    blocks = set()
-    for name, group in (qc.get("config_groups") or {}).items():
-        w = (group or {}).get("weights") or {}
-        if w.get("num_bits") != 8 or w.get("type") != "float":
-            raise CheckpointError(f"checkpoint: quantization_config.config_groups.{name}.weights has num_bits="
-                                  f"{w.get('num_bits')!r}, type={w.get('type')!r}; only 8-bit float (FP8) reads")
-        strategy = w.get("strategy")
-        if strategy == "block":
-            blocks.add(tuple(w.get("block_structure") or (128, 128)))
-        elif strategy not in ("channel", "tensor"):
-            raise CheckpointError(f"checkpoint: quantization_config.config_groups.{name}.weights.strategy="
-                                  f"{strategy!r} is not read (channel, tensor or block)")
-    if len(blocks) > 1:
-        raise CheckpointError(f"checkpoint: compressed-tensors groups with different blocks {sorted(blocks)}")
-    return next(iter(blocks), None)
+        _fp8_block(hf_config, False)
 
 
 def _fp8_block(hf_config: dict | None, scale_inv: bool) -> tuple[int, int] | None:
-    """The block (bn, bk) of FP8 weights: transformers' ``weight_block_size`` (FineGrainedFP8Config's
-    default [128, 128]) for ``weight_scale_inv``; compressed-tensors' for ``weight_scale``."""
-    qc = _quantization_config(hf_config)
-    if scale_inv:
-        b = qc.get("weight_block_size") or (128, 128)
-        return (int(b[0]), int(b[1]))
-    return _compressed_tensors_fp8(qc) if str(qc.get("quant_method", "")).lower() == "compressed-tensors" else None
+    """`fp8_import.checkpoint_block` of the config's quantization_config, as a CheckpointError."""
+    try:
+        return fp8_import.checkpoint_block(_quantization_config(hf_config), scale_inv)
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint: {err}") from err
 
 
 def _check_gptq_awq(method: str, qc: dict) -> None:
@@ -550,11 +527,19 @@ def load_moe(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], layer:
         E, H = (int(s) for s in router.shape)
         if config is not None:
             _expect(rname, router, (config.num_experts, config.hidden_size))
-        if reader.has(pfx + "experts.gate_up_proj_blocks"):
-            raise CheckpointError(f"checkpoint: {pfx}experts.gate_up_proj_blocks is MXFP4 with expert biases "
-                                  "(gpt-oss's release format): jax_nbx has the mxfp4 format but its quantized "
-                                  "experts take no biases yet; dequantize them to bf16 first")
-        if reader.has(pfx + "experts.gate_up_proj") or reader.has(pfx + "input_linear.weight"):
+        if reader.has(pfx + "experts.gate_up_proj_blocks"):  # gpt-oss's MXFP4 (loaders/gpt_oss.py)
+            names = [pfx + "experts." + n for n in ("gate_up_proj_blocks", "gate_up_proj_scales",
+                                                     "down_proj_blocks", "down_proj_scales")]
+            biases = [pfx + "experts." + n for n in ("gate_up_proj_bias", "down_proj_bias")]
+            try:
+                experts = from_gpt_oss_mxfp4(*(np.asarray(reader.get(n)) for n in names),
+                                             *(reader.get(n) if reader.has(n) else None for n in biases))
+            except (ValueError, TypeError) as err:
+                raise CheckpointError(f"checkpoint: {pfx}experts.*_blocks: {err}") from err
+            if experts.hidden != H:
+                raise CheckpointError(f"checkpoint: {pfx}experts.gate_up_proj_blocks has H={experts.hidden}; the "
+                                      f"router {rname!r} has H={H}")
+        elif reader.has(pfx + "experts.gate_up_proj") or reader.has(pfx + "input_linear.weight"):
             experts = _fused(reader, pfx, E, H, config)
         elif reader.has(pfx + "switch_mlp.gate_proj.weight"):
             experts = _switch_mlp(reader, pfx, E, H, hf_config)

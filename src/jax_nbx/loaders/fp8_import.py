@@ -32,7 +32,7 @@ import numpy as np
 
 from ..formats import QuantizedWeight
 
-__all__ = ["from_fp8"]
+__all__ = ["from_fp8", "checkpoint_block"]
 
 _E4M3 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8))
 _GROUPS = (128, 64, 32)  # the fp8 format's group sizes, largest first
@@ -87,3 +87,41 @@ def from_fp8(weight: Any, scale: Any, *, block: tuple[int, int] | None = None) -
     out = QuantizedWeight(jnp.asarray(qt), jnp.asarray(st), None, kind="fp8", group_size=G)
     out.validate("from_fp8")
     return out
+
+
+def _compressed_tensors_block(qc: dict) -> tuple[int, int] | None:
+    """The weights' block (bn, bk) of a compressed-tensors FP8 quantization_config (None:
+    per-channel or per-tensor); anything but 8-bit float weights in the float-quantized format is
+    refused naming the key (ValueError)."""
+    fmt = qc.get("format")
+    if fmt not in (None, "float-quantized"):
+        raise ValueError(f"quantization_config.format={fmt!r} (compressed-tensors) is not read; only "
+                         "'float-quantized' (FP8 E4M3 weights) converts")
+    blocks = set()
+    for name, group in (qc.get("config_groups") or {}).items():
+        w = (group or {}).get("weights") or {}
+        if w.get("num_bits") != 8 or w.get("type") != "float":
+            raise ValueError(f"quantization_config.config_groups.{name}.weights has num_bits="
+                             f"{w.get('num_bits')!r}, type={w.get('type')!r}; only 8-bit float (FP8) reads")
+        strategy = w.get("strategy")
+        if strategy == "block":
+            blocks.add(tuple(w.get("block_structure") or (128, 128)))
+        elif strategy not in ("channel", "tensor"):
+            raise ValueError(f"quantization_config.config_groups.{name}.weights.strategy={strategy!r} is not "
+                             "read (channel, tensor or block)")
+    if len(blocks) > 1:
+        raise ValueError(f"compressed-tensors groups with different blocks {sorted(blocks)}")
+    return next(iter(blocks), None)
+
+
+def checkpoint_block(qc: dict, scale_inv: bool) -> tuple[int, int] | None:
+    """The block (bn, bk) of a checkpoint's FP8 weights from its ``quantization_config`` ``qc``:
+    transformers' ``weight_block_size`` (FineGrainedFP8Config's default [128, 128]) for
+    ``weight_scale_inv``; compressed-tensors' block (None: per-channel / per-tensor) for
+    ``weight_scale``.  ValueError for a compressed-tensors config that is not FP8."""
+    if scale_inv:
+        b = qc.get("weight_block_size") or (128, 128)
+        return (int(b[0]), int(b[1]))
+    if str(qc.get("quant_method", "")).lower() == "compressed-tensors":
+        return _compressed_tensors_block(qc)
+    return None
