@@ -94,13 +94,13 @@ def test_gradients_match_float64(backend, activation, lists):
         assert rel_err(g, r) < GRAD_TOL, name
 
 
-@pytest.mark.sanitize
-@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4"])
+@pytest.mark.parametrize("fmt", [pytest.param(f, marks=pytest.mark.sanitize) for f in ("int8", "int4", "mxfp4")]
+                         + ["fp8", "mxfp8", "nvfp4"])
 def test_quantized_experts_are_frozen(backend, fmt):
     """Gradients flow to x and topk_weights; quantized weights get none."""
     backend.require_format(fmt)
     x, w, ids, ex = make_problem(5, 9, 4, 2, 64, 32)
-    q = nbx.quantize(ex, fmt, group_size=32)
+    q = nbx.quantize(ex, fmt, group_size=16 if fmt == "nvfp4" else 32)
     ct = jnp.asarray(np.random.default_rng(1).standard_normal(x.shape), jnp.float32)
     dx, dw = jax.grad(lambda x_, w_: jnp.sum(backend(x_, w_, ids, q) * ct), argnums=(0, 1))(x, w)
     ref = np_moe_grads(x, w, ids, dense(q), ct)
