@@ -26,6 +26,22 @@ namespace {
 // (<= 1 kB) and the runs cross pages the hardware prefetcher stops at.
 constexpr int kPrefetchRows = 8;
 
+// Two rows of W into R rows of accumulators (row r at acc + r * ncols): row
+// kk's FMA, then row kk+1's, per element -- the kk order every path keeps.
+// W: a vector of columns, or a float (one column: the scalar tails).
+template <int R, class W>
+NBX_AI void AddTwoRows(float* acc, int ncols, const float (&a0)[R], const float (&a1)[R], W w0,
+                       W w1) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    W v;
+    memcpy(&v, acc + r * ncols, sizeof v);
+    v += a0[r] * w0;
+    v += a1[r] * w1;
+    memcpy(acc + r * ncols, &v, sizeof v);
+  }
+}
+
 template <int VL, int R, int kQ, bool kB>
 void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n0, int64_t K,
                      int ncols, float* acc) {
@@ -56,22 +72,12 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
         for (int c = 0; c < nv; c += VL) {
           const V w0 = Int8ToFloat<VL>(qr0 + c);
           const V w1 = Int8ToFloat<VL>(qr1 + c);
-#pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) {
-            V v;
-            memcpy(&v, acc + r * ncols + c, sizeof v);
-            v += a0[r] * w0;
-            v += a1[r] * w1;
-            memcpy(acc + r * ncols + c, &v, sizeof v);
-          }
+          AddTwoRows<R>(acc + c, ncols, a0, a1, w0, w1);
         }
         for (int c = nv; c < ncols; ++c) {
           const float w0 = static_cast<float>(qr0[c]);
           const float w1 = static_cast<float>(qr1[c]);
-          for (int r = 0; r < R; ++r) {
-            acc[r * ncols + c] += a0[r] * w0;
-            acc[r * ncols + c] += a1[r] * w1;
-          }
+          AddTwoRows<R>(acc + c, ncols, a0, a1, w0, w1);
         }
       } else {
         for (int c = 0; c < nv; c += VL) {
@@ -112,22 +118,12 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
         const V s = Load<VL>(sc + c);
         const V w0 = ByteValues<VL>(qr0 + c) * s;
         const V w1 = ByteValues<VL>(qr1 + c) * s;
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          V v;
-          memcpy(&v, acc + r * ncols + c, sizeof v);
-          v += a0[r] * w0;
-          v += a1[r] * w1;
-          memcpy(acc + r * ncols + c, &v, sizeof v);
-        }
+        AddTwoRows<R>(acc + c, ncols, a0, a1, w0, w1);
       }
       for (int c = nv; c < ncols; ++c) {
         const float w0 = ByteValue(qr0[c]) * sc[c];
         const float w1 = ByteValue(qr1[c]) * sc[c];
-        for (int r = 0; r < R; ++r) {
-          acc[r * ncols + c] += a0[r] * w0;
-          acc[r * ncols + c] += a1[r] * w1;
-        }
+        AddTwoRows<R>(acc + c, ncols, a0, a1, w0, w1);
       }
     }
   } else {  // 4-bit codes; K is a multiple of the (even) group: rows come in pairs, one byte
@@ -155,14 +151,7 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
           w0 = lo * s;
           w1 = hi * s;
         }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          V v;
-          memcpy(&v, acc + r * ncols + c, sizeof v);
-          v += a0[r] * w0;
-          v += a1[r] * w1;
-          memcpy(acc + r * ncols + c, &v, sizeof v);
-        }
+        AddTwoRows<R>(acc + c, ncols, a0, a1, w0, w1);
       }
       for (int c = nv; c < ncols; ++c) {
         float w0, w1;
@@ -173,10 +162,7 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
           w0 = NibbleValue<kQ>(qr[c] & 15) * sc[c];
           w1 = NibbleValue<kQ>(qr[c] >> 4) * sc[c];
         }
-        for (int r = 0; r < R; ++r) {
-          acc[r * ncols + c] += a0[r] * w0;
-          acc[r * ncols + c] += a1[r] * w1;
-        }
+        AddTwoRows<R>(acc + c, ncols, a0, a1, w0, w1);
       }
     }
   }

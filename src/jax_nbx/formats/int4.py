@@ -24,6 +24,11 @@ def unpack_nibbles(packed: jax.Array) -> jax.Array:
     return jnp.stack([lo, hi], axis=-2).reshape(s[:-2] + (2 * s[-2], s[-1]))
 
 
+def pack_nibbles(codes: jax.Array) -> jax.Array:
+    """uint8 4-bit codes ``[..., K, N]`` -> ``[..., K/2, N]``, the even row in the low nibble."""
+    return codes[..., 0::2, :] | (codes[..., 1::2, :] << 4)
+
+
 class Int4(Format):
     name = "int4"
     default_group_size = 128
@@ -41,8 +46,7 @@ class Int4(Format):
         zero = mn.astype(scale_dtype)
         s32, z32 = scale.astype(jnp.float32)[..., None, :], zero.astype(jnp.float32)[..., None, :]
         q = jnp.clip(jnp.round((g - z32) / s32), 0, 15).astype(jnp.uint8).reshape(w.shape)
-        packed = q[..., 0::2, :] | (q[..., 1::2, :] << 4)
-        return QuantizedWeight(packed, scale, zero, kind=self.name, group_size=group_size)
+        return QuantizedWeight(pack_nibbles(q), scale, zero, kind=self.name, group_size=group_size)
 
     def dequantize(self, w: QuantizedWeight) -> jax.Array:
         q = unpack_nibbles(w.q).astype(jnp.float32)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from . import registry
-from .int4 import unpack_nibbles
+from .int4 import pack_nibbles, unpack_nibbles
 from .minifloat import E2M1_MAX, e2m1_codes, e2m1_values, e8m0_values, pow2_scale_bytes
 from .spec import Format
 from .weight import QuantizedWeight
@@ -42,8 +42,7 @@ class Mxfp4(Format):
         g = w.reshape(w.shape[:-2] + (K // BLOCK, BLOCK, N))
         scale = pow2_scale_bytes(jnp.max(jnp.abs(g), axis=-2), E2M1_MAX)
         codes = e2m1_codes(g / e8m0_values(scale)[..., None, :]).reshape(w.shape)
-        packed = codes[..., 0::2, :] | (codes[..., 1::2, :] << 4)
-        return QuantizedWeight(packed, scale, None, kind=self.name, group_size=BLOCK)
+        return QuantizedWeight(pack_nibbles(codes), scale, None, kind=self.name, group_size=BLOCK)
 
     def dequantize(self, w: QuantizedWeight) -> jax.Array:
         values = e2m1_values(unpack_nibbles(w.q))

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from . import registry
-from .int4 import unpack_nibbles
+from .int4 import pack_nibbles, unpack_nibbles
 from .minifloat import E2M1_MAX, e2m1_codes, e2m1_values, e4m3_codes, e4m3_values
 from .spec import Format
 from .weight import QuantizedWeight
@@ -40,8 +40,7 @@ class Nvfp4(Format):
         scale = e4m3_codes(jnp.max(jnp.abs(g), axis=-2) / E2M1_MAX)
         s = e4m3_values(scale)[..., None, :]
         codes = e2m1_codes(jnp.where(s > 0, g / jnp.where(s > 0, s, 1.0), 0.0)).reshape(w.shape)
-        packed = codes[..., 0::2, :] | (codes[..., 1::2, :] << 4)
-        return QuantizedWeight(packed, scale, None, kind=self.name, group_size=BLOCK)
+        return QuantizedWeight(pack_nibbles(codes), scale, None, kind=self.name, group_size=BLOCK)
 
     def dequantize(self, w: QuantizedWeight) -> jax.Array:
         values = e2m1_values(unpack_nibbles(w.q))
