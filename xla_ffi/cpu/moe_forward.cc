@@ -278,25 +278,21 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
       const float* a = A + panel * K * mr;
       if constexpr (first) {
         float* out = b.A2 + panel * I * mr + n0 * mr;
-        if constexpr (WS::kQuant) {
-          if (!raw_glu) {
+        if (!raw_glu) {
+          if constexpr (WS::kQuant)
             kt.qstream1(a, mr, rows, mats[0], mats[1], n0, K, cols, p.act, scratch, out, 1, mr);
-          } else {  // biases: the sums (unit weights: exact) into `raw`, then bias and gated unit
-            float* raw = scratch + b.scratch_layout.raw_offset;
-            kt.qstream2(a, mr, rows, mats[0], n0, K, cols, kOnes, scratch, raw, 2 * cols);
-            kt.qstream2(a, mr, rows, mats[1], n0, K, cols, kOnes, scratch, raw + cols, 2 * cols);
-            kt.glu(raw, raw + cols, 2 * cols, 1, rows, cols, bias_g ? bias_g + e * I + n0 : nullptr,
-                   bias_u ? bias_u + e * I + n0 : nullptr, p.act, out, 1, mr);
-          }
-        } else if (!raw_glu) {
-          stream1(a, mr, rows, mats[0] + n0 * col_step, mats[1] + n0 * col_step, ldw, K, cols,
-                  p.act, scratch, out, 1, mr);
-        } else {
-          // the sums (unit weights: exact) into `raw`, then bias and gated unit
+          else
+            stream1(a, mr, rows, mats[0] + n0 * col_step, mats[1] + n0 * col_step, ldw, K, cols,
+                    p.act, scratch, out, 1, mr);
+        } else {  // the sums (unit weights: exact) into `raw`, then bias and gated unit
           float* raw = scratch + b.scratch_layout.raw_offset;
           const float* bg = bias_g ? bias_g + e * I + n0 : nullptr;
           const float* bu = bias_u ? bias_u + e * I + n0 : nullptr;
-          if (interleaved) {  // gate||up pairs: one run of 2*cols, its two halves in one pass
+          if constexpr (WS::kQuant) {
+            kt.qstream2(a, mr, rows, mats[0], n0, K, cols, kOnes, scratch, raw, 2 * cols);
+            kt.qstream2(a, mr, rows, mats[1], n0, K, cols, kOnes, scratch, raw + cols, 2 * cols);
+            kt.glu(raw, raw + cols, 2 * cols, 1, rows, cols, bg, bu, p.act, out, 1, mr);
+          } else if (interleaved) {  // gate||up pairs: one run of 2*cols, its two halves in one pass
             kt.stream_pair[w_index](a, mr, rows, mats[0] + 2 * n0, mats[0] + 2 * n0 + cols, sk,
                                     K, cols, scratch, raw);
             kt.glu(raw, raw + 1, 2 * cols, 2, rows, cols, bg, bu, p.act, out, 1, mr);
