@@ -15,8 +15,10 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="the CUDA path's kernels need Triton (pip install jax_nbx[gpu])")
 
 import ml_dtypes  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
-from jax_nbx.backends.cuda import plan  # noqa: E402
+from jax_nbx.backends.cuda import kernels, plan  # noqa: E402
 
 from support import triton_interpret as interpret  # noqa: E402
 
@@ -216,8 +218,10 @@ def test_tuned_config_file_lookup(tmp_path, monkeypatch):
 
 def test_kernels_compile_to_cubins():
     """Ahead-of-time compilation for sm_90 needs no GPU (Triton ships ptxas):
-    plain experts, and a fused interleaved layout with biases (views as
-    constexprs).  Run in a fresh process: this one interprets the kernels."""
+    plain experts, a fused interleaved layout with biases (views as
+    constexprs), and each byte-coded format's tile dequantization (bf16 and
+    float32 products, decode and prefill).  Run in a fresh process: this one
+    interprets the kernels."""
     import subprocess
     import sys
 
@@ -230,7 +234,11 @@ from jax_nbx.experts import WeightLayout
 gpt_oss = WeightLayout((0, 64, 2, 1, 64, 2, 0, 64, 1), 32, True, True)
 for prog in (plan.build(40, 40, 2, 6, 64, 32, bf, bf, 0),
              plan.build(1, 1, 2, 6, 64, 32, bf, bf, 2, layout=gpt_oss),
-             plan.build(40, 40, 2, 6, 64, 32, bf, bf, 2, layout=gpt_oss)):
+             plan.build(40, 40, 2, 6, 64, 32, bf, bf, 2, layout=gpt_oss),
+             plan.build(40, 40, 2, 6, 64, 32, bf, np.float32, 2, quant=("mxfp4", 32)),
+             plan.build(1, 1, 2, 6, 64, 32, bf, np.float32, 0, quant=("nvfp4", 16)),
+             plan.build(40, 40, 2, 6, 64, 32, bf, bf, 0, quant=("fp8", 32)),
+             plan.build(1, 1, 2, 6, 64, 32, np.float32, np.float32, 0, quant=("mxfp8", 32))):
     blob, table = C.pack(prog, 90)
     assert table.shape == (len(prog.kernels()), len(C.KERNEL_FIELDS)), table.shape
     for row in table:
@@ -244,23 +252,28 @@ for prog in (plan.build(40, 40, 2, 6, 64, 32, bf, bf, 0),
     assert "compiled" in r.stdout
 
 
-QCASES = [  # T, kind, group, scale dtype, lists
-    (2, "int8", 0, F32, False), (40, "int8", 0, BF16, False), (40, "int8", 0, F32, True),
-    (2, "int4", 32, F32, True), (40, "int4", 32, F32, False), (40, "int4", 64, BF16, True),
-    (2, "int4", 128, BF16, False), (40, "int4", 128, F32, False)]
+QCASES = [  # T, kind, group, scale dtype, lists, x dtype
+    (2, "int8", 0, F32, False, F32), (40, "int8", 0, BF16, False, F32), (40, "int8", 0, F32, True, F32),
+    (2, "int4", 32, F32, True, F32), (40, "int4", 32, F32, False, F32), (40, "int4", 64, BF16, True, F32),
+    (2, "int4", 128, BF16, False, F32), (40, "int4", 128, F32, False, F32),
+    (1, "mxfp4", 32, F32, False, F32), (40, "mxfp4", 32, F32, True, BF16),
+    (1, "nvfp4", 16, F32, True, F32), (40, "nvfp4", 16, F32, False, BF16),
+    (1, "fp8", 128, BF16, True, F32), (40, "fp8", 32, F32, False, F32),
+    (1, "mxfp8", 32, F32, False, BF16), (40, "mxfp8", 32, F32, True, F32)]
 
 
-@pytest.mark.parametrize("T,kind,G,sd,lists", QCASES, ids=lambda v: str(v))
-def test_quantized_experts_dequantized_in_kernel(T, kind, G, sd, lists):
-    """int8 / int4 experts, dequantized tile by tile in the kernels (the same
-    formats as `jax_nbx.quantize`), against float64 on the dequantized weights."""
+@pytest.mark.parametrize("T,kind,G,sd,lists,xd", QCASES, ids=lambda v: str(v))
+def test_quantized_experts_dequantized_in_kernel(T, kind, G, sd, lists, xd):
+    """Experts of every format, dequantized tile by tile in the kernels (the
+    same formats as `jax_nbx.quantize`), against float64 on the dequantized
+    weights; T=1 and 2 take the decode kernels, 40 the prefill ones."""
     import jax
     import jax.numpy as jnp
 
     import jax_nbx as nbx
 
     E, k, H, I = 5, 2, 128, 256 if G != 128 else 128
-    x, w, ids, gate, up, down = problem(11, T, E, k, H, I, F32, F32)
+    x, w, ids, gate, up, down = problem(11, T, E, k, H, I, xd, F32)
     ex = nbx.Experts(jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down))
     q = nbx.quantize(ex, kind, group_size=G or 128, scale_dtype=jnp.dtype(sd))
     d = nbx.dequantize(q, jnp.float32)
@@ -271,18 +284,45 @@ def test_quantized_experts_dequantized_in_kernel(T, kind, G, sd, lists):
                           for n in ("gate", "up", "down")))
     # the CUDA path's own grouping of the buffers (gate, up, down, scales, mins)
     groups, E2, I2, quant, dt, _ = weight_groups(q.flat(), lists)
-    assert (E2, I2, quant, dt) == (E, I, (kind, G), sd)
+    assert (E2, I2, quant) == (E, I, (kind, G))
     groups = [[np.asarray(a) for a in g] if lists else np.asarray(g[0]) for g in groups]
-    prog = plan.build(T, T, k, E, H, I, F32, sd, 0, quant=(kind, G))
-    y = np.full((T, H), np.nan, np.float32)
+    prog = plan.build(T, T, k, E, H, I, xd, dt, 0, quant=(kind, G))
+    y = np.full((T, H), np.nan, xd)
     firsts = [g[0] if lists else g for g in groups]
     err = interpret.run(prog, [x, w, ids, *firsts], y, tables=interpret.pointer_tables(*groups))
     assert err == plan.ERR_NONE
     assert np.all(np.isfinite(y))
     ref = np_moe64(x, w, ids, np.asarray(d.gate), np.asarray(d.up), np.asarray(d.down))
-    # bf16 scales: the dequantized tile is rounded to bf16 for the product too
-    # (and the interpreter truncates where the GPU rounds), hence 2x the dense bound
-    assert rel_err(y, ref) < (TOL[F32] if np.dtype(sd) == F32 else 2 * TOL[BF16])
+    # bf16 products (bf16 scales, or bf16 x for the byte-scaled formats): x,
+    # the tile and the intermediate are rounded to bf16 (and the interpreter
+    # truncates where the GPU rounds), hence 2x the dense bound
+    pd = plan.products_dtype(xd, dt, quant)
+    assert rel_err(y, ref) < (TOL[F32] if pd == F32 and xd == F32 else 2 * TOL[BF16])
+
+
+@triton.jit
+def _decode_codes(codes, out, N: tl.constexpr):
+    c = tl.load(codes + tl.arange(0, N))
+    tl.store(out + tl.arange(0, N), kernels._e2m1(c & 15))
+    tl.store(out + N + tl.arange(0, N), kernels._e4m3(c))
+    tl.store(out + 2 * N + tl.arange(0, N), kernels._e8m0(c))
+
+
+def test_minifloat_decoders_are_the_references():
+    """Every E2M1, E4M3 and E8M0 code decoded by the kernels' helpers equals
+    ml_dtypes' value (NaN codes NaN), through a kernel under the interpreter."""
+    codes = np.arange(256, dtype=np.int32)
+    out = np.full(3 * 256, -1.0, np.float32)
+    _decode_codes[(1,)](interpret._HostTensor(codes.ctypes.data, "*i32"),
+                 interpret._HostTensor(out.ctypes.data, "*fp32"), 256)
+    u8 = codes.astype(np.uint8)
+    want = [(u8 & 15).view(ml_dtypes.float4_e2m1fn), u8.view(ml_dtypes.float8_e4m3fn),
+            u8.view(ml_dtypes.float8_e8m0fnu)]
+    for got, ref in zip((out[:256], out[256:512], out[512:]), want):
+        ref = ref.astype(np.float32)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+        ok = ~np.isnan(ref)
+        assert np.array_equal(got[ok].view(np.uint32), ref[ok].view(np.uint32))
 
 
 # --------------------------------------------------------------------------- layouts and biases

@@ -14,6 +14,7 @@ import pytest
 import jax_nbx as nbx
 
 from support.problems import DTYPES, dense, make_problem, np_moe, rel_err
+from support.runners import LAYOUTS
 
 # (T, E, k, H, I): T in {1, 33, 222}; E = 1 and k = E; H, I odd
 CASES = [(1, 4, 2, 33, 20), (33, 8, 2, 65, 47), (222, 8, 3, 33, 20), (33, 1, 1, 17, 9), (5, 6, 6, 40, 24)]
@@ -78,6 +79,26 @@ def test_quantized_formats_match_their_dequantization(backend, fmt, G, T):
     q = nbx.quantize(ex, fmt, group_size=G)
     y = run(backend, x, w, ids, q)
     assert rel_err(y, np_moe(x, w, ids, dense(q))) < backend.tol(x.dtype, jnp.float32)
+
+
+@pytest.mark.parametrize("fmt,G", [pytest.param("mxfp4", 32, marks=CORE), ("nvfp4", 16), ("fp8", 32),
+                                   pytest.param("int4", 32, marks=pytest.mark.sweep)])
+@pytest.mark.parametrize("T", [1, 33])
+def test_quantized_experts_with_biases(backend, fmt, G, T):
+    """gpt-oss's experts: quantized weights with gate, up and down biases and
+    the clamped SwiGLU, against float64 on the dequantized weights (int8
+    takes no biases: refused by name, tests/cpu/test_cpu_quant.py)."""
+    backend.require_format(fmt)
+    backend.require(LAYOUTS)
+    x, w, ids, ex = make_problem(T + 5, T, 5, 2, 64, 96)
+    rng = np.random.default_rng(T)
+    b = [rng.standard_normal((5, s)) for s in (96, 96, 64)]
+    q = nbx.quantize(ex, fmt, group_size=G)
+    qb = nbx.Experts(q.gate, q.up, q.down, **{n: jnp.asarray(a, jnp.float32) for n, a in
+                                             zip(("gate_bias", "up_bias", "down_bias"), b)})
+    act = nbx.Activation("swiglu_clamped", alpha=1.702, limit=7.0)
+    ref = np_moe(x, w, ids, dense(q), act, biases=tuple(np.asarray(a, np.float32).astype(np.float64) for a in b))
+    assert rel_err(run(backend, x, w, ids, qb, activation=act), ref) < backend.tol(x.dtype, jnp.float32)
 
 
 def test_leading_axes_and_no_tokens(backend):

@@ -36,7 +36,7 @@ def _np(a) -> np.ndarray:
 def _groups(problem: Problem, arrays):
     """(weight groups as numpy arrays or lists of them, biases, strides_ok)."""
     weights, biases = split_arrays(list(arrays), problem.layout)
-    if problem.layout.native:
+    if problem.layout.native or problem.quant is not None:  # quantized: plain views, biases or not
         groups = formats.weight_groups(weights, problem.lists)[0]
     else:
         n = 2 if problem.layout.fused else 3
@@ -63,7 +63,7 @@ class InterpretedCuda(Backend):
     name = NAME
 
     def why_not(self, problem: Problem) -> str:
-        return P.kernels_refusal(problem.quant, problem.plain, problem.bf16_dot)
+        return P.kernels_refusal(problem.quant, problem.layout.plain_views, problem.bf16_dot)
 
     def why_not_by_default(self, problem: Problem) -> str:
         return "a test backend: named only"

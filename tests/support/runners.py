@@ -115,7 +115,7 @@ class Runner:
 
 
 # the formats the Triton kernels have no `_wtile` branch for (backends/cuda/plan.py)
-_NO_TILE_DEQUANT = frozenset(nbx.formats.names()) - frozenset(kernels_formats().values())
+_NO_TILE_DEQUANT = frozenset(nbx.formats.names()) - frozenset(kernels_formats().values())  # none today
 
 RUNNERS = (
     Runner("xla", "xla", takes=ALL - {BANDS, FUSED_BACKWARD}),

@@ -27,7 +27,7 @@ class CudaBackend(Backend):
         why = _registry.cuda_unavailable_reason()
         if why:
             return why
-        return plan.kernels_refusal(problem.quant, problem.plain, problem.bf16_dot)
+        return plan.kernels_refusal(problem.quant, problem.layout.plain_views, problem.bf16_dot)
 
     device = "cuda"
 

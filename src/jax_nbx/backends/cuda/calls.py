@@ -137,7 +137,7 @@ def _view_groups(arrays, layout: WeightLayout, lists: bool):
     weights, biases = arrays[:len(arrays) - nb], arrays[len(arrays) - nb:]
     if any(isinstance(a, QuantizedWeight) for a in weights):
         raise ValueError("the CUDA path reads quantized experts in the plain layout only (gate, up "
-                         "[E, H, I], down [E, I, H], no biases, no fused gate_up)")
+                         "[E, H, I], down [E, I, H], no fused gate_up; biases or not)")
     n_groups = 2 if layout.fused else len(contract.PROJECTIONS)
     per = len(weights) // n_groups if lists else 1
     groups = [list(weights[g * per:(g + 1) * per]) for g in range(n_groups)]
@@ -166,7 +166,12 @@ def forward(x, w, ids, *arrays, activation, band_tokens: int, lists: bool = Fals
     """
     T, H = x.shape
     k = ids.shape[1]
-    if layout is None or layout.native:
+    if layout is not None and layout.plain_views and any(isinstance(a, QuantizedWeight) for a in arrays):
+        # quantized experts with biases: the plain views, then the biases
+        nb = contract.NUM_BIASES if layout.bias else 0
+        groups, E, I, quant, wdtype, strides_ok = weight_groups(arrays[:len(arrays) - nb], lists)
+        biases, views = arrays[len(arrays) - nb:], (layout if nb else None)
+    elif layout is None or layout.native:
         groups, E, I, quant, wdtype, strides_ok = weight_groups(arrays, lists)
         biases, views = (), None
         layout = WeightLayout(sum(P.plain_views(H, I), ()), I, False, False)

@@ -16,7 +16,7 @@ choice ``s % k``):
   of a projection's logical matrix (``gate/up [H, I]``, ``down [I, H]``) lies
   at ``OFF + k*SK + n*SN`` elements from the expert's address (gate and up
   share SK, SN; plain: ``(0, I, 1)``, ``(0, H, 1)``); quantized weights take
-  the plain layout only.  ``W_ALIGNED`` says every address is a multiple of
+  the plain layout only (biases or not).  ``W_ALIGNED`` says every address is a multiple of
   16 bytes (the handler checks the claim before launching).
 * biases (``BIAS``): float32 ``gb, ub [E, I]``, ``db [E, H]``; the gate and
   up biases start the sums before the activation, the down bias is added
@@ -66,10 +66,14 @@ ACT_SWIGLU_CLAMPED = tl.constexpr(contract.ACT_SWIGLU_CLAMPED)
 GELU_C = tl.constexpr(contract.GELU_C)
 GELU_B = tl.constexpr(contract.GELU_B)
 INV_SQRT2 = tl.constexpr(contract.INV_SQRT2)
-# the formats `_wtile` dequantizes (plan.kernels_formats lists the same three)
+# the formats `_wtile` dequantizes (plan.kernels_formats lists the same ones)
 QUANT_DENSE = tl.constexpr(contract.FORMAT_CODES["dense"])
 QUANT_INT8 = tl.constexpr(contract.FORMAT_CODES["int8"])
 QUANT_INT4 = tl.constexpr(contract.FORMAT_CODES["int4"])
+QUANT_MXFP4 = tl.constexpr(contract.FORMAT_CODES["mxfp4"])
+QUANT_FP8 = tl.constexpr(contract.FORMAT_CODES["fp8"])
+QUANT_MXFP8 = tl.constexpr(contract.FORMAT_CODES["mxfp8"])
+QUANT_NVFP4 = tl.constexpr(contract.FORMAT_CODES["nvfp4"])
 
 
 @triton.jit
@@ -113,37 +117,106 @@ def _view(kk, offs_n, OFF: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr):
 
 
 @triton.jit
+def _e2m1(c):
+    """The E2M1 values of 4-bit codes ``c`` (int32), exactly
+    (xla_ffi/formats/minifloat.h kE2M1Values): sign bit 3, exponent bits 2-1
+    (bias 1), mantissa bit 0; exponent 0 is the subnormal 0 or 0.5."""
+    e = (c >> 1) & 3
+    m = c & 1
+    normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
+    return tl.where((c & 8) != 0, -v, v)
+
+
+@triton.jit
+def _e4m3(b):
+    """The E4M3 ("fn") values of bytes ``b`` (int32), exactly (minifloat.h
+    E4M3Value): exponent bits 6-3 (bias 7) moved to float32's (bias 127),
+    mantissa bits 2-0 to its top three; exponent 0 is m * 2^-9; S.1111.111
+    is NaN."""
+    e = (b >> 3) & 15
+    m = b & 7
+    bits = ((e + 120) << 23) | (m << 20)
+    bits = tl.where((b & 127) == 127, 0x7FC00000, bits)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, bits.to(tl.float32, bitcast=True))
+    return tl.where((b & 128) != 0, -v, v)
+
+
+@triton.jit
+def _e8m0(s):
+    """2^(s - 127) for E8M0 bytes ``s`` (int32), exactly (minifloat.h
+    E8M0Value): s is float32's exponent field; 0 is the subnormal 2^-127
+    (bit 22), 255 NaN (bit 22 on infinity)."""
+    bits = s << 23
+    bits = tl.where((s == 0) | (s == 255), bits | 0x400000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _wtile(qtbl, stbl, ztbl, e, wref, sref, kk, offs_n, N: tl.constexpr, mask,
            QUANT: tl.constexpr, GS: tl.constexpr, W_ALIGNED: tl.constexpr,
            OFF: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr):
-    """Expert e's weights at rows kk [BK] and columns offs_n [BN], as float32.
-    One branch per format the kernels know (a code they do not know fails
-    the compile by its static_assert; plan.build refuses it by name first).
-    QUANT dense: wref's dtype, element (k, n) at OFF + k*SK + n*SN (the view);
-    int8 (plain layout only, like int4): times scale[n]; int4: packed two
-    per byte along K (low nibble = even row), times scale[k // GS, n] plus
-    min[k // GS, n].  qtbl/stbl/ztbl: tables of the expert's q, scale and min
-    arrays (scales typed like sref)."""
+    """Expert e's weights at rows kk [BK] and columns offs_n [BN], as float32,
+    each value the format's scalar reference (xla_ffi/formats/<name>.h, one
+    float32 product).  One branch per format the kernels know (a code they
+    do not know fails the compile by its static_assert; plan.build refuses it
+    by name first).  QUANT dense: wref's dtype, element (k, n) at
+    OFF + k*SK + n*SN (the view); the quantized formats take the plain
+    layout only: int8 times scale[n]; fp8 E4M3 bytes times a float
+    scale[k // GS, n]; mxfp8 E4M3 bytes times an E8M0 scale; int4, mxfp4 and
+    nvfp4 4-bit codes packed two per byte along K (low nibble = even row):
+    int4 times scale[k // GS, n] plus min[k // GS, n], mxfp4 E2M1 times an
+    E8M0 scale, nvfp4 E2M1 times an E4M3 scale.  qtbl/stbl/ztbl: tables of
+    the expert's q, scale and min arrays (float scales typed like sref, byte
+    scales like wref, the q part's uint8)."""
     p = _expert_ptr(qtbl, e, wref, W_ALIGNED)
     if QUANT == QUANT_DENSE:
         w = tl.load(p + _view(kk, offs_n, OFF, SK, SN), mask=mask, other=0.0).to(tl.float32)
     elif QUANT == QUANT_INT8:
         sp = _expert_ptr(stbl, e, sref, W_ALIGNED)
-        q = tl.load(p + kk[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0)
         sc = tl.load(sp + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        w = q.to(tl.float32) * sc[None, :]
+        w = _codes(p, kk, offs_n, N, mask, 1).to(tl.float32) * sc[None, :]
+    elif QUANT == QUANT_FP8:
+        sc = _group_part(_expert_ptr(stbl, e, sref, W_ALIGNED), kk, offs_n, N, GS, mask)
+        w = _e4m3(_codes(p, kk, offs_n, N, mask, 1)) * sc.to(tl.float32)
+    elif QUANT == QUANT_MXFP8:
+        s = _group_part(_expert_ptr(stbl, e, wref, W_ALIGNED), kk, offs_n, N, GS, mask)
+        w = _e4m3(_codes(p, kk, offs_n, N, mask, 1)) * _e8m0(s.to(tl.int32))
+    elif QUANT == QUANT_MXFP4:
+        s = _group_part(_expert_ptr(stbl, e, wref, W_ALIGNED), kk, offs_n, N, GS, mask)
+        w = _e2m1(_codes(p, kk, offs_n, N, mask, 2)) * _e8m0(s.to(tl.int32))
+    elif QUANT == QUANT_NVFP4:
+        s = _group_part(_expert_ptr(stbl, e, wref, W_ALIGNED), kk, offs_n, N, GS, mask)
+        w = _e2m1(_codes(p, kk, offs_n, N, mask, 2)) * _e4m3(s.to(tl.int32))
     else:
         tl.static_assert(QUANT == QUANT_INT4, "_wtile: a weight format code the kernels do not know")
-        sp = _expert_ptr(stbl, e, sref, W_ALIGNED)
-        zp = _expert_ptr(ztbl, e, sref, W_ALIGNED)
+        sc = _group_part(_expert_ptr(stbl, e, sref, W_ALIGNED), kk, offs_n, N, GS, mask)
+        mn = _group_part(_expert_ptr(ztbl, e, sref, W_ALIGNED), kk, offs_n, N, GS, mask)
+        w = _codes(p, kk, offs_n, N, mask, 2).to(tl.float32) * sc.to(tl.float32) + mn.to(tl.float32)
+    return w
+
+
+@triton.jit
+def _codes(p, kk, offs_n, N: tl.constexpr, mask, PER_BYTE: tl.constexpr):
+    """The codes at rows kk, columns offs_n of a q part [K / PER_BYTE, N]: its
+    elements (PER_BYTE 1, as loaded: int8, or uint8 widened to int32), or
+    4-bit codes packed two per byte along K (low nibble = even row) as int32."""
+    if PER_BYTE == 1:
+        c = tl.load(p + kk[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0)
+        if c.dtype == tl.uint8:
+            c = c.to(tl.int32)
+    else:
         byte = tl.load(p + (kk // 2)[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask,
                        other=0).to(tl.int32)
-        nib = tl.where((kk % 2 == 0)[:, None], byte & 15, byte >> 4).to(tl.float32)
-        goff = (kk // GS)[:, None].to(tl.int64) * N + offs_n[None, :]
-        sc = tl.load(sp + goff, mask=mask, other=0.0).to(tl.float32)
-        mn = tl.load(zp + goff, mask=mask, other=0.0).to(tl.float32)
-        w = nib * sc + mn
-    return w
+        c = tl.where((kk % 2 == 0)[:, None], byte & 15, byte >> 4)
+    return c
+
+
+@triton.jit
+def _group_part(sp, kk, offs_n, N: tl.constexpr, GS: tl.constexpr, mask):
+    """Row kk // GS, columns offs_n of a per-group part [K / GS, N] (as stored;
+    0 where masked)."""
+    return tl.load(sp + (kk // GS)[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0)
 
 
 @triton.jit

@@ -54,18 +54,31 @@ _TL = {np.dtype("float32"): "fp32", np.dtype("float16"): "fp16", np.dtype("int32
 def kernels_formats() -> dict[int, str]:
     """The formats the Triton kernels dequantize in registers (code -> name):
     kernels.py's `_wtile` has one branch each."""
-    return {QUANT_CODES[n]: n for n in ("dense", "int8", "int4")}
+    return {QUANT_CODES[n]: n for n in ("dense", "int8", "int4", "mxfp4", "fp8", "mxfp8", "nvfp4")}
 
 
-def kernels_refusal(quant, plain: bool, bf16_dot: bool) -> str:
+def products_dtype(xdtype, wdtype, quant=None) -> np.dtype:
+    """The dtype the kernels' products run in: the dense weights', or the
+    scales' (``wdtype``) for formats that compute in them (int8, int4, fp8);
+    the formats that compute in float32 (mxfp4, mxfp8, nvfp4: E2M1 and E4M3
+    codes times E8M0 or E4M3 scales, at most five significant bits, so each
+    dequantized weight is exact in bfloat16 within its normal range) run in
+    bfloat16 on the tensor cores when x is bfloat16, else in float32."""
+    if quant is None or formats.get(quant[0]).compute_part is not None:
+        return np.dtype(wdtype)
+    return np.dtype(xdtype) if np.dtype(xdtype).name == "bfloat16" else np.dtype("float32")
+
+
+def kernels_refusal(quant, plain_views: bool, bf16_dot: bool) -> str:
     """Why the Triton kernels cannot run a problem ("" when they can): its
-    experts' format (``quant``: (name, group) or None), layout, precision."""
+    experts' format (``quant``: (name, group) or None), layout (quantized
+    experts: ``plain_views``, `WeightLayout.plain_views`), precision."""
     if quant is not None and quant[0] not in kernels_formats().values():
         return (f"the CUDA kernels have no tile dequantization for {quant[0]!r} weights "
                 f"(kernels.py _wtile: {sorted(kernels_formats().values())})")
-    if quant is not None and not plain:
+    if quant is not None and not plain_views:
         return (f"reads {quant[0]} experts in the plain layout only (gate, up [E, H, I], "
-                "down [E, I, H], no biases, no fused gate_up)")
+                "down [E, I, H], no fused gate_up; biases or not)")
     if bf16_dot:
         return "precision='bfloat16' runs on the CPU handler only"
     return ""
@@ -270,9 +283,9 @@ def views_of(layout, H: int, I: int, quant=None) -> tuple[tuple[tuple[int, int, 
         raise ValueError(f"the layout's intermediate size {layout.intermediate} is not I={I}")
     views = tuple(v[p * nf:(p + 1) * nf] for p in range(npj))
     fused, bias = bool(layout.fused), bool(layout.bias)
-    if quant and (fused or bias or views != plain):
+    if quant and (fused or views != plain):
         raise ValueError(f"the CUDA path reads {quant[0]} experts in the plain layout only (gate, up "
-                         "[E, H, I], down [E, I, H], no biases, no fused gate_up)")
+                         "[E, H, I], down [E, I, H], no fused gate_up; biases or not)")
     if views[0][1:] != views[1][1:]:
         raise ValueError("gate and up views must share their strides")
     return views, fused, bias
@@ -334,6 +347,7 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
     xs = "*" + _tl_name(xdtype)
     # the weights' pointer type: the dense dtype, or the q part's (int8, packed uint8 ...)
     ws_t = "*" + _tl_name(wdtype if QUANT == _DENSE else fmt.part_dtypes["q"][0])
+    wdtype = products_dtype(xdtype, wdtype, quant)
     ieee = wdtype == np.float32
     hdtype = np.dtype("float32") if ieee else wdtype
     n = band * k
@@ -368,9 +382,15 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
                 for p in range(len(contract.PROJECTIONS))]
 
     wref = inp(IN_GATE, 0, ws_t)
-    # typed like the products: the weights (dense) or the scales (quantized)
-    sref = wref if QUANT == _DENSE else inp(IN_GROUP0 + contract.group_index(_SCALE, 0), 0,
-                                            "*" + _tl_name(wdtype))
+    # typed like the products: the weights (dense), the scales (int8, int4,
+    # fp8), or for byte-scaled formats an input of the products' dtype (x or
+    # the float32 routing weights; only its type is read)
+    if QUANT == _DENSE:
+        sref = wref
+    elif fmt.compute_part is not None:
+        sref = inp(IN_GROUP0 + contract.group_index(_SCALE, 0), 0, "*" + _tl_name(wdtype))
+    else:
+        sref = inp(IN_X, 0, xs) if wdtype == xdtype else inp(IN_W, 0, "*fp32")
     tbl = tables(_Q)
     stbl = tables(_SCALE) if "scale" in fmt.parts and QUANT != _DENSE else tbl
     ztbl = tables(_ZERO) if "zero" in fmt.parts else stbl
