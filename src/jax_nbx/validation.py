@@ -76,9 +76,6 @@ def validate_experts(experts: Experts) -> tuple[int, int, int]:
     if quantized is not None and (experts.layout != "in_out" or experts.is_fused):
         raise TypeError(f"quantized experts take the plain layout only (gate, up [E, H, I], "
                         f"down [E, I, H]; biases allowed); got {_layout_desc(experts)}")
-    if quantized is not None and experts.has_bias and quantized.kind == "int8":
-        raise TypeError("int8 experts take no biases (the kernels scale int8's column sums after "
-                        "the gated unit's inputs are stored); every other quantized format takes them")
     _validate_quantized(experts, names)
     is_list = [isinstance(getattr(experts, n), (list, tuple)) for n in names]
     if any(is_list) and not all(is_list):

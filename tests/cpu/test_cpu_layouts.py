@@ -279,9 +279,6 @@ def test_bad_layouts_biases_and_options_are_named():
         nbx.fused_moe(x, w, ids, nbx.Experts(G, U, D, down_bias=bg))
     with pytest.raises(TypeError, match="experts.gate_bias has dtype int32"):
         nbx.fused_moe(x, w, ids, nbx.Experts(G, U, D, gate_bias=np.zeros((E, I), np.int32)))
-    with pytest.raises(TypeError, match="int8 experts take no biases"):
-        q = nbx.quantize(nbx.Experts(jnp.asarray(G), jnp.asarray(U), jnp.asarray(D)), "int8")
-        nbx.fused_moe(x, w, ids, nbx.Experts(q.gate, q.up, q.down, down_bias=bd))
     with pytest.raises(ValueError, match="weights_on must be 'output' or 'input'; got 'inputs'"):
         nbx.fused_moe(x, w, ids, nbx.Experts(G, U, D), weights_on="inputs")
     with pytest.raises(TypeError, match="shared_experts must be a jax_nbx.SharedExperts"):

@@ -162,11 +162,6 @@ def test_views_and_biases_are_checked_by_the_handler():
         jax.block_until_ready(_raw_forward(x, w, ids, ex, [ex.gate, ex.up, ex.down, *biases], has_bias=True))
     with pytest.raises(jax.errors.JaxRuntimeError, match="then 3 biases"):
         jax.block_until_ready(_raw_forward(x, w, ids, ex, has_bias=True))
-    q = nbx.quantize(ex, "int8")
-    with pytest.raises(jax.errors.JaxRuntimeError, match="int8 weights take no biases"):
-        groups = [g[0] for g in formats.weight_groups(q.flat(), False)[0]]
-        jax.block_until_ready(_raw_forward(x, w, ids, ex, [*groups, *biases[:2], biases[1]], has_bias=True,
-                                           format=np.int32(contract.FORMAT_CODES["int8"])))
 
 
 def test_views_are_the_abis():

@@ -81,13 +81,12 @@ def test_quantized_formats_match_their_dequantization(backend, fmt, G, T):
     assert rel_err(y, np_moe(x, w, ids, dense(q))) < backend.tol(x.dtype, jnp.float32)
 
 
-@pytest.mark.parametrize("fmt,G", [pytest.param("mxfp4", 32, marks=CORE), ("nvfp4", 16), ("fp8", 32),
+@pytest.mark.parametrize("fmt,G", [pytest.param("mxfp4", 32, marks=CORE), ("nvfp4", 16), ("fp8", 32), ("int8", None),
                                    pytest.param("int4", 32, marks=pytest.mark.sweep)])
 @pytest.mark.parametrize("T", [1, 33])
 def test_quantized_experts_with_biases(backend, fmt, G, T):
     """gpt-oss's experts: quantized weights with gate, up and down biases and
-    the clamped SwiGLU, against float64 on the dequantized weights (int8
-    takes no biases: refused by name, tests/cpu/test_cpu_quant.py)."""
+    the clamped SwiGLU, against float64 on the dequantized weights."""
     backend.require_format(fmt)
     backend.require(LAYOUTS)
     x, w, ids, ex = make_problem(T + 5, T, 5, 2, 64, 96)

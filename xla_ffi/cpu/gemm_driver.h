@@ -207,6 +207,21 @@ inline int BlockFlags(int64_t k0, int64_t kc, int64_t K) {
   return (k0 > 0 ? kLoadPartial : 0) | (k0 + kc < K ? kStorePartial : 0);
 }
 
+// Column-scaled formats (int8): column n's scale, and the scales applied to
+// GEMM1's stored sums (rows of `width` gate then up values, laid out like the
+// scales) -- what the packed epilogue applies (sum * scale) -- before the
+// biased gated unit reads them; the streaming kernels' sums carry the same
+// product, so both paths give the same bits.
+inline float ColumnScale(const QuantMatrix& m, int64_t n) {
+  return m.bf16_scales ? ToFloat(static_cast<const bf16*>(m.scale)[n])
+                       : static_cast<const float*>(m.scale)[n];
+}
+
+inline void ScaleStoredSums(float* sums, const float* scale, int rows, int width) {
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < width; ++j) sums[r * width + j] *= scale[j];
+}
+
 // The K-block loop of one tile: block [k0, k0+kc) is packed once its
 // prefetch, started during the previous block's arithmetic (the first
 // block's at once), has been issued; then the next block's prefetch starts,

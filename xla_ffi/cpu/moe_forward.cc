@@ -13,7 +13,7 @@
 // place); the GEMMs run through the shared driver (gemm_driver.h) on the
 // micro-kernels of the instruction set chosen at run time (kernel_table.h).
 // Experts with few rows in the band (decode) skip packing: their weights
-// (float32, bfloat16, int8 or int4) are streamed once, in place.  Every
+// (float32, bfloat16 or quantized) are streamed once, in place.  Every
 // output element is the same kk-ordered sum whatever the kernel, band, tile
 // or thread, so banded and unbanded results are identical bit for bit.  The
 // workspace of a band is one block counted in the account (account.h);
@@ -164,12 +164,6 @@ struct WeightSource<Quantized> {
     return static_cast<const QuantMatrix*>(table[e]);
   }
 };
-
-// Column n's scale of an int8 matrix.
-inline float ColumnScale(const QuantMatrix& m, int64_t n) {
-  return m.bf16_scales ? ToFloat(static_cast<const bf16*>(m.scale)[n])
-                       : static_cast<const float*>(m.scale)[n];
-}
 
 template <typename XT>
 void GatherPanel(const XT* x, int64_t H, const int32_t* row_token, int mr, float* dst) {
@@ -398,6 +392,7 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
                   kt.gemm1(a, bq, kc, p.act, rows, cols, out1, 1, mr, pp, flags, sq);
                 if (raw_glu && last) {
                   const int64_t col = e * I + n0 + q * vl;
+                  if (sq != nullptr) ScaleStoredSums(pp, sq, rows, 2 * vl);  // int8
                   kt.glu(pp, pp + vl, 2 * vl, 1, rows, cols, bias_g ? bias_g + col : nullptr,
                          bias_u ? bias_u + col : nullptr, p.act, out1, 1, mr);
                 }

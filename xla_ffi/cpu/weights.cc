@@ -78,11 +78,6 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
   if (format != WeightFormat::kDense && v.fused_gate_up)
     return ffi::Error::InvalidArgument(
         "quantized weights take the plain layout only (no fused gate_up)");
-  // int8's column scales multiply the sums in the kernels' epilogues, which the
-  // biased gated unit (stored sums, then kt.glu) does not run
-  if (format != WeightFormat::kDense && v.has_bias && QuantArithOf(format) == QuantArith::kColumnScaled)
-    return ffi::Error::InvalidArgument(std::string(abi::kWeightFormatNames[static_cast<int>(format)]) +
-                                       " weights take no biases");
   const int parts = spec.num_parts;
   const int nproj_groups = v.fused_gate_up ? 2 : abi::kNumProjections;
   const int64_t per = stacked ? 1 : E;
