@@ -44,10 +44,11 @@ def test_a_backend_that_cannot_run_a_call_says_why():
 
 
 @pytest.mark.parametrize("fmt,G", [("mxfp4", 32), ("fp8", 32), ("mxfp8", 32), ("nvfp4", 16)])
-def test_a_format_without_kernels_is_refused_by_name(fmt, G):
-    """The microscaling and FP8 formats have CPU kernels and the reference;
-    the CUDA kernels and the Metal path have none: they refuse them naming the
-    format, so the default falls through to a backend that has them."""
+def test_every_backend_takes_every_format_and_one_without_kernels_is_refused_by_name(fmt, G, monkeypatch):
+    """The microscaling and FP8 formats have CPU, CUDA (Triton `_wtile`) and
+    Metal kernels and the reference: no backend refuses them.  A format the
+    Triton kernels had no branch for (plan.kernels_formats) would be refused
+    naming it, so the default would fall through to a backend that has one."""
     from jax_nbx.backends.cuda import plan
 
     from support.cuda_interpret import InterpretedCuda
@@ -56,15 +57,20 @@ def test_a_format_without_kernels_is_refused_by_name(fmt, G):
     q = nbx.quantize(ex, fmt, group_size=G)
     problem = nbx.backends.Problem.of(q, x.dtype, 4, 64, 32, 2, nbx.Activation("swiglu"))
     assert problem.quant == (fmt, G)
-    assert f"no tile dequantization for '{fmt}' weights" in plan.kernels_refusal(problem.quant, True, False)
-    assert f"no tile dequantization for '{fmt}'" in InterpretedCuda().why_not(problem)
+    assert plan.kernels_refusal(problem.quant, True, False) == "" == InterpretedCuda().why_not(problem)
     from support import ffi_testing
 
     if not ffi_testing.metal_sim_unavailable():
         with ffi_testing.metal_sim():
-            assert f"these are {fmt}" in backends.get("metal").why_not(problem)
+            assert backends.get("metal").why_not(problem) == ""
     assert backends.get("cpu").why_not(problem) == "" and backends.get("xla").why_not(problem) == ""
     assert _chosen(x, w, ids, q) == "cpu"
+    known = {c: n for c, n in plan.kernels_formats().items() if n != fmt}
+    monkeypatch.setattr(plan, "kernels_formats", lambda: known)
+    assert f"no tile dequantization for '{fmt}' weights" in plan.kernels_refusal(problem.quant, True, False)
+    assert f"no tile dequantization for '{fmt}'" in InterpretedCuda().why_not(problem)
+    with pytest.raises(ValueError, match=f"no tile dequantization for '{fmt}' weights"):
+        plan.build(4, 4, 2, 4, 64, 32, np.float32, np.float32, 0, quant=(fmt, G))
 
 
 def test_the_default_takes_metal_only_where_it_is_the_platforms_own(monkeypatch):
@@ -75,7 +81,7 @@ def test_the_default_takes_metal_only_where_it_is_the_platforms_own(monkeypatch)
     monkeypatch.setattr(nbx.metal, "is_default", lambda: True)  # as on a Mac with Metal
     monkeypatch.setattr(nbx.metal, "available", lambda: True)
     assert _chosen(x, w, ids, ex) == "metal"
-    assert _chosen(x, w, ids, nbx.quantize(ex, "int8")) == "cpu"  # not on Metal yet
+    assert _chosen(x, w, ids, nbx.quantize(ex, "int8")) == "metal"
     biased = nbx.Experts(ex.gate, ex.up, ex.down, down_bias=jnp.zeros((4, 16)))
     assert _chosen(x, w, ids, biased) == "cpu"  # layouts, biases: not on Metal yet
 

@@ -17,6 +17,7 @@ from jax_nbx import memory
 
 from conftest import make_problem, np_moe, rel_err
 from support import ffi_testing
+from support.problems import as_lists, dense
 
 F = ffi_testing.load()  # jax_nbx._ffi_testing: the simulated device's controls
 P = nbx._registry.ffi_module()  # the product's module: the workspace formula
@@ -77,11 +78,29 @@ def test_long_problems_are_split_into_bounded_command_buffers():
 
 
 def test_what_the_metal_path_does_not_take_yet_is_refused_by_name():
-    x, w, ids, ex = make_problem(11, 4, 4, 2, 16, 24)
-    with pytest.raises(ValueError, match="implementation='metal' cannot run this call: takes dense experts; "
-                                         "these are int8"):
-        metal(x, w, ids, nbx.quantize(ex, "int8"))
-    assert metal(x[:0], w[:0], ids[:0], ex).shape == (0, 16)
+    x, w, ids, ex = make_problem(11, 4, 4, 2, 64, 32)
+    q = nbx.quantize(ex, "mxfp4")
+    biased = nbx.Experts(q.gate, q.up, q.down, down_bias=jnp.zeros((4, 64)))
+    with pytest.raises(ValueError, match=r"implementation='metal' cannot run this call: takes plain experts "
+                                         r"\(.*no biases\); these mxfp4 experts have layout='in_out', biases"):
+        metal(x, w, ids, biased)
+    assert metal(x[:0], w[:0], ids[:0], ex).shape == (0, 64)
+    assert metal(x[:0], w[:0], ids[:0], nbx.quantize(ex, "int8")).shape == (0, 64)
+
+
+@pytest.mark.parametrize("T", [1, 33])
+def test_quantized_lists_equal_stacked_bitwise(T):
+    """Per-expert quantized experts (each expert's q, scale and zero their own
+    buffers, pinned where they lie) give the stacked experts' bits, on the
+    decode (T = 1) and GEMM (T = 33) paths; an id out of range is refused by
+    name before any weight is read."""
+    x, w, ids, ex = make_problem(T + 50, T, 4, 2, 64, 32)
+    q = nbx.quantize(ex, "int4", group_size=32, scale_dtype=jnp.bfloat16)
+    stacked = np.asarray(metal(x, w, ids, q))
+    np.testing.assert_array_equal(np.asarray(metal(x, w, ids, as_lists(q))), stacked)
+    assert rel_err(stacked, np_moe(x, w, ids, dense(q))) < 1e-5
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"topk_ids\[0, 1\] = 4 is outside \[0, 4\)"):
+        jax.block_until_ready(metal(x, w, ids.at[0, 1].set(4), as_lists(q)))
 
 
 def test_unpinnable_weights_and_refused_staging_are_told_apart():

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import jax_nbx as nbx
+from jax_nbx.formats.minifloat import as_bytes
 
 from conftest import np_glu
 from support import ffi_testing
@@ -70,24 +71,26 @@ def table_of(gate, up, down):
 
 
 def gemm(kind, a, row_src, experts, table, row_w, out, K, N, E, mode, act, rows, tile0=0, wtype="f32",
-         drop_barrier=False, resident=True):
+         drop_barrier=False, resident=True, fmt="dense", group=0):
     glu = nbx.activations.as_activation(act)
     F.metal_run_gemm(kind, [region(a), region(row_src), region(experts), region(row_w), region(out)], table,
                      (K, N, E, mode, glu.code, a.shape[1], tile0, glu.alpha, glu.limit), rows, wtype,
-                     drop_barrier, resident)
+                     drop_barrier, resident, fmt, group)
 
 
 def run_moe(x, gate, up, down, ids, w, activation="swiglu", drop_barrier=False, resident=True, wtype="f32",
-            tiles_per_dispatch=None):
+            tiles_per_dispatch=None, quant=None):
     """The MoE block through the two GEMM dispatches (the combine in numpy);
-    `tiles_per_dispatch`: the row tiles in several dispatches (tile0 ranges)."""
+    `tiles_per_dispatch`: the row tiles in several dispatches (tile0 ranges);
+    `quant`: (table, format, group) of quantized experts (`quant_table`;
+    gate, up, down then only give the shapes)."""
     T, H = x.shape
     E, _, I = gate.shape
     k = ids.shape[1]
     row_slot, tile_expert = order_slots(ids, E)
     P = row_slot.size
     row_tok = np.where(row_slot >= 0, row_slot // k, -1).astype(np.int32)
-    table = table_of(gate, up, down)
+    table, fmt, group = quant or (table_of(gate, up, down), "dense", 0)
     act = activation
     h = np.full((P, I), np.nan, np.float32)
     row_self = np.where(row_slot >= 0, np.arange(P), -1).astype(np.int32)
@@ -97,9 +100,9 @@ def run_moe(x, gate, up, down, ids, w, activation="swiglu", drop_barrier=False, 
     for t0 in range(0, P // BM, step):  # each range reads and writes its own rows only
         n = min(step, P // BM - t0)
         gemm("gemm", x, row_tok, tile_expert, table, row_w, h, H, I, E, 0, act, n, t0, wtype, drop_barrier,
-             resident)
+             resident, fmt, group)
         gemm("gemm", h, row_self, tile_expert, table, row_w, o, I, H, E, 1, act, n, t0, wtype, drop_barrier,
-             resident)
+             resident, fmt, group)
     valid = row_slot >= 0
     assert np.all(np.isfinite(h[valid])) and np.all(np.isfinite(o[valid])), "unwritten rows"
     assert np.all(np.isnan(o[~valid])), "padding rows were stored"
@@ -108,7 +111,7 @@ def run_moe(x, gate, up, down, ids, w, activation="swiglu", drop_barrier=False, 
     return y
 
 
-def run_decode(x, gate, up, down, ids, w, activation="swiglu", wtype="f32"):
+def run_decode(x, gate, up, down, ids, w, activation="swiglu", wtype="f32", quant=None):
     """The decode path: the GEMV dispatches on the slots as they come, then the combine kernel."""
     T, H = x.shape
     E, _, I = gate.shape
@@ -120,12 +123,12 @@ def run_decode(x, gate, up, down, ids, w, activation="swiglu", wtype="f32"):
     row_self = np.where(inside, np.arange(S), -1).astype(np.int32)
     row_e = np.where(inside, flat, -1).astype(np.int32)
     row_w = w.reshape(-1).astype(np.float32)
-    table = table_of(gate, up, down)
+    table, fmt, group = quant or (table_of(gate, up, down), "dense", 0)
     act = activation
     h = np.full((S, I), np.nan, np.float32)
     o = np.full((S, H), np.nan, np.float32)
-    gemm("gemv", x, row_tok, row_e, table, row_w, h, H, I, E, 0, act, S, 0, wtype)
-    gemm("gemv", h, row_self, row_e, table, row_w, o, I, H, E, 1, act, S, 0, wtype)
+    gemm("gemv", x, row_tok, row_e, table, row_w, h, H, I, E, 0, act, S, 0, wtype, fmt=fmt, group=group)
+    gemm("gemv", h, row_self, row_e, table, row_w, o, I, H, E, 1, act, S, 0, wtype, fmt=fmt, group=group)
     assert np.all(np.isfinite(o[inside])) and np.all(np.isnan(o[~inside])), "rows unwritten or skipped rows stored"
     y = np.full((T, H), np.nan, np.float32)
     F.metal_run_combine([region(o), region(row_self), region(y)], H, k, T)
@@ -198,6 +201,76 @@ def test_decode_gemv_and_combine_match_float64(T, E, k, H, I, wtype, activation)
     ref = reference(x, gate, up, down, ids, w, activation)
     assert np.all(np.isfinite(y))
     assert np.max(np.abs(y - ref)) / np.max(np.abs(ref)) < 1e-5
+
+
+def quant_table(q: nbx.Experts):
+    """The pointer table of quantized experts as the handler builds it: each
+    part's GPU address per projection and expert, [part][gate, up, down][E]
+    (abi.h's buffer groups); the host arrays are returned to be kept alive."""
+    parts = nbx.formats.get(q.down.kind).parts
+    arrays = [np.ascontiguousarray(np.asarray(as_bytes(getattr(getattr(q, proj), part))))
+              for part in parts for proj in ("gate", "up", "down")]
+    ranges = [(int(a.ctypes.data) + e * a[e].nbytes, a[e].nbytes) for a in arrays for e in range(a.shape[0])]
+    return F.metal_table(ranges), arrays
+
+
+@pytest.mark.arm64
+def test_weight_readers_are_the_format_specs():
+    """kernels/weights.metal (through the emulation) against xla_ffi/formats/:
+    E2M1, E4M3 and E8M0 for every code, then every format's reader, every
+    type of its float part and every group size, on parts of random bits,
+    each weight bit for bit the registry's scalar reference (NaN as NaN); a
+    part one byte short refused (the readers' extents are the parts')."""
+    checked, bad = F.metal_check_weight_readers(7)
+    assert bad == []
+    assert checked > 15000  # 16 + 2 * 256 codes, then every reader's weights
+
+
+# (format, group, scale dtype, H, I): H, I multiples of the group; int8 and
+# nvfp4 leave partial 32-column tiles (H, I not multiples of 32)
+QUANT_CASES = [("int8", None, np.float32, 33, 40), ("int4", 32, ml_dtypes.bfloat16, 32, 64),
+               ("mxfp4", 32, np.float32, 64, 32), ("fp8", 32, ml_dtypes.bfloat16, 64, 32),
+               ("mxfp8", 32, np.float32, 32, 64), ("nvfp4", 16, np.float32, 16, 48)]
+
+
+@pytest.mark.parametrize("fmt,G,sd,H,I", [pytest.param(*c, id=f"{c[0]}-G{c[1]}-{np.dtype(c[2]).name}-H{c[3]}-I{c[4]}")
+                                          for c in QUANT_CASES])
+def test_quantized_gemms_and_gemvs_match_float64(fmt, G, sd, H, I):
+    """nbx_moe_gemm_<format>* (T = 33: partial row tiles) and
+    nbx_moe_gemv_<format>* (T = 1, and T = 3 with a skipped slot), the
+    weights read in place through the table of their parts and decoded in
+    the kernels' loads: the float64 MoE block on the weights as Python's
+    format module dequantizes them (jax_nbx.formats), outputs NaN-poisoned."""
+    E, k = 4, 2
+    x, gate, up, down, ids, w = problem(H + I, 33, E, k, H, I)
+    q = nbx.quantize(nbx.Experts(gate, up, down), fmt, group_size=G, scale_dtype=sd)
+    wtype = "f32" if q.down.format.compute_part is None or np.dtype(sd) == np.float32 else "bf16"
+    table, keep = quant_table(q)
+    dq = nbx.dequantize(q, dtype=np.float32)
+    deq = [np.asarray(getattr(dq, n), np.float64) for n in ("gate", "up", "down")]
+    quant = (table, fmt, G or 0)
+    y = run_moe(x, *deq, ids, w, quant=quant, wtype=wtype)
+    ref = reference(x, *deq, ids, w)
+    assert np.max(np.abs(y - ref)) / np.max(np.abs(ref)) < 1e-5
+    for T in (1, 3):
+        xd, idd, wd = x[:T], ids[:T].copy(), w[:T]
+        if T > 1:
+            idd[-1, -1] = E  # outside [0, E): a skipped slot
+        y = run_decode(xd, *deq, idd, wd, quant=quant, wtype=wtype)
+        ref = reference(xd, *deq, idd, wd)
+        assert np.all(np.isfinite(y))
+        assert np.max(np.abs(y - ref)) / np.max(np.abs(ref)) < 1e-5
+    assert F.metal_sim_take_violations() == []
+    del keep
+
+
+def test_a_quantized_kernel_refuses_a_group_size_its_format_does_not_take():
+    x, gate, up, down, ids, w = problem(3, 1, 2, 1, 64, 64)
+    q = nbx.quantize(nbx.Experts(gate, up, down), "int4", group_size=32)
+    table, keep = quant_table(q)
+    with pytest.raises(ValueError, match="group size it does not take"):
+        run_decode(x, gate, up, down, ids, w, quant=(table, "int4", 0))
+    del keep
 
 
 @pytest.mark.arm64
@@ -313,7 +386,7 @@ def kernel_names_in_sources() -> set[str]:
     names = set()
     for path in KERNELS.glob("*.metal"):
         text = path.read_text()
-        macros = set(re.findall(r"#define (\w+)\(NAME, WT\)", text))
+        macros = set(re.findall(r"#define (\w+)\(NAME, \w+\)", text))
         names |= {n for n in re.findall(r"kernel void (\w+)\(", text) if n != "NAME"}
         for mac in macros:
             names |= set(re.findall(rf"^{mac}\((\w+),", text, re.M))

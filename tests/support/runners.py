@@ -122,7 +122,7 @@ RUNNERS = (
     Runner("cpu-avx512", "cpu", isa="avx512", sweeps=True),
     Runner("cpu-avx2", "cpu", isa="avx2", sweeps=True),
     Runner("cpu-generic", "cpu", isa="generic", sweeps=True),
-    Runner("metal-sim", "metal", metal=True, takes=frozenset({BANDS})),
+    Runner("metal-sim", "metal", metal=True, takes=frozenset({QUANT, BANDS})),
     Runner("cuda-interpret", "cuda-interpret", tensor_cores=True, lacks_formats=_NO_TILE_DEQUANT),
     Runner("cuda", "cuda", tensor_cores=True, sweeps=True, lacks_formats=_NO_TILE_DEQUANT),
 )

@@ -3,12 +3,15 @@
 // (`device`, `thread`, ...) are for the .metal sources below only.
 #include "metal/emulated_kernels.h"
 
+#include <atomic>
+#include <cmath>
 #include <cstddef>
 #include <functional>
 #include <map>
 #include <type_traits>
 #include <utility>
 
+#include "abi.h"
 #include "metal/kernels/params.h"
 #include "metal/sim_device.h"
 // -- after this line: the emulation and the kernels, nothing else --
@@ -28,6 +31,7 @@ namespace nbx::metal::kernels {
 using namespace nbx::metal::msl;
 using namespace nbx::metal::params;
 #include "metal/kernels/prelude.metal"
+#include "metal/kernels/weights.metal"
 #include "metal/kernels/moe_gemm.metal"
 #include "metal/kernels/moe_gemv.metal"
 #include "metal/kernels/moe_order.metal"
@@ -39,6 +43,7 @@ using namespace nbx::metal::msl;
 using namespace nbx::metal::params;
 #define NBX_TEST_DROP_BARRIER 1
 #include "metal/kernels/prelude.metal"
+#include "metal/kernels/weights.metal"
 #include "metal/kernels/moe_gemm.metal"
 #undef NBX_TEST_DROP_BARRIER
 }  // namespace nbx::metal::kernels_drop_barrier
@@ -114,12 +119,14 @@ const std::map<std::string, Entry>& Library() {
   static const std::map<std::string, Entry> lib = [] {
     namespace k = kernels;
     std::map<std::string, Entry> m;
-    m["nbx_moe_gemm_f32"] = Make(&k::nbx_moe_gemm_f32);
-    m["nbx_moe_gemm_f16"] = Make(&k::nbx_moe_gemm_f16);
-    m["nbx_moe_gemm_bf16"] = Make(&k::nbx_moe_gemm_bf16);
-    m["nbx_moe_gemv_f32"] = Make(&k::nbx_moe_gemv_f32);
-    m["nbx_moe_gemv_f16"] = Make(&k::nbx_moe_gemv_f16);
-    m["nbx_moe_gemv_bf16"] = Make(&k::nbx_moe_gemv_bf16);
+#define NBX_ADD_VARIANT(v)                                  \
+  m["nbx_moe_gemm_" #v] = Make(&k::nbx_moe_gemm_##v); \
+  m["nbx_moe_gemv_" #v] = Make(&k::nbx_moe_gemv_##v);
+    NBX_ADD_VARIANT(f32) NBX_ADD_VARIANT(f16) NBX_ADD_VARIANT(bf16)
+    NBX_ADD_VARIANT(int8_f32) NBX_ADD_VARIANT(int8_bf16) NBX_ADD_VARIANT(int4_f32)
+    NBX_ADD_VARIANT(int4_bf16) NBX_ADD_VARIANT(fp8_f32) NBX_ADD_VARIANT(fp8_bf16)
+    NBX_ADD_VARIANT(mxfp4) NBX_ADD_VARIANT(mxfp8) NBX_ADD_VARIANT(nvfp4)
+#undef NBX_ADD_VARIANT
     m["nbx_count_experts"] = Make(&k::nbx_count_experts);
     m["nbx_expert_offsets"] = Make(&k::nbx_expert_offsets);
     m["nbx_scatter_slots"] = Make(&k::nbx_scatter_slots);
@@ -134,6 +141,94 @@ const std::map<std::string, Entry>& Library() {
 }  // namespace
 
 float EmulatedErf(float x) { return kernels::nbx_erf(x); }
+
+float EmulatedMinifloat(char kind, uint32_t code) {
+  switch (kind) {
+    case 'f': return kernels::nbx_e2m1(code);  // E2M1 (FP4)
+    case '8': return kernels::nbx_e4m3(code);
+    case 's': return kernels::nbx_e8m0(code);
+    default: return std::nanf("");
+  }
+}
+
+namespace {
+template <typename D>
+struct ReaderTag {
+  using type = D;
+};
+
+// f(ReaderTag<D>{}) for the reader of (format, type): weights.metal's kernel
+// variants; false for a pair that has none (e.g. float16 scales).
+template <typename F>
+bool WithReader(abi::WeightFormat format, WeightType t, F&& f) {
+  using namespace kernels;
+  using msl::bfloat;
+  using msl::half;
+  switch (format) {
+    case abi::WeightFormat::kDense:
+      if (t == WeightType::kF16) f(ReaderTag<nbx_dense<half>>{});
+      else if (t == WeightType::kBF16) f(ReaderTag<nbx_dense<bfloat>>{});
+      else f(ReaderTag<nbx_dense<float>>{});
+      return true;
+    case abi::WeightFormat::kInt8:
+      if (t == WeightType::kF16) return false;
+      if (t == WeightType::kBF16) f(ReaderTag<nbx_int8<bfloat>>{});
+      else f(ReaderTag<nbx_int8<float>>{});
+      return true;
+    case abi::WeightFormat::kInt4:
+      if (t == WeightType::kF16) return false;
+      if (t == WeightType::kBF16) f(ReaderTag<nbx_int4<bfloat>>{});
+      else f(ReaderTag<nbx_int4<float>>{});
+      return true;
+    case abi::WeightFormat::kFp8:
+      if (t == WeightType::kF16) return false;
+      if (t == WeightType::kBF16) f(ReaderTag<nbx_fp8<bfloat>>{});
+      else f(ReaderTag<nbx_fp8<float>>{});
+      return true;
+    case abi::WeightFormat::kMxfp4: f(ReaderTag<nbx_mxfp4>{}); return true;
+    case abi::WeightFormat::kMxfp8: f(ReaderTag<nbx_mxfp8>{}); return true;
+    case abi::WeightFormat::kNvfp4: f(ReaderTag<nbx_nvfp4>{}); return true;
+  }
+  return false;
+}
+}  // namespace
+
+bool EmulatedWeights(WeightKind w, const std::vector<HostPart>& parts, uint32_t K, uint32_t N,
+                     uint32_t group, float* out, std::string* error) {
+  // the parts in the table as one expert (e = 1 of E = 2) of the down projection: the
+  // readers' table indexing is part of what is checked; other entries resolve nowhere
+  constexpr uint32_t kE = 2, kProj = 2, kExpert = 1;
+  std::vector<uint64_t> table(abi::kNumParts * abi::kNumProjections * kE, 0);
+  for (size_t i = 0; i < parts.size() && i < static_cast<size_t>(abi::kNumParts); ++i)
+    table[abi::GroupIndex(static_cast<int32_t>(i), kProj) * kE + kExpert] =
+        static_cast<uint64_t>(reinterpret_cast<uintptr_t>(parts[i].data));
+  params::GemmParams p{};
+  p.K = K;
+  p.N = N;
+  p.E = kE;
+  p.group = group;
+  std::atomic<bool> failed{false};
+  msl::tls.failed = &failed;
+  msl::tls.resolve = [&parts](uint64_t a, int64_t bytes) -> void* {
+    for (const HostPart& h : parts) {  // a read must lie inside one part
+      const uint64_t lo = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(h.data));
+      if (a >= lo && a + static_cast<uint64_t>(bytes) <= lo + static_cast<uint64_t>(h.bytes))
+        return reinterpret_cast<void*>(static_cast<uintptr_t>(a));
+    }
+    return nullptr;
+  };
+  const bool known = WithReader(w.format, w.type, [&](auto tag) {
+    using D = typename decltype(tag)::type;
+    const D r = D::load(table.data(), kProj, static_cast<int>(kExpert), p);
+    if (failed) return;  // the reader's extent of a part is not the part: nothing read
+    for (uint32_t k = 0; k < K; ++k)
+      for (uint32_t n = 0; n < N; ++n) out[static_cast<size_t>(k) * N + n] = r.at(k, n);
+  });
+  msl::tls = msl::ThreadContext{};
+  if (!known) *error = "weights.metal has no reader for this format and type";
+  else if (failed) *error = "a reader's extent of a part is not inside that part";
+  return known && !failed;
+}
 
 std::vector<std::string> EmulatedKernelNames() {
   std::vector<std::string> names;

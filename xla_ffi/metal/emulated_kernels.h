@@ -5,10 +5,12 @@
 // Test-only, with the simulated device: built into jax_nbx._ffi_testing.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "metal/dispatch.h"
+#include "metal/kernel_calls.h"
 
 namespace nbx::metal {
 
@@ -34,5 +36,22 @@ std::vector<std::string> EmulatedKernelNames();
 
 // prelude.metal's nbx_erf (Metal has no erf) compiled through the emulation (tests).
 float EmulatedErf(float x);
+
+// weights.metal's element decoders through the emulation (tests): kind 'f'
+// nbx_e2m1, '8' nbx_e4m3, 's' nbx_e8m0 of `code`.
+float EmulatedMinifloat(char kind, uint32_t code);
+
+// One expert's [K][N] matrix as weights.metal's reader of `w` decodes it
+// (tests, against formats/<name>.h's scalar reference): the parts (q, scale,
+// zero as the format has them) are host arrays read in place, and every
+// extent the reader asks the pins for must lie inside its part.  `out`: K*N
+// floats.  False (and why) for a (format, type) with no reader or an extent
+// outside its part.
+struct HostPart {
+  const void* data;
+  int64_t bytes;
+};
+bool EmulatedWeights(WeightKind w, const std::vector<HostPart>& parts, uint32_t K, uint32_t N,
+                     uint32_t group, float* out, std::string* error);
 
 }  // namespace nbx::metal

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <string>
 
+#include "formats/registry.h"
+
 namespace nbx::metal {
 namespace {
 
@@ -22,10 +24,18 @@ uint32_t CeilDiv(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-Dispatch MoeGemm(WeightType w, const params::GemmParams& p, uint32_t tiles, View a, View row_src,
+std::string KernelName(const char* base, WeightKind w) {
+  const formats::FormatSpec& spec = formats::SpecOf(w.format);
+  std::string name(base);
+  if (w.format != abi::WeightFormat::kDense) name += std::string("_") + spec.name;
+  if (spec.compute_dtype_part >= 0) name += Suffix(w.type);
+  return name;
+}
+
+Dispatch MoeGemm(WeightKind w, const params::GemmParams& p, uint32_t tiles, View a, View row_src,
                  View tile_expert, View table, View row_weight, View out) {
   Dispatch d;
-  d.kernel = std::string("nbx_moe_gemm") + Suffix(w);
+  d.kernel = KernelName("nbx_moe_gemm", w);
   d.grid[0] = CeilDiv(p.N, kGemmTileRows);
   d.grid[1] = tiles;
   d.threads = 128;
@@ -35,10 +45,10 @@ Dispatch MoeGemm(WeightType w, const params::GemmParams& p, uint32_t tiles, View
   return d;
 }
 
-Dispatch MoeGemv(WeightType w, const params::GemmParams& p, uint32_t rows, View a, View row_src,
+Dispatch MoeGemv(WeightKind w, const params::GemmParams& p, uint32_t rows, View a, View row_src,
                  View row_expert, View table, View row_weight, View out) {
   Dispatch d;
-  d.kernel = std::string("nbx_moe_gemv") + Suffix(w);
+  d.kernel = KernelName("nbx_moe_gemv", w);
   d.grid[0] = CeilDiv(p.N, 32);
   d.grid[1] = rows;
   d.threads = 128;

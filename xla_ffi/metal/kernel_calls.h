@@ -6,8 +6,10 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
+#include "abi.h"
 #include "metal/dispatch.h"
 #include "metal/kernels/params.h"
 
@@ -19,17 +21,28 @@ struct View {
   int64_t offset = 0;
 };
 
-// The weights' element type: the kernel variant (_f32, _f16, _bf16).
+// An element type of the weights: of dense weights, or of a quantized
+// format's float scales (formats/<name>.h's compute_dtype_part).
 enum class WeightType { kF32, kF16, kBF16 };
+
+// The weights' kernel variant (kernels/weights.metal's readers): the format,
+// and the type of its compute part (none for formats whose scales are bytes:
+// mxfp4, mxfp8, nvfp4).  Kernel names: <base>_f32 / _f16 / _bf16 (dense),
+// <base>_<format>_f32 / _bf16 (int8, int4, fp8), <base>_<format> (the others).
+struct WeightKind {
+  abi::WeightFormat format = abi::WeightFormat::kDense;
+  WeightType type = WeightType::kF32;
+};
+std::string KernelName(const char* base, WeightKind w);
 
 inline constexpr uint32_t kGemmTileRows = 32;  // moe_gemm.metal's NBX_BM (and NBX_BN)
 inline constexpr int64_t kDecodeSlots = 16;    // at most this many slots: the GEMV kernels
 
 // nbx_moe_gemm_*: row tiles [p.tile0, p.tile0 + tiles) of the padded rows.
-Dispatch MoeGemm(WeightType w, const params::GemmParams& p, uint32_t tiles, View a, View row_src,
+Dispatch MoeGemm(WeightKind w, const params::GemmParams& p, uint32_t tiles, View a, View row_src,
                  View tile_expert, View table, View row_weight, View out);
 // nbx_moe_gemv_*: rows [p.tile0, p.tile0 + rows).
-Dispatch MoeGemv(WeightType w, const params::GemmParams& p, uint32_t rows, View a, View row_src,
+Dispatch MoeGemv(WeightKind w, const params::GemmParams& p, uint32_t rows, View a, View row_src,
                  View row_expert, View table, View row_weight, View out);
 // The three ordering kernels (count, offsets, scatter), in order.
 std::vector<Dispatch> OrderSlots(const params::OrderParams& p, View ids, View count, View off,

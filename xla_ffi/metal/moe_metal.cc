@@ -75,6 +75,54 @@ bool WeightTypeOf(ffi::DataType t, metal::WeightType* w) {
   }
 }
 
+// The kernel variant of the decoded weights (kernels/weights.metal's
+// readers): the format, and the dtype of the dense weights or of the float
+// scales, which one variant reads for every projection and expert of a call.
+ffi::Error KindOf(const ExpertWeights& w, metal::WeightKind* kind) {
+  kind->format = w.format;
+  kind->type = metal::WeightType::kF32;
+  switch (w.format) {  // every format named (-Wswitch): a new one must say what Metal reads
+    case abi::WeightFormat::kDense:
+      if (!WeightTypeOf(w.dtype, &kind->type))
+        return Fail("the Metal path takes float32, bfloat16 or float16 weights");
+      return ffi::Error::Success();
+    case abi::WeightFormat::kInt8:
+    case abi::WeightFormat::kInt4:
+    case abi::WeightFormat::kFp8: {  // float32 or bfloat16 scales (and int4's zeros)
+      const bool bf16 = w.quant.front().bf16_scales;
+      for (const QuantMatrix& m : w.quant)
+        if (m.bf16_scales != bf16)
+          return Fail(std::string("the Metal path takes one scale dtype for every projection and "
+                                  "expert of ") + abi::kWeightFormatNames[static_cast<int32_t>(w.format)] +
+                      " experts; these mix float32 and bfloat16 scales");
+      kind->type = bf16 ? metal::WeightType::kBF16 : metal::WeightType::kF32;
+      return ffi::Error::Success();
+    }
+    case abi::WeightFormat::kMxfp4:
+    case abi::WeightFormat::kMxfp8:
+    case abi::WeightFormat::kNvfp4:  // byte scales: no type
+      return ffi::Error::Success();
+  }
+  return Fail("unknown weight format code " + std::to_string(static_cast<int32_t>(w.format)));
+}
+
+// One expert's part `part` of its [K, N] projection `proj` as a host range:
+// its address (the decoder's table or QuantMatrix record) and its bytes (the
+// part's rows by formats/<name>.h, times N, times its element size).
+metal::HostRange PartRange(const ExpertWeights& w, metal::WeightKind kind, int64_t group, int part,
+                           int proj, int64_t e) {
+  const formats::FormatSpec& spec = formats::SpecOf(w.format);
+  const int64_t K = proj < 2 ? w.H : w.I, N = proj < 2 ? w.I : w.H;
+  const int64_t rows = formats::PartRowCount(spec, part, K, group);  // -1: [N]
+  const bool byte_part = (spec.parts[part].dtypes & ~uint32_t{formats::kU8 | formats::kS8}) == 0;
+  const int64_t es = byte_part ? 1 : (kind.type == metal::WeightType::kF32 ? 4 : 2);
+  const int64_t i = proj * w.E + e;
+  const void* p = nullptr;
+  if (!w.quantized()) p = w.table[i];
+  else p = part == 0 ? w.quant[i].q : part == 1 ? w.quant[i].scale : w.quant[i].zero;
+  return {static_cast<const char*>(p), (rows < 0 ? 1 : rows) * N * es};
+}
+
 // Commits `cb` (one command buffer) unless empty.
 ffi::Error CommitOne(metal::Device* dev, const std::vector<metal::Buffer>& resident,
                      std::vector<metal::Dispatch>* cb) {
@@ -111,17 +159,6 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
   if (ffi::Error e = CheckActivation(activation, act_alpha, act_limit); e.failure()) return e;
   if (formats::FindFormat(static_cast<int32_t>(format)) == nullptr)
     return Fail("unknown weight format code " + std::to_string(static_cast<int32_t>(format)));
-  switch (format) {  // every format named (-Wswitch): a new one must say what Metal does with it
-    case abi::WeightFormat::kDense: break;
-    case abi::WeightFormat::kInt8:
-    case abi::WeightFormat::kInt4:
-    case abi::WeightFormat::kMxfp4:
-    case abi::WeightFormat::kFp8:
-    case abi::WeightFormat::kMxfp8:
-    case abi::WeightFormat::kNvfp4:
-      return Fail(std::string(abi::kWeightFormatNames[static_cast<int32_t>(format)]) +
-                  " experts are not supported on the Metal path yet (dense experts only)");
-  }
   if (bf16_dot) return Fail("precision='bfloat16' runs on the CPU handler only");
   if (!IsFloatType(x.element_type()) || y->element_type() != x.element_type())
     return Fail("the Metal path takes x and y of one dtype: float32, bfloat16 or float16");
@@ -136,9 +173,8 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
       w.sk[2] != w.H || w.sn[2] != 1)
     return Fail("the Metal path takes the plain layout only (gate, up [E, H, I], down [E, I, H], "
                 "no biases)");
-  metal::WeightType wt;
-  if (!WeightTypeOf(w.dtype, &wt))
-    return Fail("the Metal path takes float32, bfloat16 or float16 weights");
+  metal::WeightKind wt;
+  if (ffi::Error e = KindOf(w, &wt); e.failure()) return e;
   const int32_t* ids = topk_ids.typed_data();
   if (ffi::Error e = CheckIds(ids, T, k, w.E, skip_outside); e.failure()) return e;
   if (ffi::Error e = CheckSlots(T, k, w.E, kTileRows); e.failure()) return e;
@@ -153,12 +189,12 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
     return ffi::Error::Success();
   }
 
-  // The weights, read in place through one GPU-address table ([gate][up][down] x E).
-  const int64_t matrix_bytes = H * I * static_cast<int64_t>(ffi::ByteWidth(w.dtype));
+  // The weights, read in place through one GPU-address table of their parts
+  // ([part][gate, up, down][E]: abi.h's buffer groups; kernels/weights.metal).
   std::vector<metal::HostRange> ranges;
-  for (int pj = 0; pj < 3; ++pj)
-    for (int64_t e = 0; e < E; ++e)
-      ranges.push_back({static_cast<const char*>(w.table[pj * E + e]), matrix_bytes});
+  for (int part = 0; part < formats::SpecOf(format).num_parts; ++part)
+    for (int pj = 0; pj < abi::kNumProjections; ++pj)
+      for (int64_t e = 0; e < E; ++e) ranges.push_back(PartRange(w, wt, group_size, part, pj, e));
   std::shared_ptr<metal::Table> table;
   std::string err;
   bool exhausted = false;
@@ -200,12 +236,13 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
     LoadAsFloat(xt, xs + t0 * row_bytes, n * H, b.x);  // staged (and widened)
     std::memcpy(b.ids, ids + t0 * k, static_cast<size_t>(S) * sizeof(int32_t));
     std::memcpy(b.wts, wts + t0 * k, static_cast<size_t>(S) * sizeof(float));
+    const uint32_t group = static_cast<uint32_t>(group_size);
     metal::params::GemmParams g1{static_cast<uint32_t>(H), static_cast<uint32_t>(I),
                                  static_cast<uint32_t>(E), 0, act, static_cast<uint32_t>(H), 0,
-                                 act_alpha, act_limit};
+                                 act_alpha, act_limit, group};
     metal::params::GemmParams g2{static_cast<uint32_t>(I), static_cast<uint32_t>(H),
                                  static_cast<uint32_t>(E), 1, act, static_cast<uint32_t>(I), 0,
-                                 act_alpha, act_limit};
+                                 act_alpha, act_limit, group};
     if (decode) {
       // decode: the GEMV kernels on the slots as they come (row = slot), no ordering
       for (int64_t s = 0; s < S; ++s) {

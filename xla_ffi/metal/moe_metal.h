@@ -1,10 +1,11 @@
 // The Metal forward handler of fused_moe (target abi::kTargetMetalForward,
 // platform "cpu"): JAX's CPU client owns the buffers, the handler runs the
-// MoE block on the active Metal device.  So far: float32 x and dense float32
-// weights, on the simulated device only (the kernels' dispatch on Apple is
-// not written); the slots are ordered (kernels/moe_order.metal) and the
-// expert GEMMs run (kernels/moe_gemm.metal) as Metal kernels, the combine on
-// the host.
+// MoE block on the active Metal device.  float32, bfloat16 or float16 x;
+// experts in the plain layout, dense or quantized in any registry format
+// (read in place through a table of their parts' GPU addresses, decoded in
+// the kernels' weight loads: kernels/weights.metal); the slots ordered
+// (kernels/moe_order.metal), the expert GEMMs (moe_gemm.metal) or decode
+// GEMVs (moe_gemv.metal) and the combine (moe_combine.metal) as Metal kernels.
 #pragma once
 
 #include <cstddef>

@@ -20,7 +20,11 @@
 //   - `half` and `bfloat` (MSL 3.1) read from memory and widened with
 //     `float(v)` (nothing else: no arithmetic in 16 bits);
 //   - float math: exp, tanh, fabs, fma, min, max, clamp (Metal has no erf:
-//     prelude.metal defines nbx_erf);
+//     prelude.metal defines nbx_erf); `as_type<T>(v)` bit casts between
+//     32-bit types; `uchar` and `int8_t` bytes read from memory;
+//   - structs with address-space-qualified pointer members, a `static`
+//     member function that builds one and `const` member functions
+//     (weights.metal's readers);
 //   - every kernel has exactly one threadgroup-memory parameter (index 0),
 //     used or not, so that one launcher fits every kernel;
 //   - helper functions (`inline`, templates over the weight type) with
@@ -56,6 +60,16 @@ namespace nbx::metal::msl {
 
 using uint = uint32_t;
 using ulong = uint64_t;
+using uchar = uint8_t;
+
+// as_type<T>(v): v's bits as a T of the same size.
+template <typename T, typename V>
+T as_type(V v) {
+  static_assert(sizeof(T) == sizeof(V), "as_type between types of one size");
+  T t;
+  std::memcpy(&t, &v, sizeof t);
+  return t;
+}
 
 // IEEE binary16 and bfloat16 as stored, widened exactly by dtypes.h's conversions.
 struct half {

@@ -3,9 +3,11 @@
 #include "testing/metal_tests.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -17,6 +19,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "cpu/slots.h"
+#include "formats/registry.h"
 #include "metal/emulated_kernels.h"
 #include "metal/kernel_calls.h"
 #include "metal/pins.h"
@@ -96,6 +99,82 @@ void RunAndUnstage(const std::vector<metal::Buffer>& resident, const std::vector
     const auto& [host, n, off] = st.regions[i];
     if (n > 0) std::memcpy(host, st.buf.buffer().host + off, static_cast<size_t>(n));
   }
+}
+// kernels/weights.metal against formats/: every element code (E2M1, E4M3,
+// E8M0) exhaustively, then each format's reader, for every type of its
+// compute part and every group size, on parts of random bits, element by
+// element against the registry's scalar reference (NaN matches NaN, else bit
+// for bit); each part cut one byte short must be refused (the reader's
+// extents are the parts').  Returns (values compared, the first mismatches).
+std::tuple<int64_t, std::vector<std::string>> CheckWeightReaders(uint64_t seed) {
+  std::vector<std::string> bad;
+  int64_t checked = 0;
+  auto check = [&](const std::string& what, float got, float want) {
+    ++checked;
+    const bool same = (std::isnan(got) && std::isnan(want)) || std::memcmp(&got, &want, 4) == 0;
+    if (!same && bad.size() < 20)
+      bad.push_back(what + ": got " + std::to_string(got) + ", expected " + std::to_string(want));
+  };
+  for (uint32_t c = 0; c < 256; ++c) {
+    if (c < 16) check("nbx_e2m1(" + std::to_string(c) + ")", metal::EmulatedMinifloat('f', c),
+                      formats::kE2M1Values[c]);
+    check("nbx_e4m3(" + std::to_string(c) + ")", metal::EmulatedMinifloat('8', c),
+          formats::E4M3Value(static_cast<uint8_t>(c)));
+    check("nbx_e8m0(" + std::to_string(c) + ")", metal::EmulatedMinifloat('s', c),
+          formats::E8M0Value(static_cast<uint8_t>(c)));
+  }
+  std::mt19937_64 rng(seed);
+  const std::pair<formats::DTypeBit, metal::WeightType> types[] = {
+      {formats::kF32, metal::WeightType::kF32}, {formats::kBF16, metal::WeightType::kBF16},
+      {formats::kF16, metal::WeightType::kF16}};
+  for (const formats::FormatEntry& entry : formats::kFormats) {
+    const formats::FormatSpec& spec = *entry.spec;
+    const int ngroups = std::max(spec.num_group_sizes, 1);
+    for (const auto& [bit, wt] : types) {
+      const int cp = spec.compute_dtype_part;
+      if (cp >= 0 ? !(spec.parts[cp].dtypes & bit) : bit != formats::kF32) continue;
+      for (int gi = 0; gi < ngroups; ++gi) {
+        const uint32_t group = spec.num_group_sizes ? static_cast<uint32_t>(spec.group_sizes[gi]) : 0;
+        const uint32_t K = group > 0 ? 2 * group : 35, N = 9;  // K a multiple of the group
+        std::vector<std::vector<unsigned char>> data(static_cast<size_t>(spec.num_parts));
+        std::vector<metal::HostPart> parts;
+        formats::PartsView v{};
+        for (int part = 0; part < spec.num_parts; ++part) {
+          const uint32_t dts = spec.parts[part].dtypes;
+          const bool byte_part = (dts & ~uint32_t{formats::kU8 | formats::kS8}) == 0;
+          const int64_t rows = formats::PartRowCount(spec, part, K, group);
+          const int64_t es = byte_part ? 1 : (bit == formats::kF32 ? 4 : 2);
+          data[part].resize(static_cast<size_t>((rows < 0 ? 1 : rows) * N * es));
+          for (unsigned char& b : data[part]) b = static_cast<unsigned char>(rng());
+          parts.push_back({data[part].data(), static_cast<int64_t>(data[part].size())});
+          v.part[part] = data[part].data();
+          v.dtype[part] = byte_part ? static_cast<formats::DTypeBit>(dts) : bit;
+        }
+        v.N = N;
+        v.group = group > 0 ? group : K;  // as the CPU decoder records int8's
+        const std::string name = std::string(spec.name) + "/" + formats::kDTypeBitNames[
+            bit == formats::kF32 ? 0 : bit == formats::kBF16 ? 1 : 2] + "/G" + std::to_string(group);
+        std::vector<float> out(static_cast<size_t>(K) * N, std::nanf(""));
+        std::string err;
+        if (!metal::EmulatedWeights({spec.code, wt}, parts, K, N, group, out.data(), &err)) {
+          bad.push_back(name + ": " + err);
+          continue;
+        }
+        for (uint32_t k = 0; k < K; ++k)
+          for (uint32_t n = 0; n < N; ++n)
+            check(name + " (" + std::to_string(k) + ", " + std::to_string(n) + ")",
+                  out[static_cast<size_t>(k) * N + n], entry.reference(v, k, n));
+        for (size_t part = 0; part < parts.size(); ++part) {  // one byte short: refused
+          std::vector<metal::HostPart> cut = parts;
+          cut[part].bytes -= 1;
+          ++checked;
+          if (metal::EmulatedWeights({spec.code, wt}, cut, K, N, group, out.data(), &err))
+            bad.push_back(name + ": part " + std::to_string(part) + " one byte short was read");
+        }
+      }
+    }
+  }
+  return {checked, bad};
 }
 }  // namespace
 
@@ -184,15 +263,22 @@ void BindMetalTests(nb::module_& m) {
         [](const std::string& kind, const Ranges& regions, const metal::Table& table,
            const std::tuple<uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, float,
                             float>& gp,
-           uint32_t rows, const std::string& wtype, bool drop_barrier, bool resident) {
+           uint32_t rows, const std::string& wtype, bool drop_barrier, bool resident,
+           const std::string& fmt, uint32_t group) {
           // regions: a, row_src, tile_expert (or row_expert), row_weight, out (copied back)
           if (regions.size() != 5) throw nb::value_error("5 regions: a, row_src, experts, row_weight, out");
+          const formats::FormatEntry* entry = nullptr;
+          for (const formats::FormatEntry& f : formats::kFormats)
+            if (fmt == f.spec->name) entry = &f;
+          if (entry == nullptr || !formats::GroupSizeOk(*entry->spec, group))
+            throw nb::value_error("an unknown format, or a group size it does not take");
           Staged st = Stage(regions);
           const auto& [K, N, E, mode, act, lda, tile0, alpha, limit] = gp;
-          const metal::params::GemmParams p{K, N, E, mode, act, lda, tile0, alpha, limit};
-          const metal::WeightType w = wtype == "f16"    ? metal::WeightType::kF16
-                                      : wtype == "bf16" ? metal::WeightType::kBF16
-                                                        : metal::WeightType::kF32;
+          const metal::params::GemmParams p{K, N, E, mode, act, lda, tile0, alpha, limit, group};
+          const metal::WeightKind w{entry->spec->code,
+                                    wtype == "f16"    ? metal::WeightType::kF16
+                                    : wtype == "bf16" ? metal::WeightType::kBF16
+                                                      : metal::WeightType::kF32};
           const metal::View tab{table.addresses.buffer(), 0};
           metal::Dispatch d =
               kind == "gemv" ? metal::MoeGemv(w, p, rows, st.at(0), st.at(1), st.at(2), tab, st.at(3), st.at(4))
@@ -203,10 +289,18 @@ void BindMetalTests(nb::module_& m) {
             for (const metal::Buffer& b : table.pins.resources()) res.push_back(b);
           RunAndUnstage(res, {d}, st, {4});
         },
+        nb::arg("kind"), nb::arg("regions"), nb::arg("table"), nb::arg("gp"), nb::arg("rows"),
+        nb::arg("wtype"), nb::arg("drop_barrier"), nb::arg("resident"), nb::arg("fmt") = "dense",
+        nb::arg("group") = 0,
         "nbx_moe_gemm_* / nbx_moe_gemv_* (kind 'gemm' or 'gemv') through the MSL emulation on "
         "the simulated device: the host regions staged into one metal:0 buffer, the weights "
         "read through the table's GPU addresses; `out` copied back.  gp: (K, N, E, mode, act, "
-        "lda, tile0, alpha, limit); rows: row tiles (gemm) or rows (gemv).");
+        "lda, tile0, alpha, limit); rows: row tiles (gemm) or rows (gemv); the weights' format "
+        "`fmt` (its table [part][gate, up, down][E]), `wtype` the dense weights' or the float "
+        "scales' type (f32, f16, bf16), `group` the format's group size (0: none).");
+  m.def("metal_check_weight_readers", &CheckWeightReaders, nb::arg("seed"),
+        "kernels/weights.metal through the emulation against formats/<name>.h: (values "
+        "compared, the first mismatches).");
   m.def("metal_order_slots", [](const std::vector<int32_t>& ids, int64_t E, int64_t pad, int64_t k,
                                  const std::vector<float>& wts) {
     const int64_t S = static_cast<int64_t>(ids.size());

@@ -1,8 +1,12 @@
 """The "metal" backend: the Metal handler (``xla_ffi/metal/moe_metal.cc``,
 platform "cpu": JAX's CPU client owns the buffers, the handler dispatches the
-expert GEMMs to the active Metal device; `jax_nbx.metal`).  Dense experts in
-the plain layout; gradients from the reference's VJP.  ``implementation=None``
-takes it on macOS on Apple silicon when Metal itself is active
+expert GEMMs to the active Metal device; `jax_nbx.metal`).  Experts in the
+plain layout (gate, up [E, H, I], down [E, I, H], stacked or per-expert lists,
+no biases), dense or quantized in every registered format (int8, int4, mxfp4,
+fp8, mxfp8, nvfp4: read in place, each weight dequantized in the kernels'
+loads, ``xla_ffi/metal/kernels/weights.metal``); gradients from the
+reference's VJP (quantized weights frozen).  ``implementation=None`` takes it
+on macOS on Apple silicon when Metal itself is active
 (`jax_nbx.metal.is_default`); the simulated device runs only when named.
 """
 from __future__ import annotations
@@ -24,11 +28,10 @@ class MetalBackend(Backend):
             return f"runs under JAX's CPU client; the default backend is {platform!r}"
         if not metal.available():
             return f"no Metal device is active ({metal.unavailable_reason()})"
-        if problem.quant is not None:
-            return f"takes dense experts; these are {problem.quant[0]} (quantized experts: not yet)"
         if not problem.plain:
-            return ("takes plain experts (gate, up [E, H, I], down [E, I, H], no biases); these have "
-                    f"{problem.describe_layout()}: use implementation='xla' or the CPU handler")
+            kind = f"{problem.quant[0]} experts" if problem.quant is not None else "experts"
+            return (f"takes plain experts (gate, up [E, H, I], down [E, I, H], no biases); these {kind} "
+                    f"have {problem.describe_layout()}: use implementation='xla' or the CPU handler")
         if problem.bf16_dot:
             return "precision='bfloat16' runs on the CPU handler only"
         return ""

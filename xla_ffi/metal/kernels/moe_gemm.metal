@@ -7,22 +7,26 @@
 // One threadgroup (128 threads = 4 simdgroups in 2x2) computes a 32x32 tile
 // of out = A[rows] @ W_e for one row tile of one expert e, in 8-deep K
 // steps through threadgroup memory and 8x8 simdgroup matrices (float32
-// accumulation; 16-bit weights widened to float32 as they are loaded).
+// accumulation; 16-bit weights widened and quantized ones dequantized to
+// float32 as they are loaded, weights.metal).
 // Rows are the padded rows of the slots ordered by expert: row_src[r] is the
 // row of A it reads (-1: padding, reads zeros, never stored), tile_expert[r /
 // 32] the expert of its tile.  grid.y counts row tiles from p.tile0 (a
 // problem too long for one command buffer is dispatched in ranges of tiles).
-// The weights are read in place through the pointer table (GPU addresses,
-// [3][E]: gate, up, down; each [K][N] row-major).
+// The weights are read in place through the pointer table (GPU addresses of
+// their parts, weights.metal: gate, up, down, each a logical [K][N]), each
+// element decoded by the format's reader as the tile is loaded.
 //   mode 0 (GEMM1): out[r, n] = act(A W_gate)[r, n] * (A W_up)[r, n]
 //   mode 1 (GEMM2): out[r, n] = row_weight[r] * (A W_down)[r, n]
-// One kernel per weight type: nbx_moe_gemm_f32, _f16, _bf16.
+// One kernel per reader (weights.metal): dense nbx_moe_gemm_f32, _f16, _bf16;
+// quantized nbx_moe_gemm_<format>[_<scale type>]: _int8_f32, _int8_bf16,
+// _int4_f32, _int4_bf16, _fp8_f32, _fp8_bf16, _mxfp4, _mxfp8, _nvfp4.
 
 #define NBX_BM 32
 #define NBX_BN 32
 #define NBX_BK 8
 
-template <typename WT>
+template <typename D>  // a weight reader (weights.metal)
 inline void nbx_moe_gemm_body(device const float* a, device const int* row_src,
                               device const int* tile_expert, device const ulong* table,
                               device const float* row_weight, device float* out,
@@ -38,9 +42,9 @@ inline void nbx_moe_gemm_body(device const float* a, device const int* row_src,
   const int e = tile_expert[tile];
   if (e < 0) return;  // a tile of padding only (uniform over the threadgroup)
   const uint proj0 = p.mode == 0 ? 0u : 2u;
-  device const WT* W0 = nbx_device_ptr<const WT>(table[proj0 * p.E + e], (long)p.K * p.N);
-  device const WT* W1 = W0;
-  if (p.mode == 0) W1 = nbx_device_ptr<const WT>(table[1 * p.E + e], (long)p.K * p.N);
+  const D W0 = D::load(table, proj0, e, p);
+  D W1 = W0;
+  if (p.mode == 0) W1 = D::load(table, 1u, e, p);
   // simdgroup sg owns the 16x16 quarter (sg / 2, sg % 2): 2x2 fragments
   const uint sm = (sgitg / 2) * 16, sn = (sgitg % 2) * 16;
   simdgroup_float8x8 acc0[2][2], acc1[2][2];
@@ -59,8 +63,8 @@ inline void nbx_moe_gemm_body(device const float* a, device const int* row_src,
     for (uint q = tiitg; q < NBX_BK * NBX_BN; q += 128) {
       const uint k = q / NBX_BN, n = q % NBX_BN;
       const bool in = k0 + k < p.K && n0 + n < p.N;
-      Bs0[q] = in ? float(W0[(ulong)(k0 + k) * p.N + n0 + n]) : 0.0f;
-      if (p.mode == 0) Bs1[q] = in ? float(W1[(ulong)(k0 + k) * p.N + n0 + n]) : 0.0f;
+      Bs0[q] = in ? W0.at(k0 + k, n0 + n) : 0.0f;
+      if (p.mode == 0) Bs1[q] = in ? W1.at(k0 + k, n0 + n) : 0.0f;
     }
 #ifndef NBX_TEST_DROP_BARRIER
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -105,7 +109,7 @@ inline void nbx_moe_gemm_body(device const float* a, device const int* row_src,
   }
 }
 
-#define NBX_MOE_GEMM_KERNEL(NAME, WT)                                                          \
+#define NBX_MOE_GEMM_KERNEL(NAME, D)                                                           \
   kernel void NAME(device const float* a [[buffer(0)]], device const int* row_src [[buffer(1)]], \
                    device const int* tile_expert [[buffer(2)]],                                 \
                    device const ulong* table [[buffer(3)]],                                     \
@@ -116,9 +120,18 @@ inline void nbx_moe_gemm_body(device const float* a, device const int* row_src,
                    uint sgitg [[simdgroup_index_in_threadgroup]],                               \
                    uint tiisg [[thread_index_in_simdgroup]]) {                                  \
     (void)tiisg;                                                                                \
-    nbx_moe_gemm_body<WT>(a, row_src, tile_expert, table, row_weight, out, p, tg, tgpig, tiitg,  \
+    nbx_moe_gemm_body<D>(a, row_src, tile_expert, table, row_weight, out, p, tg, tgpig, tiitg,  \
                           sgitg);                                                               \
   }
-NBX_MOE_GEMM_KERNEL(nbx_moe_gemm_f32, float)
-NBX_MOE_GEMM_KERNEL(nbx_moe_gemm_f16, half)
-NBX_MOE_GEMM_KERNEL(nbx_moe_gemm_bf16, bfloat)
+NBX_MOE_GEMM_KERNEL(nbx_moe_gemm_f32, nbx_dense<float>)
+NBX_MOE_GEMM_KERNEL(nbx_moe_gemm_f16, nbx_dense<half>)
+NBX_MOE_GEMM_KERNEL(nbx_moe_gemm_bf16, nbx_dense<bfloat>)
+NBX_MOE_GEMM_KERNEL(nbx_moe_gemm_int8_f32, nbx_int8<float>)
+NBX_MOE_GEMM_KERNEL(nbx_moe_gemm_int8_bf16, nbx_int8<bfloat>)
+NBX_MOE_GEMM_KERNEL(nbx_moe_gemm_int4_f32, nbx_int4<float>)
+NBX_MOE_GEMM_KERNEL(nbx_moe_gemm_int4_bf16, nbx_int4<bfloat>)
+NBX_MOE_GEMM_KERNEL(nbx_moe_gemm_fp8_f32, nbx_fp8<float>)
+NBX_MOE_GEMM_KERNEL(nbx_moe_gemm_fp8_bf16, nbx_fp8<bfloat>)
+NBX_MOE_GEMM_KERNEL(nbx_moe_gemm_mxfp4, nbx_mxfp4)
+NBX_MOE_GEMM_KERNEL(nbx_moe_gemm_mxfp8, nbx_mxfp8)
+NBX_MOE_GEMM_KERNEL(nbx_moe_gemm_nvfp4, nbx_nvfp4)

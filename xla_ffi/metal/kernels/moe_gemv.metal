@@ -9,11 +9,12 @@
 //   row_src[r]: row of A (-1: the slot is skipped: nothing stored);
 //   row_expert[r]: its expert; grid.y counts rows from p.tile0;
 //   mode 0: out[r, n] = act(a W_gate) * (a W_up);  mode 1: row_weight[r] * (a W_down).
-// Float32 accumulation; 16-bit weights widened as they are read.  One
-// kernel per weight type: nbx_moe_gemv_f32, _f16, _bf16.  Uses nbx_glu and
-// nbx_device_ptr from moe_gemm.metal (the library is one source).
+// Float32 accumulation; each weight decoded by its format's reader as it is
+// read (weights.metal).  One kernel per reader, named as moe_gemm.metal's
+// (nbx_moe_gemv_f32, ..., _int8_f32, ..., _nvfp4).  Uses nbx_glu and the
+// readers from prelude.metal and weights.metal (the library is one source).
 
-template <typename WT>
+template <typename D>  // a weight reader (weights.metal)
 inline void nbx_moe_gemv_body(device const float* a, device const int* row_src,
                               device const int* row_expert, device const ulong* table,
                               device const float* row_weight, device float* out,
@@ -25,15 +26,15 @@ inline void nbx_moe_gemv_body(device const float* a, device const int* row_src,
   if (src < 0 || e < 0) return;  // uniform over the threadgroup
   const uint n = tgpig.x * 32 + tiisg;
   const uint proj0 = p.mode == 0 ? 0u : 2u;
-  device const WT* W0 = nbx_device_ptr<const WT>(table[proj0 * p.E + e], (long)p.K * p.N);
-  device const WT* W1 = W0;
-  if (p.mode == 0) W1 = nbx_device_ptr<const WT>(table[1 * p.E + e], (long)p.K * p.N);
+  const D W0 = D::load(table, proj0, e, p);
+  D W1 = W0;
+  if (p.mode == 0) W1 = D::load(table, 1u, e, p);
   device const float* x = a + (ulong)src * p.lda;
   float s0 = 0.0f, s1 = 0.0f;
   if (n < p.N) {
     for (uint k = sgitg; k < p.K; k += 4) {
-      s0 = fma(x[k], float(W0[(ulong)k * p.N + n]), s0);
-      if (p.mode == 0) s1 = fma(x[k], float(W1[(ulong)k * p.N + n]), s1);
+      s0 = fma(x[k], W0.at(k, n), s0);
+      if (p.mode == 0) s1 = fma(x[k], W1.at(k, n), s1);
     }
   }
   threadgroup float* part0 = tg;        // [4][32]
@@ -51,7 +52,7 @@ inline void nbx_moe_gemv_body(device const float* a, device const int* row_src,
   }
 }
 
-#define NBX_MOE_GEMV_KERNEL(NAME, WT)                                                          \
+#define NBX_MOE_GEMV_KERNEL(NAME, D)                                                           \
   kernel void NAME(device const float* a [[buffer(0)]], device const int* row_src [[buffer(1)]], \
                    device const int* row_expert [[buffer(2)]],                                  \
                    device const ulong* table [[buffer(3)]],                                     \
@@ -62,9 +63,18 @@ inline void nbx_moe_gemv_body(device const float* a, device const int* row_src,
                    uint sgitg [[simdgroup_index_in_threadgroup]],                               \
                    uint tiisg [[thread_index_in_simdgroup]]) {                                  \
     (void)tiitg;                                                                                \
-    nbx_moe_gemv_body<WT>(a, row_src, row_expert, table, row_weight, out, p, tg, tgpig, sgitg,   \
+    nbx_moe_gemv_body<D>(a, row_src, row_expert, table, row_weight, out, p, tg, tgpig, sgitg,   \
                           tiisg);                                                               \
   }
-NBX_MOE_GEMV_KERNEL(nbx_moe_gemv_f32, float)
-NBX_MOE_GEMV_KERNEL(nbx_moe_gemv_f16, half)
-NBX_MOE_GEMV_KERNEL(nbx_moe_gemv_bf16, bfloat)
+NBX_MOE_GEMV_KERNEL(nbx_moe_gemv_f32, nbx_dense<float>)
+NBX_MOE_GEMV_KERNEL(nbx_moe_gemv_f16, nbx_dense<half>)
+NBX_MOE_GEMV_KERNEL(nbx_moe_gemv_bf16, nbx_dense<bfloat>)
+NBX_MOE_GEMV_KERNEL(nbx_moe_gemv_int8_f32, nbx_int8<float>)
+NBX_MOE_GEMV_KERNEL(nbx_moe_gemv_int8_bf16, nbx_int8<bfloat>)
+NBX_MOE_GEMV_KERNEL(nbx_moe_gemv_int4_f32, nbx_int4<float>)
+NBX_MOE_GEMV_KERNEL(nbx_moe_gemv_int4_bf16, nbx_int4<bfloat>)
+NBX_MOE_GEMV_KERNEL(nbx_moe_gemv_fp8_f32, nbx_fp8<float>)
+NBX_MOE_GEMV_KERNEL(nbx_moe_gemv_fp8_bf16, nbx_fp8<bfloat>)
+NBX_MOE_GEMV_KERNEL(nbx_moe_gemv_mxfp4, nbx_mxfp4)
+NBX_MOE_GEMV_KERNEL(nbx_moe_gemv_mxfp8, nbx_mxfp8)
+NBX_MOE_GEMV_KERNEL(nbx_moe_gemv_nvfp4, nbx_nvfp4)

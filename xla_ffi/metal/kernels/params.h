@@ -25,6 +25,8 @@ struct GemmParams {
   uint tile0;  // first row tile (GEMM) or row (GEMV) of this dispatch: grid.y counts from it
   float alpha;  // kClampedSwiGLU's parameters (the FFI attributes act_alpha, act_limit)
   float limit;
+  uint group;   // quantized weights: rows per scale group along K (the attribute group_size;
+                // 0 for formats without groups); the format itself is the kernel's variant
 };
 
 // Ordering the slots by expert (moe_order.metal).
