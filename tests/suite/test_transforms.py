@@ -95,7 +95,7 @@ def test_gradients_match_float64(backend, activation, lists):
 
 
 @pytest.mark.parametrize("fmt", [pytest.param(f, marks=pytest.mark.sanitize) for f in ("int8", "int4", "mxfp4")]
-                         + ["fp8", "mxfp8", "nvfp4"])
+                         + [pytest.param(f, marks=pytest.mark.sweep) for f in ("fp8", "mxfp8", "nvfp4")])
 def test_quantized_experts_are_frozen(backend, fmt):
     """Gradients flow to x and topk_weights; quantized weights get none."""
     backend.require_format(fmt)
