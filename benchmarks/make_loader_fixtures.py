@@ -408,6 +408,86 @@ def _fp8_reference(d: str, cfg, dequantized: dict, out: str) -> None:
     save_file(ref, d + ".reference.safetensors", metadata={"producer": out})
 
 
+def _linear_tree(path: str, pfx: str):
+    """A torch module tree holding the checkpoint's tensors under ``pfx`` as bias-free
+    nn.Linear layers at their checkpoint names (what compressed-tensors quantizes)."""
+    import torch
+    from safetensors.torch import load_file
+    root = torch.nn.Module()
+    for k, v in load_file(path).items():
+        if not k.startswith(pfx):
+            continue
+        *names, _ = k.split(".")
+        mod = root
+        for i, p in enumerate(names):
+            if not hasattr(mod, p):
+                last = i == len(names) - 1
+                mod.add_module(p, torch.nn.Linear(v.shape[1], v.shape[0], bias=False) if last else torch.nn.Module())
+            mod = getattr(mod, p)
+        mod.weight.data.copy_(v.float())
+    return root
+
+
+def nvfp4_checkpoint(out: str) -> None:
+    """``nvfp4/qwen3_moe_nvfp4``: compressed-tensors' NVFP4 (its ``NVFP4A16`` preset:
+    ``nvfp4-pack-quantized``: E2M1 pairs ``weight_packed`` [N, K/2], E4M3 ``weight_scale`` per 16,
+    a float32 ``weight_global_scale`` per matrix) of a tiny Qwen3-MoE's experts (H=256, I=128,
+    E=2), its MoE block's tensors kept: ``apply_quantization_config``, the global scale by its
+    ``generate_gparam`` and the group scales by its ``calculate_qparams`` from each matrix's and
+    group's min/max (what its min-max observers give), ``ModelCompressor.compress_model``.
+    Beside it (<folder>.reference) expert 0's weights by compressed-tensors' own
+    ``unpack_fp4_from_uint8`` and ``dequantize`` (what its ``NVFP4PackedCompressor.decompress``
+    runs, there in bfloat16; here in float32) and the block output of transformers' float32
+    ``Qwen3MoeSparseMoeBlock`` with every expert so dequantized."""
+    import compressed_tensors
+    import torch
+    import transformers as tf
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+    from safetensors.torch import save_file
+    d = os.path.join(out, "nvfp4")
+    os.makedirs(d, exist_ok=True)
+    pfx = "model.layers.0.mlp."
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = os.path.join(tmp, "hf")
+        _tiny_qwen3_moe(hf, H=256, I=128, E=2, k=2, seed=6)
+        cfg = tf.AutoConfig.from_pretrained(hf)
+        root = _linear_tree(os.path.join(hf, "model.safetensors"), pfx)
+        scheme = preset_name_to_scheme("NVFP4A16", [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"])
+        apply_quantization_config(root, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+        for _, mod in root.named_modules():
+            if hasattr(mod, "quantization_scheme"):
+                wt = mod.weight.data
+                gs = generate_gparam(wt.amin(), wt.amax()).reshape(mod.weight_global_scale.shape)
+                grp = wt.reshape(wt.shape[0], -1, 16)
+                sc, _ = calculate_qparams(grp.amin(-1), grp.amax(-1), mod.quantization_scheme.weights,
+                                          global_scale=gs)
+                mod.weight_global_scale.data.copy_(gs)
+                mod.weight_scale.data.copy_(sc.to(mod.weight_scale.dtype))
+        mc = ModelCompressor.from_pretrained_model(root)
+        mc.compress_model(root)
+        dst = os.path.join(d, "qwen3_moe_nvfp4")
+        os.makedirs(dst, exist_ok=True)
+        csd = {k: v.contiguous() for k, v in root.state_dict().items() if k.startswith(pfx)}
+        save_file(csd, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+        shutil.copy(os.path.join(hf, "config.json"), dst)
+        mc.update_config(dst)
+        w = {}
+        for e in range(cfg.num_experts):
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                local = {k.split(".")[-1]: v for k, v in csd.items() if k.startswith(pfx + f"experts.{e}.{p}.")}
+                m, n = local["weight_packed"].shape
+                codes = unpack_fp4_from_uint8(local["weight_packed"], m, n * 2, dtype=torch.float32)
+                w[(e, p)] = dequantize(x_q=codes, scale=local["weight_scale"].float(), args=scheme.weights,
+                                       global_scale=local["weight_global_scale"], dtype=torch.float32)
+        _fp8_reference(dst, cfg, w, f"compressed-tensors {compressed_tensors.__version__} nvfp4-pack-quantized: "
+                                    "its unpack_fp4_from_uint8 and dequantize in float32")
+
+
 def fp8_checkpoints(out: str) -> None:
     """FP8 experts as two real producers write them (``fp8/``), a tiny Qwen3-MoE (H=256, I=128,
     E=2: weight blocks along both axes of every projection), only its MoE block's tensors kept:
@@ -468,20 +548,7 @@ def fp8_checkpoints(out: str) -> None:
             w[(e, "down_proj")] = deq(sd[pfx + f"experts.{e}.down_proj.weight"], dn[e], torch.float32)
         _fp8_reference(dst, cfg, w, f"transformers {tf.__version__} FineGrainedFP8Config; Fp8Dequantize")
         # 2. compressed-tensors FP8 per-channel, on the experts' nn.Linear layers under their checkpoint names
-        fsd = load_file(os.path.join(hf, "model.safetensors"))
-        root = torch.nn.Module()
-        for k, v in fsd.items():
-            if not k.startswith(pfx):
-                continue
-            *path, _ = k.split(".")
-            mod = root
-            for i, p in enumerate(path):
-                if not hasattr(mod, p):
-                    last = i == len(path) - 1
-                    child = torch.nn.Linear(v.shape[1], v.shape[0], bias=False) if last else torch.nn.Module()
-                    mod.add_module(p, child)
-                mod = getattr(mod, p)
-            mod.weight.data.copy_(v.float())
+        root = _linear_tree(os.path.join(hf, "model.safetensors"), pfx)
         scheme = QuantizationScheme(
             targets=[r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
             weights=QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False),
@@ -584,12 +651,16 @@ def main(out: str, only: str | None = None) -> int:
     if only == "gpt_oss":
         gpt_oss_mxfp4(out)
         return 0
+    if only == "nvfp4_ct":
+        nvfp4_checkpoint(out)
+        return 0
     transformers_configs(out)
     transformers_checkpoint(out)
     mlx_checkpoints(out)
     for mode in MLX_FLOAT_MODES:
         mlx_float_mode(out, mode)
     fp8_checkpoints(out)
+    nvfp4_checkpoint(out)
     gpt_oss_mxfp4(out)
     if gptqmodel_configs(out):
         gptqmodel_awq_checkpoint(out)
@@ -597,7 +668,7 @@ def main(out: str, only: str | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # make_loader_fixtures.py [OUT] [--only=mxfp4|nvfp4|mxfp8|fp8|gpt_oss]
+    # make_loader_fixtures.py [OUT] [--only=mxfp4|nvfp4|mxfp8|fp8|nvfp4_ct|gpt_oss]
     args = [a for a in sys.argv[1:] if not a.startswith("--only")]
     only = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--only=")), None)
     sys.exit(main(args[0] if args else "tests/data", only))

@@ -128,7 +128,8 @@ inline constexpr int32_t kNumBiases = 3;      // gate, up, down
 #define NBX_ATTRS_CPU_FORWARD(X)                                                         \
   NBX_ATTRS_ACTIVATION(X)                                                                \
   X(I64, band_tokens) X(I64, max_workers) X(BOOL, skip_outside) X(I64, num_experts)      \
-  X(FMT, format) X(BOOL, stacked) X(I64, group_size) NBX_ATTRS_VIEWS(X) X(BOOL, bf16_dot)
+  X(FMT, format) X(BOOL, stacked) X(I64, group_size) NBX_ATTRS_VIEWS(X) X(BOOL, bf16_dot)   \
+  X(BOOL, tensor_scales)
 // The CPU backward (kTargetBackward, and its twin).
 #define NBX_ATTRS_CPU_BACKWARD(X)                                                   \
   NBX_ATTRS_ACTIVATION(X)                                                           \

@@ -20,7 +20,7 @@ nb::tuple Names(const char* const (&names)[N]) {
 
 // The format registry (formats/registry.h), one dict per format in code
 // order: name, code, summary, parts [{name, dtypes, rows, same_dtype_as}],
-// values_per_byte, group_sizes, compute_dtype_part.
+// values_per_byte, group_sizes, compute_dtype_part, tensor_scale.
 nb::list FormatTable() {
   nb::list out;
   for (const formats::FormatEntry& entry : formats::kFormats) {
@@ -48,6 +48,7 @@ nb::list FormatTable() {
     for (int g = 0; g < f.num_group_sizes; ++g) groups.append(f.group_sizes[g]);
     d["group_sizes"] = nb::tuple(groups);
     d["compute_dtype_part"] = f.compute_dtype_part;
+    d["tensor_scale"] = f.tensor_scale;
     out.append(d);
   }
   return out;

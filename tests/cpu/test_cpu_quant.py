@@ -226,3 +226,73 @@ def test_quantized_experts_with_biases(kind, G):
     whole = nbx.fused_moe(x, w, ids, qb, activation=act, implementation="cpu")
     banded = nbx.fused_moe(x, w, ids, qb, activation=act, implementation="cpu", max_workspace_bytes=cap)
     np.testing.assert_array_equal(np.asarray(banded), np.asarray(whole))
+
+
+def _with_tensor_scales(q, rng, lists=False):
+    """nvfp4 experts ``q`` with a random float32 tensor scale per expert and projection."""
+    def one(w):
+        ts = jnp.asarray(rng.uniform(0.25, 4.0, w.q.shape[0]), jnp.float32)
+        if lists:
+            return [nbx.QuantizedWeight(w.q[e], w.scale[e], None, ts[e], kind=w.kind, group_size=w.group_size)
+                    for e in range(w.q.shape[0])]
+        return nbx.QuantizedWeight(w.q, w.scale, None, ts, kind=w.kind, group_size=w.group_size)
+    return nbx.Experts(one(q.gate), one(q.up), one(q.down))
+
+
+@pytest.mark.parametrize("lists", [False, True], ids=["stacked", "lists"])
+def test_nvfp4_tensor_scales(lists):
+    """nvfp4's optional float32 tensor scale (ModelOpt's weight_scale_2), one
+    per expert and projection: the CPU handler multiplies each column's sum by
+    it (T=1 streams, T=40 packs; bands of one token bit-identical to the whole
+    call; with biases too) and the xla reference dequantizes with it, against
+    float64 on the scaled weights."""
+    rng = np.random.default_rng(8)
+    x, w, ids, ex = make_problem(17, 40, 5, 2, 64, 96)
+    q = _with_tensor_scales(nbx.quantize(ex, "nvfp4"), rng, lists)
+    d = nbx.dequantize(q, jnp.float32)  # the scaled weights
+    plain = nbx.dequantize(nbx.quantize(ex, "nvfp4"), jnp.float32)
+    assert not np.allclose(np.asarray(d.gate if not lists else jnp.stack(d.gate)), np.asarray(plain.gate))
+    b = {n: jnp.asarray(rng.standard_normal((5, s)), jnp.float32)
+         for n, s in (("gate_bias", 96), ("up_bias", 96), ("down_bias", 64))}
+    for biases in ({}, b):
+        qb = nbx.Experts(q.gate, q.up, q.down, **biases)
+        ref_b = tuple(np.asarray(biases[n], np.float64) for n in ("gate_bias", "up_bias", "down_bias")) \
+            if biases else None
+        for T in (1, 40):
+            ref = np_moe(x[:T], w[:T], ids[:T], d, biases=ref_b)
+            for impl in ("cpu", "xla"):
+                y = nbx.fused_moe(x[:T], w[:T], ids[:T], qb, implementation=impl)
+                assert rel_err(y, ref) < TOL["f32"], (T, impl, bool(biases))
+        cap = nbx.memory.fused_moe_workspace_bytes(1, 2, 5, 64, 96)
+        whole = nbx.fused_moe(x, w, ids, qb, implementation="cpu")
+        banded = nbx.fused_moe(x, w, ids, qb, implementation="cpu", max_workspace_bytes=cap)
+        np.testing.assert_array_equal(np.asarray(banded), np.asarray(whole))
+
+
+def test_tensor_scales_are_checked_and_refused_by_name():
+    """Only formats whose spec takes a tensor scale (nvfp4) accept one, float32
+    with one value per expert; the CUDA and Metal kernels have none yet and
+    say so (the default then takes the CPU handler)."""
+    from jax_nbx.backends.cuda import plan
+
+    x, w, ids, ex = make_problem(18, 3, 4, 2, 64, 32)
+    q4 = nbx.quantize(ex, "int4", group_size=32)
+    bad = nbx.QuantizedWeight(q4.gate.q, q4.gate.scale, q4.gate.zero, jnp.ones(4), kind="int4", group_size=32)
+    with pytest.raises(ValueError, match=r"int4 weights take no tensor_scale \(only \['nvfp4'\] do\)"):
+        nbx.fused_moe(x, w, ids, nbx.Experts(bad, q4.up, q4.down))
+    qn = nbx.quantize(ex, "nvfp4")
+    for ts, what in ((jnp.ones(4, jnp.float16), "float16 \\(4,\\)"), (jnp.ones(3), "float32 \\(3,\\)")):
+        g = nbx.QuantizedWeight(qn.gate.q, qn.gate.scale, None, ts, kind="nvfp4", group_size=16)
+        with pytest.raises(TypeError, match=f"experts.gate.tensor_scale must be float32 of shape \\(4,\\).*got {what}"):
+            nbx.fused_moe(x, w, ids, nbx.Experts(g, qn.up, qn.down))
+    scaled = _with_tensor_scales(qn, np.random.default_rng(0))
+    problem = nbx.backends.Problem.of(scaled, x.dtype, 4, 64, 32, 2, nbx.Activation("swiglu"))
+    assert problem.tensor_scales
+    assert "nvfp4 experts with a tensor scale run on the CPU handler" in plan.kernels_refusal(
+        problem.quant, True, False, True)
+    from support import ffi_testing
+
+    if not ffi_testing.metal_sim_unavailable():
+        with ffi_testing.metal_sim():
+            assert "no tensor scale yet" in nbx.backends.get("metal").why_not(problem)
+    assert nbx.ops.resolve(x, w, ids, scaled)[0].name == "cpu"

@@ -261,6 +261,29 @@ def test_fp8_checkpoints_match_their_producers(kind):
         assert _rel(y, ref["y"]) <= 2e-6, (impl, _rel(y, ref["y"]))
 
 
+def test_compressed_tensors_nvfp4_matches_its_producer():
+    """compressed-tensors' NVFP4 (nvfp4-pack-quantized: E2M1 pairs, E4M3 group
+    scales, a float32 global scale per matrix) loads as nvfp4 experts with a
+    tensor scale (1 / global_scale): expert 0's weights are compressed-tensors'
+    own decompress to within the one rounding of that reciprocal, and the
+    block -- CPU handler and xla reference -- gives transformers'
+    Qwen3MoeSparseMoeBlock on those weights."""
+    path = DATA / "nvfp4" / "qwen3_moe_nvfp4"
+    params = load_moe(path, layer=0)
+    config = nn.MoEConfig.from_hf(path)
+    ex = params.experts
+    assert ex.is_list and ex.gate[0].kind == "nvfp4" and ex.gate[0].shape == (256, 128)
+    assert ex.gate[0].tensor_scale is not None and ex.gate[0].tensor_scale.dtype == jnp.float32
+    ref = load_file(str(path) + ".reference.safetensors")
+    for n, w in (("gate_proj", ex.gate), ("up_proj", ex.up), ("down_proj", ex.down)):
+        got = np.asarray(w[0].dequantize(jnp.float32)).T[:16]
+        np.testing.assert_allclose(got, ref[f"experts.0.{n}.rows16"], rtol=3e-7, atol=0, err_msg=n)
+    for impl in ("cpu", "xla"):
+        cfg = dataclasses.replace(config, implementation=impl)
+        y, _ = jax.jit(lambda p, x: nn.moe_block(p, x, cfg))(params, jnp.asarray(ref["x"]))
+        assert _rel(y, ref["y"]) <= 2e-6, (impl, _rel(y, ref["y"]))
+
+
 def test_gpt_oss_mxfp4_matches_transformers():
     """gpt-oss's MXFP4 release layout (``*_blocks``/``*_scales``, gate and up
     rows interleaved, biases) loads as stacked mxfp4 experts with biases:
@@ -285,13 +308,17 @@ def test_gpt_oss_mxfp4_matches_transformers():
 
 
 def test_fp8_configs_that_are_not_read_are_named(tmp_path):
-    """compressed-tensors formats other than FP8 float-quantized, and
-    unknown quant_methods, are refused naming the key and value."""
+    """compressed-tensors formats other than FP8 float-quantized and NVFP4
+    (and NVFP4 configs whose weights are not 4-bit floats in groups of 16),
+    and unknown quant_methods, are refused naming the key and value."""
     src = DATA / "fp8" / "qwen3_moe_fp8_channel"
     qc = _json(src / "config.json")["quantization_config"]
-    bad = dict(qc, format="nvfp4-pack-quantized")
-    with pytest.raises(CheckpointError, match=r"format='nvfp4-pack-quantized' \(compressed-tensors\) is not read"):
+    bad = dict(qc, format="mxfp4-pack-quantized")
+    with pytest.raises(CheckpointError, match=r"format='mxfp4-pack-quantized' \(compressed-tensors\) is not read"):
         load_moe(_copy(src, tmp_path / "a", quantization_config=bad), layer=0)
+    with pytest.raises(CheckpointError, match=r"nvfp4-pack-quantized weights with num_bits=8, type='float', "
+                                              r"group_size=None are not read"):
+        load_moe(_copy(src, tmp_path / "n", quantization_config=dict(qc, format="nvfp4-pack-quantized")), layer=0)
     groups = json.loads(json.dumps(qc["config_groups"]))
     groups["group_0"]["weights"].update(num_bits=4, type="int")
     with pytest.raises(CheckpointError, match=r"config_groups\.group_0\.weights has num_bits=4, type='int'"):

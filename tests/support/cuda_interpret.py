@@ -63,7 +63,8 @@ class InterpretedCuda(Backend):
     name = NAME
 
     def why_not(self, problem: Problem) -> str:
-        return P.kernels_refusal(problem.quant, problem.layout.plain_views, problem.bf16_dot)
+        return P.kernels_refusal(problem.quant, problem.layout.plain_views, problem.bf16_dot,
+                                 problem.tensor_scales)
 
     def why_not_by_default(self, problem: Problem) -> str:
         return "a test backend: named only"

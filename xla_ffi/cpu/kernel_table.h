@@ -53,6 +53,9 @@ struct QuantMatrix {
   int64_t group;  // int4: rows per group (even); int8: K
   abi::WeightFormat format;  // a quantized format (never kDense)
   bool bf16_scales;
+  // The matrix's tensor scale (FormatSpec::tensor_scale; 1: none): each
+  // column's sum is multiplied by it once, streamed or packed alike.
+  float tensor_scale = 1.0f;
 };
 
 // How a quantized format's products are formed by the kernels.

@@ -174,6 +174,9 @@ void AccumulateRowsQFormat(const float* a, int64_t as, const QuantMatrix& m, int
   WithQKind(m, "the streaming quantized kernels", [&](auto q, auto b) {
     AccumulateRowsQ<VL, R, decltype(q)::value, decltype(b)::value>(a, as, m, n0, K, ncols, acc);
   });
+  // the tensor scale, once per column's sum (the packed kernels' epilogue alike)
+  if (m.tensor_scale != 1.0f)
+    for (int i = 0; i < R * ncols; ++i) acc[i] *= m.tensor_scale;
 }
 
 template <int VL>

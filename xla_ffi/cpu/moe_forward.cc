@@ -319,17 +319,20 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     const int64_t panels = (m1 - m0 + mr - 1) / mr;
     float* packed = scratch;
     float* part = scratch + b.scratch_layout.part_offset;
-    // column-scaled formats (int8): the tile's column scales, per micro-panel `width` of each matrix
+    // column-scaled formats (int8) and tensor scales: the tile's column
+    // scales, per micro-panel `width` of each matrix
     const float* scale = nullptr;
     if constexpr (WS::kQuant) {
-      if (QuantArithOf(mats[0]->format) == QuantArith::kColumnScaled) {
+      const bool by_column = QuantArithOf(mats[0]->format) == QuantArith::kColumnScaled;
+      if (by_column || p.w->tensor_scales) {
         float* colscale = scratch + b.scratch_layout.stride - nsub * 2 * vl;
         for (int q = 0; q < nsub; ++q)
           for (int s = 0; s < ns; ++s)
             for (int j = 0; j < width; ++j) {
               const int64_t col = n0 + q * width + j;
               colscale[q * 2 * vl + s * width + j] =
-                  col < n0 + nc ? ColumnScale(*mats[s], col) : 0.0f;
+                  col >= n0 + nc ? 0.0f
+                                 : (by_column ? ColumnScale(*mats[s], col) : 1.0f) * mats[s]->tensor_scale;
             }
         scale = colscale;
       }

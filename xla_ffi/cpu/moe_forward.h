@@ -68,5 +68,6 @@ size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, in
   ::nbx::ForwardAttrs {                                                                \
     activation, act_alpha, act_limit, band_tokens, max_workers, skip_outside, num_experts, \
         format, stacked, group_size,                                                   \
-        ::nbx::WeightViewAttrs{views, intermediate, fused_gate_up, has_bias}, bf16_dot \
+        ::nbx::WeightViewAttrs{views, intermediate, fused_gate_up, has_bias, tensor_scales}, \
+        bf16_dot                                                                       \
   }

@@ -82,13 +82,16 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
   const int nproj_groups = v.fused_gate_up ? 2 : abi::kNumProjections;
   const int64_t per = stacked ? 1 : E;
   const int64_t nbias = v.has_bias ? abi::kNumBiases : 0;
-  const int64_t want = parts * nproj_groups * per + nbias;
+  const int64_t nscales = v.tensor_scales ? abi::kNumProjections : 0;
+  if (v.tensor_scales && !spec.tensor_scale)
+    return ffi::Error::InvalidArgument(std::string(spec.name) + " weights take no tensor scales");
+  const int64_t want = parts * nproj_groups * per + nbias + nscales;
   if (E < 1 || static_cast<int64_t>(count) != want || first + count > args.size())
     return ffi::Error::InvalidArgument(
         "expected " + std::to_string(want) + " " + abi::kWeightFormatNames[fcode] +
         " weight buffers (" + std::to_string(parts * nproj_groups) + " groups of " +
-        std::to_string(per) + (nbias ? ", then 3 biases" : "") + "); got " +
-        std::to_string(count));
+        std::to_string(per) + (nbias ? ", then 3 biases" : "") +
+        (nscales ? ", then 3 tensor scales" : "") + "); got " + std::to_string(count));
   auto g0 = args.get<ffi::AnyBuffer>(first);
   if (g0.has_error()) return g0.error();
   if (g0->dimensions().size() < 1)
@@ -221,7 +224,7 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
   }
   for (int j = 0; j < nbias; ++j) {
     const int64_t n = j < 2 ? I : H;
-    auto b = args.get<ffi::AnyBuffer>(first + count - nbias + j);
+    auto b = args.get<ffi::AnyBuffer>(first + count - nscales - nbias + j);
     if (b.has_error()) return b.error();
     auto d = b->dimensions();
     if (b->element_type() != ffi::DataType::F32 || d.size() != 2 || d[0] != E || d[1] != n)
@@ -230,6 +233,18 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
                                          std::to_string(n) + "]");
     out->bias[j] = static_cast<const float*>(b->untyped_data());
   }
+  for (int j = 0; j < nscales; ++j) {
+    auto b = args.get<ffi::AnyBuffer>(first + count - nscales + j);
+    if (b.has_error()) return b.error();
+    auto d = b->dimensions();
+    if (b->element_type() != ffi::DataType::F32 || d.size() != 1 || d[0] != E)
+      return ffi::Error::InvalidArgument(std::string("the ") + abi::kProjectionNames[j] +
+                                         " tensor scales must be float32 [E=" + std::to_string(E) +
+                                         "]");
+    const float* ts = static_cast<const float*>(b->untyped_data());
+    for (int64_t e = 0; e < E; ++e) out->quant[j * E + e].tensor_scale = ts[e];
+  }
+  out->tensor_scales = nscales > 0;
   return ffi::Error::Success();
 }
 

@@ -22,6 +22,9 @@ struct WeightViewAttrs {
   int64_t intermediate;                 // I
   bool fused_gate_up;                   // groups gate_up, down
   bool has_bias;                        // three float32 bias buffers follow the weights
+  // (not a view) three float32 [E] tensor-scale buffers follow (the biases),
+  // one per projection: formats whose spec takes them (FormatSpec::tensor_scale)
+  bool tensor_scales = false;
 };
 
 struct ExpertWeights {
@@ -42,6 +45,7 @@ struct ExpertWeights {
   // [H, I], down [I, H], row-major), or of its QuantMatrix record.
   std::vector<const void*> table;
   std::vector<QuantMatrix> quant;  // [projection][E], quantized formats only
+  bool tensor_scales = false;      // some QuantMatrix::tensor_scale may differ from 1
 
   const void* const* gate() const { return table.data(); }
   const void* const* up() const { return table.data() + E; }
@@ -86,8 +90,9 @@ void ForWeightType(xla::ffi::DataType t, F&& f) {
 // I is read from gate's shape.  Every shape and dtype is checked before an
 // address is taken; errors name the projection, part and expert.
 // Dense weights may take any views (bounds checked per buffer), quantized
-// ones the plain views only; with `v.has_bias` the last three buffers of
-// the range are the float32 biases.
+// ones the plain views only; with `v.has_bias` the three buffers after the
+// weights are the float32 biases; with `v.tensor_scales` the last three are
+// the tensor scales, float32 [E] (QuantMatrix::tensor_scale).
 xla::ffi::Error DecodeWeights(xla::ffi::RemainingArgs args, size_t first, size_t count,
                               int64_t E, int64_t H, abi::WeightFormat format, bool stacked,
                               int64_t group_size, const WeightViewAttrs& v, ExpertWeights* out);

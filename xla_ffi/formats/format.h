@@ -61,6 +61,11 @@ struct FormatSpec {
   // own, or the scales' for quantized formats (part index); -1: float32
   // (formats whose scales are not a float type, e.g. mxfp4's E8M0 bytes).
   int32_t compute_dtype_part;
+  // Whether a matrix may carry a float32 tensor scale (one per expert and
+  // projection, the handlers' "tensor_scales" buffers): its every weight is
+  // the reference's value times it.  The kernels multiply each column's sum
+  // by it once, as int8's column scales (nvfp4's second-level scale).
+  bool tensor_scale = false;
 };
 
 // One expert's parts as the scalar reference reads them: each part's base

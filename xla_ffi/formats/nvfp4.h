@@ -2,9 +2,10 @@
 // scaled by one E4M3 ("fn") scale.  q uint8 [K/2, N]: two 4-bit codes per
 // byte along K, the even row in the low nibble (mxfp4's order, and MLX's
 // mx.quantize(mode="nvfp4")); scale uint8 [K/16, N] (float8_e4m3fn bits):
-// W[k, n] = E2M1(code[k, n]) * E4M3(scale[k/16, n]).  The optional float32
-// per-tensor scale of ModelOpt / compressed-tensors checkpoints is not a part:
-// such weights are refused by the loaders, naming it.
+// W[k, n] = E2M1(code[k, n]) * E4M3(scale[k/16, n]), times the matrix's
+// optional float32 tensor scale (FormatSpec::tensor_scale: ModelOpt's
+// `weight_scale_2`, 1 / compressed-tensors' `weight_global_scale`), which the
+// kernels apply to each column's sum.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,7 @@ inline constexpr FormatSpec kNvfp4Spec = {
     2,
     1, {16},
     -1,
+    /*tensor_scale=*/true,
 };
 
 // E2M1(code) * E4M3(s): exact (two and four significant bits; the product's

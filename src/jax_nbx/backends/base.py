@@ -46,15 +46,17 @@ class Problem:
     skip_outside: bool = False
     bf16_dot: bool = False
     max_workspace_bytes: int | str | None = None
+    tensor_scales: bool = False  # a quantized matrix carries a tensor scale (nvfp4)
 
     @classmethod
     def of(cls, experts: Experts, x_dtype, E: int, H: int, I: int, k: int, activation: Activation,
            **options) -> Problem:
-        from ..formats import quant_format
+        from ..formats import has_tensor_scale, quant_format
 
         return cls(E=E, H=H, I=I, k=k, x_dtype=np.dtype(x_dtype), w_dtype=np.dtype(experts.dtype),
                    quant=quant_format(experts), lists=experts.is_list, layout=experts.weight_layout(),
-                   layout_name=experts.layout, fusion=experts.fusion, activation=activation, **options)
+                   layout_name=experts.layout, fusion=experts.fusion, activation=activation,
+                   tensor_scales=has_tensor_scale(experts), **options)
 
     @property
     def plain(self) -> bool:

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import contract, cpu, memory
 from ..experts import Experts, WeightLayout
-from ..formats import weight_groups
+from ..formats import tensor_scales, weight_groups
 from ..planning import plan_band_tokens
 from .base import Backend, Problem
 
@@ -37,23 +37,27 @@ def forward_call(problem: Problem, band_tokens: int, x, w, ids, arrays, target: 
     of a target with its attributes: "metal_forward", the tests'
     "forward_poisoned") on 2-D inputs.  ``arrays``: `Experts.flat` then
     `Experts.handler_biases`; they reach the handler as the contract's
-    buffer groups (weights, then scales, then zeros; biases float32), read
-    in place."""
+    buffer groups (weights, then scales, then zeros; biases float32, then
+    the quantized matrices' tensor scales, float32 [E] per projection),
+    read in place."""
     layout = problem.layout
     weights, biases = split_arrays(arrays, layout)
+    scales = ()
     if layout.plain_views:
         groups, E, _, quant, _, _ = weight_groups(weights, problem.lists)
         bufs = [b for g in groups for b in (g if problem.lists else g[:1])]
+        scales = tensor_scales(weights, problem.lists)
     else:
         E, quant, bufs = _num_experts(weights, layout, problem.lists), None, list(weights)
-    bufs += [b.astype(jnp.float32) for b in biases]
+    bufs += [b.astype(jnp.float32) for b in biases] + list(scales)
     act = problem.activation
     attrs = contract.attributes(target, dict(
         activation=act.code, act_alpha=act.alpha, act_limit=act.limit, band_tokens=band_tokens,
         max_workers=cpu.planned_workers(), skip_outside=problem.skip_outside, num_experts=E,
         format=contract.FORMAT_CODES[quant[0] if quant else None], stacked=not problem.lists,
         group_size=quant[1] if quant else 0, views=layout.views, intermediate=layout.intermediate,
-        fused_gate_up=layout.fused, has_bias=layout.bias, bf16_dot=problem.bf16_dot))
+        fused_gate_up=layout.fused, has_bias=layout.bias, bf16_dot=problem.bf16_dot,
+        tensor_scales=bool(scales)))
     name = {"forward": contract.TARGET_FORWARD, "metal_forward": contract.TARGET_METAL_FORWARD,
             "forward_poisoned": contract.TARGET_FORWARD_POISONED}[target]
     return name, [x, w, ids, *bufs], attrs, jax.ShapeDtypeStruct(x.shape, x.dtype)

@@ -34,6 +34,9 @@ class MetalBackend(Backend):
                     f"have {problem.describe_layout()}: use implementation='xla' or the CPU handler")
         if problem.bf16_dot:
             return "precision='bfloat16' runs on the CPU handler only"
+        if problem.tensor_scales:
+            return (f"{problem.quant[0]} experts with a tensor scale run on the CPU handler and the xla "
+                    "reference (the Metal kernels have no tensor scale yet)")
         return ""
 
     def why_not_by_default(self, problem: Problem) -> str:

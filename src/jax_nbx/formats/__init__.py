@@ -92,6 +92,30 @@ def is_quantized(experts: Experts) -> bool:
     return quant_format(experts) is not None
 
 
+def has_tensor_scale(experts: Experts) -> bool:
+    """Whether any of the experts' quantized matrices carries a tensor scale."""
+    return any(isinstance(m, QuantizedWeight) and m.tensor_scale is not None for m in experts.flat())
+
+
+def tensor_scales(weights, lists: bool) -> tuple:
+    """The CPU handler's "tensor_scales" buffers of `Experts.flat()` of plain
+    quantized experts: float32 ``[E]`` per projection (gate, up, down; ones
+    where a matrix has none), or () when no matrix has a tensor scale."""
+    per = len(weights) // 3 if lists else 1
+    projs = [list(weights[i * per:(i + 1) * per]) for i in range(3)]
+    if not any(isinstance(m, QuantizedWeight) and m.tensor_scale is not None for p in projs for m in p):
+        return ()
+    import jax.numpy as jnp
+
+    def one(m, shape):
+        ts = m.tensor_scale if isinstance(m, QuantizedWeight) else None
+        return jnp.ones(shape, jnp.float32) if ts is None else jnp.asarray(ts, jnp.float32).reshape(shape)
+
+    if lists:
+        return tuple(jnp.stack([one(m, ()) for m in p]) for p in projs)
+    return tuple(one(p[0], (int(p[0].q.shape[0]),)) for p in projs)
+
+
 def weight_groups(weights, lists: bool):
     """The handlers' view of `Experts.flat()` of plain experts: (groups of
     buffers in the contract's order -- part-major (the format's parts: q,

@@ -51,6 +51,8 @@ class Format:
         # that are no float type, e.g. mxfp4's E8M0 bytes)
         cp = spec["compute_dtype_part"]
         self.compute_part: str | None = self.parts[cp] if cp >= 0 else None
+        # whether a matrix may carry a float32 tensor scale (QuantizedWeight.tensor_scale)
+        self.takes_tensor_scale: bool = bool(spec["tensor_scale"])
 
     @property
     def grouped(self) -> bool:
@@ -117,6 +119,14 @@ class Format:
                 raise ValueError(f"{where}.{part} has shape {tuple(a.shape)}; expected {want} "
                                  f"({self.name}, K={K}, N={N}"
                                  + (f", group_size={w.group_size})" if self.grouped else ")"))
+        ts = w.tensor_scale
+        if ts is not None:
+            if not self.takes_tensor_scale:
+                takers = [s["name"] for s in contract.FORMAT_SPECS if s["tensor_scale"]]
+                raise ValueError(f"{where}: {self.name} weights take no tensor_scale (only {takers} do)")
+            if np.dtype(ts.dtype) != np.float32 or tuple(ts.shape) != lead:
+                raise TypeError(f"{where}.tensor_scale must be float32 of shape {lead} (one per "
+                                f"expert); got {np.dtype(ts.dtype).name} {tuple(ts.shape)}")
 
     # --- each format's math ------------------------------------------------------------
     def quantize_matrix(self, w: jax.Array, group_size: int | None, scale_dtype: Any) -> QuantizedWeight:

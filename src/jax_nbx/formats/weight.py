@@ -18,22 +18,28 @@ class QuantizedWeight:
         format lacks is None), e.g. int8: q int8 ``[..., K, N]``, scale
         ``[..., N]``; int4: q uint8 ``[..., K/2, N]`` (packed), scale and zero
         ``[..., K/group_size, N]``.
+      tensor_scale: None, or (formats whose spec takes one: nvfp4) a float32
+        scale of the whole matrix, ``[E]`` when stacked, ``[]`` for one
+        expert: every weight is the format's value times it (ModelOpt's
+        ``weight_scale_2``; 1 / compressed-tensors' ``weight_global_scale``).
+        The kernels multiply each column's sum by it once.
       kind: the format's name.  group_size: its group along K (None for
         formats without groups).
     """
 
-    __slots__ = ("q", "scale", "zero", "kind", "group_size")
+    __slots__ = ("q", "scale", "zero", "tensor_scale", "kind", "group_size")
+    _CHILDREN = ("q", "scale", "zero", "tensor_scale")
 
-    def __init__(self, q: Any, scale: Any, zero: Any = None, *, kind: str,
+    def __init__(self, q: Any, scale: Any, zero: Any = None, tensor_scale: Any = None, *, kind: str,
                  group_size: int | None = None):
-        self.q, self.scale, self.zero = q, scale, zero
+        self.q, self.scale, self.zero, self.tensor_scale = q, scale, zero, tensor_scale
         self.kind, self.group_size = kind, group_size
 
     def tree_flatten(self):
-        return (self.q, self.scale, self.zero), (self.kind, self.group_size)
+        return tuple(getattr(self, n) for n in self._CHILDREN), (self.kind, self.group_size)
 
     def tree_flatten_with_keys(self):
-        return (tuple((jax.tree_util.GetAttrKey(n), getattr(self, n)) for n in ("q", "scale", "zero")),
+        return (tuple((jax.tree_util.GetAttrKey(n), getattr(self, n)) for n in self._CHILDREN),
                 (self.kind, self.group_size))
 
     @classmethod
@@ -71,9 +77,16 @@ class QuantizedWeight:
         fmt.validate(self, name)
 
     def dequantize(self, dtype=None) -> jax.Array:
-        """The dense weights (float32 math, returned in ``dtype`` or the compute dtype)."""
-        return self.format.dequantize(self).astype(dtype or self.dtype)
+        """The dense weights (float32 math, returned in ``dtype`` or the
+        compute dtype): the format's values, times the tensor scale if any."""
+        w = self.format.dequantize(self)
+        if self.tensor_scale is not None:
+            import jax.numpy as jnp
+
+            w = w * jnp.asarray(self.tensor_scale, jnp.float32)[..., None, None]
+        return w.astype(dtype or self.dtype)
 
     def __repr__(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
-        return f"QuantizedWeight({self.kind}{g}, shape={list(self.shape)}, scale {self.scale.dtype})"
+        t = ", tensor_scale" if self.tensor_scale is not None else ""
+        return f"QuantizedWeight({self.kind}{g}, shape={list(self.shape)}, scale {self.scale.dtype}{t})"

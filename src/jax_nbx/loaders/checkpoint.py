@@ -35,12 +35,14 @@ per expert or mlx-lm's stacked ``switch_mlp``, the bits, group size and mode
 of each module from config.json's ``quantization`` as mlx-lm writes it;
 FP8 E4M3 experts to fp8 (``.weight`` float8_e4m3fn with transformers'
 block ``.weight_scale_inv`` and ``weight_block_size``, or compressed-tensors'
-per-channel / per-tensor ``.weight_scale``; `fp8_import`).  An MLX-quantized
+per-channel / per-tensor ``.weight_scale``; `fp8_import`), compressed-tensors'
+NVFP4 (``nvfp4-pack-quantized``: ``.weight_packed``, ``.weight_scale``,
+``.weight_global_scale``) to nvfp4 with a tensor scale (`nvfp4_import`).  An MLX-quantized
 router (mlx-lm keeps Qwen3-MoE's at 8 bits) is dequantized to float32.  What
 is not read is refused naming it: a ``quant_method``, a GPTQ/AWQ
 ``checkpoint_format``/``format``/``version`` other than v1 GPTQ and GEMM
 AWQ, GPTQModel's ``pack_dtype`` and ``dynamic``, other widths than 4 bits,
-compressed-tensors formats other than FP8 ``float-quantized``.  gpt-oss's
+compressed-tensors formats other than FP8 ``float-quantized`` and NVFP4.  gpt-oss's
 MXFP4 experts (``experts.gate_up_proj_blocks``/``_scales``, ``down_proj_*``,
 biases) load as stacked mxfp4 experts with biases (`gpt_oss`).
 """
@@ -60,6 +62,7 @@ from ..nn.block import MoEConfig, MoEParams, read_hf_config
 from . import fp8_import
 from . import quant_import as qi
 from .gpt_oss import from_gpt_oss_mxfp4
+from .nvfp4_import import from_nvfp4, is_compressed_tensors_nvfp4
 
 __all__ = ["load_moe", "load_experts", "CheckpointError"]
 
@@ -209,7 +212,12 @@ def _check_quantization_config(hf_config: dict | None) -> None:
                               "(fine-grained 'fp8', compressed-tensors float-quantized) and MLX's; dequantize "
                               "it first")
     if str(method).lower() == "compressed-tensors":
-        _fp8_block(hf_config, False)
+        try:
+            nvfp4 = is_compressed_tensors_nvfp4(qc)
+        except ValueError as err:
+            raise CheckpointError(f"checkpoint: {err}") from err
+        if not nvfp4:
+            _fp8_block(hf_config, False)
 
 
 def _fp8_block(hf_config: dict | None, scale_inv: bool) -> tuple[int, int] | None:
@@ -239,7 +247,7 @@ def _check_gptq_awq(method: str, qc: dict) -> None:
 
 
 def _quant_method(reader: _Reader, base: str, hf_config: dict | None) -> str | None:
-    """'gptq', 'awq', 'mlx', 'fp8' or None (dense) for the projection stored under ``base``."""
+    """'gptq', 'awq', 'mlx', 'nvfp4', 'fp8' or None (dense) for the projection stored under ``base``."""
     if reader.has(base + "qweight"):
         qc = _quantization_config(hf_config)
         method = str(qc.get("quant_method", "")).lower()
@@ -258,6 +266,8 @@ def _quant_method(reader: _Reader, base: str, hf_config: dict | None) -> str | N
         return method
     if reader.has(base + "weight") and reader.has(base + "scales"):
         return "mlx"
+    if reader.has(base + "weight_packed") and reader.has(base + "weight_global_scale"):
+        return "nvfp4"
     if reader.has(base + "weight") and (reader.has(base + "weight_scale_inv") or reader.has(base + "weight_scale")
                                         or _fused_fp8_scale_name(reader, base) is not None):
         return "fp8"
@@ -329,6 +339,12 @@ def _quantized(reader: _Reader, base: str, method: str, hf_config: dict | None):
             return qi.from_mlx(*_mlx_tensors(reader, base), **_mlx_params(hf_config, base[:-1])), None
         except (ValueError, TypeError) as err:
             raise CheckpointError(f"checkpoint: {base}*: {err}") from err
+    if method == "nvfp4":
+        try:
+            return from_nvfp4(reader.get(base + "weight_packed"), reader.get(base + "weight_scale"),
+                              global_scale=reader.get(base + "weight_global_scale")), None
+        except (ValueError, TypeError) as err:
+            raise CheckpointError(f"checkpoint: {base}*: {err}") from err
     if method == "fp8":
         weight = reader.get(base + "weight")
         scale, block = _fp8_scale(reader, base, hf_config, int(weight.shape[-2]))
@@ -375,8 +391,8 @@ def _mlx_router(reader: _Reader, base: str, hf_config: dict | None):
 
 
 def _per_expert(reader: _Reader, pfx: str, E: int, H: int, hf_config: dict | None) -> Experts:
-    names = next((n for n in _PROJ_NAMES if reader.has(f"{pfx}experts.0.{n[0]}.weight")
-                  or reader.has(f"{pfx}experts.0.{n[0]}.qweight")), None)
+    names = next((n for n in _PROJ_NAMES if any(reader.has(f"{pfx}experts.0.{n[0]}.{t}")
+                                                for t in ("weight", "qweight", "weight_packed"))), None)
     if names is None:
         raise CheckpointError(f"checkpoint: no experts under {pfx!r}: expected {pfx}experts.0.gate_proj.weight "
                               f"(or .w1.weight, experts.gate_up_proj, input_linear.weight)")

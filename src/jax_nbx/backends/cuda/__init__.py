@@ -27,7 +27,8 @@ class CudaBackend(Backend):
         why = _registry.cuda_unavailable_reason()
         if why:
             return why
-        return plan.kernels_refusal(problem.quant, problem.layout.plain_views, problem.bf16_dot)
+        return plan.kernels_refusal(problem.quant, problem.layout.plain_views, problem.bf16_dot,
+                                    problem.tensor_scales)
 
     device = "cuda"
 

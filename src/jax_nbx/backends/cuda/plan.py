@@ -69,10 +69,11 @@ def products_dtype(xdtype, wdtype, quant=None) -> np.dtype:
     return np.dtype(xdtype) if np.dtype(xdtype).name == "bfloat16" else np.dtype("float32")
 
 
-def kernels_refusal(quant, plain_views: bool, bf16_dot: bool) -> str:
+def kernels_refusal(quant, plain_views: bool, bf16_dot: bool, tensor_scales: bool = False) -> str:
     """Why the Triton kernels cannot run a problem ("" when they can): its
     experts' format (``quant``: (name, group) or None), layout (quantized
-    experts: ``plain_views``, `WeightLayout.plain_views`), precision."""
+    experts: ``plain_views``, `WeightLayout.plain_views`), precision, tensor
+    scales (`QuantizedWeight.tensor_scale`)."""
     if quant is not None and quant[0] not in kernels_formats().values():
         return (f"the CUDA kernels have no tile dequantization for {quant[0]!r} weights "
                 f"(kernels.py _wtile: {sorted(kernels_formats().values())})")
@@ -81,6 +82,9 @@ def kernels_refusal(quant, plain_views: bool, bf16_dot: bool) -> str:
                 "down [E, I, H], no fused gate_up; biases or not)")
     if bf16_dot:
         return "precision='bfloat16' runs on the CPU handler only"
+    if tensor_scales:
+        return (f"{quant[0]} experts with a tensor scale run on the CPU handler and the xla reference "
+                "(the Triton kernels have no tensor scale yet)")
     return ""
 
 
