@@ -428,6 +428,22 @@ def _linear_tree(path: str, pfx: str):
     return root
 
 
+def _save_compressed(root, hf: str, dst: str, pfx: str) -> dict:
+    """compressed-tensors' ``compress_model`` of ``root``; its tensors under ``pfx`` saved to
+    ``dst``/model.safetensors beside the tiny model's config.json with the quantization_config
+    compressed-tensors writes (``update_config``); returns them."""
+    from compressed_tensors.compressors import ModelCompressor
+    from safetensors.torch import save_file
+    mc = ModelCompressor.from_pretrained_model(root)
+    mc.compress_model(root)
+    os.makedirs(dst, exist_ok=True)
+    csd = {k: v.contiguous() for k, v in root.state_dict().items() if k.startswith(pfx)}
+    save_file(csd, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(os.path.join(hf, "config.json"), dst)
+    mc.update_config(dst)
+    return csd
+
+
 def nvfp4_checkpoint(out: str) -> None:
     """``nvfp4/qwen3_moe_nvfp4``: compressed-tensors' NVFP4 (its ``NVFP4A16`` preset:
     ``nvfp4-pack-quantized``: E2M1 pairs ``weight_packed`` [N, K/2], E4M3 ``weight_scale`` per 16,
@@ -442,13 +458,11 @@ def nvfp4_checkpoint(out: str) -> None:
     import compressed_tensors
     import torch
     import transformers as tf
-    from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from compressed_tensors.quantization.lifecycle.forward import dequantize
     from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
     from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
-    from safetensors.torch import save_file
     d = os.path.join(out, "nvfp4")
     os.makedirs(d, exist_ok=True)
     pfx = "model.layers.0.mlp."
@@ -468,14 +482,8 @@ def nvfp4_checkpoint(out: str) -> None:
                                           global_scale=gs)
                 mod.weight_global_scale.data.copy_(gs)
                 mod.weight_scale.data.copy_(sc.to(mod.weight_scale.dtype))
-        mc = ModelCompressor.from_pretrained_model(root)
-        mc.compress_model(root)
         dst = os.path.join(d, "qwen3_moe_nvfp4")
-        os.makedirs(dst, exist_ok=True)
-        csd = {k: v.contiguous() for k, v in root.state_dict().items() if k.startswith(pfx)}
-        save_file(csd, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-        shutil.copy(os.path.join(hf, "config.json"), dst)
-        mc.update_config(dst)
+        csd = _save_compressed(root, hf, dst, pfx)
         w = {}
         for e in range(cfg.num_experts):
             for p in ("gate_proj", "up_proj", "down_proj"):
@@ -509,7 +517,7 @@ def fp8_checkpoints(out: str) -> None:
     import compressed_tensors
     import torch
     import transformers as tf
-    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+    from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
         QuantizationConfig,
@@ -561,14 +569,8 @@ def fp8_checkpoints(out: str) -> None:
                 sc, _ = calculate_qparams(wt.amin(dim=1, keepdim=True), wt.amax(dim=1, keepdim=True),
                                           mod.quantization_scheme.weights)
                 mod.weight_scale.data.copy_(sc.to(mod.weight_scale.dtype))
-        mc = ModelCompressor.from_pretrained_model(root)
-        mc.compress_model(root)
         dst = os.path.join(d, "qwen3_moe_fp8_channel")
-        os.makedirs(dst, exist_ok=True)
-        csd = {k: v.contiguous() for k, v in root.state_dict().items() if k.startswith(pfx)}
-        save_file(csd, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-        shutil.copy(os.path.join(hf, "config.json"), dst)
-        mc.update_config(dst)
+        csd = _save_compressed(root, hf, dst, pfx)
         comp = BaseCompressor.get_value_from_registry("float-quantized")
         w = {}
         for e in range(cfg.num_experts):
