@@ -92,23 +92,34 @@ def is_quantized(experts: Experts) -> bool:
     return quant_format(experts) is not None
 
 
+def _tensor_scale(m):
+    """A matrix's tensor scale, or None (dense, or none)."""
+    return m.tensor_scale if isinstance(m, QuantizedWeight) else None
+
+
+def _projections(weights, lists: bool) -> list[list]:
+    """`Experts.flat()` of plain experts as [gate, up, down], each one stacked
+    array or the E per-expert arrays."""
+    per = len(weights) // 3 if lists else 1
+    return [list(weights[i * per:(i + 1) * per]) for i in range(3)]
+
+
 def has_tensor_scale(experts: Experts) -> bool:
     """Whether any of the experts' quantized matrices carries a tensor scale."""
-    return any(isinstance(m, QuantizedWeight) and m.tensor_scale is not None for m in experts.flat())
+    return any(_tensor_scale(m) is not None for m in experts.flat())
 
 
 def tensor_scales(weights, lists: bool) -> tuple:
     """The CPU handler's "tensor_scales" buffers of `Experts.flat()` of plain
     quantized experts: float32 ``[E]`` per projection (gate, up, down; ones
     where a matrix has none), or () when no matrix has a tensor scale."""
-    per = len(weights) // 3 if lists else 1
-    projs = [list(weights[i * per:(i + 1) * per]) for i in range(3)]
-    if not any(isinstance(m, QuantizedWeight) and m.tensor_scale is not None for p in projs for m in p):
+    if all(_tensor_scale(m) is None for m in weights):
         return ()
+    projs = _projections(weights, lists)
     import jax.numpy as jnp
 
     def one(m, shape):
-        ts = m.tensor_scale if isinstance(m, QuantizedWeight) else None
+        ts = _tensor_scale(m)
         return jnp.ones(shape, jnp.float32) if ts is None else jnp.asarray(ts, jnp.float32).reshape(shape)
 
     if lists:
@@ -123,8 +134,8 @@ def weight_groups(weights, lists: bool):
     one stacked array or E per-expert arrays; E; I; (format, group_size) or
     None; the weights' or scales' dtype; whether every per-expert stride is
     a multiple of 16 bytes)."""
-    per = len(weights) // 3 if lists else 1
-    projs = [list(weights[i * per:(i + 1) * per]) for i in range(3)]  # gate, up, down
+    projs = _projections(weights, lists)
+    per = len(projs[0])
     w0 = projs[0][0]
     quant = quant_format(Experts(*projs))
     if quant:

@@ -25,6 +25,7 @@ from ... import _env, _registry, contract, memory
 from ...experts import WeightLayout
 from ...formats import QuantizedWeight, weight_groups
 from ...planning import plan_bands
+from ..cpu import split_arrays
 from . import plan as P
 
 _budget_set: set[int] = set()
@@ -133,8 +134,7 @@ def _view_groups(arrays, layout: WeightLayout, lists: bool):
     stride is a multiple of 16 bytes) of dense experts in any layout:
     ``arrays`` = the groups (gate_up, down when fused, else gate, up, down;
     one stacked array or E arrays each), then the biases when ``layout.bias``."""
-    nb = contract.NUM_BIASES if layout.bias else 0
-    weights, biases = arrays[:len(arrays) - nb], arrays[len(arrays) - nb:]
+    weights, biases = split_arrays(arrays, layout)
     if any(isinstance(a, QuantizedWeight) for a in weights):
         raise ValueError("the CUDA path reads quantized experts in the plain layout only (gate, up "
                          "[E, H, I], down [E, I, H], no fused gate_up; biases or not)")
@@ -168,9 +168,9 @@ def forward(x, w, ids, *arrays, activation, band_tokens: int, lists: bool = Fals
     k = ids.shape[1]
     if layout is not None and layout.plain_views and any(isinstance(a, QuantizedWeight) for a in arrays):
         # quantized experts with biases: the plain views, then the biases
-        nb = contract.NUM_BIASES if layout.bias else 0
-        groups, E, I, quant, wdtype, strides_ok = weight_groups(arrays[:len(arrays) - nb], lists)
-        biases, views = arrays[len(arrays) - nb:], (layout if nb else None)
+        weights, biases = split_arrays(arrays, layout)
+        groups, E, I, quant, wdtype, strides_ok = weight_groups(weights, lists)
+        views = layout if layout.bias else None
     elif layout is None or layout.native:
         groups, E, I, quant, wdtype, strides_ok = weight_groups(arrays, lists)
         biases, views = (), None
