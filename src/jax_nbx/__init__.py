@@ -11,6 +11,7 @@ from .experts import Experts, SharedExperts
 from .formats import QuantizedWeight, dequantize, quantize
 from .isa_calibration import Calibration, calibrate_isa
 from .loaders import from_awq, from_gptq, from_mlx, load_experts, load_moe
+from .lora import LoRA, merge_lora
 from .memory import DeviceOOMError
 from .models import MODELS, ModelShape
 from .ops import IMPLEMENTATIONS, fused_moe
@@ -28,7 +29,8 @@ from .sharding import sharded_moe
 
 __version__ = "0.1.0"
 
-__all__ = ["Experts", "SharedExperts", "Activation", "activations", "route", "route_topk_softmax", "route_sigmoid",
+__all__ = ["Experts", "SharedExperts", "LoRA", "merge_lora", "Activation", "activations", "route",
+           "route_topk_softmax", "route_sigmoid",
            "route_topk_sigmoid", "load_balancing_loss", "router_z_loss", "expert_counts", "fused_moe",
            "moe_reference", "IMPLEMENTATIONS", "MODELS", "ModelShape", "DeviceOOMError", "quantize",
            "dequantize", "QuantizedWeight", "formats", "backends", "sharded_moe", "memory", "cpu", "metal",

@@ -15,6 +15,7 @@ from . import backends, cpu, memory
 from .activations import Activation, as_activation
 from .backends.cpu import why_no_bf16_dot
 from .experts import Experts, SharedExperts
+from .lora import LoRA, validate_lora
 from .transforms import op
 from .validation import check_slots, ids_as_int32, validate, validate_experts
 
@@ -57,6 +58,7 @@ def fused_moe(
     weights_on: Literal["output", "input"] = "output",
     shared_experts: SharedExperts | None = None,
     precision: Literal["float32", "bfloat16"] | None = None,
+    lora: LoRA | None = None,
 ) -> jax.Array:
     """The MoE feed-forward block: route each token to its k experts, run each
     expert's gated MLP on the tokens it received, add the results back
@@ -144,6 +146,12 @@ def fused_moe(
         the bits the packed kernels give; with the emulation every expert
         packs.  Gradients are those of the float32 arithmetic (the roundings
         pass gradients through unchanged).
+      lora: `jax_nbx.LoRA` adapters on the routed experts' projections:
+        ``x @ W + s * (x @ A) @ B`` for each adapted projection (before its
+        bias), the base experts dense or quantized (QLoRA); ``jax.grad``
+        gives the adapters' gradients.  So far on the "xla" reference only:
+        the handlers refuse a call with adapters, and ``implementation=None``
+        takes the reference (docs/lora.md).  The shared experts take none.
 
     Returns:
       ``y`` with x's shape and dtype; accumulation is float32.
@@ -169,9 +177,11 @@ def fused_moe(
       advice; ``jax_nbx.memory.last_refusal()`` has the record).
     """
     x, topk_weights, topk_ids, experts = _as_arrays(x, topk_weights, topk_ids, experts)
+    if isinstance(lora, LoRA):
+        lora = jax.tree.map(jnp.asarray, lora)
     (backend, problem), shared = _resolve(x, topk_weights, topk_ids, experts, activation, implementation,
                                           max_workspace_bytes, ids_outside, weights_on, shared_experts,
-                                          precision)
+                                          precision, lora)
     E, H, k = problem.E, problem.H, topk_ids.shape[-1]
 
     lead = x.shape[:-1]
@@ -183,10 +193,11 @@ def fused_moe(
     ids2 = ids_as_int32(topk_ids, E).reshape(T, k)
     if weights_on == "input":  # one row per slot, scaled by its weight; unit weights
         xs = (x2[:, None, :].astype(jnp.float32) * w2[:, :, None]).astype(x.dtype).reshape(T * k, H)
-        y = _run(backend, problem, xs, jnp.ones((T * k, 1), jnp.float32), ids2.reshape(T * k, 1), experts)
+        y = _run(backend, problem, xs, jnp.ones((T * k, 1), jnp.float32), ids2.reshape(T * k, 1), experts,
+                 lora)
         y = y.reshape(T, k, H).astype(jnp.float32).sum(axis=1).astype(x.dtype)
     else:
-        y = _run(backend, problem, x2, w2, ids2, experts)
+        y = _run(backend, problem, x2, w2, ids2, experts, lora)
     if shared is not None:
         y = y.astype(jnp.float32) + _shared(x2, shared_experts, *shared)
         y = y.astype(x.dtype)
@@ -206,7 +217,7 @@ def _as_arrays(x, topk_weights, topk_ids, experts):
 
 
 def _resolve(x, topk_weights, topk_ids, experts, activation, implementation, max_workspace_bytes,
-             ids_outside, weights_on, shared_experts, precision):
+             ids_outside, weights_on, shared_experts, precision, lora=None):
     """Validates a call; ((backend, problem) of the routed experts' pass,
     (backend, problem) of the shared experts' or None)."""
     if ids_outside not in ("error", "skip"):
@@ -219,11 +230,12 @@ def _resolve(x, topk_weights, topk_ids, experts, activation, implementation, max
         raise TypeError("shared_experts must be a jax_nbx.SharedExperts or None; got "
                         f"{type(shared_experts).__name__}")
     E, H, I, k = validate(x, topk_weights, topk_ids, experts, activation, ids_outside == "skip")
+    lora_spec = None if lora is None else validate_lora(lora, E, H, I)
     activation = as_activation(activation)
     options = dict(skip_outside=ids_outside == "skip", max_workspace_bytes=max_workspace_bytes)
     k_pass = 1 if weights_on == "input" else k
     problem = backends.Problem.of(experts, x.dtype, E, H, I, k_pass, activation,
-                                  bf16_dot=precision == "bfloat16", **options)
+                                  bf16_dot=precision == "bfloat16", lora=lora_spec, **options)
     backend = backends.choose(implementation, problem)
     shared = _shared_pass(shared_experts, implementation, x.dtype, H, activation, precision, options)
     passes = [(backend, problem)] + ([shared] if shared is not None else [])
@@ -236,14 +248,14 @@ def _resolve(x, topk_weights, topk_ids, experts, activation, implementation, max
 
 def resolve(x, topk_weights, topk_ids, experts: Experts, *, activation="swiglu", implementation=None,
             max_workspace_bytes=None, ids_outside="error", weights_on="output", shared_experts=None,
-            precision=None) -> tuple[backends.Backend, backends.Problem]:
+            precision=None, lora=None) -> tuple[backends.Backend, backends.Problem]:
     """What `fused_moe` with these arguments runs, without running it: the
     backend and the `backends.Problem` of the routed experts' pass (its
     ``bf16_dot`` says which arithmetic ``precision`` resolved to).  Raises
     what `fused_moe` raises at trace time."""
     x, topk_weights, topk_ids, experts = _as_arrays(x, topk_weights, topk_ids, experts)
     routed, _ = _resolve(x, topk_weights, topk_ids, experts, activation, implementation,
-                         max_workspace_bytes, ids_outside, weights_on, shared_experts, precision)
+                         max_workspace_bytes, ids_outside, weights_on, shared_experts, precision, lora)
     return routed
 
 
@@ -286,11 +298,16 @@ def _bf16_dot_by_default(x_dtype, passes) -> bool:
     return cpu.bf16_dot_by_default()
 
 
-def _run(backend: backends.Backend, problem: backends.Problem, x2, w2, ids2, experts: Experts) -> jax.Array:
-    """One pass of ``backend`` on 2-D inputs (validated)."""
+def _run(backend: backends.Backend, problem: backends.Problem, x2, w2, ids2, experts: Experts,
+         lora: LoRA | None = None) -> jax.Array:
+    """One pass of ``backend`` on 2-D inputs (validated; ``lora`` only on a
+    backend that `takes_lora`, which `backends.choose` made sure of)."""
     T = x2.shape[0]
     if backend.traced_by_jax:
-        return backend.forward(problem, 0, x2, w2, ids2, experts)
+        extra = {} if lora is None else {"lora": lora}
+        return backend.forward(problem, 0, x2, w2, ids2, experts, **extra)
+    if lora is not None:  # (the op's transformations carry no adapters yet: handlers do not take them)
+        raise NotImplementedError(f"the {backend.name!r} backend's op does not carry LoRA adapters")
     check_slots(T, problem.k)
     band = backend.plan(problem, T)
     try:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from .activations import ACTIVATIONS, Activation, as_activation
 from .experts import Experts
+from .lora import LoRA
 
 __all__ = ["moe_reference", "ACTIVATIONS"]
 
@@ -25,9 +26,12 @@ def block_rows(slots: int, num_experts: int) -> int:
 
 
 def moe_reference(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array,
-                  experts: Experts, activation: str | Activation = "swiglu") -> jax.Array:
+                  experts: Experts, activation: str | Activation = "swiglu",
+                  lora: LoRA | None = None) -> jax.Array:
     """MoE forward on 2-D inputs: x ``[T, H]``, weights/ids ``[T, k]``;
-    experts in any layout, with or without biases (`Experts`).
+    experts in any layout, with or without biases (`Experts`); ``lora``:
+    adapters on the projections (`jax_nbx.LoRA`, validated by the caller),
+    ``x @ W + s * (x @ A) @ B`` before the biases.
 
     Accumulates in float32 and returns ``x.dtype``.  Slots whose id lies
     outside ``[0, E)`` contribute nothing (this path cannot raise at run time;
@@ -74,17 +78,26 @@ def moe_reference(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array,
     used = block_start < padded_end[-1]
 
     hi = jax.lax.Precision.HIGHEST
+    adapters = None if lora is None else lora.stacked()
+
+    def project(v, name, e):  # v @ W_e (+ s * (v @ A_e) @ B_e), float32
+        out = jnp.dot(v, getattr(experts, name)[e].astype(jnp.float32), precision=hi)
+        pair = None if adapters is None else adapters.pair(name)
+        if pair is not None:
+            va = jnp.dot(v, pair[0][e].astype(jnp.float32), precision=hi)
+            out = out + adapters.scale(name) * jnp.dot(va, pair[1][e].astype(jnp.float32), precision=hi)
+        return out
 
     def run_block(args):
         xb, wb, e, use = args
 
         def compute(_):
             xf = xb.astype(jnp.float32)
-            g = jnp.dot(xf, experts.gate[e].astype(jnp.float32), precision=hi)
-            u = jnp.dot(xf, experts.up[e].astype(jnp.float32), precision=hi)
+            g = project(xf, "gate", e)
+            u = project(xf, "up", e)
             if biases:
                 g, u = g + biases[0][e][None, :], u + biases[1][e][None, :]
-            o = jnp.dot(glu(g, u), experts.down[e].astype(jnp.float32), precision=hi)
+            o = project(glu(g, u), "down", e)
             if biases:
                 o = o + biases[2][e][None, :]
             return o * wb[:, None]

@@ -70,13 +70,37 @@ def dense(experts: nbx.Experts) -> nbx.Experts:
     return experts.canonical()[0]
 
 
-def np_moe(x, w, ids, experts: nbx.Experts, activation="swiglu", biases=None) -> np.ndarray:
+def np_lora(lora) -> dict:
+    """A `jax_nbx.LoRA` as float64: projection -> (A [E, in, r], B [E, r, out], scale)."""
+    if lora is None:
+        return {}
+    out = {}
+    for name in ("gate", "up", "down"):
+        pair = getattr(lora, name)
+        if pair is not None:
+            A, B = (np.stack([f64(v) for v in a]) if isinstance(a, (list, tuple)) else f64(a) for a in pair)
+            out[name] = (A, B, lora.scale(name))
+    return out
+
+
+def _np_project(v, W, adapters, name, e):
+    """v @ W[e] + s * (v @ A[e]) @ B[e] (LoRA), float64."""
+    out = v @ W[e]
+    if name in adapters:
+        A, B, s = adapters[name]
+        out = out + s * (v @ A[e]) @ B[e]
+    return out
+
+
+def np_moe(x, w, ids, experts: nbx.Experts, activation="swiglu", biases=None, lora=None) -> np.ndarray:
     """float64 MoE forward, one expert at a time; x [T, H], w/ids [T, k];
     slots whose id is outside [0, E) contribute nothing.  ``biases``: float64
-    (gate [E, I], up [E, I], down [E, H]) or None."""
+    (gate [E, I], up [E, I], down [E, H]) or None; ``lora``: a `jax_nbx.LoRA`
+    (``x @ W + s * (x @ A) @ B`` per adapted projection) or None."""
     x, w, ids = f64(x), f64(w), np.asarray(ids)
     ex = dense(experts)
     gate, up, down = f64(ex.gate), f64(ex.up), f64(ex.down)
+    ad = np_lora(lora)
     T, H = x.shape
     y = np.zeros((T, H))
     for e in range(gate.shape[0]):
@@ -84,42 +108,58 @@ def np_moe(x, w, ids, experts: nbx.Experts, activation="swiglu", biases=None) ->
         if t_idx.size == 0:
             continue
         a = x[t_idx]
-        g, u = a @ gate[e], a @ up[e]
+        g, u = _np_project(a, gate, ad, "gate", e), _np_project(a, up, ad, "up", e)
         if biases is not None:
             g, u = g + biases[0][e], u + biases[1][e]
-        o = np_glu(g, u, activation)[0] @ down[e]
+        o = _np_project(np_glu(g, u, activation)[0], down, ad, "down", e)
         if biases is not None:
             o = o + biases[2][e]
         np.add.at(y, t_idx, w[t_idx, j_idx][:, None] * o)
     return y
 
 
-def np_moe_grads(x, w, ids, experts: nbx.Experts, ct, activation="swiglu"):
-    """float64 gradients of sum(y * ct): (dx, dw, dgate, dup, ddown).  Slots
+def np_moe_grads(x, w, ids, experts: nbx.Experts, ct, activation="swiglu", lora=None):
+    """float64 gradients of sum(y * ct): (dx, dw, dgate, dup, ddown), and with
+    ``lora`` (a `jax_nbx.LoRA`) a sixth: projection -> (dA, dB).  Slots
     whose id is outside [0, E) contribute nothing (their dw is 0)."""
     x, w, ids, ct = f64(x), f64(w), np.asarray(ids), f64(ct)
     ex = dense(experts)
     G, U, D = f64(ex.gate), f64(ex.up), f64(ex.down)
+    ad = np_lora(lora)
+    dad = {n: (np.zeros_like(A), np.zeros_like(B)) for n, (A, B, _) in ad.items()}
     dx, dw = np.zeros_like(x), np.zeros_like(w)
     dG, dU, dD = np.zeros_like(G), np.zeros_like(U), np.zeros_like(D)
+
+    def back(v, dout, W, dW, name, e):
+        """Adds the weight and adapter gradients of v @ W[e] (+ LoRA); dv."""
+        dW[e] += v.T @ dout
+        dv = dout @ W[e].T
+        if name in ad:
+            A, B, s = ad[name]
+            dA, dB = dad[name]
+            dB[e] += s * (v @ A[e]).T @ dout
+            dva = s * dout @ B[e].T
+            dA[e] += v.T @ dva
+            dv = dv + dva @ A[e].T
+        return dv
+
     for e in range(G.shape[0]):
         t_idx, j_idx = np.nonzero(ids == e)
         if t_idx.size == 0:
             continue
         a, c, wt = x[t_idx], ct[t_idx], w[t_idx, j_idx][:, None]
-        g, u = a @ G[e], a @ U[e]
+        g, u = _np_project(a, G, ad, "gate", e), _np_project(a, U, ad, "up", e)
         h, dh_dg, dh_du = np_glu(g, u, activation)
-        o = h @ D[e]
+        o = _np_project(h, D, ad, "down", e)
         np.add.at(dw, (t_idx, j_idx), np.sum(o * c, axis=1))
         do = wt * c
-        dD[e] += h.T @ do
-        dh = do @ D[e].T
+        dh = back(h, do, D, dD, "down", e)
         dg = dh * dh_dg
         du = dh * dh_du
-        dG[e] += a.T @ dg
-        dU[e] += a.T @ du
-        np.add.at(dx, t_idx, dg @ G[e].T + du @ U[e].T)
-    return dx, dw, dG, dU, dD
+        np.add.at(dx, t_idx, back(a, dg, G, dG, "gate", e) + back(a, du, U, dU, "up", e))
+    if lora is None:
+        return dx, dw, dG, dU, dD
+    return dx, dw, dG, dU, dD, dad
 
 
 def rel_err(y, ref) -> float:

@@ -54,6 +54,12 @@ def get(name: str) -> Backend:
     return _BACKENDS[name]
 
 
+def _why_no_lora(backend: Backend, problem: Problem) -> str:
+    if problem.lora is not None and not backend.takes_lora:
+        return "LoRA adapters (lora=) run on the 'xla' reference only so far (docs/lora.md)"
+    return ""
+
+
 def choose(implementation: str | None, problem: Problem) -> Backend:
     """The backend that runs ``problem``: the one named, or with None the
     first of `DEFAULT_ORDER` whose `why_not_by_default` is empty.  ValueError
@@ -64,14 +70,14 @@ def choose(implementation: str | None, problem: Problem) -> Backend:
             raise ValueError(f"implementation must be one of {names() + ('ffi',)} or None; "
                              f"got {implementation!r}")
         backend = get(implementation)
-        why = backend.why_not(problem)
+        why = _why_no_lora(backend, problem) or backend.why_not(problem)
         if why:
             alias = f" (the {jax.default_backend()!r} handler)" if implementation == "ffi" else ""
             raise ValueError(f"implementation={implementation!r}{alias} cannot run this call: {why}")
         return backend
     reasons = []
     for name in DEFAULT_ORDER + tuple(n for n in _BACKENDS if n not in DEFAULT_ORDER):
-        why = _BACKENDS[name].why_not_by_default(problem)
+        why = _why_no_lora(_BACKENDS[name], problem) or _BACKENDS[name].why_not_by_default(problem)
         if not why:
             return _BACKENDS[name]
         reasons.append(f"{name}: {why}")

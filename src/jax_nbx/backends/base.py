@@ -19,6 +19,7 @@ import numpy as np
 
 from ..activations import Activation
 from ..experts import Experts, WeightLayout
+from ..lora import LoRA, LoRASpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Problem:
     bf16_dot: bool = False
     max_workspace_bytes: int | str | None = None
     tensor_scales: bool = False  # a quantized matrix carries a tensor scale (nvfp4)
+    lora: LoRASpec | None = None  # LoRA adapters on the projections (`jax_nbx.LoRA`)
 
     @classmethod
     def of(cls, experts: Experts, x_dtype, E: int, H: int, I: int, k: int, activation: Activation,
@@ -87,6 +89,9 @@ class Backend:
     name: str = ""
     #: whether JAX differentiates and batches `forward` itself (the reference)
     traced_by_jax: bool = False
+    #: whether `forward` takes LoRA adapters (``lora=``); the registry refuses
+    #: a problem with adapters on a backend that does not
+    takes_lora: bool = False
 
     def why_not(self, problem: Problem) -> str:
         """"" when this backend can run ``problem`` in this process, else why not."""
@@ -120,8 +125,9 @@ class Backend:
                           f"({self.name}, E={p.E} k={p.k} H={p.H} I={p.I})")
 
     def forward(self, problem: Problem, band_tokens: int, x: jax.Array, w: jax.Array, ids: jax.Array,
-                experts: Experts) -> jax.Array:
-        """y [T, H] of the raw pass on 2-D, validated inputs (ids int32)."""
+                experts: Experts, lora: LoRA | None = None) -> jax.Array:
+        """y [T, H] of the raw pass on 2-D, validated inputs (ids int32);
+        ``lora`` only where `takes_lora` (validated: ``problem.lora``)."""
         raise NotImplementedError
 
     def backward(self, problem: Problem, dy: jax.Array, x: jax.Array, w: jax.Array, ids: jax.Array,

@@ -14,6 +14,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from ..experts import Experts
+from ..lora import LoRA
 from ..reference import moe_reference
 from .base import Backend, Problem
 
@@ -44,15 +45,17 @@ def checked_ids(ids: jax.Array, E: int) -> jax.Array:
 class XlaBackend(Backend):
     name = "xla"
     traced_by_jax = True
+    takes_lora = True
 
     def why_not(self, problem: Problem) -> str:
         if problem.bf16_dot:
             return "precision='bfloat16' runs on the CPU handler only"
         return ""
 
-    def forward(self, problem: Problem, band_tokens: int, x, w, ids, experts: Experts) -> jax.Array:
+    def forward(self, problem: Problem, band_tokens: int, x, w, ids, experts: Experts,
+                lora: LoRA | None = None) -> jax.Array:
         if not problem.skip_outside:
             ids = checked_ids(ids, problem.E)
         if problem.quant is not None:  # quantized weights are frozen, as on every backend
             experts = jax.tree.map(jax.lax.stop_gradient, experts)
-        return moe_reference(x, w, ids, experts, problem.activation)
+        return moe_reference(x, w, ids, experts, problem.activation, lora)

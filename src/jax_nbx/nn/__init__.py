@@ -12,9 +12,10 @@ named (``pip install jax_nbx[flax]`` / ``[equinox]``).
 """
 from __future__ import annotations
 
-from .block import ROUTINGS, MoEConfig, MoEParams, RouterAux, init_params, moe_block, partition_specs
+from .block import ROUTINGS, MoEConfig, MoEParams, RouterAux, init_lora, init_params, moe_block, partition_specs
 
-__all__ = ["MoEConfig", "MoEParams", "RouterAux", "ROUTINGS", "init_params", "moe_block", "partition_specs",
+__all__ = ["MoEConfig", "MoEParams", "RouterAux", "ROUTINGS", "init_params", "init_lora", "moe_block",
+           "partition_specs",
            "NNXMoE", "EqxMoE"]
 
 _LAZY = {"NNXMoE": ("nnx_moe", "flax", "flax"), "EqxMoE": ("eqx_moe", "equinox", "equinox")}

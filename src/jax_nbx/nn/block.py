@@ -19,6 +19,7 @@ import numpy as np
 
 from ..activations import Activation, as_activation
 from ..experts import FUSIONS, LAYOUTS, Experts, SharedExperts
+from ..lora import PROJECTIONS, LoRA
 from ..ops import fused_moe
 from ..routing import (
     expert_counts,
@@ -30,7 +31,7 @@ from ..routing import (
     router_z_loss,
 )
 
-__all__ = ["MoEConfig", "MoEParams", "RouterAux", "ROUTINGS", "HF_DEFAULTS", "init_params", "moe_block",
+__all__ = ["MoEConfig", "MoEParams", "RouterAux", "ROUTINGS", "HF_DEFAULTS", "init_params", "init_lora", "moe_block",
            "partition_specs", "read_hf_config"]
 
 ROUTINGS = ("softmax", "softmax_topk", "sigmoid", "topk_sigmoid")
@@ -298,6 +299,7 @@ class MoEParams(NamedTuple):
     experts: `Experts` (any layout, stacked or lists, dense or quantized).
     router_bias: ``[E]`` or None.  correction_bias: ``[E]`` or None (a
     buffer: `moe_block` stops its gradient).  shared: `SharedExperts` or None.
+    lora: `jax_nbx.LoRA` adapters on the routed experts or None (`init_lora`).
     """
 
     router: Any
@@ -305,6 +307,7 @@ class MoEParams(NamedTuple):
     router_bias: Any = None
     correction_bias: Any = None
     shared: SharedExperts | None = None
+    lora: LoRA | None = None
 
 
 class RouterAux(NamedTuple):
@@ -374,6 +377,14 @@ def init_params(config: MoEConfig, key: jax.Array, dtype=jnp.float32, *, lists: 
                      shared=shared)
 
 
+def init_lora(config: MoEConfig, key: jax.Array, rank: int, *, projections=PROJECTIONS,
+              alpha: float | None = None, dtype=jnp.float32, lists: bool = False) -> LoRA:
+    """Fresh adapters for the block's routed experts (`jax_nbx.LoRA.init`:
+    ``B = 0``, so the block starts equal to its base)."""
+    return LoRA.init(key, config.num_experts, config.hidden_size, config.intermediate_size, rank,
+                     projections=projections, alpha=alpha, dtype=dtype, lists=lists)
+
+
 def _route(config: MoEConfig, logits: jax.Array, correction_bias):
     k = config.top_k
     if config.routing == "softmax":
@@ -414,9 +425,11 @@ def moe_block(params: MoEParams, x: jax.Array, config: MoEConfig, *,
     kw = dict(activation=config.activation, implementation=config.implementation)
     if config.mesh is None:
         y = fused_moe(x, w, ids, params.experts, weights_on=config.weights_on, shared_experts=params.shared,
-                      max_workspace_bytes=config.max_workspace_bytes, **kw)
+                      max_workspace_bytes=config.max_workspace_bytes, lora=params.lora, **kw)
     else:
         from ..sharding import sharded_moe
+        if params.lora is not None:
+            raise ValueError("MoEConfig.mesh: sharded_moe does not take LoRA adapters yet (params.lora)")
         if config.weights_on != "output":
             raise ValueError("MoEConfig.mesh: sharded_moe takes weights_on='output' only")
         lead = x.shape[:-1]

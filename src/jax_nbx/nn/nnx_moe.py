@@ -5,14 +5,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .block import MoEConfig, MoEParams, RouterAux, init_params, moe_block
+from ..lora import PROJECTIONS
+from .block import MoEConfig, MoEParams, RouterAux, init_lora, init_params, moe_block
 
 __all__ = ["NNXMoE", "Frozen", "Buffer"]
 
 
 class Frozen(nnx.Variable):
-    """Quantized weights (integer codes, their scales and offsets): state,
-    not trained (`jax_nbx.fused_moe` gives them no gradient)."""
+    """Weights not trained: quantized experts (integer codes, their scales
+    and offsets; `jax_nbx.fused_moe` gives them no gradient), and the base
+    experts of a layer with LoRA adapters (``lora_rank``)."""
 
 
 class Buffer(nnx.Variable):
@@ -70,21 +72,38 @@ class NNXMoE(nnx.Module):
       lists: initialize the routed experts as per-expert lists.
       params: `MoEParams` to hold instead of initializing (e.g. from
         `jax_nbx.loaders.load_moe`).
+      lora_rank: > 0: LoRA adapters of this rank on the routed experts
+        (`jax_nbx.LoRA`; A random, B = 0, so the layer starts equal to its
+        base), held as ``self.lora`` (`nnx.Param`); the routed and shared
+        experts become `Frozen` (``nnx.grad`` gives them no gradient; the
+        router stays a Param).  ``params.lora``, when given, is held instead.
+      lora_projections: the adapted projections (of "gate", "up", "down").
+      lora_alpha: the scale is ``lora_alpha / lora_rank`` (default: scale 1).
     """
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
-                 lists: bool = False, params: MoEParams | None = None):
+                 lists: bool = False, params: MoEParams | None = None, lora_rank: int = 0,
+                 lora_projections=PROJECTIONS, lora_alpha: float | None = None):
         if params is None:
             if rngs is None:
                 raise ValueError("NNXMoE: pass rngs= to initialize, or params= to hold given parameters")
             params = init_params(config, rngs.params(), param_dtype, lists=lists)
+        if lora_rank and params.lora is None:
+            if rngs is None:
+                raise ValueError("NNXMoE: lora_rank needs rngs= to initialize the adapters")
+            params = params._replace(lora=init_lora(config, rngs.params(), lora_rank, projections=lora_projections,
+                                                    alpha=lora_alpha, dtype=param_dtype,
+                                                    lists=params.experts.is_list))
         from ..formats import is_quantized
+        frozen = params.lora is not None
         self.config = config
         self.router = nnx.Param(params.router)
         self.router_bias = None if params.router_bias is None else nnx.Param(params.router_bias)
         self.correction_bias = None if params.correction_bias is None else Buffer(params.correction_bias)
-        self.experts = _wrap(params.experts, is_quantized(params.experts))
-        self.shared = _wrap(params.shared, is_quantized(params.shared.experts) if params.shared else False)
+        self.experts = _wrap(params.experts, frozen or is_quantized(params.experts))
+        self.shared = _wrap(params.shared,
+                            frozen or (is_quantized(params.shared.experts) if params.shared else False))
+        self.lora = _wrap(params.lora, False)
 
     def params(self) -> MoEParams:
         """The held parameters as plain arrays (`MoEParams`)."""
@@ -94,6 +113,7 @@ class NNXMoE(nnx.Module):
             router_bias=None if self.router_bias is None else self.router_bias[...],
             correction_bias=None if self.correction_bias is None else self.correction_bias[...],
             shared=_unwrap(self.shared),
+            lora=_unwrap(self.lora),
         )
 
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> tuple[jax.Array, RouterAux]:

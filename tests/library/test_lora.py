@@ -1,0 +1,210 @@
+"""LoRA adapters on the experts (`jax_nbx.LoRA`, ``fused_moe(..., lora=)``):
+forward and every gradient against the float64 oracle (support/problems.py),
+over dense and quantized (QLoRA) base experts, stacked and lists, rank 1 and
+16; merging for export; the errors; the layers' adapters."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_nbx as nbx
+
+from support.problems import DTYPES, TOL, as_lists, f64, make_problem, np_moe, np_moe_grads, rel_err
+
+
+def _lora(seed, E, H, I, r, projections=("gate", "up", "down"), dtype=jnp.float32, lists=False, scale=0.5):
+    """Random adapters (B not zero, so they change the result)."""
+    rng = np.random.default_rng(seed)
+    dims = dict(gate=(H, I), up=(H, I), down=(I, H))
+    pairs = {}
+    for n in projections:
+        fi, fo = dims[n]
+        A = jnp.asarray(rng.standard_normal((E, fi, r)) / np.sqrt(fi), dtype)
+        B = jnp.asarray(rng.standard_normal((E, r, fo)) / np.sqrt(r), dtype)
+        pairs[n] = ([A[e] for e in range(E)], [B[e] for e in range(E)]) if lists else (A, B)
+    return nbx.LoRA(**pairs, scale=scale)
+
+
+def _loss_and_grads(x, w, ids, experts, lora, ct, **kw):
+    """y and the gradients of sum(y * ct) with respect to (x, w, lora)."""
+    def f(x, w, lora):
+        y = nbx.fused_moe(x, w, ids, experts, lora=lora, **kw)
+        return jnp.sum(y.astype(jnp.float32) * ct), y
+
+    (_, y), g = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(x, w, lora)
+    return y, g
+
+
+def _check_lora_grads(glora, dad, tol):
+    for name, (dA, dB) in dad.items():
+        gA, gB = glora.pair(name)
+        if isinstance(gA, (list, tuple)):
+            gA, gB = jnp.stack(gA), jnp.stack(gB)
+        assert rel_err(gA, dA) < tol, (name, "A", rel_err(gA, dA))
+        assert rel_err(gB, dB) < tol, (name, "B", rel_err(gB, dB))
+
+
+@pytest.mark.parametrize("T, r, lists, projections, x_dtype", [
+    (1, 1, False, ("gate", "up", "down"), "f32"),
+    (33, 16, True, ("gate", "up", "down"), "f32"),
+    (222, 16, False, ("gate", "down"), "bf16"),
+    (33, 3, False, ("up",), "f32"),
+])
+def test_forward_and_gradients_match_float64(T, r, lists, projections, x_dtype):
+    E, k, H, I = 5, 2, 40, 24  # H, I not a multiple of any block
+    x, w, ids, ex = make_problem(T, T, E, k, H, I, x_dtype=DTYPES[x_dtype])
+    lora = _lora(T + r, E, H, I, r, projections, lists=lists)
+    if lists:
+        ex = as_lists(ex)
+    ct = jnp.asarray(np.random.default_rng(1).standard_normal((T, H)), jnp.float32)
+    y, (dx, dw, glora) = _loss_and_grads(x, w, ids, ex, lora, ct)
+    ref = np_moe(x, w, ids, ex, lora=lora)
+    tol = TOL[x_dtype]
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert rel_err(y, ref) < tol
+    assert rel_err(y, np_moe(x, w, ids, ex)) > 10 * tol  # the adapters changed the result
+    rdx, rdw, *_, dad = np_moe_grads(x, w, ids, ex, ct, lora=lora)
+    gtol = 1e-5 if x_dtype == "f32" else 2e-2
+    assert rel_err(dx, rdx) < gtol and rel_err(dw, rdw) < gtol
+    _check_lora_grads(glora, dad, gtol)
+    assert glora.projections == tuple(projections) and glora.scales == lora.scales
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4", "fp8", "mxfp8", "nvfp4"])
+def test_qlora_over_every_quantized_format(fmt):
+    """Frozen quantized experts: the adapters' gradients and dx against the
+    oracle on the dequantized weights; the base gets none."""
+    E, k, H, I, T = 4, 2, 64, 32, 17
+    x, w, ids, ex = make_problem(7, T, E, k, H, I)
+    q = nbx.quantize(ex, fmt, group_size=32 if fmt in ("int4", "fp8") else None)
+    lora = _lora(3, E, H, I, 4)
+    ct = jnp.asarray(np.random.default_rng(2).standard_normal((T, H)), jnp.float32)
+    y, (dx, dw, glora) = _loss_and_grads(x, w, ids, q, lora, ct)
+    assert rel_err(y, np_moe(x, w, ids, q, lora=lora)) < 1e-5
+    rdx, rdw, *_, dad = np_moe_grads(x, w, ids, q, ct, lora=lora)
+    assert rel_err(dx, rdx) < 1e-5 and rel_err(dw, rdw) < 1e-5
+    _check_lora_grads(glora, dad, 1e-5)
+    gq = jax.grad(lambda q: jnp.sum(nbx.fused_moe(x, w, ids, q, lora=lora)), allow_int=True)(q)
+    floats = [leaf for leaf in jax.tree.leaves(gq) if leaf.dtype != jax.dtypes.float0]
+    assert not any(np.any(np.asarray(leaf, np.float32)) for leaf in floats), \
+        "quantized experts must be frozen"
+
+
+def test_zero_B_is_the_base_and_init_follows_the_paper():
+    E, k, H, I, T = 4, 2, 40, 24, 9
+    x, w, ids, ex = make_problem(3, T, E, k, H, I)
+    lora = nbx.LoRA.init(jax.random.key(0), E, H, I, 8, alpha=16, projections=("gate", "down"))
+    assert lora.projections == ("gate", "down") and lora.scale("gate") == 2.0
+    A, B = lora.gate
+    assert A.shape == (E, H, 8) and B.shape == (E, 8, I) and not np.any(np.asarray(B))
+    assert 0 < float(jnp.max(jnp.abs(A))) <= 1 / np.sqrt(H)
+    np.testing.assert_array_equal(np.asarray(nbx.fused_moe(x, w, ids, ex, lora=lora)),
+                                  np.asarray(nbx.fused_moe(x, w, ids, ex, implementation="xla")))
+    lists = nbx.LoRA.init(jax.random.key(0), E, H, I, 2, lists=True)
+    assert len(lists.down[0]) == E and lists.down[0][0].shape == (I, 2)
+
+
+def test_merge_lora_equals_the_adapted_experts():
+    E, k, H, I, T = 4, 2, 40, 24, 11
+    x, w, ids, ex = make_problem(5, T, E, k, H, I)
+    rng = np.random.default_rng(0)
+    # a checkpoint layout with biases: merged into plain stacked experts, biases kept
+    ck = nbx.Experts(jnp.swapaxes(ex.gate, 1, 2), jnp.swapaxes(ex.up, 1, 2), jnp.swapaxes(ex.down, 1, 2),
+                     down_bias=jnp.asarray(rng.standard_normal((E, H)), jnp.float32), layout="out_in")
+    lora = _lora(1, E, H, I, 5, lists=True)
+    merged = nbx.merge_lora(ck, lora)
+    assert merged.layout == "in_out" and merged.gate.shape == (E, H, I) and merged.has_bias
+    want = nbx.fused_moe(x, w, ids, ck, lora=lora)
+    assert rel_err(nbx.fused_moe(x, w, ids, merged), f64(want)) < 1e-5
+    with pytest.raises(ValueError, match="quantized; dequantize"):
+        nbx.merge_lora(nbx.quantize(ex, "int8"), lora)
+
+
+def test_vmap_and_weights_on_input():
+    E, k, H, I, T = 4, 2, 40, 24, 6
+    x, w, ids, ex = make_problem(9, 3 * T, E, k, H, I)
+    lora = _lora(2, E, H, I, 2)
+    xb, wb, ib = x.reshape(3, T, H), w.reshape(3, T, k), ids.reshape(3, T, k)
+    yb = jax.vmap(lambda a, b, c: nbx.fused_moe(a, b, c, ex, lora=lora))(xb, wb, ib)
+    assert rel_err(yb.reshape(3 * T, H), np_moe(x, w, ids, ex, lora=lora)) < 1e-5
+    # Llama-4: mlp(w * x), one scaled row per slot
+    yi = nbx.fused_moe(x, w, ids, ex, lora=lora, weights_on="input")
+    xs = (f64(x)[:, None, :] * f64(w)[:, :, None]).reshape(-1, H)
+    ref = np_moe(xs, np.ones((xs.shape[0], 1)), np.asarray(ids).reshape(-1, 1), ex, lora=lora)
+    assert rel_err(yi, ref.reshape(3 * T, k, H).sum(1)) < 1e-5
+
+
+def test_the_handlers_refuse_adapters_by_name_and_none_takes_the_reference():
+    E, k, H, I, T = 4, 2, 40, 24, 3
+    x, w, ids, ex = make_problem(1, T, E, k, H, I)
+    lora = _lora(0, E, H, I, 2)
+    with pytest.raises(ValueError, match="implementation='cpu' cannot run this call: LoRA adapters"):
+        nbx.fused_moe(x, w, ids, ex, lora=lora, implementation="cpu")
+    backend, problem = nbx.ops.resolve(x, w, ids, ex, lora=lora)
+    assert backend.name == "xla" and problem.lora == (
+        (("gate", 2, 0.5), ("up", 2, 0.5), ("down", 2, 0.5)), False)
+
+
+def test_bad_adapters_are_refused_by_name():
+    E, k, H, I, T = 4, 2, 40, 24, 3
+    x, w, ids, ex = make_problem(1, T, E, k, H, I)
+    good = _lora(0, E, H, I, 2)
+    A, B = good.gate
+
+    def call(lora):
+        return nbx.fused_moe(x, w, ids, ex, lora=lora)
+
+    cases = [
+        (nbx.LoRA(gate=(A[:3], B[:3])), ValueError, r"lora.gate A has shape \(3, 40, 2\); expected \[E=4"),
+        (nbx.LoRA(gate=(A, B[:, :, :5])), ValueError,
+         r"lora.gate B has per-expert shape \(2, 5\); expected \[r=2, 24\]"),
+        (nbx.LoRA(down=(A, B)), ValueError, r"lora.down A has per-expert shape \(40, 2\); expected \[24, r\]"),
+        (nbx.LoRA(gate=(A.astype(jnp.int32), B)), TypeError, r"lora.gate A has dtype \['int32'\]"),
+        (nbx.LoRA(gate=(list(A), B)), TypeError, "all stacked arrays or all per-expert lists"),
+        (nbx.LoRA(gate=(list(A)[:3], list(B)[:3])), ValueError, "list of 3 arrays; expected E=4"),
+        ("adapters", TypeError, "lora must be a jax_nbx.LoRA or None; got str"),
+    ]
+    for lora, err, msg in cases:
+        with pytest.raises(err, match=msg):
+            call(lora)
+    with pytest.raises(ValueError, match="adapt at least one"):
+        nbx.LoRA()
+    with pytest.raises(ValueError, match=r"unknown projections \['proj'\]"):
+        nbx.LoRA(gate=(A, B), scale={"proj": 1.0})
+    with pytest.raises(ValueError, match="scale of gate must be finite"):
+        nbx.LoRA(gate=(A, B), scale=float("nan"))
+    with pytest.raises(TypeError, match=r"up must be an \(A, B\) pair"):
+        nbx.LoRA(up=A)
+    with pytest.raises(ValueError, match="rank must be a positive int"):
+        nbx.LoRA.init(jax.random.key(0), E, H, I, 0)
+    with pytest.raises(ValueError, match="projections must be a non-empty subset"):
+        nbx.LoRA.init(jax.random.key(0), E, H, I, 2, projections=("w1",))
+
+
+def test_layers_hold_adapters_and_freeze_their_base():
+    """NNXMoE / EqxMoE with lora_rank: start equal to the base (B = 0); the
+    gradient reaches the adapters and the router, not the base experts."""
+    nnx = pytest.importorskip("flax.nnx")
+    eqx = pytest.importorskip("equinox")
+    from jax_nbx import nn
+
+    c = nn.MoEConfig(hidden_size=40, intermediate_size=24, num_experts=4, top_k=2)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 40))
+    layer = nn.NNXMoE(c, rngs=nnx.Rngs(0), lora_rank=4, lora_alpha=8.0)
+    base = nn.NNXMoE(c, rngs=nnx.Rngs(0))
+    assert layer.params().lora.scale("up") == 2.0
+    assert rel_err(layer(x)[0], f64(base(x)[0])) < 1e-6
+    grads = nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2))(layer)
+    assert set(nnx.to_pure_dict(grads)) == {"lora", "router"}
+    assert isinstance(layer.experts.gate, nnx.Variable) and not isinstance(layer.experts.gate, nnx.Param)
+
+    m = nn.EqxMoE(c, key=jax.random.key(0), lora_rank=2, lora_projections=("down",))
+    assert m.params.lora.projections == ("down",)
+    trainable, frozen = eqx.partition(m, m.trainable())
+    assert trainable.params.experts.gate is None and trainable.params.lora.down[1] is not None
+    g = eqx.filter_grad(lambda t, f: jnp.sum(eqx.combine(t, f)(x)[0] ** 2))(trainable, frozen)
+    assert float(jnp.max(jnp.abs(g.params.lora.down[1]))) > 0  # dB (A random, B = 0: dA = 0)
+    full = eqx.filter_grad(lambda mm: jnp.sum(mm(x)[0] ** 2))(m)
+    assert not np.any(np.asarray(full.params.experts.gate))  # the call stops the base's gradient
