@@ -6,6 +6,7 @@ OUTSIDE the test install (the test suite imports none of these tools):
     python3 -m venv /tmp/prod
     /tmp/prod/bin/pip install "transformers==5.24.0" "mlx[cpu]==0.32.4" "mlx-lm==0.32.2" safetensors numpy
     /tmp/prod/bin/pip install torch==2.13.0            # the CPU wheel (any CPU build)
+    /tmp/prod/bin/pip install peft==0.21.2             # peft/ (--only=peft)
     # GPTQModel 7.6.0's quantization_config (its source, no build): optional
     pip download --no-deps --no-binary :all: gptqmodel==7.6.0 -d /tmp/gptqm && tar xzf ... -C /tmp/gptqm
     /tmp/prod/bin/pip install pypcre logbar device-smi tokenicer defuser threadpoolctl accelerate pillow requests
@@ -34,7 +35,13 @@ Writes (tests/data/README.md says what each file is):
   ``quantization_config`` its ``save`` writes into config.json), and a
   Qwen3-MoE block whose experts GPTQModel's own AWQ packer packed, with the
   weights its own ``dequantize_gemm`` gives, when the GPTQModel source is
-  importable.
+  importable;
+* peft/: PEFT 0.21.2's LoRA adapters on a tiny Qwen3-MoE's routed experts
+  (``save_pretrained``: transformers 5's fused 3-D experts through
+  ``target_parameters``, and per-expert nn.Linear modules through
+  ``target_modules``), the base block's tensors, and beside each adapter
+  (<folder>.reference) the routing and the output of the PEFT-wrapped
+  ``Qwen3MoeSparseMoeBlock`` (float32).
 
 Every file is small (a few KB; the largest ~60 KB).  The outputs are
 deterministic up to the tools' own float formatting.
@@ -643,6 +650,129 @@ def gpt_oss_mxfp4(out: str) -> None:
                                     f"bytes by mlx {mx.__version__} mx.quantize(mode='mxfp4')"})
 
 
+PEFT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def _peft_block_reference(block, config, x, meta: str, path: str, **extra) -> dict:
+    """<path>: x, the routing transformers' own router computes (``topk_weights``, ``topk_ids``), and
+    the output ``y`` of the (PEFT-wrapped) Qwen3MoeSparseMoeBlock on x, its experts run as the
+    model's default ``experts_implementation`` (``config``'s) and checked against "eager"."""
+    import torch
+    from safetensors.torch import save_file
+    xt = torch.from_numpy(x)
+    impl = config._experts_implementation
+    with torch.no_grad():
+        _, w, ids = block.gate(xt)
+        y = block(xt[None])[0]
+        config._experts_implementation = "eager"
+        y_eager = block(xt[None])[0]
+        config._experts_implementation = impl
+    assert torch.allclose(y, y_eager, rtol=0, atol=1e-6 * float(y.abs().max())), "the experts' implementations differ"
+    ref = {"x": xt, "topk_weights": w.contiguous(), "topk_ids": ids.to(torch.int32).contiguous(),
+           "y": y.contiguous(), **{k: v.contiguous() for k, v in extra.items()}}
+    save_file(ref, path, metadata={"producer": f"{meta}; experts_implementation={impl} (eager agrees)"})
+    return ref
+
+
+def peft_adapter(out: str) -> None:
+    """PEFT LoRA adapters on a tiny Qwen3-MoE's routed experts (``peft/``; H=32, I=16, E=4, top-2,
+    torch seed 8, the base saved by transformers in bfloat16 and loaded back in float32):
+
+    * ``qwen3_moe_base/``: the base MoE block's tensors as transformers saved them (per-expert
+      ``experts.{e}.gate_proj/up_proj/down_proj.weight``, the router) and its config.json;
+    * ``qwen3_moe_lora/``: ``get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=[],
+      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+      init_lora_weights=False))`` (transformers 5's fused 3-D experts, PEFT's ``ParamWrapper``;
+      ``init_lora_weights=False`` keeps nn.Linear's random init of lora_B, not zeros),
+      ``save_pretrained``: adapter_config.json and adapter_model.safetensors as written (its
+      README.md model card dropped; in the config the temporary base folder and the order of
+      target_modules / target_parameters, sets in PEFT, made stable);
+    * ``qwen3_moe_lora_per_expert/``: the per-expert form (transformers 4's ``experts.{e}.gate_proj``
+      nn.Linear modules, here the checkpoint's per-expert tensors as nn.Linear layers under their
+      names): ``LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"],
+      rank_pattern={"down_proj": 2}, alpha_pattern={"down_proj": 16}, init_lora_weights=False)``.
+
+    Beside each adapter (<folder>.reference): x (7 x 32, numpy seed 9), the routing of transformers'
+    own router, and ``y``, the float32 PEFT-wrapped model's own Qwen3MoeSparseMoeBlock on x (the
+    per-expert adapter loaded onto the transformers 5 model by ``PeftModel.from_pretrained``, i.e.
+    PEFT's own v4 -> v5 conversion of it, and checked against PEFT's per-expert lora.Linear modules
+    run on the same routing); for the fused one also ``y_base``, the block with the adapter
+    disabled."""
+    import peft
+    import torch
+    import transformers as tf
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file, save_file
+    d = os.path.join(out, "peft")
+    os.makedirs(d, exist_ok=True)
+    pfx = "model.layers.0.mlp."
+    meta = f"peft {peft.__version__}, transformers {tf.__version__}, torch {torch.__version__}"
+    x = np.random.default_rng(9).standard_normal((7, 32)).astype(np.float32)
+
+    def keep(src: str, name: str) -> str:
+        dst = os.path.join(d, name)
+        os.makedirs(dst, exist_ok=True)
+        shutil.copy(os.path.join(src, "adapter_model.safetensors"), dst)
+        with open(os.path.join(src, "adapter_config.json")) as f:
+            c = json.load(f)
+        # made stable: the temporary base folder, and the order of target_modules / target_parameters
+        # (sets in PEFT; it sorts target_parameters itself before matching them)
+        if c.get("base_model_name_or_path") == hf:
+            c["base_model_name_or_path"] = "/tmp/peft_qwen3_moe_hf"
+        for key in ("target_modules", "target_parameters"):
+            if isinstance(c.get(key), list):
+                c[key] = sorted(c[key])
+        with open(os.path.join(dst, "adapter_config.json"), "w") as f:
+            f.write(json.dumps(c, indent=2, sort_keys=True))  # as PEFT's save_pretrained writes it
+        return dst
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = os.path.join(tmp, "hf")
+        _tiny_qwen3_moe(hf, H=32, I=16, E=4, k=2, seed=8)
+        base = os.path.join(d, "qwen3_moe_base")
+        os.makedirs(base, exist_ok=True)
+        sd = {k: v for k, v in load_file(os.path.join(hf, "model.safetensors")).items() if k.startswith(pfx)}
+        save_file(sd, os.path.join(base, "model.safetensors"), metadata={"format": "pt"})
+        shutil.copy(os.path.join(hf, "config.json"), base)
+        # 1. transformers 5's fused experts: target_parameters (PEFT's ParamWrapper)
+        model = tf.Qwen3MoeForCausalLM.from_pretrained(hf, dtype=torch.float32)
+        torch.manual_seed(10)
+        pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=PEFT_TARGETS,
+                                              init_lora_weights=False))
+        pm.save_pretrained(os.path.join(tmp, "fused"))
+        keep(os.path.join(tmp, "fused"), "qwen3_moe_lora")
+        block = pm.base_model.model.model.layers[0].mlp
+        with torch.no_grad(), pm.disable_adapter():
+            y_base = block(torch.from_numpy(x)[None])[0]
+        _peft_block_reference(block, model.config, x, meta + ", target_parameters (ParamWrapper)",
+                              os.path.join(d, "qwen3_moe_lora.reference.safetensors"), y_base=y_base)
+        # 2. per-expert nn.Linear modules (transformers 4's names): target_modules (lora.Linear)
+        root = _linear_tree(os.path.join(hf, "model.safetensors"), pfx)
+        torch.manual_seed(11)
+        pe = get_peft_model(root, LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"],
+                                             rank_pattern={"down_proj": 2}, alpha_pattern={"down_proj": 16},
+                                             init_lora_weights=False))
+        pe.save_pretrained(os.path.join(tmp, "per_expert"))
+        keep(os.path.join(tmp, "per_expert"), "qwen3_moe_lora_per_expert")
+        model = tf.Qwen3MoeForCausalLM.from_pretrained(hf, dtype=torch.float32)
+        pm = PeftModel.from_pretrained(model, os.path.join(tmp, "per_expert"))  # PEFT's v4 -> v5 conversion
+        block = pm.base_model.model.model.layers[0].mlp
+        ref = _peft_block_reference(block, model.config, x,
+                                    meta + ", target_modules (lora.Linear per expert), loaded onto transformers 5's "
+                                    "fused experts by PeftModel.from_pretrained",
+                                    os.path.join(d, "qwen3_moe_lora_per_expert.reference.safetensors"))
+        experts = pe.base_model.model.get_submodule(pfx + "experts")  # PEFT's own per-expert lora.Linear
+        y = torch.zeros(x.shape)
+        with torch.no_grad():
+            for t in range(x.shape[0]):
+                xt = torch.from_numpy(x[t:t + 1])
+                for w, e in zip(ref["topk_weights"][t], ref["topk_ids"][t]):
+                    ex = getattr(experts, str(int(e)))
+                    y[t] += w * ex.down_proj(torch.nn.functional.silu(ex.gate_proj(xt)) * ex.up_proj(xt))[0]
+        err = float((y - ref["y"]).abs().max() / ref["y"].abs().max())
+        assert err < 1e-6, f"PEFT's v5 conversion of the per-expert adapter differs from its lora.Linear: {err}"
+
+
 def main(out: str, only: str | None = None) -> int:
     if only in MLX_FLOAT_MODES:
         mlx_float_mode(out, only)
@@ -656,6 +786,9 @@ def main(out: str, only: str | None = None) -> int:
     if only == "nvfp4_ct":
         nvfp4_checkpoint(out)
         return 0
+    if only == "peft":
+        peft_adapter(out)
+        return 0
     transformers_configs(out)
     transformers_checkpoint(out)
     mlx_checkpoints(out)
@@ -664,13 +797,14 @@ def main(out: str, only: str | None = None) -> int:
     fp8_checkpoints(out)
     nvfp4_checkpoint(out)
     gpt_oss_mxfp4(out)
+    peft_adapter(out)
     if gptqmodel_configs(out):
         gptqmodel_awq_checkpoint(out)
     return 0
 
 
 if __name__ == "__main__":
-    # make_loader_fixtures.py [OUT] [--only=mxfp4|nvfp4|mxfp8|fp8|nvfp4_ct|gpt_oss]
+    # make_loader_fixtures.py [OUT] [--only=mxfp4|nvfp4|mxfp8|fp8|nvfp4_ct|gpt_oss|peft]
     args = [a for a in sys.argv[1:] if not a.startswith("--only")]
     only = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--only=")), None)
     sys.exit(main(args[0] if args else "tests/data", only))
