@@ -6,7 +6,7 @@ check that no test leaves bytes live in the account.
 
 Tiers are markers (declared in pyproject.toml, applied in the test files):
 ``fast``, ``sanitize`` (what .ci/sanitize runs under ASan + UBSan, with
-``--backends cpu,metal-sim``) and ``arm64`` (what .ci/arm64 runs under
+``--backends cpu``, less the cases marked ``asan_skip``) and ``arm64`` (what .ci/arm64 runs under
 qemu-aarch64, with ``--backends cpu``)."""
 from __future__ import annotations
 
