@@ -19,6 +19,14 @@ Memory: the op's residuals are its inputs only (the backward recomputes g, u);
 the handlers' workspace peak in the account (forward and backward), and XLA's
 own temporary buffers of the compiled step (``memory_analysis``) for ours and
 for ragged_dot.
+
+``--lora R`` (issue #35's rows): LoRA adapters of rank R on gate, up and down
+over frozen experts, the gradient with respect to x, topk_weights and the
+adapters, timed for `fused_moe(..., lora=)` (today the "xla" reference: the
+handlers refuse adapters), the same adapters written in JAX outside the op
+(``ragged_dot`` with the rank-R products beside each projection), and the
+frozen-expert step without adapters (the CPU handler: x and topk_weights
+only); with XLA's temporary bytes of each step beside the forward's.
 """
 from __future__ import annotations
 
@@ -45,6 +53,59 @@ def moe_ragged_dot(x, w, ids, experts):
     o = jax.lax.ragged_dot(jax.nn.silu(g) * u, experts.down, sizes)
     o = o.astype(jnp.float32) * w.reshape(-1)[order][:, None]
     return jnp.zeros((T, x.shape[1]), jnp.float32).at[order // k].add(o).astype(x.dtype)
+
+
+def moe_ragged_dot_lora(x, w, ids, experts, lora):
+    """`moe_ragged_dot` with LoRA adapters beside each projection (stacked)."""
+    T, k = ids.shape
+    E = experts.gate.shape[0]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    xs = x[order // k]
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+
+    def proj(v, W, name):
+        out = jax.lax.ragged_dot(v, W, sizes)
+        A, B = lora.pair(name)
+        return out + lora.scale(name) * jax.lax.ragged_dot(jax.lax.ragged_dot(v, A, sizes), B, sizes)
+
+    h = jax.nn.silu(proj(xs, experts.gate, "gate")) * proj(xs, experts.up, "up")
+    o = proj(h, experts.down, "down").astype(jnp.float32) * w.reshape(-1)[order][:, None]
+    return jnp.zeros((T, x.shape[1]), jnp.float32).at[order // k].add(o).astype(x.dtype)
+
+
+def lora_rows(m, T: int, dname: str, rank: int, repeats: int, ragged: bool = True) -> list[str]:
+    """Issue #35's rows: the LoRA step (fused_moe(lora=)), the same adapters in
+    JAX outside the op (ragged_dot), the frozen-expert step without adapters."""
+    dt = DTYPES[dname]
+    x, w, ids, ex = make_layer(m, T, dt)
+    lora = nbx.LoRA.init(jax.random.PRNGKey(3), m.E, m.H, m.I, rank, dtype=dt)
+    lora = jax.tree.map(lambda a: a + 0.01, lora)  # B != 0
+    ct = jax.random.normal(jax.random.PRNGKey(1), x.shape, jnp.float32)
+
+    def step(fn):
+        def loss(x_, w_, lo_, e_, ids_, ct_):
+            return jnp.sum(fn(x_, w_, ids_, e_, lo_).astype(jnp.float32) * ct_)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+    ours = step(lambda x_, w_, i_, e_, lo_: nbx.fused_moe(x_, w_, i_, e_, lora=lo_))
+    rdot = step(moe_ragged_dot_lora)
+    frozen = jax.jit(jax.grad(lambda x_, w_, e_, i_, c_: jnp.sum(
+        nbx.fused_moe(x_, w_, i_, e_).astype(jnp.float32) * c_), argnums=(0, 1)))
+    fwd = jax.jit(lambda x_, w_, i_, e_, lo_: nbx.fused_moe(x_, w_, i_, e_, lora=lo_))
+    args = (x, w, lora, ex, ids, ct)
+    t_ours = median_time(lambda: ours(*args), repeats=repeats, slow_after=10.0)
+    t_rd = median_time(lambda: rdot(*args), repeats=repeats, slow_after=10.0) if ragged else None
+    t_frozen = median_time(lambda: frozen(x, w, ex, ids, ct), repeats=repeats)
+    backend, _ = nbx.ops.resolve(x, w, ids, ex, lora=lora)
+    mem = [temp_bytes(ours, *args), temp_bytes(rdot, *args) if ragged else None]
+    mem_fwd = temp_bytes(fwd, x, w, ids, ex, lora)
+    rd = "-" if t_rd is None else f"{t_rd * 1e3:.0f} ms"
+    print(f"  {dname} LoRA r={rank}: fused_moe(lora=) [{backend.name}] {t_ours * 1e3:.0f} ms, ragged_dot + "
+          f"adapters {rd}, frozen step without adapters {t_frozen * 1e3:.0f} ms", flush=True)
+    return [dname, str(rank), backend.name, f"{t_ours * 1e3:.0f}", f"{t_ours / t_frozen:.2f}",
+            "-" if t_rd is None else f"{t_rd / t_ours:.2f}", fmt_mb(mem[0]), fmt_mb(mem[1]), fmt_mb(mem_fwd),
+            "-" if None in (mem[0], mem_fwd) or not mem_fwd else f"{mem[0] / mem_fwd:.2f}"]
 
 
 def numpy_step(x, w, ids, G, U, D, dy):
@@ -94,6 +155,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtypes", nargs="+", default=["f32", "bf16"], choices=["f32", "bf16"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-ragged", action="store_true", help="skip the (slow) ragged_dot step")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="only issue #35's rows: LoRA adapters of rank R (0: the training rows)")
     a = ap.parse_args(argv)
     m = nbx.MODELS[a.model]
     T = a.tokens
@@ -104,6 +167,13 @@ def main(argv=None) -> None:
     print(f"numpy sgemm 2048^3: {rate / 1e9:.1f} GFLOP/s")
     print(f"shape: {a.model} E={m.E} k={m.k} H={m.H} I={m.I}, T={T}; "
           f"step FLOPs (no recompute) {useful / 1e9:.1f} G")
+    if a.lora:
+        lrows = [lora_rows(m, T, d, a.lora, a.repeats, not a.skip_ragged) for d in a.dtypes]
+        print()
+        print(format_table(["dtype", "rank", "backend", "LoRA step ms", "÷ frozen step", "ragged_dot+LoRA ÷ ours",
+                            "XLA temp MB (ours)", "XLA temp MB (ragged_dot)", "XLA temp MB (forward)",
+                            "step temp ÷ forward"], lrows))
+        return
     rows = []
     for dname in a.dtypes:
         dt = DTYPES[dname]

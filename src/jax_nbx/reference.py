@@ -5,7 +5,10 @@ the dense all-experts einsum: token slots are ordered by expert, each expert's
 group is padded to a block of B rows, and a loop over blocks runs one
 expert's matmuls per block (blocks past the last used one are skipped), then
 results are scatter-added back to their tokens.  Work is at most
-(T*k + E*B) rows of one expert instead of T*E.
+(T*k + E*B) rows of one expert instead of T*E.  JAX's VJP of it recomputes
+each block (`jax.checkpoint`): without, every block's slices of its expert's
+weights were kept as residuals (3.7 GB for OLMoE's layer at T=512, against
+0.26 GB; benchmarks/training.py --lora).
 """
 from __future__ import annotations
 
@@ -88,6 +91,7 @@ def moe_reference(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array,
             out = out + adapters.scale(name) * jnp.dot(va, pair[1][e].astype(jnp.float32), precision=hi)
         return out
 
+    @jax.checkpoint  # the backward recomputes a block (its weights are not saved per block)
     def run_block(args):
         xb, wb, e, use = args
 
