@@ -41,22 +41,10 @@ import jax_nbx as nbx
 from jax_nbx._bench import DTYPES, format_table, machine, make_layer, median_time
 
 
-def moe_ragged_dot(x, w, ids, experts):
-    T, k = ids.shape
-    E = experts.gate.shape[0]
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    xs = x[order // k]
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    g = jax.lax.ragged_dot(xs, experts.gate, sizes)
-    u = jax.lax.ragged_dot(xs, experts.up, sizes)
-    o = jax.lax.ragged_dot(jax.nn.silu(g) * u, experts.down, sizes)
-    o = o.astype(jnp.float32) * w.reshape(-1)[order][:, None]
-    return jnp.zeros((T, x.shape[1]), jnp.float32).at[order // k].add(o).astype(x.dtype)
-
-
-def moe_ragged_dot_lora(x, w, ids, experts, lora):
-    """`moe_ragged_dot` with LoRA adapters beside each projection (stacked)."""
+def moe_ragged_dot(x, w, ids, experts, lora=None):
+    """An MoE of three ``jax.lax.ragged_dot`` (slots sorted by expert); with
+    ``lora`` (stacked `jax_nbx.LoRA`), the adapters' rank-r products beside
+    each projection: the same adapters written in JAX outside the op."""
     T, k = ids.shape
     E = experts.gate.shape[0]
     flat = ids.reshape(-1)
@@ -66,8 +54,10 @@ def moe_ragged_dot_lora(x, w, ids, experts, lora):
 
     def proj(v, W, name):
         out = jax.lax.ragged_dot(v, W, sizes)
-        A, B = lora.pair(name)
-        return out + lora.scale(name) * jax.lax.ragged_dot(jax.lax.ragged_dot(v, A, sizes), B, sizes)
+        pair = None if lora is None else lora.pair(name)
+        if pair is None:
+            return out
+        return out + lora.scale(name) * jax.lax.ragged_dot(jax.lax.ragged_dot(v, pair[0], sizes), pair[1], sizes)
 
     h = jax.nn.silu(proj(xs, experts.gate, "gate")) * proj(xs, experts.up, "up")
     o = proj(h, experts.down, "down").astype(jnp.float32) * w.reshape(-1)[order][:, None]
@@ -89,7 +79,7 @@ def lora_rows(m, T: int, dname: str, rank: int, repeats: int, ragged: bool = Tru
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
     ours = step(lambda x_, w_, i_, e_, lo_: nbx.fused_moe(x_, w_, i_, e_, lora=lo_))
-    rdot = step(moe_ragged_dot_lora)
+    rdot = step(moe_ragged_dot)
     frozen = jax.jit(jax.grad(lambda x_, w_, e_, i_, c_: jnp.sum(
         nbx.fused_moe(x_, w_, i_, e_).astype(jnp.float32) * c_), argnums=(0, 1)))
     fwd = jax.jit(lambda x_, w_, i_, e_, lo_: nbx.fused_moe(x_, w_, i_, e_, lora=lo_))
