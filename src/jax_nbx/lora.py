@@ -59,7 +59,8 @@ class LoRA:
         list of E ``[r, out]``.  One rank r per projection; float32, bfloat16
         or float16 (the products accumulate in float32).
       scale: ``alpha / r``: one float for every projection, or a mapping
-        projection -> float (PEFT's ``lora_alpha / r`` per module;
+        from each adapted projection (and no other) to its float (PEFT's
+        ``lora_alpha / r`` per module;
         ``use_rslora``: ``lora_alpha / sqrt(r)``).  Static: not trained.
 
     Shapes are checked when the adapters are used (`validate_lora`).
@@ -80,6 +81,10 @@ class LoRA:
             if unknown:
                 raise ValueError(f"LoRA: scale names unknown projections {sorted(unknown)}; "
                                  f"expected some of {PROJECTIONS}")
+            adapted = {n for n, p in pairs.items() if p is not None}
+            if set(scale) != adapted:
+                raise ValueError(f"LoRA: scale must give the scale of each adapted projection and no other: "
+                                 f"it names {sorted(scale)}, the adapters are on {sorted(adapted)}")
             scales = tuple(float(scale.get(n, 1.0)) for n in PROJECTIONS)
         else:
             scales = (float(scale),) * 3

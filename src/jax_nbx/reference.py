@@ -12,6 +12,8 @@ weights were kept as residuals (3.7 GB for OLMoE's layer at T=512, against
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -91,7 +93,9 @@ def moe_reference(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array,
             out = out + adapters.scale(name) * jnp.dot(va, pair[1][e].astype(jnp.float32), precision=hi)
         return out
 
-    @jax.checkpoint  # the backward recomputes a block (its weights are not saved per block)
+    # the backward recomputes a block (its weights are not saved per block);
+    # prevent_cse=False: inside lax.map, as JAX's docs advise for scan
+    @functools.partial(jax.checkpoint, prevent_cse=False)
     def run_block(args):
         xb, wb, e, use = args
 

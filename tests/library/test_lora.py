@@ -13,9 +13,12 @@ import jax_nbx as nbx
 
 from support.problems import DTYPES, TOL, as_lists, f64, make_problem, np_moe, np_moe_grads, rel_err
 
+SCALES = {"gate": 0.5, "up": 0.8, "down": 1.3}  # one per projection: a swap shows
 
-def _lora(seed, E, H, I, r, projections=("gate", "up", "down"), dtype=jnp.float32, lists=False, scale=0.5):
-    """Random adapters (B not zero, so they change the result)."""
+
+def _lora(seed, E, H, I, r, projections=("gate", "up", "down"), dtype=jnp.float32, lists=False, scale=None):
+    """Random adapters (B not zero, so they change the result), a different
+    scale per projection unless ``scale`` is given."""
     rng = np.random.default_rng(seed)
     dims = dict(gate=(H, I), up=(H, I), down=(I, H))
     pairs = {}
@@ -24,16 +27,17 @@ def _lora(seed, E, H, I, r, projections=("gate", "up", "down"), dtype=jnp.float3
         A = jnp.asarray(rng.standard_normal((E, fi, r)) / np.sqrt(fi), dtype)
         B = jnp.asarray(rng.standard_normal((E, r, fo)) / np.sqrt(r), dtype)
         pairs[n] = ([A[e] for e in range(E)], [B[e] for e in range(E)]) if lists else (A, B)
-    return nbx.LoRA(**pairs, scale=scale)
+    return nbx.LoRA(**pairs, scale={n: SCALES[n] for n in projections} if scale is None else scale)
 
 
 def _loss_and_grads(x, w, ids, experts, lora, ct, **kw):
-    """y and the gradients of sum(y * ct) with respect to (x, w, lora)."""
-    def f(x, w, lora):
+    """y and the gradients of sum(y * ct) with respect to (x, w, lora, experts)."""
+    def f(x, w, lora, experts):
         y = nbx.fused_moe(x, w, ids, experts, lora=lora, **kw)
         return jnp.sum(y.astype(jnp.float32) * ct), y
 
-    (_, y), g = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(x, w, lora)
+    grad = jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True, allow_int=True)
+    (_, y), g = jax.jit(grad)(x, w, lora, experts)
     return y, g
 
 
@@ -59,16 +63,20 @@ def test_forward_and_gradients_match_float64(T, r, lists, projections, x_dtype):
     if lists:
         ex = as_lists(ex)
     ct = jnp.asarray(np.random.default_rng(1).standard_normal((T, H)), jnp.float32)
-    y, (dx, dw, glora) = _loss_and_grads(x, w, ids, ex, lora, ct)
+    y, (dx, dw, glora, gex) = _loss_and_grads(x, w, ids, ex, lora, ct)
     ref = np_moe(x, w, ids, ex, lora=lora)
     tol = TOL[x_dtype]
     assert y.dtype == x.dtype and y.shape == x.shape
     assert rel_err(y, ref) < tol
     assert rel_err(y, np_moe(x, w, ids, ex)) > 10 * tol  # the adapters changed the result
-    rdx, rdw, *_, dad = np_moe_grads(x, w, ids, ex, ct, lora=lora)
+    rdx, rdw, rdG, rdU, rdD, dad = np_moe_grads(x, w, ids, ex, ct, lora=lora)
     gtol = 1e-5 if x_dtype == "f32" else 2e-2
     assert rel_err(dx, rdx) < gtol and rel_err(dw, rdw) < gtol
     _check_lora_grads(glora, dad, gtol)
+    for name, want in (("gate", rdG), ("up", rdU), ("down", rdD)):  # a dense base trains too
+        got = getattr(gex, name)
+        got = jnp.stack(got) if isinstance(got, list) else got
+        assert rel_err(got, want) < gtol, (name, rel_err(got, want))
     assert glora.projections == tuple(projections) and glora.scales == lora.scales
 
 
@@ -81,7 +89,7 @@ def test_qlora_over_every_quantized_format(fmt):
     q = nbx.quantize(ex, fmt, group_size=32 if fmt in ("int4", "fp8") else None)
     lora = _lora(3, E, H, I, 4)
     ct = jnp.asarray(np.random.default_rng(2).standard_normal((T, H)), jnp.float32)
-    y, (dx, dw, glora) = _loss_and_grads(x, w, ids, q, lora, ct)
+    y, (dx, dw, glora, _) = _loss_and_grads(x, w, ids, q, lora, ct)
     assert rel_err(y, np_moe(x, w, ids, q, lora=lora)) < 1e-5
     rdx, rdw, *_, dad = np_moe_grads(x, w, ids, q, ct, lora=lora)
     assert rel_err(dx, rdx) < 1e-5 and rel_err(dw, rdw) < 1e-5
@@ -144,7 +152,7 @@ def test_the_handlers_refuse_adapters_by_name_and_none_takes_the_reference():
         nbx.fused_moe(x, w, ids, ex, lora=lora, implementation="cpu")
     backend, problem = nbx.ops.resolve(x, w, ids, ex, lora=lora)
     assert backend.name == "xla" and problem.lora == (
-        (("gate", 2, 0.5), ("up", 2, 0.5), ("down", 2, 0.5)), False)
+        (("gate", 2, 0.5), ("up", 2, 0.8), ("down", 2, 1.3)), False)
 
 
 def test_bad_adapters_are_refused_by_name():
@@ -173,6 +181,8 @@ def test_bad_adapters_are_refused_by_name():
         nbx.LoRA()
     with pytest.raises(ValueError, match=r"unknown projections \['proj'\]"):
         nbx.LoRA(gate=(A, B), scale={"proj": 1.0})
+    with pytest.raises(ValueError, match=r"it names \['gate'\], the adapters are on \['up'\]"):
+        nbx.LoRA(up=(A, B), scale={"gate": 2.0})
     with pytest.raises(ValueError, match="scale of gate must be finite"):
         nbx.LoRA(gate=(A, B), scale=float("nan"))
     with pytest.raises(TypeError, match=r"up must be an \(A, B\) pair"):
@@ -202,6 +212,9 @@ def test_layers_hold_adapters_and_freeze_their_base():
 
     m = nn.EqxMoE(c, key=jax.random.key(0), lora_rank=2, lora_projections=("down",))
     assert m.params.lora.projections == ("down",)
+    # the adapters' random bits are not the experts' (an independent initialisation)
+    A, W = np.asarray(m.params.lora.down[0]).ravel(), np.asarray(m.params.experts.down).ravel()
+    assert abs(np.corrcoef(A, W[:A.size])[0, 1]) < 0.2
     trainable, frozen = eqx.partition(m, m.trainable())
     assert trainable.params.experts.gate is None and trainable.params.lora.down[1] is not None
     g = eqx.filter_grad(lambda t, f: jnp.sum(eqx.combine(t, f)(x)[0] ** 2))(trainable, frozen)

@@ -12,6 +12,8 @@ from .block import MoEConfig, MoEParams, RouterAux, init_lora, init_params, moe_
 
 __all__ = ["EqxMoE"]
 
+_LORA_KEY = 0x4C6F5241  # "LoRA": the adapters' key, folded into the layer's
+
 
 class EqxMoE(eqx.Module):
     """A Mixture-of-Experts block (router, routed experts, optional shared
@@ -71,7 +73,8 @@ class EqxMoE(eqx.Module):
         if lora_rank and params.lora is None:
             if key is None:
                 raise ValueError("EqxMoE: lora_rank needs key= to initialize the adapters")
-            lora = init_lora(config, jax.random.fold_in(key, 1), lora_rank, projections=lora_projections,
+            # (fold_in(key, c) for c < 4 is one of init_params' split(key, 4) keys: the experts')
+            lora = init_lora(config, jax.random.fold_in(key, _LORA_KEY), lora_rank, projections=lora_projections,
                              alpha=lora_alpha, dtype=param_dtype, lists=params.experts.is_list)
             params = params._replace(lora=lora)
         self.params = params
