@@ -43,6 +43,11 @@ class LoRASpec(NamedTuple):
     lists: bool
 
 
+def _fans(H: int, I: int) -> dict[str, tuple[int, int]]:
+    """Each projection's (in, out) as ``x @ W``: gate, up ``(H, I)``, down ``(I, H)``."""
+    return dict(gate=(H, I), up=(H, I), down=(I, H))
+
+
 def _is_list(a) -> bool:
     return isinstance(a, (list, tuple))
 
@@ -148,7 +153,7 @@ class LoRA:
             raise ValueError(f"LoRA.init: projections must be a non-empty subset of {PROJECTIONS}; "
                              f"got {tuple(projections)!r}")
         E, H, I = num_experts, hidden_size, intermediate_size
-        dims = dict(gate=(H, I), up=(H, I), down=(I, H))
+        dims = _fans(H, I)
         pairs: dict[str, tuple] = {}
         for name, k in zip(PROJECTIONS, jax.random.split(key, 3)):
             if name not in projections:
@@ -180,7 +185,7 @@ def validate_lora(lora: Any, E: int, H: int, I: int) -> LoRASpec:
     the shape or dtype."""
     if not isinstance(lora, LoRA):
         raise TypeError(f"lora must be a jax_nbx.LoRA or None; got {type(lora).__name__}")
-    dims = dict(gate=(H, I), up=(H, I), down=(I, H))
+    dims = _fans(H, I)
     kinds = {_is_list(a) for n in lora.projections for a in lora.pair(n)}
     if len(kinds) != 1:
         raise TypeError("lora: the adapters must be all stacked arrays or all per-expert lists")
@@ -237,7 +242,7 @@ def merge_lora(experts: Experts, lora: LoRA) -> Experts:
 
     E, H, I = validate_experts(experts)
     validate_lora(lora, E, H, I)
-    base, _ = experts.canonical()
+    base, biases = experts.canonical()  # (biases: `Experts.handler_biases`, () without)
     ad = lora.stacked()
     hi = jax.lax.Precision.HIGHEST
     merged = {}
@@ -248,8 +253,5 @@ def merge_lora(experts: Experts, lora: LoRA) -> Experts:
             delta = jnp.einsum("eir,ero->eio", p[0].astype(jnp.float32), p[1].astype(jnp.float32), precision=hi)
             W = (W.astype(jnp.float32) + ad.scale(name) * delta).astype(W.dtype)
         merged[name] = W
-    bias = {}
-    if experts.has_bias:
-        g, u, d = experts.handler_biases()
-        bias = dict(gate_bias=g, up_bias=u, down_bias=d)
+    bias = dict(zip(("gate_bias", "up_bias", "down_bias"), biases))
     return Experts(merged["gate"], merged["up"], merged["down"], **bias)

@@ -176,9 +176,7 @@ def fused_moe(
       the refusal is a ``JaxRuntimeError`` whose text carries the same
       advice; ``jax_nbx.memory.last_refusal()`` has the record).
     """
-    x, topk_weights, topk_ids, experts = _as_arrays(x, topk_weights, topk_ids, experts)
-    if isinstance(lora, LoRA):
-        lora = jax.tree.map(jnp.asarray, lora)
+    x, topk_weights, topk_ids, experts, lora = _as_arrays(x, topk_weights, topk_ids, experts, lora)
     (backend, problem), shared = _resolve(x, topk_weights, topk_ids, experts, activation, implementation,
                                           max_workspace_bytes, ids_outside, weights_on, shared_experts,
                                           precision, lora)
@@ -204,7 +202,7 @@ def fused_moe(
     return y.reshape(x.shape)
 
 
-def _as_arrays(x, topk_weights, topk_ids, experts):
+def _as_arrays(x, topk_weights, topk_ids, experts, lora=None):
     x = jnp.asarray(x)
     topk_weights = jnp.asarray(topk_weights)
     # host ids stay numpy until they are narrowed (ids_as_int32): JAX with x64
@@ -213,7 +211,9 @@ def _as_arrays(x, topk_weights, topk_ids, experts):
         topk_ids = np.asarray(topk_ids)
     if isinstance(experts, Experts):
         experts = jax.tree.map(jnp.asarray, experts)
-    return x, topk_weights, topk_ids, experts
+    if isinstance(lora, LoRA):
+        lora = jax.tree.map(jnp.asarray, lora)
+    return x, topk_weights, topk_ids, experts, lora
 
 
 def _resolve(x, topk_weights, topk_ids, experts, activation, implementation, max_workspace_bytes,
@@ -253,7 +253,7 @@ def resolve(x, topk_weights, topk_ids, experts: Experts, *, activation="swiglu",
     backend and the `backends.Problem` of the routed experts' pass (its
     ``bf16_dot`` says which arithmetic ``precision`` resolved to).  Raises
     what `fused_moe` raises at trace time."""
-    x, topk_weights, topk_ids, experts = _as_arrays(x, topk_weights, topk_ids, experts)
+    x, topk_weights, topk_ids, experts, lora = _as_arrays(x, topk_weights, topk_ids, experts, lora)
     routed, _ = _resolve(x, topk_weights, topk_ids, experts, activation, implementation,
                          max_workspace_bytes, ids_outside, weights_on, shared_experts, precision, lora)
     return routed

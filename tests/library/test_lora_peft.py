@@ -26,15 +26,12 @@ import jax_nbx as nbx  # noqa: E402
 from jax_nbx import nn  # noqa: E402
 from jax_nbx.loaders import from_peft, load_moe  # noqa: E402
 
+from support.problems import rel_err  # noqa: E402
+
 PEFT = pathlib.Path(__file__).resolve().parents[1] / "data" / "peft"
 E, H, I = 4, 32, 16
 DIMS = dict(num_experts=E, hidden_size=H, intermediate_size=I)
 PFX = "base_model.model.model.layers.0.mlp.experts."
-
-
-def _rel(y, ref) -> float:
-    ref = np.asarray(ref, np.float64)
-    return float(np.max(np.abs(np.asarray(y, np.float64) - ref)) / np.max(np.abs(ref)))
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +65,11 @@ def test_adapter_matches_peft_block(base, name, scales, ranks):
         assert A.dtype == jnp.float32
     ref = load_file(str(PEFT / name) + ".reference.safetensors")
     y = _run(base, ref, lora)
-    assert _rel(y, ref["y"]) <= 2e-6, _rel(y, ref["y"])
+    assert rel_err(y, ref["y"]) <= 2e-6, rel_err(y, ref["y"])
     y0 = _run(base, ref, None)
-    assert _rel(y0, ref["y"]) > 0.1  # the adapter matters
+    assert rel_err(y0, ref["y"]) > 0.1  # the adapter matters
     if "y_base" in ref:  # the block with PEFT's adapter disabled
-        assert _rel(y0, ref["y_base"]) <= 2e-6, _rel(y0, ref["y_base"])
+        assert rel_err(y0, ref["y_base"]) <= 2e-6, rel_err(y0, ref["y_base"])
 
 
 def test_fused_layout_is_peft_param_wrapper():
