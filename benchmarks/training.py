@@ -22,11 +22,12 @@ for ragged_dot.
 
 ``--lora R`` (issue #35's rows): LoRA adapters of rank R on gate, up and down
 over frozen experts, the gradient with respect to x, topk_weights and the
-adapters, timed for `fused_moe(..., lora=)` (today the "xla" reference: the
-handlers refuse adapters), the same adapters written in JAX outside the op
-(``ragged_dot`` with the rank-R products beside each projection), and the
-frozen-expert step without adapters (the CPU handler: x and topk_weights
-only); with XLA's temporary bytes of each step beside the forward's.
+adapters, timed for `fused_moe(..., lora=)` (the CPU handler on dense experts),
+the same adapters written in JAX outside the op (``ragged_dot`` with the
+rank-R products beside each projection), and the frozen-expert step without
+adapters (the CPU handler: x and topk_weights only, no expert gradient);
+with each step's memory (XLA's temporary bytes plus the handlers' workspace
+peak in the account) beside the forward's.
 """
 from __future__ import annotations
 
@@ -84,12 +85,18 @@ def lora_rows(m, T: int, dname: str, rank: int, repeats: int, ragged: bool = Tru
         nbx.fused_moe(x_, w_, i_, e_).astype(jnp.float32) * c_), argnums=(0, 1)))
     fwd = jax.jit(lambda x_, w_, i_, e_, lo_: nbx.fused_moe(x_, w_, i_, e_, lora=lo_))
     args = (x, w, lora, ex, ids, ct)
+    def peak_of(fn):
+        nbx.memory.reset_peak()
+        jax.block_until_ready(fn())
+        return nbx.memory.stats().get("cpu:0", {}).get("peak", 0)
+
+    peak_step, peak_fwd = peak_of(lambda: ours(*args)), peak_of(lambda: fwd(x, w, ids, ex, lora))
     t_ours = median_time(lambda: ours(*args), repeats=repeats, slow_after=10.0)
     t_rd = median_time(lambda: rdot(*args), repeats=repeats, slow_after=10.0) if ragged else None
     t_frozen = median_time(lambda: frozen(x, w, ex, ids, ct), repeats=repeats)
     backend, _ = nbx.ops.resolve(x, w, ids, ex, lora=lora)
-    mem = [temp_bytes(ours, *args), temp_bytes(rdot, *args) if ragged else None]
-    mem_fwd = temp_bytes(fwd, x, w, ids, ex, lora)
+    mem = [(temp_bytes(ours, *args) or 0) + peak_step, temp_bytes(rdot, *args) if ragged else None]
+    mem_fwd = (temp_bytes(fwd, x, w, ids, ex, lora) or 0) + peak_fwd
     rd = "-" if t_rd is None else f"{t_rd * 1e3:.0f} ms"
     print(f"  {dname} LoRA r={rank}: fused_moe(lora=) [{backend.name}] {t_ours * 1e3:.0f} ms, ragged_dot + "
           f"adapters {rd}, frozen step without adapters {t_frozen * 1e3:.0f} ms", flush=True)
@@ -161,8 +168,8 @@ def main(argv=None) -> None:
         lrows = [lora_rows(m, T, d, a.lora, a.repeats, not a.skip_ragged) for d in a.dtypes]
         print()
         print(format_table(["dtype", "rank", "backend", "LoRA step ms", "÷ frozen step", "ragged_dot+LoRA ÷ ours",
-                            "XLA temp MB (ours)", "XLA temp MB (ragged_dot)", "XLA temp MB (forward)",
-                            "step temp ÷ forward"], lrows))
+                            "step MB: XLA temp + workspace (ours)", "XLA temp MB (ragged_dot)",
+                            "forward MB: XLA temp + workspace", "step ÷ forward"], lrows))
         return
     rows = []
     for dname in a.dtypes:

@@ -112,6 +112,21 @@ inline constexpr int32_t kNumViewFields = 3;  // offset, stride_k, stride_n
 inline constexpr const char* kViewFieldNames[kNumViewFields] = {"offset", "stride_k", "stride_n"};
 inline constexpr int32_t kNumBiases = 3;      // gate, up, down
 
+// ---------------------------------------------------------------- LoRA adapters
+// The CPU handlers take LoRA adapters on experts of every format (jax_nbx/lora.py):
+// per projection p (gate, up, down) with input z and rank r_p > 0,
+//   out_p = z W_p + s_p (z A_p) B_p   (before p's bias)
+// attribute "lora_ranks" int64 [3]: r_gate, r_up, r_down (0: none);
+// attributes "lora_scale_gate", "lora_scale_up", "lora_scale_down" float: s_p.
+// Inputs, after the weight groups, biases and tensor scales: A_p float32
+// [E, in, r_p] then B_p float32 [E, r_p, out] for each p with r_p > 0, in
+// gate, up, down order.  The backward's results end with their float32
+// gradients in the same order and shapes; its attribute "weight_grads"
+// (bool) says whether the experts' (and biases') gradients come before them
+// (false: frozen experts, no weight gradient computed; quantized experts are
+// always frozen).  The backward takes the forward's weight groups (its
+// attributes format, group_size, tensor_scales as the forward's).
+
 // ---------------------------------------------------------------- attributes
 // Every target's FFI attributes, as X(KIND, name) lists: the handlers' bindings
 // expand them into .Attr<type>("name") (attr_types.h maps each KIND to its C++
@@ -124,17 +139,21 @@ inline constexpr int32_t kNumBiases = 3;      // gate, up, down
 // abi.h "weight views" below.
 #define NBX_ATTRS_VIEWS(X) \
   X(I64S, views) X(I64, intermediate) X(BOOL, fused_gate_up) X(BOOL, has_bias)
+// abi.h "LoRA adapters" below.
+#define NBX_ATTRS_LORA(X) \
+  X(I64S, lora_ranks) X(F32, lora_scale_gate) X(F32, lora_scale_up) X(F32, lora_scale_down)
 // The CPU forward (kTargetForward; the Metal forward and the tests' twin too).
 #define NBX_ATTRS_CPU_FORWARD(X)                                                         \
   NBX_ATTRS_ACTIVATION(X)                                                                \
   X(I64, band_tokens) X(I64, max_workers) X(BOOL, skip_outside) X(I64, num_experts)      \
   X(FMT, format) X(BOOL, stacked) X(I64, group_size) NBX_ATTRS_VIEWS(X) X(BOOL, bf16_dot)   \
-  X(BOOL, tensor_scales)
+  X(BOOL, tensor_scales) NBX_ATTRS_LORA(X)
 // The CPU backward (kTargetBackward, and its twin).
 #define NBX_ATTRS_CPU_BACKWARD(X)                                                   \
   NBX_ATTRS_ACTIVATION(X)                                                           \
   X(I64, band_tokens) X(I64, max_workers) X(BOOL, skip_outside) X(I64, num_experts) \
-  X(BOOL, stacked) NBX_ATTRS_VIEWS(X)
+  X(BOOL, stacked) NBX_ATTRS_VIEWS(X) NBX_ATTRS_LORA(X) X(BOOL, weight_grads) X(FMT, format) \
+  X(I64, group_size) X(BOOL, tensor_scales)
 // Every CUDA target: the program and its kernels ("CUDA launch program" below).
 #define NBX_ATTRS_CUDA_PROGRAM(X)                                                     \
   X(U8S, blob) X(I64S, kernels) X(I64S, program) X(I64, workspace_bytes)              \

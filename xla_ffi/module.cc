@@ -72,18 +72,25 @@ NB_MODULE(_ffi, m) {
         "Prints the CPU handlers' stage timings to stderr (JAX_NBX_PROFILE).");
 
   m.def("forward_workspace_bytes", [](int64_t tokens, int64_t k, int64_t E, int64_t H,
-                                      int64_t I, int workers, bool bf16_dot) {
+                                      int64_t I, int workers, bool bf16_dot, int64_t lora_rank) {
     CheckFormulaArgs(tokens, k, E, H, I, workers);
-    return nbx::SaturatedBytes(nbx::ForwardWorkspaceBytes(tokens, k, E, H, I, workers, bf16_dot));
+    if (lora_rank < 0) throw nb::value_error(("lora_rank must be >= 0, got " + std::to_string(lora_rank)).c_str());
+    return nbx::SaturatedBytes(
+        lora_rank > 0 ? nbx::LoraForwardWorkspaceBytes(tokens, k, E, H, I, lora_rank, workers)
+                      : nbx::ForwardWorkspaceBytes(tokens, k, E, H, I, workers, bf16_dot));
   }, nb::arg("tokens"), nb::arg("k"), nb::arg("E"), nb::arg("H"), nb::arg("I"),
-     nb::arg("workers"), nb::arg("bf16_dot") = false,
-     "Workspace bytes of one CPU forward band of `tokens` tokens (`bf16_dot`: precision='bfloat16').");
+     nb::arg("workers"), nb::arg("bf16_dot") = false, nb::arg("lora_rank") = 0,
+     "Workspace bytes of one CPU forward band of `tokens` tokens (`bf16_dot`: precision='bfloat16'; "
+     "`lora_rank`: LoRA adapters of these ranks summed).");
   m.def("backward_workspace_bytes", [](int64_t tokens, int64_t k, int64_t E, int64_t H,
-                                       int64_t I, int workers) {
+                                       int64_t I, int workers, int64_t lora_rank) {
     CheckFormulaArgs(tokens, k, E, H, I, workers);
-    return nbx::SaturatedBytes(nbx::BackwardWorkspaceBytes(tokens, k, E, H, I, workers));
+    if (lora_rank < 0) throw nb::value_error(("lora_rank must be >= 0, got " + std::to_string(lora_rank)).c_str());
+    return nbx::SaturatedBytes(nbx::BackwardWorkspaceBytes(tokens, k, E, H, I, workers, lora_rank));
   }, nb::arg("tokens"), nb::arg("k"), nb::arg("E"), nb::arg("H"), nb::arg("I"),
-     nb::arg("workers"), "Workspace bytes of one CPU backward band of `tokens` tokens.");
+     nb::arg("workers"), nb::arg("lora_rank") = 0,
+     "Workspace bytes of one CPU backward band of `tokens` tokens (`lora_rank`: the adapters' "
+     "ranks summed).");
 
   m.def("account_unlimited", []() { return nbx::Account::kUnlimited; });
   m.def("set_budget", [](const std::string& platform, int ordinal, int64_t bytes) {

@@ -9,9 +9,10 @@ scale ``s = alpha / r`` as PEFT's ``LoraLayer`` sets it).  ``A_e`` is
 are not changed.
 
 Where the adapters run: ``fused_moe(..., lora=)`` (`jax_nbx.ops`) on the
-"xla" reference; the handlers (CPU, CUDA, Metal) refuse a call with adapters
-by name, so ``implementation=None`` takes the reference (docs/lora.md says
-what is owed).  Dropout on the adapters' input is left to the caller: it
+CPU handler over dense experts (forward and fused backward, abi.h "LoRA
+adapters"), and on the "xla" reference over every format; the CUDA and Metal
+handlers refuse a call with adapters by name (docs/lora.md says what is
+owed).  Dropout on the adapters' input is left to the caller: it
 would be a different mask per (token, expert) slot, which one call cannot
 take from outside without a ``[T*k, H]`` array; apply it to x before the
 block if wanted.
@@ -41,6 +42,18 @@ class LoRASpec(NamedTuple):
 
     projections: tuple[tuple[str, int, float], ...]
     lists: bool
+
+    @property
+    def ranks(self) -> tuple[int, int, int]:
+        """The rank of each of `PROJECTIONS` (0: no adapter)."""
+        r = {n: rank for n, rank, _ in self.projections}
+        return tuple(r.get(n, 0) for n in PROJECTIONS)
+
+    @property
+    def scales(self) -> tuple[float, float, float]:
+        """The scale of each of `PROJECTIONS` (1.0 where no adapter)."""
+        s = {n: scale for n, _, scale in self.projections}
+        return tuple(s.get(n, 1.0) for n in PROJECTIONS)
 
 
 def _fans(H: int, I: int) -> dict[str, tuple[int, int]]:
@@ -135,6 +148,28 @@ class LoRA:
 
         return LoRA.tree_unflatten(self.scales, [None if (p := getattr(self, n)) is None
                                                  else (st(p[0]), st(p[1])) for n in PROJECTIONS])
+
+    def handler_arrays(self) -> list[jax.Array]:
+        """The handlers' operands (abi.h "LoRA adapters"): ``A`` then ``B`` of
+        each adapted projection in `PROJECTIONS` order, float32 ``[E, ...]``."""
+        return [m.astype(jnp.float32) for n in self.stacked().projections
+                for m in self.stacked().pair(n)]
+
+    def from_handler_grads(self, grads: Sequence[jax.Array]) -> LoRA:
+        """The handlers' float32 gradients (`handler_arrays` order) as a
+        cotangent of this LoRA: its structure (lists, tuples) and dtypes."""
+        it = iter(grads)
+
+        def like(m, g):
+            if _is_list(m):
+                return type(m)(g[e].astype(a.dtype) for e, a in enumerate(m))
+            return g.astype(m.dtype)
+
+        children = []
+        for n in PROJECTIONS:
+            pair = getattr(self, n)
+            children.append(None if pair is None else type(pair)(like(m, next(it)) for m in pair))
+        return LoRA.tree_unflatten(self.scales, children)
 
     # --- construction ---
     @classmethod

@@ -41,7 +41,7 @@ def set_budget(nbytes: int | float | str, platform: str = "cpu", device: int = 0
 
 
 def fused_moe_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int,
-                              bf16_dot: bool = False) -> int:
+                              bf16_dot: bool = False, lora_rank: int = 0) -> int:
     """Bytes of workspace the CPU handler takes for one band of ``tokens``
     tokens: per padded slot the packed x row and activations, plus per worker
     a scratch sized to H and I (a packed K-block of a weight tile, and a
@@ -49,20 +49,25 @@ def fused_moe_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int,
     ``bf16_dot``: a chunk's x or activations as bfloat16 pairs besides, for
     calls that run the bfloat16 dot-product kernels: ``precision="bfloat16"``,
     or ``precision=None`` with bfloat16 x where `cpu.bf16_dot_by_default`).  ``tokens=0`` gives the part that does not
-    shrink with the band.  The same formula the handler allocates by and
-    `fused_moe` plans with."""
+    shrink with the band.  ``lora_rank`` > 0 (LoRA adapters, their ranks
+    summed): the forward with adapters instead, per slot the gathered x row,
+    g | u, the activations and the rank products (float32,
+    ``H + 3I + lora_rank`` values), plus one tile's scratch per worker.  The
+    same formula the handler allocates by and `fused_moe` plans with."""
     return int(_ffi().forward_workspace_bytes(int(tokens), int(k), int(E), int(H), int(I),
-                                              cpu.planned_workers(), bool(bf16_dot)))
+                                              cpu.planned_workers(), bool(bf16_dot), int(lora_rank)))
 
 
-def fused_moe_backward_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int) -> int:
+def fused_moe_backward_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int,
+                                       lora_rank: int = 0) -> int:
     """Bytes of workspace the CPU backward takes for one band of ``tokens``
-    tokens: per slot the gathered x and dy rows and the recomputed
-    activations (float32, ``2H + 3I`` values), plus one tile's scratch per
-    worker (sized to H and I).  The formula the handler allocates by and the
-    plan uses."""
+    tokens: per slot the gathered dy row and the recomputed activations
+    (float32, ``H + 3I`` values; x is read in place; with LoRA adapters of ranks
+    summing to ``lora_rank``, ``2 * lora_rank`` more), plus one tile's
+    scratch per worker (sized to H and I).  The formula the handler allocates
+    by and the plan uses."""
     return int(_ffi().backward_workspace_bytes(int(tokens), int(k), int(E), int(H), int(I),
-                                               cpu.planned_workers()))
+                                               cpu.planned_workers(), int(lora_rank)))
 
 
 def set_wait(seconds: float) -> None:

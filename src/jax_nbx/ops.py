@@ -239,7 +239,7 @@ def _resolve(x, topk_weights, topk_ids, experts, activation, implementation, max
     backend = backends.choose(implementation, problem)
     shared = _shared_pass(shared_experts, implementation, x.dtype, H, activation, precision, options)
     passes = [(backend, problem)] + ([shared] if shared is not None else [])
-    if precision is None and _bf16_dot_by_default(x.dtype, passes):
+    if precision is None and lora_spec is None and _bf16_dot_by_default(x.dtype, passes):
         problem = problem.replace(bf16_dot=True)
         if shared is not None:
             shared = (shared[0], shared[1].replace(bf16_dot=True))
@@ -306,12 +306,10 @@ def _run(backend: backends.Backend, problem: backends.Problem, x2, w2, ids2, exp
     if backend.traced_by_jax:
         extra = {} if lora is None else {"lora": lora}
         return backend.forward(problem, 0, x2, w2, ids2, experts, **extra)
-    if lora is not None:  # (the op's transformations carry no adapters yet: handlers do not take them)
-        raise NotImplementedError(f"the {backend.name!r} backend's op does not carry LoRA adapters")
     check_slots(T, problem.k)
     band = backend.plan(problem, T)
     try:
-        y = op(backend, problem, band)(x2, w2, ids2, experts)
+        y = op(backend, problem, band)(x2, w2, ids2, experts, lora)
         if not isinstance(y, jax.core.Tracer):  # eager: surface a refusal here
             y.block_until_ready()
     except (jax.errors.JaxRuntimeError, ValueError) as e:  # eager errors may arrive as either

@@ -48,15 +48,17 @@ def plan_bands(need, T: int, H: int, platform: str, max_workspace_bytes=None,
 
 def plan_band_tokens(T: int, k: int, E: int, H: int, I: int,
                      max_workspace_bytes: int | None = None, backward: bool = False,
-                     bf16_dot: bool = False) -> int:
+                     bf16_dot: bool = False, lora_rank: int = 0) -> int:
     """Tokens per band so that one band's workspace fits the CPU budget
     (or ``max_workspace_bytes``); equal-sized bands.  ``backward=True``: the
-    bands of the CPU backward handler (its workspace holds ``2H + 3I``
-    float32 values per slot).  Raises DeviceOOMError with the advice when a
-    single token does not fit."""
+    bands of the CPU backward handler (its workspace holds ``H + 3I``
+    float32 values per slot).  ``lora_rank``: LoRA adapters of these ranks
+    summed (`memory`'s formulas).  Raises DeviceOOMError with the advice when
+    a single token does not fit."""
     if backward:
-        workspace = memory.fused_moe_backward_workspace_bytes
+        workspace = functools.partial(memory.fused_moe_backward_workspace_bytes, lora_rank=lora_rank)
     else:
-        workspace = functools.partial(memory.fused_moe_workspace_bytes, bf16_dot=bf16_dot)
+        workspace = functools.partial(memory.fused_moe_workspace_bytes, bf16_dot=bf16_dot,
+                                      lora_rank=lora_rank)
     return plan_bands(lambda t: workspace(t, k, E, H, I), T, H, "cpu", max_workspace_bytes,
                              f"({'backward, ' if backward else ''}E={E} k={k} H={H} I={I})")

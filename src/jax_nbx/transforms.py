@@ -6,7 +6,9 @@ experts shared across the batch fold the batch into the token axis; experts
 that differ per element run one call per element.  Derivative: the
 backend's fused backward where it has one for the problem (CPU; CUDA, dense
 experts), else the reference's VJP (quantized experts are frozen: dx and
-d(topk_weights) only).  Gradients never flow to topk_ids.
+d(topk_weights) only).  The experts' gradients are computed only where the
+experts are differentiated (`jax.custom_vjp`'s symbolic zeros: frozen
+experts under LoRA skip them).  Gradients never flow to topk_ids.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero, custom_vjp_primal_tree_values
 
 from .backends import Backend, Problem
 from .experts import _CHILDREN as _EXPERT_CHILDREN
@@ -68,53 +71,71 @@ def _regroup(experts: Experts, dws) -> Experts:
     return dexperts
 
 
+def _perturbed(tree) -> bool:
+    """Whether any leaf of a symbolic-zeros forward rule's argument is
+    differentiated (`jax.custom_vjp` with ``symbolic_zeros=True``)."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda a: isinstance(a, CustomVJPPrimal))
+    return any(a.perturbed for a in leaves)
+
+
 @functools.cache
 def op(backend: Backend, problem: Problem, band_tokens: int):
-    """The raw forward of ``backend`` on 2-D inputs ``(x, w, ids, experts)``
-    with a batching rule and a derivative."""
+    """The raw forward of ``backend`` on 2-D inputs ``(x, w, ids, experts,
+    lora)`` (``lora`` None or a `jax_nbx.LoRA`, only where the backend
+    `takes_lora`) with a batching rule and a derivative."""
 
     @custom_vmap
-    def forward(x, w, ids, experts):
+    def forward(x, w, ids, experts, lora):
         check_slots(*ids.shape)  # (a vmapped batch folds into the tokens: checked again here)
-        return backend.forward(problem, band_tokens, x, w, ids, experts)
+        extra = {} if lora is None else {"lora": lora}
+        return backend.forward(problem, band_tokens, x, w, ids, experts, **extra)
 
     @forward.def_vmap
-    def _batch(axis_size, in_batched, x, w, ids, experts):
+    def _batch(axis_size, in_batched, x, w, ids, experts, lora):
         args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
                 for a, b in zip((x, w, ids), in_batched[:3])]
-        if not any(jax.tree.leaves(in_batched[3])):
-            # Experts shared across the batch: the batch is just more tokens.
+        if not any(jax.tree.leaves(in_batched[3:])):
+            # Experts (and adapters) shared across the batch: the batch is just more tokens.
             xb, wb, ib = args
             B, T, H = xb.shape
             k = wb.shape[-1]  # (not -1: an empty batch has nothing to infer it from)
-            y = forward(xb.reshape(B * T, H), wb.reshape(B * T, k), ib.reshape(B * T, k), experts)
+            y = forward(xb.reshape(B * T, H), wb.reshape(B * T, k), ib.reshape(B * T, k), experts, lora)
             return y.reshape(B, T, H), True
-        # Experts differ per batch element: one call per element.
-        ex = jax.tree.map(lambda a, b: a if b else jnp.broadcast_to(a, (axis_size,) + a.shape),
-                          experts, in_batched[3])
-        return jax.lax.map(lambda a: forward(*a), (*args, ex)), True
+        # Experts or adapters differ per batch element: one call per element.
+        ex, lo = jax.tree.map(lambda a, b: a if b else jnp.broadcast_to(a, (axis_size,) + a.shape),
+                              (experts, lora), tuple(in_batched[3:]))
+        return jax.lax.map(lambda a: forward(*a), (*args, ex, lo)), True
 
     @jax.custom_vjp
-    def run(x, w, ids, experts):
-        return forward(x, w, ids, experts)
+    def run(x, w, ids, experts, lora):
+        return forward(x, w, ids, experts, lora)
 
-    def run_fwd(x, w, ids, experts):
-        return run(x, w, ids, experts), (x, w, ids, experts)
+    def run_fwd(x, w, ids, experts, lora):
+        # The experts' gradients are computed only when they are differentiated
+        # (frozen experts under LoRA, or x-only gradients, skip the dW GEMMs):
+        # the residuals' structure carries that, () or None.
+        train = () if _perturbed(experts) else None
+        x, w, ids, experts, lora = custom_vjp_primal_tree_values((x, w, ids, experts, lora))
+        return forward(x, w, ids, experts, lora), (x, w, ids, experts, lora, train)
 
     def run_bwd(res, g):
-        x, w, ids, experts = res
-        fused = backend.backward(problem, g, x, w, ids, experts)
+        x, w, ids, experts, lora, train = res
+        train = train is not None
+        if isinstance(g, SymbolicZero):
+            g = jnp.zeros(x.shape, x.dtype)
+        fused = backend.backward(problem, g, x, w, ids, experts,
+                                 **({} if lora is None else {"lora": lora}), weight_grads=train)
         if fused is not None:
-            dx, dw, dws = fused
-            return dx, dw, None, _regroup(experts, dws)
-        if problem.quant is not None:  # quantized weights are frozen: dx and dw only
-            _, vjp = jax.vjp(lambda x_, w_: moe_reference(x_, w_, ids, experts, problem.activation), x, w)
-            dx, dw = vjp(g)
-            return dx, dw, None, None
-        _, vjp = jax.vjp(lambda x_, w_, e_: moe_reference(x_, w_, ids, e_, problem.activation),
-                         x, w, experts)
-        dx, dw, dexperts = vjp(g)
-        return dx, dw, None, dexperts
+            dx, dw, dws, dlora = fused
+            return dx, dw, None, (_regroup(experts, dws) if train and dws is not None else None), dlora
+        ref = functools.partial(moe_reference, activation=problem.activation)
+        if problem.quant is not None or not train:  # quantized weights are frozen
+            _, vjp = jax.vjp(lambda x_, w_, l_: ref(x_, w_, ids, experts, lora=l_), x, w, lora)
+            dx, dw, dlora = vjp(g)
+            return dx, dw, None, None, dlora
+        _, vjp = jax.vjp(lambda x_, w_, e_, l_: ref(x_, w_, ids, e_, lora=l_), x, w, experts, lora)
+        dx, dw, dexperts, dlora = vjp(g)
+        return dx, dw, None, dexperts, dlora
 
-    run.defvjp(run_fwd, run_bwd)
+    run.defvjp(run_fwd, run_bwd, symbolic_zeros=True)
     return run

@@ -1,7 +1,9 @@
 """LoRA adapters on the experts (`jax_nbx.LoRA`, ``fused_moe(..., lora=)``):
-forward and every gradient against the float64 oracle (support/problems.py),
-over dense and quantized (QLoRA) base experts, stacked and lists, rank 1 and
-16; merging for export; the errors; the layers' adapters."""
+forward and every gradient against the float64 oracle (support/problems.py)
+on the CPU handler and the "xla" reference, over dense and quantized (QLoRA)
+base experts, stacked and lists, rank 1 and 16; the CPU handler's bands,
+unwritten outputs and frozen experts; merging for export; the errors; the
+layers' adapters."""
 from __future__ import annotations
 
 import jax
@@ -11,6 +13,7 @@ import pytest
 
 import jax_nbx as nbx
 
+from support.handlers import ffi_backward, ffi_forward
 from support.problems import DTYPES, TOL, as_lists, f64, make_problem, np_moe, np_moe_grads, rel_err
 
 SCALES = {"gate": 0.5, "up": 0.8, "down": 1.3}  # one per projection: a swap shows
@@ -50,20 +53,21 @@ def _check_lora_grads(glora, dad, tol):
         assert rel_err(gB, dB) < tol, (name, "B", rel_err(gB, dB))
 
 
+@pytest.mark.parametrize("impl", ["cpu", "xla"])
 @pytest.mark.parametrize("T, r, lists, projections, x_dtype", [
     (1, 1, False, ("gate", "up", "down"), "f32"),
     (33, 16, True, ("gate", "up", "down"), "f32"),
     (222, 16, False, ("gate", "down"), "bf16"),
     (33, 3, False, ("up",), "f32"),
 ])
-def test_forward_and_gradients_match_float64(T, r, lists, projections, x_dtype):
+def test_forward_and_gradients_match_float64(T, r, lists, projections, x_dtype, impl):
     E, k, H, I = 5, 2, 40, 24  # H, I not a multiple of any block
     x, w, ids, ex = make_problem(T, T, E, k, H, I, x_dtype=DTYPES[x_dtype])
     lora = _lora(T + r, E, H, I, r, projections, lists=lists)
     if lists:
         ex = as_lists(ex)
     ct = jnp.asarray(np.random.default_rng(1).standard_normal((T, H)), jnp.float32)
-    y, (dx, dw, glora, gex) = _loss_and_grads(x, w, ids, ex, lora, ct)
+    y, (dx, dw, glora, gex) = _loss_and_grads(x, w, ids, ex, lora, ct, implementation=impl)
     ref = np_moe(x, w, ids, ex, lora=lora)
     tol = TOL[x_dtype]
     assert y.dtype == x.dtype and y.shape == x.shape
@@ -80,8 +84,9 @@ def test_forward_and_gradients_match_float64(T, r, lists, projections, x_dtype):
     assert glora.projections == tuple(projections) and glora.scales == lora.scales
 
 
+@pytest.mark.parametrize("impl", ["cpu", "xla"])
 @pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4", "fp8", "mxfp8", "nvfp4"])
-def test_qlora_over_every_quantized_format(fmt):
+def test_qlora_over_every_quantized_format(fmt, impl):
     """Frozen quantized experts: the adapters' gradients and dx against the
     oracle on the dequantized weights; the base gets none."""
     E, k, H, I, T = 4, 2, 64, 32, 17
@@ -89,12 +94,13 @@ def test_qlora_over_every_quantized_format(fmt):
     q = nbx.quantize(ex, fmt, group_size=32 if fmt in ("int4", "fp8") else None)
     lora = _lora(3, E, H, I, 4)
     ct = jnp.asarray(np.random.default_rng(2).standard_normal((T, H)), jnp.float32)
-    y, (dx, dw, glora, _) = _loss_and_grads(x, w, ids, q, lora, ct)
+    y, (dx, dw, glora, _) = _loss_and_grads(x, w, ids, q, lora, ct, implementation=impl)
     assert rel_err(y, np_moe(x, w, ids, q, lora=lora)) < 1e-5
     rdx, rdw, *_, dad = np_moe_grads(x, w, ids, q, ct, lora=lora)
     assert rel_err(dx, rdx) < 1e-5 and rel_err(dw, rdw) < 1e-5
     _check_lora_grads(glora, dad, 1e-5)
-    gq = jax.grad(lambda q: jnp.sum(nbx.fused_moe(x, w, ids, q, lora=lora)), allow_int=True)(q)
+    gq = jax.grad(lambda q: jnp.sum(nbx.fused_moe(x, w, ids, q, lora=lora, implementation=impl)),
+                  allow_int=True)(q)
     floats = [leaf for leaf in jax.tree.leaves(gq) if leaf.dtype != jax.dtypes.float0]
     assert not any(np.any(np.asarray(leaf, np.float32)) for leaf in floats), \
         "quantized experts must be frozen"
@@ -108,8 +114,11 @@ def test_zero_B_is_the_base_and_init_follows_the_paper():
     A, B = lora.gate
     assert A.shape == (E, H, 8) and B.shape == (E, 8, I) and not np.any(np.asarray(B))
     assert 0 < float(jnp.max(jnp.abs(A))) <= 1 / np.sqrt(H)
-    np.testing.assert_array_equal(np.asarray(nbx.fused_moe(x, w, ids, ex, lora=lora)),
+    np.testing.assert_array_equal(np.asarray(nbx.fused_moe(x, w, ids, ex, lora=lora, implementation="xla")),
                                   np.asarray(nbx.fused_moe(x, w, ids, ex, implementation="xla")))
+    # the CPU handler's adapter path (row GEMMs) against its packed kernels: the same sums
+    base = nbx.fused_moe(x, w, ids, ex, implementation="cpu")
+    assert rel_err(nbx.fused_moe(x, w, ids, ex, lora=lora, implementation="cpu"), f64(base)) < 1e-6
     lists = nbx.LoRA.init(jax.random.key(0), E, H, I, 2, lists=True)
     assert len(lists.down[0]) == E and lists.down[0][0].shape == (I, 2)
 
@@ -144,15 +153,83 @@ def test_vmap_and_weights_on_input():
     assert rel_err(yi, ref.reshape(3 * T, k, H).sum(1)) < 1e-5
 
 
-def test_the_handlers_refuse_adapters_by_name_and_none_takes_the_reference():
+def test_backends_that_take_adapters_and_the_refusals():
+    """The CPU handler takes adapters over every format; precision='bfloat16'
+    it refuses by name (None runs float32 arithmetic); CUDA and Metal refuse."""
     E, k, H, I, T = 4, 2, 40, 24, 3
     x, w, ids, ex = make_problem(1, T, E, k, H, I)
     lora = _lora(0, E, H, I, 2)
-    with pytest.raises(ValueError, match="implementation='cpu' cannot run this call: LoRA adapters"):
-        nbx.fused_moe(x, w, ids, ex, lora=lora, implementation="cpu")
     backend, problem = nbx.ops.resolve(x, w, ids, ex, lora=lora)
-    assert backend.name == "xla" and problem.lora == (
+    assert backend.name == "cpu" and problem.lora == (
         (("gate", 2, 0.5), ("up", 2, 0.8), ("down", 2, 1.3)), False)
+    assert problem.lora.ranks == (2, 2, 2) and not problem.bf16_dot
+    assert nbx.ops.resolve(x, w, ids, nbx.quantize(ex, "int8"), lora=lora)[0].name == "cpu"
+    xb = x.astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match="float32 arithmetic, not precision='bfloat16'"):
+        nbx.fused_moe(xb, w, ids, ex, lora=lora, implementation="cpu", precision="bfloat16")
+    exb = jax.tree.map(lambda a: a.astype(jnp.bfloat16), ex)
+    backend, problem = nbx.ops.resolve(xb, w, ids, exb, lora=lora)
+    assert backend.name == "cpu" and not problem.bf16_dot  # precision=None: float32 with adapters
+    for name in ("metal", "cuda"):
+        with pytest.raises(ValueError, match=f"implementation='{name}' cannot run this call"):
+            nbx.fused_moe(x, w, ids, ex, lora=lora, implementation=name)
+
+
+@pytest.mark.parametrize("x_dtype, fmt", [("f32", None), ("bf16", None), ("f32", "int8")])
+def test_cpu_handler_bands_unwritten_outputs_and_frozen_experts(x_dtype, fmt):
+    """The CPU handler with adapters: every output written (NaN twins),
+    banded results bit for bit the unbanded ones, the adapters' gradients
+    the same with and without the experts' (frozen: ``weight_grads`` off;
+    quantized experts are always frozen), and ``jax.grad`` over the adapters
+    alone asks for no expert gradient."""
+    E, k, H, I, T = 5, 2, 40, 24, 33
+    x, w, ids, ex = make_problem(4, T, E, k, H, I, x_dtype=DTYPES[x_dtype])
+    if fmt is not None:
+        ex = nbx.quantize(ex, fmt)
+    ids = ids.at[:, 0].set(jnp.where(ids[:, 1] == 4, 3, 4))  # expert 4 busy; expert 0 may be idle
+    ids = ids.at[:, 1].set(jnp.where(ids[:, 0] == 0, 1, ids[:, 1]))
+    ids = jnp.where(ids == 0, 2, ids)  # expert 0 idle: its gradients must be zeros, not NaN
+    lora = _lora(5, E, H, I, 3)
+    arrays = ex.flat()
+    y = ffi_forward(x, w, ids, *arrays, poison=True, lora=lora)
+    assert rel_err(y, np_moe(x, w, ids, ex, lora=lora)) < TOL[x_dtype]
+    np.testing.assert_array_equal(np.asarray(ffi_forward(x, w, ids, *arrays, band_tokens=7, lora=lora)),
+                                  np.asarray(y))
+    dy = jnp.asarray(np.random.default_rng(3).standard_normal((T, H)), x.dtype)
+    train = fmt is None
+    full = ffi_backward(dy, x, w, ids, *arrays, poison=True, lora=lora, weight_grads=train)
+    frozen = ffi_backward(dy, x, w, ids, *arrays, poison=True, lora=lora, weight_grads=False)
+    banded = ffi_backward(dy, x, w, ids, *arrays, band_tokens=5, lora=lora, weight_grads=train)
+    assert frozen[2] == [] and len(full[3]) == 6 and len(full[2]) == (3 if train else 0)
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(banded)):
+        assert np.all(np.isfinite(np.asarray(a, np.float32)))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, c in zip(full[3], frozen[3]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    assert not np.any(np.asarray(full[3][0][0]))  # idle expert 0: dA of gate zero
+    rdx, rdw, *_, dad = np_moe_grads(x, w, ids, ex, f64(dy), lora=lora)
+    gtol = 1e-5 if x_dtype == "f32" else 2e-2
+    assert rel_err(full[0], rdx) < gtol and rel_err(full[1], rdw) < gtol
+    for i, name in enumerate(("gate", "up", "down")):
+        assert rel_err(full[3][2 * i], dad[name][0]) < gtol and rel_err(full[3][2 * i + 1], dad[name][1]) < gtol
+    hlo = jax.jit(jax.grad(lambda lo: jnp.sum(nbx.fused_moe(x, w, ids, ex, lora=lo).astype(jnp.float32)))
+                  ).lower(lora).as_text()
+    assert "nbx_fused_moe_bwd" in hlo and "weight_grads = false" in hlo
+
+
+def test_the_handler_checks_the_adapters_it_is_given():
+    """Adapters that reach the handler malformed (the library checks them
+    before: this is the handler's own check) are refused by name."""
+    E, k, H, I, T = 4, 2, 40, 24, 3
+    x, w, ids, ex = make_problem(1, T, E, k, H, I)
+    lora = _lora(0, E, H, I, 2, projections=("down",))
+    bad = nbx.LoRA(down=(lora.down[0], lora.down[1][:, :, :7]), scale=1.0)
+    from jax_nbx.backends import cpu as cpu_backend
+    p = nbx.ops.resolve(x, w, ids, ex, lora=lora)[1]
+    name, operands, attrs, out = cpu_backend.forward_call(p, 0, x, w, ids, ex.flat(), lora=bad)
+    want = r"the down adapter's B must be float32 \[4, 2, 40\], got \(4, 2, 7\)"
+    with pytest.raises(jax.errors.JaxRuntimeError, match=want):
+        jax.ffi.ffi_call(name, out)(*operands, **attrs).block_until_ready()
 
 
 def test_bad_adapters_are_refused_by_name():

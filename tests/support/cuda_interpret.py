@@ -95,7 +95,7 @@ class InterpretedCuda(Backend):
         out = jax.ShapeDtypeStruct(x.shape, x.dtype)
         return jax.pure_callback(host, out, x, w, ids, *arrays, vmap_method="sequential")
 
-    def backward(self, problem, dy, x, w, ids, experts):
+    def backward(self, problem, dy, x, w, ids, experts, lora=None, weight_grads: bool = True):
         if problem.quant is not None:
             return None
         arrays = (*experts.flat(), *experts.handler_biases())
@@ -126,7 +126,7 @@ class InterpretedCuda(Backend):
         outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32),
                 *grad_shapes)
         dx, dw, *dws = jax.pure_callback(host, outs, dy, x, w, ids, *arrays, vmap_method="sequential")
-        return dx, dw, [d.astype(a.dtype) for d, a in zip(dws, arrays)]
+        return dx, dw, [d.astype(a.dtype) for d, a in zip(dws, arrays)], None
 
 
 def register() -> None:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax_nbx import activations, backends, formats
 from jax_nbx.backends import cpu as cpu_backend
 from jax_nbx.experts import WeightLayout
+from jax_nbx.lora import validate_lora
 
 
 def _problem(x, ids, arrays, activation, lists, layout, skip_outside, bf16_dot) -> backends.Problem:
@@ -43,14 +44,19 @@ def poisoned_call(target: str, outs, operands, attrs):
     return call(*operands, *twins, **attrs)
 
 
+def _with_lora(p, lora):
+    return p if lora is None else p.replace(lora=validate_lora(lora, p.E, p.H, p.I))
+
+
 def ffi_forward(x, w, ids, *arrays, activation="swiglu", band_tokens: int = 0, poison: bool = False,
                 lists: bool = False, skip_outside: bool = False, layout: WeightLayout | None = None,
-                bf16_dot: bool = False):
+                bf16_dot: bool = False, lora=None):
     """The CPU forward on 2-D inputs; ``arrays`` = `Experts.flat` (then
-    `Experts.handler_biases` when ``layout.bias``); ``poison``: the twin."""
-    p = _problem(x, ids, arrays, activation, lists, layout, skip_outside, bf16_dot)
+    `Experts.handler_biases` when ``layout.bias``); ``poison``: the twin;
+    ``lora``: a `jax_nbx.LoRA` on the experts."""
+    p = _with_lora(_problem(x, ids, arrays, activation, lists, layout, skip_outside, bf16_dot), lora)
     name, operands, attrs, out = cpu_backend.forward_call(
-        p, band_tokens, x, w, ids, arrays, target="forward_poisoned" if poison else "forward")
+        p, band_tokens, x, w, ids, arrays, target="forward_poisoned" if poison else "forward", lora=lora)
     if poison:
         (y,) = poisoned_call(name, [out], operands, attrs)
         return y
@@ -58,14 +64,20 @@ def ffi_forward(x, w, ids, *arrays, activation="swiglu", band_tokens: int = 0, p
 
 
 def ffi_backward(dy, x, w, ids, *arrays, activation="swiglu", band_tokens: int = 0, lists: bool = False,
-                 skip_outside: bool = False, poison: bool = False, layout: WeightLayout | None = None):
+                 skip_outside: bool = False, poison: bool = False, layout: WeightLayout | None = None,
+                 lora=None, weight_grads: bool = True):
     """The CPU backward on 2-D inputs: ``(dx, dw, dweights)`` with
-    ``dweights`` in ``arrays``' order, cast to their dtypes."""
-    p = _problem(x, ids, arrays, activation, lists, layout, skip_outside, False)
+    ``dweights`` in ``arrays``' order, cast to their dtypes (``[]`` without
+    ``weight_grads``); with ``lora``, then the adapters' float32 gradients
+    (`LoRA.handler_arrays` order)."""
+    p = _with_lora(_problem(x, ids, arrays, activation, lists, layout, skip_outside, False), lora)
     name, operands, attrs, outs = cpu_backend.backward_call(
-        p, band_tokens, dy, x, w, ids, arrays, target="backward_poisoned" if poison else "backward")
+        p, band_tokens, dy, x, w, ids, arrays, target="backward_poisoned" if poison else "backward",
+        lora=lora, weight_grads=weight_grads)
     if poison:
         dx, dw, *dws = poisoned_call(name, outs, operands, attrs)
     else:
         dx, dw, *dws = jax.ffi.ffi_call(name, outs, vmap_method="sequential")(*operands, **attrs)
-    return dx, dw, [d.astype(a.dtype) for d, a in zip(dws, arrays)]
+    n = len(arrays) if weight_grads else 0
+    out = dx, dw, [d.astype(a.dtype) for d, a in zip(dws[:n], arrays)]
+    return out if lora is None else (*out, dws[n:])

@@ -6,6 +6,7 @@
 #include "abi.h"
 #include "attr_types.h"
 #include "cpu/handler_common.h"  // the enum attributes' decoding
+#include "cpu/row_band.h"        // LoraAttrs
 #include "cpu/weights.h"         // WeightViewAttrs
 #include "xla/ffi/api/ffi.h"
 
@@ -22,7 +23,11 @@ struct BackwardAttrs {
   bool skip_outside;
   int64_t num_experts;
   bool stacked;
-  WeightViewAttrs views;  // abi.h "weight views"
+  WeightViewAttrs views;  // abi.h "weight views" (and tensor_scales)
+  LoraAttrs lora;         // abi.h "LoRA adapters"
+  bool weight_grads;      // return the experts' gradients (else only dx, dw, the adapters')
+  abi::WeightFormat format;  // quantized experts: weight_grads is false
+  int64_t group_size;
 };
 
 // The backward on dy, x, topk_weights, topk_ids and the dense weight buffers
@@ -37,9 +42,10 @@ xla::ffi::Error FusedMoeBackward(xla::ffi::ThreadPool pool, xla::ffi::AnyBuffer 
                                  xla::ffi::RemainingRets grads, const BackwardAttrs& a);
 
 // Bytes of workspace the CPU backward allocates for one band of `tokens`
-// tokens (0 gives the part that does not shrink with the band).
+// tokens (0 gives the part that does not shrink with the band); `lora_rank`:
+// the adapters' ranks summed.
 size_t BackwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
-                              int workers);
+                              int workers, int64_t lora_rank = 0);
 }  // namespace nbx
 
 // The binding the product target and the tests' twin share.
@@ -61,5 +67,8 @@ size_t BackwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, i
 #define NBX_BACKWARD_ATTRS \
   ::nbx::BackwardAttrs {                                                              \
     activation, act_alpha, act_limit, band_tokens, max_workers, skip_outside, num_experts, \
-        stacked, ::nbx::WeightViewAttrs{views, intermediate, fused_gate_up, has_bias}   \
+        stacked,                                                                         \
+        ::nbx::WeightViewAttrs{views, intermediate, fused_gate_up, has_bias, tensor_scales}, \
+        ::nbx::LoraAttrs{lora_ranks, {lora_scale_gate, lora_scale_up, lora_scale_down}},   \
+        weight_grads, format, group_size                                                 \
   }

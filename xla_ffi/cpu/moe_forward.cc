@@ -518,6 +518,7 @@ ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
 ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> topk_w,
                            ffi::Buffer<ffi::S32> topk_ids, ffi::RemainingArgs weights,
                            size_t trailing, ffi::Result<ffi::AnyBuffer> y, const ForwardAttrs& a) {
+  if (!NoLora(a.lora)) return FusedMoeLoraForward(pool, x, topk_w, topk_ids, weights, trailing, y, a);
   int64_t T, H, k;
   if (ffi::Error e = CheckRouting(x, topk_w, topk_ids, &T, &H, &k); e.failure()) return e;
   if (y->element_type() != x.element_type() || y->dimensions().size() != 2 ||

@@ -6,6 +6,7 @@
 #include "abi.h"
 #include "attr_types.h"
 #include "cpu/handler_common.h"  // the enum attributes' decoding
+#include "cpu/row_band.h"        // LoraAttrs
 #include "cpu/weights.h"         // WeightViewAttrs
 #include "xla/ffi/api/ffi.h"
 
@@ -29,6 +30,7 @@ struct ForwardAttrs {
   // summed in pairs as VDPBF16PS does (kernels_dot.h); bfloat16 weights
   // stored by rows only, every expert through the packed kernels.
   bool bf16_dot;
+  LoraAttrs lora;  // abi.h "LoRA adapters": any rank > 0 runs FusedMoeLoraForward
 };
 
 // The forward on x [T, H], topk_weights/topk_ids [T, k] and the weight
@@ -40,6 +42,19 @@ xla::ffi::Error FusedMoeForward(xla::ffi::ThreadPool pool, xla::ffi::AnyBuffer x
                                 xla::ffi::RemainingArgs weights, size_t trailing,
                                 xla::ffi::Result<xla::ffi::AnyBuffer> y, const ForwardAttrs& a);
 
+// The forward with LoRA adapters on dense experts (moe_lora.cc): the same
+// inputs with the adapters after the weights (abi.h), through the row band
+// (row_band.h) instead of the packed kernels; FusedMoeForward calls it when
+// a rank is > 0.
+xla::ffi::Error FusedMoeLoraForward(xla::ffi::ThreadPool pool, xla::ffi::AnyBuffer x,
+                                    xla::ffi::Buffer<xla::ffi::F32> topk_w,
+                                    xla::ffi::Buffer<xla::ffi::S32> topk_ids,
+                                    xla::ffi::RemainingArgs weights, size_t trailing,
+                                    xla::ffi::Result<xla::ffi::AnyBuffer> y,
+                                    const ForwardAttrs& a);
+// Bytes of workspace of one band of the forward with adapters of total rank R.
+size_t LoraForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
+                                 int64_t R, int workers);
 // Bytes of workspace the CPU forward allocates for one band of `tokens`
 // tokens (0 gives the part that does not shrink with the band: the
 // per-expert arrays and the per-worker scratch, sized to H and I);
@@ -69,5 +84,6 @@ size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, in
     activation, act_alpha, act_limit, band_tokens, max_workers, skip_outside, num_experts, \
         format, stacked, group_size,                                                   \
         ::nbx::WeightViewAttrs{views, intermediate, fused_gate_up, has_bias, tensor_scales}, \
-        bf16_dot                                                                       \
+        bf16_dot,                                                                      \
+        ::nbx::LoraAttrs{lora_ranks, {lora_scale_gate, lora_scale_up, lora_scale_down}}     \
   }

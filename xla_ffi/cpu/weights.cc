@@ -248,18 +248,18 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
   return ffi::Error::Success();
 }
 
-ffi::Error DecodeGradients(ffi::RemainingRets rets, size_t first, const ExpertWeights& w,
-                           bool stacked, GradientTable* out) {
+ffi::Error DecodeGradients(ffi::RemainingRets rets, size_t first, size_t trailing,
+                           const ExpertWeights& w, bool stacked, GradientTable* out) {
   const int64_t E = w.E, per = stacked ? 1 : E;
   if (w.quantized())
     return ffi::Error::InvalidArgument("the CPU backward takes dense weights only");
   const int groups = w.groups();
   const int64_t nbias = w.bias[0] ? abi::kNumBiases : 0;
   const int64_t want = groups * per + nbias;
-  if (static_cast<int64_t>(rets.size()) != static_cast<int64_t>(first) + want)
+  if (static_cast<int64_t>(rets.size()) != static_cast<int64_t>(first + trailing) + want)
     return ffi::Error::InvalidArgument("expected " + std::to_string(want) +
                                        " weight-gradient results; got " +
-                                       std::to_string(rets.size() - first));
+                                       std::to_string(rets.size() - first - trailing));
   out->table.assign(abi::kNumProjections * E, nullptr);
   out->group_base.assign(groups * E, nullptr);
   out->buffers.clear();

@@ -99,7 +99,7 @@ xla::ffi::Error DecodeWeights(xla::ffi::RemainingArgs args, size_t first, size_t
 
 // The float32 gradient results of dense weights, laid out as the weights
 // (their groups, stacked or per-expert, from rets[first]; then the three
-// bias gradients when the weights have biases): [projection][E] addresses
+// bias gradients when the weights have biases; then `trailing` other results): [projection][E] addresses
 // with the views' offsets folded in as in the weights' table, the bias
 // gradients, and each buffer (address, bytes).  Checks each is float32 with
 // its weight's shape.
@@ -109,7 +109,7 @@ struct GradientTable {
   float* bias[3] = {nullptr, nullptr, nullptr};
   std::vector<std::pair<void*, size_t>> buffers;
 };
-xla::ffi::Error DecodeGradients(xla::ffi::RemainingRets rets, size_t first,
+xla::ffi::Error DecodeGradients(xla::ffi::RemainingRets rets, size_t first, size_t trailing,
                                 const ExpertWeights& w, bool stacked, GradientTable* out);
 
 }  // namespace nbx

@@ -56,7 +56,7 @@ def get(name: str) -> Backend:
 
 def _why_no_lora(backend: Backend, problem: Problem) -> str:
     if problem.lora is not None and not backend.takes_lora:
-        return "LoRA adapters (lora=) run on the 'xla' reference only so far (docs/lora.md)"
+        return "LoRA adapters (lora=) run on the 'cpu' handler and the 'xla' reference only so far (docs/lora.md)"
     return ""
 
 

@@ -131,9 +131,13 @@ class Backend:
         raise NotImplementedError
 
     def backward(self, problem: Problem, dy: jax.Array, x: jax.Array, w: jax.Array, ids: jax.Array,
-                 experts: Experts) -> tuple | None:
-        """``(dx, d(topk_weights), dexperts)`` from a fused backward, or None
-        where this backend has none for ``problem`` (the reference's VJP runs)."""
+                 experts: Experts, lora: LoRA | None = None, weight_grads: bool = True) -> tuple | None:
+        """``(dx, d(topk_weights), dexperts, dlora)`` from a fused backward, or
+        None where this backend has none for ``problem`` (the reference's VJP
+        runs).  ``dexperts``: the handlers' gradients of `Experts.flat` then
+        `Experts.handler_biases`, or None when ``weight_grads`` is False (frozen
+        experts: a backend may skip them); ``dlora``: a `LoRA` cotangent, or
+        None without ``lora`` (only where `takes_lora`)."""
         return None
 
     def __repr__(self) -> str:

@@ -1,6 +1,7 @@
 """The "cpu" backend: jax_nbx's CPU handlers (``xla_ffi/cpu/``), forward and
 fused backward, every weight format and layout, stacked or per-expert lists
-read in place, on XLA's intra-op thread pool.
+read in place, on XLA's intra-op thread pool; LoRA adapters over every
+format (abi.h "LoRA adapters"); quantized experts frozen in the backward.
 
 `forward_call` / `backward_call` are the one place that turns a problem and
 its arrays into the handlers' operands and attributes (`jax_nbx.contract`);
@@ -16,6 +17,7 @@ import numpy as np
 from .. import contract, cpu, memory
 from ..experts import Experts, WeightLayout
 from ..formats import tensor_scales, weight_groups
+from ..lora import LoRA, LoRASpec
 from ..planning import plan_band_tokens
 from .base import Backend, Problem
 
@@ -32,14 +34,15 @@ def _num_experts(weights, layout: WeightLayout, lists: bool) -> int:
     return len(weights) // groups if lists else int(weights[0].shape[0])
 
 
-def forward_call(problem: Problem, band_tokens: int, x, w, ids, arrays, target: str = "forward"):
-    """``(target name, operands, attributes, result)`` of the CPU forward (or
-    of a target with its attributes: "metal_forward", the tests'
-    "forward_poisoned") on 2-D inputs.  ``arrays``: `Experts.flat` then
-    `Experts.handler_biases`; they reach the handler as the contract's
-    buffer groups (weights, then scales, then zeros; biases float32, then
-    the quantized matrices' tensor scales, float32 [E] per projection),
-    read in place."""
+def _lora_attrs(spec: LoRASpec | None) -> dict:
+    ranks, scales = (spec.ranks, spec.scales) if spec is not None else ((0, 0, 0), (1.0, 1.0, 1.0))
+    return dict(lora_ranks=ranks, lora_scale_gate=scales[0], lora_scale_up=scales[1],
+                lora_scale_down=scales[2])
+
+
+def _weights_and_attrs(problem: Problem, band_tokens: int, arrays, lora: LoRA | None):
+    """The weight operands (groups, float32 biases, tensor scales, then the
+    adapters) and the attributes the CPU forward and backward share."""
     layout = problem.layout
     weights, biases = split_arrays(arrays, layout)
     scales = ()
@@ -50,38 +53,52 @@ def forward_call(problem: Problem, band_tokens: int, x, w, ids, arrays, target: 
     else:
         E, quant, bufs = _num_experts(weights, layout, problem.lists), None, list(weights)
     bufs += [b.astype(jnp.float32) for b in biases] + list(scales)
+    if lora is not None:
+        bufs += lora.handler_arrays()
     act = problem.activation
-    attrs = contract.attributes(target, dict(
+    return bufs, dict(
         activation=act.code, act_alpha=act.alpha, act_limit=act.limit, band_tokens=band_tokens,
         max_workers=cpu.planned_workers(), skip_outside=problem.skip_outside, num_experts=E,
         format=contract.FORMAT_CODES[quant[0] if quant else None], stacked=not problem.lists,
         group_size=quant[1] if quant else 0, views=layout.views, intermediate=layout.intermediate,
-        fused_gate_up=layout.fused, has_bias=layout.bias, bf16_dot=problem.bf16_dot,
-        tensor_scales=bool(scales)))
+        fused_gate_up=layout.fused, has_bias=layout.bias, tensor_scales=bool(scales),
+        **_lora_attrs(problem.lora if lora is not None else None))
+
+
+def forward_call(problem: Problem, band_tokens: int, x, w, ids, arrays, target: str = "forward",
+                 lora: LoRA | None = None):
+    """``(target name, operands, attributes, result)`` of the CPU forward (or
+    of a target with its attributes: "metal_forward", the tests'
+    "forward_poisoned") on 2-D inputs.  ``arrays``: `Experts.flat` then
+    `Experts.handler_biases`; they reach the handler as the contract's
+    buffer groups (weights, then scales, then zeros; biases float32, then
+    the quantized matrices' tensor scales, float32 [E] per projection),
+    read in place; then ``lora``'s adapters (`LoRA.handler_arrays`)."""
+    bufs, attrs = _weights_and_attrs(problem, band_tokens, arrays, lora)
+    attrs = contract.attributes(target, dict(attrs, bf16_dot=problem.bf16_dot))
     name = {"forward": contract.TARGET_FORWARD, "metal_forward": contract.TARGET_METAL_FORWARD,
             "forward_poisoned": contract.TARGET_FORWARD_POISONED}[target]
     return name, [x, w, ids, *bufs], attrs, jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-def backward_call(problem: Problem, band_tokens: int, dy, x, w, ids, arrays, target: str = "backward"):
+def backward_call(problem: Problem, band_tokens: int, dy, x, w, ids, arrays, target: str = "backward",
+                  lora: LoRA | None = None, weight_grads: bool = True):
     """``(target name, operands, attributes, results)`` of the CPU backward:
-    results dx, d(topk_weights) (float32), then the float32 gradients of
-    ``arrays`` (weights, then biases) in their shapes."""
-    layout = problem.layout
-    weights, biases = split_arrays(arrays, layout)
-    biases = [b.astype(jnp.float32) for b in biases]
-    E = _num_experts(weights, layout, problem.lists)
+    results dx, d(topk_weights) (float32), then (``weight_grads``) the
+    float32 gradients of ``arrays`` (weights, then biases) in their shapes,
+    then those of ``lora``'s adapters (`LoRA.handler_arrays`).  Quantized
+    experts take the forward's operands and are frozen (no ``weight_grads``)."""
+    if problem.quant is not None and weight_grads:
+        raise ValueError(f"quantized experts ({problem.quant[0]}) are frozen: weight_grads must be False")
+    bufs, attrs = _weights_and_attrs(problem, band_tokens, arrays, lora)
+    grads_of = list(arrays) if weight_grads else []
+    adapters = lora.handler_arrays() if lora is not None else []
     outs = ([jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32)]
-            + [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (*weights, *biases)])
-    act = problem.activation
-    attrs = contract.attributes(target, dict(
-        activation=act.code, act_alpha=act.alpha, act_limit=act.limit, band_tokens=band_tokens,
-        max_workers=cpu.planned_workers(), skip_outside=problem.skip_outside, num_experts=E,
-        stacked=not problem.lists, views=layout.views, intermediate=layout.intermediate,
-        fused_gate_up=layout.fused, has_bias=layout.bias))
+            + [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (*grads_of, *adapters)])
+    attrs = contract.attributes(target, dict(attrs, weight_grads=weight_grads))
     name = {"backward": contract.TARGET_BACKWARD,
             "backward_poisoned": contract.TARGET_BACKWARD_POISONED}[target]
-    return name, [dy.astype(x.dtype), x, w, ids, *weights, *biases], attrs, outs
+    return name, [dy.astype(x.dtype), x, w, ids, *bufs], attrs, outs
 
 
 def why_no_bf16_dot(problem: Problem, what: str = "experts") -> str:
@@ -96,13 +113,20 @@ def why_no_bf16_dot(problem: Problem, what: str = "experts") -> str:
     return ""
 
 
+def _lora_rank(problem: Problem) -> int:
+    return sum(problem.lora.ranks) if problem.lora is not None else 0
+
+
 class CpuBackend(Backend):
     name = "cpu"
+    takes_lora = True
 
     def why_not(self, problem: Problem) -> str:
         platform = jax.default_backend()
         if platform != "cpu":
             return f"runs under JAX's CPU backend; the default backend is {platform!r}"
+        if problem.lora is not None and problem.bf16_dot:
+            return "LoRA adapters (lora=) run in float32 arithmetic, not precision='bfloat16'"
         if problem.bf16_dot:
             why = why_no_bf16_dot(problem)
             if why:
@@ -113,24 +137,30 @@ class CpuBackend(Backend):
 
     def workspace_bytes(self, problem: Problem, tokens: int, call_tokens: int | None = None) -> int:
         return memory.fused_moe_workspace_bytes(tokens, problem.k, problem.E, problem.H, problem.I,
-                                                bf16_dot=problem.bf16_dot)
+                                                bf16_dot=problem.bf16_dot, lora_rank=_lora_rank(problem))
 
     def plan(self, problem: Problem, T: int) -> int:
         return plan_band_tokens(T, problem.k, problem.E, problem.H, problem.I,
-                                problem.max_workspace_bytes, bf16_dot=problem.bf16_dot)
+                                problem.max_workspace_bytes, bf16_dot=problem.bf16_dot,
+                                lora_rank=_lora_rank(problem))
 
-    def forward(self, problem, band_tokens, x, w, ids, experts: Experts):
+    def forward(self, problem, band_tokens, x, w, ids, experts: Experts, lora: LoRA | None = None):
         name, operands, attrs, out = forward_call(problem, band_tokens, x, w, ids,
-                                                  (*experts.flat(), *experts.handler_biases()))
+                                                  (*experts.flat(), *experts.handler_biases()),
+                                                  lora=lora)
         return jax.ffi.ffi_call(name, out, vmap_method="sequential")(*operands, **attrs)
 
-    def backward(self, problem, dy, x, w, ids, experts: Experts):
-        if problem.quant is not None:  # quantized weights are frozen: the reference's dx, dw
-            return None
+    def backward(self, problem, dy, x, w, ids, experts: Experts, lora: LoRA | None = None,
+                 weight_grads: bool = True):
+        weight_grads = weight_grads and problem.quant is None  # quantized experts are frozen
         T = x.shape[0]
         band = plan_band_tokens(T, problem.k, problem.E, problem.H, problem.I,
-                                problem.max_workspace_bytes, backward=True)
+                                problem.max_workspace_bytes, backward=True,
+                                lora_rank=_lora_rank(problem))
         arrays = (*experts.flat(), *experts.handler_biases())
-        name, operands, attrs, outs = backward_call(problem, band, dy, x, w, ids, arrays)
-        dx, dw, *dws = jax.ffi.ffi_call(name, outs, vmap_method="sequential")(*operands, **attrs)
-        return dx, dw, [d.astype(a.dtype) for d, a in zip(dws, arrays)]
+        name, operands, attrs, outs = backward_call(problem, band, dy, x, w, ids, arrays, lora=lora,
+                                                    weight_grads=weight_grads)
+        dx, dw, *rest = jax.ffi.ffi_call(name, outs, vmap_method="sequential")(*operands, **attrs)
+        n = len(arrays) if weight_grads else 0
+        dws = [d.astype(a.dtype) for d, a in zip(rest[:n], arrays)] if weight_grads else None
+        return dx, dw, dws, (lora.from_handler_grads(rest[n:]) if lora is not None else None)

@@ -51,13 +51,15 @@ class CudaBackend(Backend):
                              activation=problem.activation, band_tokens=band_tokens, lists=problem.lists,
                              skip_outside=problem.skip_outside, layout=problem.layout)
 
-    def backward(self, problem, dy, x, w, ids, experts: Experts):
+    def backward(self, problem, dy, x, w, ids, experts: Experts, lora=None, weight_grads: bool = True):
         if problem.quant is not None:  # frozen: the reference's dx, dw
             return None
         from . import calls
 
         band = calls.plan_backward_band_tokens(x.shape[0], problem.k, problem.E, problem.H, problem.I,
                                                problem.w_dtype, problem.max_workspace_bytes)
-        return calls.backward(dy, x, w, ids, *experts.flat(), *experts.handler_biases(),
-                              activation=problem.activation, band_tokens=band, lists=problem.lists,
-                              skip_outside=problem.skip_outside, layout=problem.layout)
+        # (no adapters: `takes_lora` is False; the experts' gradients always come)
+        dx, dw, dws = calls.backward(dy, x, w, ids, *experts.flat(), *experts.handler_biases(),
+                                     activation=problem.activation, band_tokens=band, lists=problem.lists,
+                                     skip_outside=problem.skip_outside, layout=problem.layout)
+        return dx, dw, dws, None

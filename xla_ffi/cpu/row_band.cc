@@ -1,0 +1,130 @@
+// The row band's layout and the LoRA adapters' decoding (row_band.h).
+
+#include "cpu/row_band.h"
+
+#include <string>
+
+#include "abi.h"
+
+namespace ffi = xla::ffi;
+
+namespace nbx {
+
+size_t CarveRowBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int64_t R,
+                 bool backward, int workers, const KernelTable& kt, RowBand* b) {
+  const int64_t C = MaxChunks(S, E, kChunkRows);
+  // Scratch sized to the problem (the same for every band): N of every
+  // product is H, I or a rank; K-blocks of at most max(H, I, R) rows (the
+  // weight gradients' K, an expert's rows, runs in blocks of that size too).
+  const int64_t widest = std::max({H, I, R});
+  b->kc = std::min<int64_t>(kt.kc, widest);
+  b->nc = (std::min<int64_t>(kt.nc, widest) + 2 * kt.vl - 1) / (2 * kt.vl) * (2 * kt.vl);
+  b->mr = kt.mr;
+  b->vl = kt.vl;
+  b->R = R;
+  b->stride = TileScratchFloats(b->kc, b->nc, kt.mr, kt.vl);
+  Carver cv(base);
+  b->plan.row_slot = cv.Take<int32_t>(S);
+  b->plan.slot_row = cv.Take<int32_t>(S);
+  b->plan.expert_off = cv.Take<int64_t>(E + 1);
+  b->plan.real_end = cv.Take<int64_t>(E);
+  b->plan.seen = cv.Take<int64_t>(E);
+  b->chunks.expert = cv.Take<int32_t>(C);
+  b->chunks.begin = cv.Take<int64_t>(C);
+  b->chunks.end = cv.Take<int64_t>(C);
+  b->row_token = cv.Take<int32_t>(S);
+  b->O = backward ? nullptr : cv.Take<float>(S, H);
+  b->dY = backward ? cv.Take<float>(S, H) : nullptr;
+  b->GU = cv.Take<float>(S, 2 * I);
+  b->DA = cv.Take<float>(S, I);
+  b->LR = cv.Take<float>(S, R);
+  b->LB = backward ? cv.Take<float>(S, R) : nullptr;
+  b->scratch = cv.Take<float>(workers, b->stride);
+  return cv.used();
+}
+
+ffi::Error LoraBufferCount(ffi::Span<const int64_t> ranks, size_t* count) {
+  if (ranks.size() != abi::kNumProjections)
+    return ffi::Error::InvalidArgument("lora_ranks must hold 3 ranks (gate, up, down), got " +
+                                       std::to_string(ranks.size()));
+  *count = 0;
+  for (int j = 0; j < abi::kNumProjections; ++j) {
+    if (ranks[j] < 0)
+      return ffi::Error::InvalidArgument(std::string("the ") + abi::kProjectionNames[j] +
+                                         " adapter's rank must be >= 0, got " +
+                                         std::to_string(ranks[j]));
+    *count += ranks[j] > 0 ? 2 : 0;
+  }
+  return ffi::Error::Success();
+}
+
+namespace {
+
+std::string Dims(int64_t a, int64_t b, int64_t c) {
+  return "[" + std::to_string(a) + ", " + std::to_string(b) + ", " + std::to_string(c) + "]";
+}
+
+// Checks that `buf` is float32 [E, d1, d2]; names the projection and matrix.
+template <typename Buf>
+ffi::Error CheckAdapter(Buf&& buf, int j, const char* which, int64_t E, int64_t d1,
+                        int64_t d2) {
+  auto d = buf->dimensions();
+  if (buf->element_type() != ffi::DataType::F32 || d.size() != 3 || d[0] != E || d[1] != d1 ||
+      d[2] != d2)
+    return ffi::Error::InvalidArgument(std::string("the ") + abi::kProjectionNames[j] +
+                                       " adapter's " + which + " must be float32 " +
+                                       Dims(E, d1, d2) + ", got " + Shape(d));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error DecodeLora(ffi::RemainingArgs args, size_t first, int64_t E, int64_t H, int64_t I,
+                      ffi::Span<const int64_t> ranks, const float scales[3], Lora* out) {
+  size_t count = 0;
+  if (ffi::Error e = LoraBufferCount(ranks, &count); e.failure()) return e;
+  *out = Lora{};
+  size_t at = first;
+  for (int j = 0; j < abi::kNumProjections; ++j) {
+    LoraProj& L = out->p[j];
+    L.in = j < 2 ? H : I;
+    L.out = j < 2 ? I : H;
+    if (ranks[j] == 0) continue;
+    L.r = ranks[j];
+    L.s = scales[j];
+    L.col = out->R;
+    out->R += L.r;
+    auto a = args.get<ffi::AnyBuffer>(at++);
+    if (a.has_error()) return a.error();
+    if (ffi::Error e = CheckAdapter(a, j, "A", E, L.in, L.r); e.failure()) return e;
+    auto b = args.get<ffi::AnyBuffer>(at++);
+    if (b.has_error()) return b.error();
+    if (ffi::Error e = CheckAdapter(b, j, "B", E, L.r, L.out); e.failure()) return e;
+    L.A = static_cast<const float*>(a->untyped_data());
+    L.B = static_cast<const float*>(b->untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeLoraGrads(ffi::RemainingRets rets, size_t first, int64_t E, Lora* l) {
+  if (rets.size() != first + 2 * static_cast<size_t>(l->count()))
+    return ffi::Error::InvalidArgument("expected " + std::to_string(2 * l->count()) +
+                                       " adapter-gradient results after the experts'; got " +
+                                       std::to_string(rets.size() - first));
+  size_t at = first;
+  for (int j = 0; j < abi::kNumProjections; ++j) {
+    LoraProj& L = l->p[j];
+    if (L.r == 0) continue;
+    auto a = rets.get<ffi::AnyBuffer>(at++);
+    if (a.has_error()) return a.error();
+    if (ffi::Error e = CheckAdapter(*a, j, "A gradient", E, L.in, L.r); e.failure()) return e;
+    auto b = rets.get<ffi::AnyBuffer>(at++);
+    if (b.has_error()) return b.error();
+    if (ffi::Error e = CheckAdapter(*b, j, "B gradient", E, L.r, L.out); e.failure()) return e;
+    L.dA = static_cast<float*>((*a)->untyped_data());
+    L.dB = static_cast<float*>((*b)->untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace nbx
