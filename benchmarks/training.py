@@ -65,11 +65,17 @@ def moe_ragged_dot(x, w, ids, experts, lora=None):
     return jnp.zeros((T, x.shape[1]), jnp.float32).at[order // k].add(o).astype(x.dtype)
 
 
-def lora_rows(m, T: int, dname: str, rank: int, repeats: int, ragged: bool = True) -> list[str]:
-    """Issue #35's rows: the LoRA step (fused_moe(lora=)), the same adapters in
-    JAX outside the op (ragged_dot), the frozen-expert step without adapters."""
+def lora_rows(m, T: int, dname: str, rank: int, repeats: int, ragged: bool = True,
+              base: str = "dense") -> list[str]:
+    """Issue #35's rows: the LoRA step (fused_moe(lora=)), the same step on the
+    "xla" reference, the same adapters in JAX outside the op (ragged_dot), the
+    frozen-expert step without adapters; ``base``: the experts' format
+    (quantized: QLoRA; ragged_dot then runs on the dequantized experts)."""
     dt = DTYPES[dname]
     x, w, ids, ex = make_layer(m, T, dt)
+    dense = ex
+    if base != "dense":
+        ex = nbx.quantize(ex, base, group_size=64 if base == "int4" else None)
     lora = nbx.LoRA.init(jax.random.PRNGKey(3), m.E, m.H, m.I, rank, dtype=dt)
     lora = jax.tree.map(lambda a: a + 0.01, lora)  # B != 0
     ct = jax.random.normal(jax.random.PRNGKey(1), x.shape, jnp.float32)
@@ -80,7 +86,8 @@ def lora_rows(m, T: int, dname: str, rank: int, repeats: int, ragged: bool = Tru
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
     ours = step(lambda x_, w_, i_, e_, lo_: nbx.fused_moe(x_, w_, i_, e_, lora=lo_))
-    rdot = step(moe_ragged_dot)
+    ref = step(lambda x_, w_, i_, e_, lo_: nbx.fused_moe(x_, w_, i_, e_, lora=lo_, implementation="xla"))
+    rdot = step(lambda x_, w_, i_, e_, lo_: moe_ragged_dot(x_, w_, i_, dense, lo_))
     frozen = jax.jit(jax.grad(lambda x_, w_, e_, i_, c_: jnp.sum(
         nbx.fused_moe(x_, w_, i_, e_).astype(jnp.float32) * c_), argnums=(0, 1)))
     fwd = jax.jit(lambda x_, w_, i_, e_, lo_: nbx.fused_moe(x_, w_, i_, e_, lora=lo_))
@@ -92,16 +99,20 @@ def lora_rows(m, T: int, dname: str, rank: int, repeats: int, ragged: bool = Tru
 
     peak_step, peak_fwd = peak_of(lambda: ours(*args)), peak_of(lambda: fwd(x, w, ids, ex, lora))
     t_ours = median_time(lambda: ours(*args), repeats=repeats, slow_after=10.0)
+    t_ref = median_time(lambda: ref(*args), repeats=repeats, slow_after=10.0)
+    mem_ref = temp_bytes(ref, *args)
     t_rd = median_time(lambda: rdot(*args), repeats=repeats, slow_after=10.0) if ragged else None
     t_frozen = median_time(lambda: frozen(x, w, ex, ids, ct), repeats=repeats)
     backend, _ = nbx.ops.resolve(x, w, ids, ex, lora=lora)
     mem = [(temp_bytes(ours, *args) or 0) + peak_step, temp_bytes(rdot, *args) if ragged else None]
     mem_fwd = (temp_bytes(fwd, x, w, ids, ex, lora) or 0) + peak_fwd
     rd = "-" if t_rd is None else f"{t_rd * 1e3:.0f} ms"
-    print(f"  {dname} LoRA r={rank}: fused_moe(lora=) [{backend.name}] {t_ours * 1e3:.0f} ms, ragged_dot + "
-          f"adapters {rd}, frozen step without adapters {t_frozen * 1e3:.0f} ms", flush=True)
-    return [dname, str(rank), backend.name, f"{t_ours * 1e3:.0f}", f"{t_ours / t_frozen:.2f}",
-            "-" if t_rd is None else f"{t_rd / t_ours:.2f}", fmt_mb(mem[0]), fmt_mb(mem[1]), fmt_mb(mem_fwd),
+    print(f"  {base} {dname} LoRA r={rank}: fused_moe(lora=) [{backend.name}] {t_ours * 1e3:.0f} ms, "
+          f"xla reference {t_ref * 1e3:.0f} ms, ragged_dot + adapters {rd}, frozen step without adapters "
+          f"{t_frozen * 1e3:.0f} ms", flush=True)
+    return [base, dname, str(rank), backend.name, f"{t_ours * 1e3:.0f}", f"{t_ours / t_frozen:.2f}",
+            f"{t_ref / t_ours:.2f}", "-" if t_rd is None else f"{t_rd / t_ours:.2f}", fmt_mb(mem[0]),
+            fmt_mb(mem_ref), fmt_mb(mem[1]), fmt_mb(mem_fwd),
             "-" if None in (mem[0], mem_fwd) or not mem_fwd else f"{mem[0] / mem_fwd:.2f}"]
 
 
@@ -154,6 +165,8 @@ def main(argv=None) -> None:
     ap.add_argument("--skip-ragged", action="store_true", help="skip the (slow) ragged_dot step")
     ap.add_argument("--lora", type=int, default=0, metavar="R",
                     help="only issue #35's rows: LoRA adapters of rank R (0: the training rows)")
+    ap.add_argument("--lora-base", default="dense", choices=["dense", *nbx.formats.quantized_names()],
+                    help="the frozen experts' format under the adapters (QLoRA: a quantized one)")
     a = ap.parse_args(argv)
     m = nbx.MODELS[a.model]
     T = a.tokens
@@ -165,11 +178,13 @@ def main(argv=None) -> None:
     print(f"shape: {a.model} E={m.E} k={m.k} H={m.H} I={m.I}, T={T}; "
           f"step FLOPs (no recompute) {useful / 1e9:.1f} G")
     if a.lora:
-        lrows = [lora_rows(m, T, d, a.lora, a.repeats, not a.skip_ragged) for d in a.dtypes]
+        lrows = [lora_rows(m, T, d, a.lora, a.repeats, not a.skip_ragged, a.lora_base) for d in a.dtypes]
         print()
-        print(format_table(["dtype", "rank", "backend", "LoRA step ms", "÷ frozen step", "ragged_dot+LoRA ÷ ours",
-                            "step MB: XLA temp + workspace (ours)", "XLA temp MB (ragged_dot)",
-                            "forward MB: XLA temp + workspace", "step ÷ forward"], lrows))
+        print(format_table(["base", "dtype", "rank", "backend", "LoRA step ms", "÷ frozen step",
+                            "xla reference ÷ ours", "ragged_dot+LoRA ÷ ours",
+                            "step MB: XLA temp + workspace (ours)", "XLA temp MB (reference)",
+                            "XLA temp MB (ragged_dot)", "forward MB: XLA temp + workspace", "step ÷ forward"],
+                           lrows))
         return
     rows = []
     for dname in a.dtypes:

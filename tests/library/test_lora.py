@@ -175,6 +175,7 @@ def test_backends_that_take_adapters_and_the_refusals():
             nbx.fused_moe(x, w, ids, ex, lora=lora, implementation=name)
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("x_dtype, fmt", [("f32", None), ("bf16", None), ("f32", "int8")])
 def test_cpu_handler_bands_unwritten_outputs_and_frozen_experts(x_dtype, fmt):
     """The CPU handler with adapters: every output written (NaN twins),
@@ -217,6 +218,7 @@ def test_cpu_handler_bands_unwritten_outputs_and_frozen_experts(x_dtype, fmt):
     assert "nbx_fused_moe_bwd" in hlo and "weight_grads = false" in hlo
 
 
+@pytest.mark.sanitize
 def test_the_handler_checks_the_adapters_it_is_given():
     """Adapters that reach the handler malformed (the library checks them
     before: this is the handler's own check) are refused by name."""
