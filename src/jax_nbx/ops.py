@@ -149,9 +149,11 @@ def fused_moe(
       lora: `jax_nbx.LoRA` adapters on the routed experts' projections:
         ``x @ W + s * (x @ A) @ B`` for each adapted projection (before its
         bias), the base experts dense or quantized (QLoRA); ``jax.grad``
-        gives the adapters' gradients.  So far on the "xla" reference only:
-        the handlers refuse a call with adapters, and ``implementation=None``
-        takes the reference (docs/lora.md).  The shared experts take none.
+        gives the adapters' gradients (the experts, frozen, get none: their
+        gradient GEMMs do not run).  On the CPU handler (every format; not
+        with ``precision="bfloat16"``) and the "xla" reference; CUDA and
+        Metal refuse adapters by name (docs/lora.md).  The shared experts
+        take none.
 
     Returns:
       ``y`` with x's shape and dtype; accumulation is float32.

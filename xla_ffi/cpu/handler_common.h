@@ -176,6 +176,21 @@ inline xla::ffi::Error CheckRouting(xla::ffi::AnyBuffer x,
   return Error::Success();
 }
 
+// A forward's routing (CheckRouting), its result y (x's shape and dtype)
+// and its activation's parameters; sets T, H, k.
+inline xla::ffi::Error CheckForwardCall(xla::ffi::AnyBuffer x,
+                                        xla::ffi::Buffer<xla::ffi::F32> topk_w,
+                                        xla::ffi::Buffer<xla::ffi::S32> topk_ids,
+                                        xla::ffi::Result<xla::ffi::AnyBuffer>& y,
+                                        abi::Activation act, float alpha, float limit, int64_t* T,
+                                        int64_t* H, int64_t* k) {
+  if (xla::ffi::Error e = CheckRouting(x, topk_w, topk_ids, T, H, k); e.failure()) return e;
+  if (y->element_type() != x.element_type() || y->dimensions().size() != 2 ||
+      y->dimensions()[0] != *T || y->dimensions()[1] != *H)
+    return xla::ffi::Error::InvalidArgument("y must have x's shape and dtype");
+  return CheckActivation(act, alpha, limit);
+}
+
 // Every expert id in [0, E), checked before anything is read through them
 // (skipped when ids outside the range mean "held elsewhere").
 inline xla::ffi::Error CheckIds(const int32_t* ids, int64_t T, int64_t k, int64_t E,

@@ -293,14 +293,11 @@ ffi::Error FusedMoeBackward(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
     return ffi::Error::InvalidArgument("dx must be like x and dw like topk_weights");
   if (ffi::Error e = CheckActivation(a.activation, a.act_alpha, a.act_limit); e.failure()) return e;
   // Weights, adapters and their gradient buffers: E addresses per projection.
-  size_t nlora = 0;
-  if (ffi::Error e = LoraBufferCount(a.lora.ranks, &nlora); e.failure()) return e;
-  if (weights.size() < trailing + nlora)
-    return ffi::Error::InvalidArgument("fewer inputs than the adapters' buffers");
-  const size_t nweights = weights.size() - trailing - nlora;
   ExpertWeights w;
-  if (ffi::Error e = DecodeWeights(weights, 0, nweights, a.num_experts, H, a.format, a.stacked,
-                                   a.group_size, a.views, &w);
+  Lora lora;
+  size_t nlora = 0;
+  if (ffi::Error e = DecodeWeightsAndLora(weights, trailing, a.num_experts, H, a.format, a.stacked,
+                                          a.group_size, a.views, a.lora, &w, &lora, &nlora);
       e.failure())
     return e;
   if (w.quantized() && a.weight_grads)
@@ -308,10 +305,6 @@ ffi::Error FusedMoeBackward(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
         std::string("quantized experts (") + abi::kWeightFormatNames[static_cast<int>(a.format)] +
         ") are frozen: the backward takes weight_grads=false");
   const int64_t E = w.E, I = w.I;
-  Lora lora;
-  if (ffi::Error e = DecodeLora(weights, nweights, E, H, I, a.lora.ranks, a.lora.scale, &lora);
-      e.failure())
-    return e;
   GradientTable gt;  // (empty when the experts' gradients are not asked for)
   if (a.weight_grads) {
     if (ffi::Error e = DecodeGradients(grads, 0, nlora, w, a.stacked, &gt); e.failure()) return e;
@@ -365,12 +358,10 @@ ffi::Error FusedMoeBackward(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   const KernelTable& kt = *ActiveKernels();
   Workspace ws;
   RowBand b;
-  if (ffi::Error e = AllocateWorkspace(
-          CarveRowBand(nullptr, band * k, E, H, I, lora.R, true, workers, kt, &b),
-          CarveRowBand(nullptr, 0, E, H, I, lora.R, true, workers, kt, &b), band, H, "backward", &ws);
+  if (ffi::Error e =
+          AllocateRowBand(band, k, E, H, I, lora.R, true, workers, kt, "backward", &ws, &b);
       e.failure())
     return e;
-  CarveRowBand(ws.data(), band * k, E, H, I, lora.R, true, workers, kt, &b);
   ForWeightType(w.dtype, [&](auto tag) {
     for (int64_t t0 = 0; t0 < T; t0 += band)
       RunBand<typename decltype(tag)::type>(p, kt, pool, workers, t0, std::min(T, t0 + band), b);

@@ -520,11 +520,10 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
                            size_t trailing, ffi::Result<ffi::AnyBuffer> y, const ForwardAttrs& a) {
   if (!NoLora(a.lora)) return FusedMoeLoraForward(pool, x, topk_w, topk_ids, weights, trailing, y, a);
   int64_t T, H, k;
-  if (ffi::Error e = CheckRouting(x, topk_w, topk_ids, &T, &H, &k); e.failure()) return e;
-  if (y->element_type() != x.element_type() || y->dimensions().size() != 2 ||
-      y->dimensions()[0] != T || y->dimensions()[1] != H)
-    return ffi::Error::InvalidArgument("y must have x's shape and dtype");
-  if (ffi::Error e = CheckActivation(a.activation, a.act_alpha, a.act_limit); e.failure()) return e;
+  if (ffi::Error e = CheckForwardCall(x, topk_w, topk_ids, y, a.activation, a.act_alpha,
+                                      a.act_limit, &T, &H, &k);
+      e.failure())
+    return e;
   if (weights.size() < trailing)
     return ffi::Error::InvalidArgument("fewer inputs than the aliased outputs");
   ExpertWeights w;

@@ -90,26 +90,18 @@ ffi::Error FusedMoeLoraForward(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                ffi::RemainingArgs weights, size_t trailing,
                                ffi::Result<ffi::AnyBuffer> y, const ForwardAttrs& a) {
   int64_t T, H, k;
-  if (ffi::Error e = CheckRouting(x, topk_w, topk_ids, &T, &H, &k); e.failure()) return e;
-  if (y->element_type() != x.element_type() || y->dimensions().size() != 2 ||
-      y->dimensions()[0] != T || y->dimensions()[1] != H)
-    return ffi::Error::InvalidArgument("y must have x's shape and dtype");
-  if (ffi::Error e = CheckActivation(a.activation, a.act_alpha, a.act_limit); e.failure()) return e;
+  if (ffi::Error e = CheckForwardCall(x, topk_w, topk_ids, y, a.activation, a.act_alpha,
+                                      a.act_limit, &T, &H, &k);
+      e.failure())
+    return e;
   if (a.bf16_dot)
     return ffi::Error::InvalidArgument(
         "LoRA adapters in the CPU handler run in float32 arithmetic, not precision='bfloat16'");
-  size_t nlora = 0;
-  if (ffi::Error e = LoraBufferCount(a.lora.ranks, &nlora); e.failure()) return e;
-  if (weights.size() < trailing + nlora)
-    return ffi::Error::InvalidArgument("fewer inputs than the adapters' buffers");
-  const size_t nweights = weights.size() - trailing - nlora;
   ExpertWeights w;
-  if (ffi::Error e = DecodeWeights(weights, 0, nweights, a.num_experts, H, a.format, a.stacked,
-                                   a.group_size, a.views, &w);
-      e.failure())
-    return e;
   Lora lora;
-  if (ffi::Error e = DecodeLora(weights, nweights, w.E, H, w.I, a.lora.ranks, a.lora.scale, &lora);
+  size_t nlora = 0;
+  if (ffi::Error e = DecodeWeightsAndLora(weights, trailing, a.num_experts, H, a.format, a.stacked,
+                                          a.group_size, a.views, a.lora, &w, &lora, &nlora);
       e.failure())
     return e;
   const int32_t* ids = topk_ids.typed_data();
@@ -129,13 +121,10 @@ ffi::Error FusedMoeLoraForward(ffi::ThreadPool pool, ffi::AnyBuffer x,
   const KernelTable& kt = *ActiveKernels();
   Workspace ws;
   RowBand b;
-  if (ffi::Error e = AllocateWorkspace(
-          CarveRowBand(nullptr, band * k, w.E, H, w.I, lora.R, false, workers, kt, &b),
-          CarveRowBand(nullptr, 0, w.E, H, w.I, lora.R, false, workers, kt, &b), band, H,
-          "workspace", &ws);
+  if (ffi::Error e = AllocateRowBand(band, k, w.E, H, w.I, lora.R, false, workers, kt, "workspace",
+                                     &ws, &b);
       e.failure())
     return e;
-  CarveRowBand(ws.data(), band * k, w.E, H, w.I, lora.R, false, workers, kt, &b);
   ForWeightType(w.dtype, [&](auto tag) {
     for (int64_t t0 = 0; t0 < T; t0 += band)
       RunLoraBand<typename decltype(tag)::type>(p, kt, pool, workers, t0, std::min(T, t0 + band),

@@ -43,6 +43,33 @@ size_t CarveRowBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int6
   return cv.used();
 }
 
+ffi::Error AllocateRowBand(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I, int64_t R,
+                           bool backward, int workers, const KernelTable& kt, const char* tag,
+                           Workspace* ws, RowBand* b) {
+  if (ffi::Error e = AllocateWorkspace(
+          CarveRowBand(nullptr, tokens * k, E, H, I, R, backward, workers, kt, b),
+          CarveRowBand(nullptr, 0, E, H, I, R, backward, workers, kt, b), tokens, H, tag, ws);
+      e.failure())
+    return e;
+  CarveRowBand(ws->data(), tokens * k, E, H, I, R, backward, workers, kt, b);
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeWeightsAndLora(ffi::RemainingArgs args, size_t trailing, int64_t E, int64_t H,
+                                abi::WeightFormat format, bool stacked, int64_t group_size,
+                                const WeightViewAttrs& views, const LoraAttrs& lora_attrs,
+                                ExpertWeights* w, Lora* lora, size_t* nlora) {
+  if (ffi::Error e = LoraBufferCount(lora_attrs.ranks, nlora); e.failure()) return e;
+  if (args.size() < trailing + *nlora)
+    return ffi::Error::InvalidArgument("fewer inputs than the adapters' buffers");
+  const size_t nweights = args.size() - trailing - *nlora;
+  if (ffi::Error e =
+          DecodeWeights(args, 0, nweights, E, H, format, stacked, group_size, views, w);
+      e.failure())
+    return e;
+  return DecodeLora(args, nweights, w->E, H, w->I, lora_attrs.ranks, lora_attrs.scale, lora);
+}
+
 ffi::Error LoraBufferCount(ffi::Span<const int64_t> ranks, size_t* count) {
   if (ranks.size() != abi::kNumProjections)
     return ffi::Error::InvalidArgument("lora_ranks must hold 3 ranks (gate, up, down), got " +

@@ -20,10 +20,12 @@
 #include <cstring>
 #include <utility>
 
+#include "account.h"
 #include "cpu/handler_common.h"
 #include "cpu/kernel_table.h"
 #include "cpu/row_gemm.h"
 #include "cpu/slots.h"
+#include "cpu/weights.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -90,11 +92,24 @@ struct RowBand {
   }
 };
 
+// The weights args[0, size - trailing - adapters) (weights.h DecodeWeights)
+// and the adapters after them (DecodeLora); `nlora`: the adapters' buffers.
+xla::ffi::Error DecodeWeightsAndLora(xla::ffi::RemainingArgs args, size_t trailing, int64_t E,
+                                     int64_t H, abi::WeightFormat format, bool stacked,
+                                     int64_t group_size, const WeightViewAttrs& views,
+                                     const LoraAttrs& lora_attrs, ExpertWeights* w, Lora* lora,
+                                     size_t* nlora);
+
 // Lays a band of S slots out from `base` (nullptr: measures only); returns
 // its bytes.  Per slot, float32: backward H + 3I + 2R, forward H + 3I + R
 // (x is never copied: the GEMMs pack its rows in place).
 size_t CarveRowBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int64_t R,
                  bool backward, int workers, const KernelTable& kt, RowBand* b);
+// Allocates a band of `tokens` tokens (k slots each) in the account
+// (account.h; `tag` names it in a refusal) and carves it.
+xla::ffi::Error AllocateRowBand(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
+                                int64_t R, bool backward, int workers, const KernelTable& kt,
+                                const char* tag, Workspace* ws, RowBand* b);
 
 // What the row passes read: the problem and, in the backward, its results.
 struct RowProblem {
