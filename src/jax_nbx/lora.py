@@ -9,8 +9,8 @@ scale ``s = alpha / r`` as PEFT's ``LoraLayer`` sets it).  ``A_e`` is
 are not changed.
 
 Where the adapters run: ``fused_moe(..., lora=)`` (`jax_nbx.ops`) on the
-CPU handler over dense experts (forward and fused backward, abi.h "LoRA
-adapters"), and on the "xla" reference over every format; the CUDA and Metal
+CPU handler (forward and fused backward, abi.h "LoRA adapters") and on the
+"xla" reference, over every format; the CUDA and Metal
 handlers refuse a call with adapters by name (docs/lora.md says what is
 owed).  Dropout on the adapters' input is left to the caller: it
 would be a different mask per (token, expert) slot, which one call cannot
