@@ -50,7 +50,7 @@ def fused_moe_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int,
     calls that run the bfloat16 dot-product kernels: ``precision="bfloat16"``,
     or ``precision=None`` with bfloat16 x where `cpu.bf16_dot_by_default`).  ``tokens=0`` gives the part that does not
     shrink with the band.  ``lora_rank`` > 0 (LoRA adapters, their ranks
-    summed): the forward with adapters instead, per slot the gathered x row,
+    summed): the forward with adapters instead, per slot the weighted output row,
     g | u, the activations and the rank products (float32,
     ``H + 3I + lora_rank`` values), plus one tile's scratch per worker.  The
     same formula the handler allocates by and `fused_moe` plans with."""

@@ -84,6 +84,22 @@ def test_forward_and_gradients_match_float64(T, r, lists, projections, x_dtype, 
     assert glora.projections == tuple(projections) and glora.scales == lora.scales
 
 
+def test_the_cpu_handler_with_hidden_size_one():
+    """H = 1 (x's row map read transposed has both strides 1): the experts'
+    and the adapters' gradients against the float64 oracle."""
+    E, k, H, I, T = 3, 2, 1, 4, 5
+    x, w, ids, ex = make_problem(0, T, E, k, H, I)
+    lora = _lora(1, E, H, I, 2)
+    ct = jnp.asarray(np.random.default_rng(4).standard_normal((T, H)), jnp.float32)
+    y, (dx, dw, glora, gex) = _loss_and_grads(x, w, ids, ex, lora, ct, implementation="cpu")
+    assert rel_err(y, np_moe(x, w, ids, ex, lora=lora)) < 1e-5
+    rdx, rdw, rdG, rdU, rdD, dad = np_moe_grads(x, w, ids, ex, ct, lora=lora)
+    assert rel_err(dx, rdx) < 1e-5 and rel_err(dw, rdw) < 1e-5
+    for name, want in (("gate", rdG), ("up", rdU), ("down", rdD)):
+        assert rel_err(getattr(gex, name), want) < 1e-5, name
+    _check_lora_grads(glora, dad, 1e-5)
+
+
 @pytest.mark.parametrize("impl", ["cpu", "xla"])
 @pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4", "fp8", "mxfp8", "nvfp4"])
 def test_qlora_over_every_quantized_format(fmt, impl):

@@ -42,7 +42,7 @@ xla::ffi::Error FusedMoeForward(xla::ffi::ThreadPool pool, xla::ffi::AnyBuffer x
                                 xla::ffi::RemainingArgs weights, size_t trailing,
                                 xla::ffi::Result<xla::ffi::AnyBuffer> y, const ForwardAttrs& a);
 
-// The forward with LoRA adapters on dense experts (moe_lora.cc): the same
+// The forward with LoRA adapters, experts of every format (moe_lora.cc): the same
 // inputs with the adapters after the weights (abi.h), through the row band
 // (row_band.h) instead of the packed kernels; FusedMoeForward calls it when
 // a rank is > 0.

@@ -24,25 +24,28 @@ namespace nbx {
 
 // A[m, k] = p[m*sm + k*sk] (float32 workspace); or, with `rows`, read from
 // a [?, ld] input in its dtype through a row map (the backward's x rows, not
-// gathered into the workspace): A[m, k] = src[rows[m]*ld + k] (by rows,
-// sk == 1) or src[rows[k]*ld + m] (transposed, sm == 1).
+// gathered into the workspace): A[m, k] = src[rows[m]*ld + k], or with
+// `transposed` src[rows[k]*ld + m] (the flag, not the strides, says which:
+// with ld == 1 both strides are 1).
 struct MatA {
   const float* p;
   int64_t sm, sk;
   const int32_t* rows = nullptr;
   const void* src = nullptr;
   xla::ffi::DataType type = xla::ffi::DataType::F32;
+  bool transposed = false;
 };
 // The rows of `src` [?, ld] (float32, bfloat16 or float16) named by `rows`, as A.
 inline MatA RowsOf(const void* src, xla::ffi::DataType type, int64_t ld, const int32_t* rows,
                    bool transposed) {
-  return transposed ? MatA{nullptr, 1, ld, rows, src, type} : MatA{nullptr, ld, 1, rows, src, type};
+  return transposed ? MatA{nullptr, 1, ld, rows, src, type, true}
+                    : MatA{nullptr, ld, 1, rows, src, type, false};
 }
 
 template <typename T>
 void PackMappedA(const MatA& a, const T* src, int64_t m, int rows, int64_t k0, int kc, int mr,
                  float* dst) {
-  if (a.sk == 1) {
+  if (!a.transposed) {
     for (int r = 0; r < rows; ++r) {
       const T* s = src + static_cast<int64_t>(a.rows[m + r]) * a.sm + k0;
       for (int i = 0; i < kc; ++i) dst[i * mr + r] = ToFloat(s[i]);
