@@ -152,8 +152,8 @@ class LoRA:
     def handler_arrays(self) -> list[jax.Array]:
         """The handlers' operands (abi.h "LoRA adapters"): ``A`` then ``B`` of
         each adapted projection in `PROJECTIONS` order, float32 ``[E, ...]``."""
-        return [m.astype(jnp.float32) for n in self.stacked().projections
-                for m in self.stacked().pair(n)]
+        stacked = self.stacked()
+        return [m.astype(jnp.float32) for n in stacked.projections for m in stacked.pair(n)]
 
     def from_handler_grads(self, grads: Sequence[jax.Array]) -> LoRA:
         """The handlers' float32 gradients (`handler_arrays` order) as a

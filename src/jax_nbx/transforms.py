@@ -123,8 +123,7 @@ def op(backend: Backend, problem: Problem, band_tokens: int):
         train = train is not None
         if isinstance(g, SymbolicZero):
             g = jnp.zeros(x.shape, x.dtype)
-        fused = backend.backward(problem, g, x, w, ids, experts,
-                                 **({} if lora is None else {"lora": lora}), weight_grads=train)
+        fused = backend.backward(problem, g, x, w, ids, experts, lora=lora, weight_grads=train)
         if fused is not None:
             dx, dw, dws, dlora = fused
             return dx, dw, None, (_regroup(experts, dws) if train and dws is not None else None), dlora
