@@ -3,7 +3,10 @@
 # default 420: the device tool allows 600 s per command; set it so that the
 # session's device time leaves room for a rerun):
 #   1. build with the CUDA handler required;
-#   2. the GPU tests (tests/cuda/test_cuda_gpu.py: forward, the CUDA backward, lists, quantized);
+#   2. the GPU tests (tests/cuda/test_cuda_gpu.py: forward, the CUDA backward, lists, quantized,
+#      graphs, the deferred id check) and the shared suite on the "cuda" runner (tests/suite
+#      --backends cuda: every layout, bias, format, band and gradient case the CPU handler
+#      runs), in 8 processes that each take GPU_TEST_MEM_FRACTION (0.08) of the GPU;
 #   3. the CPU micro-kernels of every ISA this machine's CPU has (tests/cpu/test_kernels.py) and
 #      precision="bfloat16" through the op (tests/cpu/test_precision.py: the avx512_bf16 kernels
 #      where the CPU has them);
@@ -33,15 +36,22 @@ left() { local l=$(( DEADLINE - $(date +%s) )); (( l < $1 )) && echo $(( l > 1 ?
   > "$LOGS/machine.txt" 2>&1
 head -3 "$LOGS/machine.txt"; tail -1 "$LOGS/machine.txt"
 echo "== build (CUDA handler required)"
-if ! timeout "$(left 240)" $PY -m pip install --no-build-isolation --no-deps -e . \
+if ! CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "$(left 240)" $PY -m pip install --no-build-isolation --no-deps -e . \
     --config-settings=cmake.define.NBX_CUDA=ON --config-settings=cmake.define.NBX_TESTING=ON \
     > "$LOGS/build.log" 2>&1; then
   tail -40 "$LOGS/build.log"; echo "BUILD FAILED"; exit 1
 fi
 echo "built in $(( $(date +%s) - START )) s"
-echo "== GPU tests"
-timeout "$(left 120)" $PY -m pytest -q --maxfail=5 tests/cuda/test_cuda_gpu.py -p no:cacheprovider > "$LOGS/tests.log" 2>&1
-echo "pytest exit $?"; tail -15 "$LOGS/tests.log"
+echo "== GPU tests and the shared suite on the cuda runner"
+# -v: each test's name and result as it ends (a run cut off by its stage's timeout still
+# shows how far it got); a per-test timeout where pytest-timeout is installed (the image has it).
+PER_TEST=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${GPU_TEST_TIMEOUT:-60}")
+XLA_PYTHON_CLIENT_MEM_FRACTION=${GPU_TEST_MEM_FRACTION:-0.08} timeout "$(left ${GPU_TEST_SECONDS:-200})" \
+  $PY -m pytest -v -n 8 -rfE --maxfail=25 --durations=15 $PER_TEST tests/cuda/test_cuda_gpu.py tests/suite \
+  --backends cuda -p no:cacheprovider > "$LOGS/tests.log" 2>&1
+echo "pytest exit $? after $(( $(date +%s) - START )) s; $(grep -c ' PASSED' "$LOGS/tests.log") passed"
+grep -E "^(FAILED|ERROR)| (FAILED|ERROR) " "$LOGS/tests.log" | cut -c1-300 | head -30
+tail -3 "$LOGS/tests.log"
 echo "== CPU micro-kernels of every ISA this machine's CPU has (its flags: machine.txt)"
 timeout "$(left 60)" $PY -m pytest -q tests/cpu/test_kernels.py tests/cpu/test_precision.py -p no:cacheprovider \
   > "$LOGS/cpu_kernels.log" 2>&1

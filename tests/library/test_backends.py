@@ -3,6 +3,7 @@ default's order, every backend's reason when it cannot run a call, and a
 backend of one's own."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -116,3 +117,27 @@ def test_a_backend_of_ones_own_is_registered_and_named():
     assert _chosen(x, w, ids, ex) == "cpu"  # never the default: it says so
     with pytest.raises(ValueError, match="implementation='doubling' cannot run this call: dense experts only"):
         nbx.fused_moe(x, w, ids, nbx.quantize(ex, "int8"), implementation="doubling")
+
+
+def test_a_setting_read_when_a_call_is_traced_is_read_again_on_the_next_trace(monkeypatch):
+    """The CUDA handlers' id check, graphs, decode limits and tile configs come
+    from the environment when a call is traced: the op's function is cached
+    per static key (transforms.op), and a call of the same shapes traced
+    after a change must still reach the backend's forward and see it."""
+    from jax_nbx import _env
+    from jax_nbx.backends.cpu import CpuBackend
+
+    seen = []
+    forward = CpuBackend.forward
+
+    def spy(self, *a, **kw):
+        seen.append(_env.cuda_check_ids())
+        return forward(self, *a, **kw)
+
+    monkeypatch.setattr(CpuBackend, "forward", spy)
+    x, w, ids, ex = make_problem(31, 3, 4, 2, 16, 8, jnp.float32, jnp.float32)
+    for mode in ("sync", "deferred", "sync"):
+        monkeypatch.setenv("JAX_NBX_CUDA_CHECK_IDS", mode)
+        f = jax.jit(lambda x: nbx.fused_moe(x, w, ids, ex, implementation="cpu"))  # a new trace each time
+        f(x).block_until_ready()
+    assert seen[-2:] == ["deferred", "sync"]

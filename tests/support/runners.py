@@ -7,8 +7,9 @@ GPU when there is one.  A runner says why it cannot run in this process
 (`unavailable`), what it takes (`takes`: the suite skips a feature a backend
 does not have, naming it), its tolerance, and sets itself up around a test
 (`setting`: the instruction set, the Metal device, the interpreter backend).
-``pytest --backends=cpu,metal-sim`` restricts the suite (prefixes match:
-"cpu" is every cpu-* runner); .ci/sanitize and .ci/arm64 use it.
+``pytest --backends=cpu,metal-sim`` restricts the suite (a runner's own id
+names it alone, other prefixes match: "cpu" is every cpu-* runner, "cuda" only
+the GPU's); .ci/sanitize and .ci/arm64 use it.
 """
 from __future__ import annotations
 
@@ -133,7 +134,12 @@ def selected(option: str | None) -> tuple[Runner, ...]:
     if not option:
         return RUNNERS
     wanted = [p.strip() for p in option.split(",") if p.strip()]
-    unknown = [p for p in wanted if not any(r.id.startswith(p) for r in RUNNERS)]
+    ids = {r.id for r in RUNNERS}
+
+    def matches(r: Runner, p: str) -> bool:  # a runner's own id names it alone ("cuda" is not "cuda-interpret")
+        return r.id == p if p in ids else r.id.startswith(p)
+
+    unknown = [p for p in wanted if not any(matches(r, p) for r in RUNNERS)]
     if unknown:
         raise ValueError(f"--backends: {unknown} match no runner of {[r.id for r in RUNNERS]}")
-    return tuple(r for r in RUNNERS if any(r.id.startswith(p) for p in wanted))
+    return tuple(r for r in RUNNERS if any(matches(r, p) for p in wanted))

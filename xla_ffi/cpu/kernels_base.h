@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
+
 #include "abi.h"
 #include "cpu/kernel_table.h"
 #if defined(__AVX__)
@@ -83,6 +85,27 @@ NBX_AI typename VecT<VL>::type FusedMulAdd(typename VecT<VL>::type a, typename V
 #else
   return a * b + c;
 #endif
+}
+
+// c + a*b for a scalar a and a vector or scalar b: one fused multiply-add
+// where the file is compiled with FMA (x86 -mfma), else a*b + c (which
+// -ffp-contract=fast fuses where the ISA has it: aarch64).  Every kernel's
+// accumulation step is written with it, never as `acc += a * b`: whether a
+// compiler contracts that is its own choice (an H200 machine's GCC left one
+// path of the by-columns streaming unfused, and its bits differed from the
+// packed kernels' by an ulp), and every kernel must round each step alike.
+template <class W>
+NBX_AI W MulAdd(float a, W b, W c) {
+  if constexpr (std::is_same_v<W, float>) {
+#if defined(__FMA__)
+    return __builtin_fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+  } else {
+    constexpr int VL = sizeof(W) / sizeof(float);
+    return FusedMulAdd<VL>(Splat<VL>(a), b, c);
+  }
 }
 
 // VL bfloat16 values (raw bits) widened to float32.

@@ -34,8 +34,8 @@ NBX_AI void AccumulatePanel(const float* a, const float* b, int64_t K, const flo
     const float* ak = a + kk * MR;
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      lo[r] += ak[r] * b0;
-      hi[r] += ak[r] * b1;
+      lo[r] = MulAdd(ak[r], b0, lo[r]);
+      hi[r] = MulAdd(ak[r], b1, hi[r]);
     }
   }
 }
@@ -114,10 +114,10 @@ NBX_AI void AxpyRow(float av, const float* wr, int ncols, float* ar) {
   for (int c = 0; c < nv; c += VL) {
     V v;
     memcpy(&v, ar + c, sizeof v);
-    v += av * Load<VL>(wr + c);
+    v = MulAdd(av, Load<VL>(wr + c), v);
     memcpy(ar + c, &v, sizeof v);
   }
-  for (int c = nv; c < ncols; ++c) ar[c] += av * wr[c];
+  for (int c = nv; c < ncols; ++c) ar[c] = MulAdd(av, wr[c], ar[c]);
 }
 
 template <int VL>
@@ -154,12 +154,9 @@ NBX_AI void AccumulateRowsPair(const float* a, int64_t as, int rows, const float
 // column order at the end.  Each element is still the chain of a * w in kk
 // order, one FMA per step, as in AccumulateRows and the packed kernels.
 //
-// One pass: NW (1 or 2) rows of W, w[0] then w[1], each row's FMA in turn.
-// The one- and two-row passes are separate functions called from separate
-// places: written as two branches of one loop, GCC hoisted their common
-// product a0 * w0 and lost the FMA contraction (a multiply and an add: other
-// bits than the packed kernels).
-template <int VL, int R, int NW, bool kFused = false>
+// One pass: NW (1 or 2) rows of W, w[0] then w[1], each row's FMA in turn
+// (MulAdd: explicit, as in every kernel).
+template <int VL, int R, int NW>
 NBX_AI void Bf16Pass(const float (&av)[NW][R], const uint16_t* const (&w)[NW], int ncols,
                      float* acc) {
   using V = typename VecT<VL>::type;
@@ -184,13 +181,8 @@ NBX_AI void Bf16Pass(const float (&av)[NW][R], const uint16_t* const (&w)[NW], i
       memcpy(&so, ar + VL, sizeof so);
 #pragma GCC unroll 2
       for (int i = 0; i < NW; ++i) {
-        if constexpr (kFused) {
-          se = FusedMulAdd<VL>(Splat<VL>(av[i][r]), ve[i], se);
-          so = FusedMulAdd<VL>(Splat<VL>(av[i][r]), vo[i], so);
-        } else {
-          se += av[i][r] * ve[i];
-          so += av[i][r] * vo[i];
-        }
+        se = MulAdd(av[i][r], ve[i], se);
+        so = MulAdd(av[i][r], vo[i], so);
       }
       memcpy(ar, &se, sizeof se);
       memcpy(ar + VL, &so, sizeof so);
@@ -208,8 +200,7 @@ NBX_AI void Bf16Pass(const float (&av)[NW][R], const uint16_t* const (&w)[NW], i
         float wf;  // (no address of a vector element: Clang refuses it)
         memcpy(&wf, &bits, 4);
         f[0] = wf;
-        if constexpr (kFused) s = FusedMulAdd<VL>(Splat<VL>(av[i][r]), f, s);
-        else s += av[i][r] * f;
+        s = MulAdd(av[i][r], f, s);
       }
       acc[r * ncols + c] = s[0];
     }
@@ -237,7 +228,7 @@ void AccumulateRowsBf16R(const float* a, int64_t as, const uint16_t* w, int64_t 
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) av[0][r] = in(a[k0 * as + r]), av[1][r] = in(a[k1 * as + r]);
     const uint16_t* const wr[2] = {w + k0 * ld, w + k1 * ld};
-    Bf16Pass<VL, R, 2, kDot>(av, wr, ncols, acc);
+    Bf16Pass<VL, R, 2>(av, wr, ncols, acc);
   }
   if (kk < K) {  // K odd: the last row alone
     if constexpr (kDot)
@@ -246,7 +237,7 @@ void AccumulateRowsBf16R(const float* a, int64_t as, const uint16_t* w, int64_t 
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) av[0][r] = in(a[kk * as + r]);
     const uint16_t* const wr[1] = {w + kk * ld};
-    Bf16Pass<VL, R, 1, kDot>(av, wr, ncols, acc);
+    Bf16Pass<VL, R, 1>(av, wr, ncols, acc);
   }
   // [even][odd] -> column order, per block
   // over-aligned explicitly: the compiler may store it with aligned vector moves, and
@@ -396,7 +387,7 @@ void AccumulateColsR(const float* a, int64_t as, const W* wt, int64_t ld, int64_
         for (int i = 0; i < VL; ++i) {
           const float* ak = a + (k0 + i) * as;
 #pragma GCC unroll 6
-          for (int r = 0; r < R; ++r) s[r] += ak[r] * t[i];
+          for (int r = 0; r < R; ++r) s[r] = MulAdd(ak[r], t[i], s[r]);
         }
       }
     }
@@ -405,7 +396,7 @@ void AccumulateColsR(const float* a, int64_t as, const W* wt, int64_t ld, int64_
       for (int j = 0; j < nc; ++j) t[j] = ScalarW(wt[(c0 + j) * ld + k0]);
       const float* ak = a + k0 * as;
 #pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) s[r] += ak[r] * t;
+      for (int r = 0; r < R; ++r) s[r] = MulAdd(ak[r], t, s[r]);
     }
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < nc; ++j) acc[r * ncols + c0 + j] = s[r][j];

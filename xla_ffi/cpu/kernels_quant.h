@@ -36,8 +36,8 @@ NBX_AI void AddTwoRows(float* acc, int ncols, const float (&a0)[R], const float 
   for (int r = 0; r < R; ++r) {
     W v;
     memcpy(&v, acc + r * ncols, sizeof v);
-    v += a0[r] * w0;
-    v += a1[r] * w1;
+    v = MulAdd(a0[r], w0, v);
+    v = MulAdd(a1[r], w1, v);
     memcpy(acc + r * ncols, &v, sizeof v);
   }
 }
@@ -86,13 +86,13 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
           for (int r = 0; r < R; ++r) {
             V v;
             memcpy(&v, acc + r * ncols + c, sizeof v);
-            v += a0[r] * w0;
+            v = MulAdd(a0[r], w0, v);
             memcpy(acc + r * ncols + c, &v, sizeof v);
           }
         }
         for (int c = nv; c < ncols; ++c) {
           const float w0 = static_cast<float>(qr0[c]);
-          for (int r = 0; r < R; ++r) acc[r * ncols + c] += a0[r] * w0;
+          for (int r = 0; r < R; ++r) acc[r * ncols + c] = MulAdd(a0[r], w0, acc[r * ncols + c]);
         }
       }
     }
