@@ -115,8 +115,15 @@ def _deferred_check(x, ex):
         f = jax.jit(lambda a, b, c: nbx.fused_moe(a, b, c, ex, implementation="ffi"))
         f(x, ww, ids).block_until_ready()
         time.sleep(0.1)  # the asynchronous copy lands
-    except Exception as e:
-        return "FAIL (the bad call itself failed)", str(e).splitlines()[0][:120]
+    except Exception as e:  # what the handler was given, for the diagnosis (seen on an H200, 2026-12-04)
+        import re
+
+        try:
+            attr = re.findall(r"check_ids = (\d+)", f.lower(x, ww, ids).as_text())
+        except Exception as le:  # noqa: BLE001 (a diagnosis, never a second failure)
+            attr = f"(lowering failed: {le})"
+        return (f"FAIL (the bad call itself failed; JAX_NBX_CUDA_CHECK_IDS read as "
+                f"{_cuda.check_ids_mode()!r}, the custom call's check_ids {attr})"), str(e).splitlines()[0][:120]
     try:
         f(x, ww, jnp.zeros((5, 2), jnp.int32)).block_until_ready()
         return "FAIL (no error at the next call)", ""

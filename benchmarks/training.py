@@ -27,7 +27,11 @@ the same adapters written in JAX outside the op (``ragged_dot`` with the
 rank-R products beside each projection), and the frozen-expert step without
 adapters (the CPU handler: x and topk_weights only, no expert gradient);
 with each step's memory (XLA's temporary bytes plus the handlers' workspace
-peak in the account) beside the forward's.
+peak in the account) beside the forward's.  ``--lora-dtype`` (default f32):
+the adapters' dtype, float32 whatever x's as PEFT makes them by default
+(``get_peft_model(..., autocast_adapter_dtype=True)``), or ``x`` for x's
+dtype (16-bit adapters: XLA converts them to float32 for the handler in the
+forward, and the float32 gradients back, which the memory column shows).
 """
 from __future__ import annotations
 
@@ -66,7 +70,7 @@ def moe_ragged_dot(x, w, ids, experts, lora=None):
 
 
 def lora_rows(m, T: int, dname: str, rank: int, repeats: int, ragged: bool = True,
-              base: str = "dense") -> list[str]:
+              base: str = "dense", lora_dtype: str = "f32") -> list[str]:
     """Issue #35's rows: the LoRA step (fused_moe(lora=)), the same step on the
     "xla" reference, the same adapters in JAX outside the op (ragged_dot), the
     frozen-expert step without adapters; ``base``: the experts' format
@@ -76,7 +80,8 @@ def lora_rows(m, T: int, dname: str, rank: int, repeats: int, ragged: bool = Tru
     dense = ex
     if base != "dense":
         ex = nbx.quantize(ex, base, group_size=64 if base == "int4" else None)
-    lora = nbx.LoRA.init(jax.random.PRNGKey(3), m.E, m.H, m.I, rank, dtype=dt)
+    lora = nbx.LoRA.init(jax.random.PRNGKey(3), m.E, m.H, m.I, rank,
+                         dtype=dt if lora_dtype == "x" else jnp.float32)
     lora = jax.tree.map(lambda a: a + 0.01, lora)  # B != 0
     ct = jax.random.normal(jax.random.PRNGKey(1), x.shape, jnp.float32)
 
@@ -115,10 +120,11 @@ def lora_rows(m, T: int, dname: str, rank: int, repeats: int, ragged: bool = Tru
     mem = [(temp_bytes(ours, *args) or 0) + peak_step, temp_bytes(rdot, *args) if ragged else None]
     mem_fwd = (temp_bytes(fwd, x, w, ids, ex, lora) or 0) + peak_fwd
     rd = "-" if t_rd is None else f"{t_rd * 1e3:.0f} ms"
-    print(f"  {base} {dname} LoRA r={rank}: fused_moe(lora=) [{backend.name}] {t_ours * 1e3:.0f} ms, "
+    adt = jnp.dtype(lora.gate[0].dtype).name
+    print(f"  {base} {dname} LoRA r={rank} ({adt} adapters): fused_moe(lora=) [{backend.name}] {t_ours * 1e3:.0f} ms, "
           f"xla reference {t_ref * 1e3:.0f} ms, ragged_dot + adapters {rd}, frozen step without adapters "
           f"{t_frozen * 1e3:.0f} ms", flush=True)
-    return [base, dname, str(rank), backend.name, f"{t_ours * 1e3:.0f}", f"{ratio_frozen:.2f}",
+    return [base, dname, adt, str(rank), backend.name, f"{t_ours * 1e3:.0f}", f"{ratio_frozen:.2f}",
             f"{t_ref / t_ours:.2f}", "-" if t_rd is None else f"{t_rd / t_ours:.2f}", fmt_mb(mem[0]),
             fmt_mb(mem_ref), fmt_mb(mem[1]), fmt_mb(mem_fwd),
             "-" if None in (mem[0], mem_fwd) or not mem_fwd else f"{mem[0] / mem_fwd:.2f}"]
@@ -175,6 +181,8 @@ def main(argv=None) -> None:
                     help="only issue #35's rows: LoRA adapters of rank R (0: the training rows)")
     ap.add_argument("--lora-base", default="dense", choices=["dense", *nbx.formats.quantized_names()],
                     help="the frozen experts' format under the adapters (QLoRA: a quantized one)")
+    ap.add_argument("--lora-dtype", default="f32", choices=["f32", "x"],
+                    help="the adapters' dtype: float32 (PEFT's default), or x's dtype")
     a = ap.parse_args(argv)
     m = nbx.MODELS[a.model]
     T = a.tokens
@@ -186,9 +194,10 @@ def main(argv=None) -> None:
     print(f"shape: {a.model} E={m.E} k={m.k} H={m.H} I={m.I}, T={T}; "
           f"step FLOPs (no recompute) {useful / 1e9:.1f} G")
     if a.lora:
-        lrows = [lora_rows(m, T, d, a.lora, a.repeats, not a.skip_ragged, a.lora_base) for d in a.dtypes]
+        lrows = [lora_rows(m, T, d, a.lora, a.repeats, not a.skip_ragged, a.lora_base, a.lora_dtype)
+                 for d in a.dtypes]
         print()
-        print(format_table(["base", "dtype", "rank", "backend", "LoRA step ms", "÷ frozen step",
+        print(format_table(["base", "dtype", "adapters", "rank", "backend", "LoRA step ms", "÷ frozen step",
                             "xla reference ÷ ours", "ragged_dot+LoRA ÷ ours",
                             "step MB: XLA temp + workspace (ours)", "XLA temp MB (reference)",
                             "XLA temp MB (ragged_dot)", "forward MB: XLA temp + workspace", "step ÷ forward"],
