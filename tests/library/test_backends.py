@@ -141,3 +141,16 @@ def test_a_setting_read_when_a_call_is_traced_is_read_again_on_the_next_trace(mo
         f = jax.jit(lambda x: nbx.fused_moe(x, w, ids, ex, implementation="cpu"))  # a new trace each time
         f(x).block_until_ready()
     assert seen[-2:] == ["deferred", "sync"]
+
+
+def test_backends_option_names_a_runner_by_its_own_id_or_a_prefix():
+    """``--backends``: a runner's own id names it alone ("cuda" is the GPU's,
+    not also "cuda-interpret"); another prefix names every runner it starts
+    ("cpu": each instruction set's); a name that matches none is refused."""
+    from support.runners import selected
+
+    assert [r.id for r in selected("cuda")] == ["cuda"]
+    assert [r.id for r in selected("cuda-interpret,xla")] == ["xla", "cuda-interpret"]
+    assert [r.id for r in selected("cpu")] == ["cpu-avx512", "cpu-avx2", "cpu-generic"]
+    with pytest.raises(ValueError, match="'gpu'.*match no runner"):
+        selected("gpu")
