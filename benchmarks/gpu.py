@@ -32,6 +32,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -116,8 +117,6 @@ def _deferred_check(x, ex):
         f(x, ww, ids).block_until_ready()
         time.sleep(0.1)  # the asynchronous copy lands
     except Exception as e:  # what the handler was given, for the diagnosis (seen on an H200, 2026-12-04)
-        import re
-
         try:
             attr = re.findall(r"check_ids = (\d+)", f.lower(x, ww, ids).as_text())
         except Exception as le:  # noqa: BLE001 (a diagnosis, never a second failure)

@@ -68,10 +68,10 @@ NBX_AI typename VecT<VL>::type Splat(float x) {
   return x - V{};  // (x - +0 is x, -0 included)
 }
 
-// a*b + c as one fused multiply-add, whatever the optimisation level (the
-// bfloat16 dot-product arithmetic needs it; elsewhere -ffp-contract=fast
-// fuses a*b + c only from -O2).  The FMA instructions where the file is
-// compiled with them (x86 -mfma: the avx2 and avx512 files), else a*b + c.
+// a*b + c as one fused multiply-add, whatever the optimisation level and
+// whatever the compiler would contract: the FMA instructions where the file
+// is compiled with them (x86 -mfma: the avx2 and avx512 files), else a*b + c.
+// The kernels call it through MulAdd below.
 template <int VL>
 NBX_AI typename VecT<VL>::type FusedMulAdd(typename VecT<VL>::type a, typename VecT<VL>::type b,
                                            typename VecT<VL>::type c) {
@@ -91,9 +91,10 @@ NBX_AI typename VecT<VL>::type FusedMulAdd(typename VecT<VL>::type a, typename V
 // where the file is compiled with FMA (x86 -mfma), else a*b + c (which
 // -ffp-contract=fast fuses where the ISA has it: aarch64).  Every kernel's
 // accumulation step is written with it, never as `acc += a * b`: whether a
-// compiler contracts that is its own choice (an H200 machine's GCC left one
-// path of the by-columns streaming unfused, and its bits differed from the
-// packed kernels' by an ulp), and every kernel must round each step alike.
+// compiler contracts that is its own choice (built by the compiler of the
+// H200 machine's image, the by-columns streaming differed from the packed
+// kernels by an ulp, most likely a step it left unfused), and every kernel
+// must round each step alike.
 template <class W>
 NBX_AI W MulAdd(float a, W b, W c) {
   if constexpr (std::is_same_v<W, float>) {

@@ -208,7 +208,7 @@ NBX_AI void Bf16Pass(const float (&av)[NW][R], const uint16_t* const (&w)[NW], i
 }
 
 // kDot: the bfloat16 dot-product kernels' streaming (kernels_dot.h, run under
-// their policy's MXCSR DAZ|FTZ): explicit fused multiply-adds (FusedMulAdd,
+// their policy's MXCSR DAZ|FTZ): explicit fused multiply-adds (MulAdd,
 // whatever the optimisation level), a rounded to bfloat16 (RoundToBf16) and the
 // chain over pairs of rows, row kk+1 before row kk (an odd K's missing last
 // odd row adds 0 * 0 = +0): the packed dot kernels' bits.

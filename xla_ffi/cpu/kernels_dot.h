@@ -124,7 +124,7 @@ struct DotEmulated {
 
 #if defined(__SSE__)
 // The fma policies: the arithmetic above on VL-lane float32 vectors (vector
-// extensions; each a*b + acc one fused multiply-add, FusedMulAdd: explicit,
+// extensions; each a*b + acc one fused multiply-add, MulAdd: explicit,
 // so that the bits hold at any optimisation level) under MXCSR DAZ|FTZ.  B's pairs split into their two
 // float32 (the high half masked, the low half shifted up); A comes split by
 // its packer (PackPanelSplit, kAWords = 2), a float32 per row of the pair,
@@ -157,8 +157,8 @@ struct DotFma {
     float odd, even;
     memcpy(&odd, a, sizeof odd);
     memcpy(&even, a + 1, sizeof even);
-    acc = FusedMulAdd<VL>(Splat<VL>(odd), b.odd, acc);
-    return FusedMulAdd<VL>(Splat<VL>(even), b.even, acc);
+    acc = MulAdd(odd, b.odd, acc);
+    return MulAdd(even, b.even, acc);
   }
 };
 #endif
