@@ -192,7 +192,7 @@ def test_backends_that_take_adapters_and_the_refusals():
 
 
 @pytest.mark.sanitize
-@pytest.mark.parametrize("x_dtype, fmt", [("f32", None), ("bf16", None), ("f32", "int8")])
+@pytest.mark.parametrize("x_dtype, fmt", [("f32", None), ("bf16", None), ("f32", "int8"), ("bf16", "int4")])
 def test_cpu_handler_bands_unwritten_outputs_and_frozen_experts(x_dtype, fmt):
     """The CPU handler with adapters: every output written (NaN twins),
     banded results bit for bit the unbanded ones, the adapters' gradients
@@ -200,9 +200,11 @@ def test_cpu_handler_bands_unwritten_outputs_and_frozen_experts(x_dtype, fmt):
     quantized experts are always frozen), and ``jax.grad`` over the adapters
     alone asks for no expert gradient."""
     E, k, H, I, T = 5, 2, 40, 24, 33
+    if fmt == "int4":  # groups of 32 rows (its smallest) of H and I
+        H, I = 64, 32
     x, w, ids, ex = make_problem(4, T, E, k, H, I, x_dtype=DTYPES[x_dtype])
     if fmt is not None:
-        ex = nbx.quantize(ex, fmt)
+        ex = nbx.quantize(ex, fmt, group_size=32 if fmt == "int4" else None)
     ids = ids.at[:, 0].set(jnp.where(ids[:, 1] == 4, 3, 4))  # expert 4 busy; expert 0 may be idle
     ids = ids.at[:, 1].set(jnp.where(ids[:, 0] == 0, 1, ids[:, 1]))
     ids = jnp.where(ids == 0, 2, ids)  # expert 0 idle: its gradients must be zeros, not NaN

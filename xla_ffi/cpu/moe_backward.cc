@@ -113,7 +113,7 @@ void RunBand(const RowProblem& p, const KernelTable& kt, ffi::ThreadPool& pool, 
   if (Ld.r > 0)
     ToRank(kt, pool, workers, b, chunks, MatA{b.dY, H, 1}, H, Ld, b.LB,
            [&](int64_t e) { return MatB<float>{Ld.B + e * Ld.r * H, 1, H}; });
-  ForChunkTiles(pool, workers, b, chunks, I, tc,
+  ForChunkTiles(kt, pool, workers, b, chunks, I, tc,
                 [&](int64_t e, int64_t m0, int64_t m1, int64_t n0, int nc, const TileScratch& s) {
     GemmTile<W>(kt, MatA{b.dY, H, 1},
                 MatB<W>{static_cast<const W*>(p.down[e]), p.sn[2], p.sk[2], true},
@@ -238,7 +238,7 @@ void RunBand(const RowProblem& p, const KernelTable& kt, ffi::ThreadPool& pool, 
 
   // dX rows = dg G_e^T + du U_e^T (+ LB_g A_g^T + LB_u A_u^T), into dY (free
   // now): items (chunk, tile of H).
-  ForChunkTiles(pool, workers, b, chunks, H, tc,
+  ForChunkTiles(kt, pool, workers, b, chunks, H, tc,
                 [&](int64_t e, int64_t m0, int64_t m1, int64_t n0, int nc, const TileScratch& s) {
     GemmTile<W>(kt, MatA{b.GU, 2 * I, 1},
                 MatB<W>{static_cast<const W*>(p.gate[e]), p.sn[0], p.sk[0], true}, MatC{b.dY, H},

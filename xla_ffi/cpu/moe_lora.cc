@@ -9,13 +9,16 @@
 //   GEMMs    LR = s x A (gate, up), GU = X [G_e | U_e] + LR B    (per row chunk;
 //            x's rows packed in place, row_band.h)
 //   rows     a = glu(g, u) into DA; LR's down range = s a A_d
-//   GEMMs    O = a D_e + bd + LR B_d, times the row's weight
+//   GEMMs    O = a D_e + LR B_d + bd, times the row's weight
 //   combine  y_t = sum over j in order of O[row(t, j)]
 //
 // The rows' values are the backward's recomputation (the same GEMMs and
 // glu), so a training step sees one function.  Each sum over K is one
-// kk-ordered chain whatever the band; the combine runs in j order: banded
-// and unbanded results are identical bit for bit.
+// kk-ordered chain from 0 whatever the band (the adapter's terms continue
+// it, the bias is added after); an expert with few rows in a band streams
+// its weights in place (row_gemm.h StreamTile), with the same bits; the
+// combine runs in j order: banded and unbanded results are identical bit
+// for bit.
 
 #include <algorithm>
 #include <cstdint>
@@ -60,18 +63,15 @@ void RunLoraBand(const RowProblem& p, const KernelTable& kt, ffi::ThreadPool& po
     ToRank(kt, pool, workers, b, chunks, MatA{b.DA, I, 1}, I, Ld, b.LR,
            [&](int64_t e) { return MatB<float>{Ld.A + e * I * Ld.r, Ld.r, 1}; });
   stages.Mark("rows");
-  // O = a D_e + bd + LR_d B_d, weighted: items (chunk, tile of H).
-  ForChunkTiles(pool, workers, b, chunks, H, tc,
+  // O = a D_e + LR_d B_d + bd, weighted: items (chunk, tile of H).
+  ForChunkTiles(kt, pool, workers, b, chunks, H, tc,
                 [&](int64_t e, int64_t m0, int64_t m1, int64_t n0, int nc, const TileScratch& s) {
-    const float* bd = p.bias[2];
-    if (bd)
-      for (int64_t r = m0; r < m1; ++r)
-        std::memcpy(b.O + r * H + n0, bd + e * H + n0, sizeof(float) * nc);
     GemmTile<W>(kt, MatA{b.DA, I, 1}, MatB<W>{static_cast<const W*>(p.down[e]), p.sk[2], p.sn[2]},
-                MatC{b.O, H}, m0, m1, n0, nc, I, bd != nullptr, s);
+                MatC{b.O, H}, m0, m1, n0, nc, I, false, s);
     if (Ld.r > 0)
       GemmTile<float>(kt, MatA{b.LR + Ld.col, b.R, 1}, MatB<float>{Ld.B + e * Ld.r * H, H, 1},
                       MatC{b.O, H}, m0, m1, n0, nc, Ld.r, true, s);
+    if (const float* bd = p.bias[2]) AddRowBias(bd + e * H + n0, b.O, H, m0, m1, n0, nc);
     for (int64_t r = m0; r < m1; ++r) {
       const float w = p.topk_w[b.plan.row_slot[r]];
       float* o = b.O + r * H + n0;

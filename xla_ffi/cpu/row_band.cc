@@ -15,14 +15,16 @@ size_t CarveRowBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int6
   const int64_t C = MaxChunks(S, E, kChunkRows);
   // Scratch sized to the problem (the same for every band): N of every
   // product is H, I or a rank; K-blocks of at most max(H, I, R) rows (the
-  // weight gradients' K, an expert's rows, runs in blocks of that size too).
+  // weight gradients' K, an expert's rows, runs in blocks of that size too);
+  // tiles of few rows stream K up to max(H, I, R) (row_gemm.h StreamTile).
   const int64_t widest = std::max({H, I, R});
   b->kc = std::min<int64_t>(kt.kc, widest);
   b->nc = (std::min<int64_t>(kt.nc, widest) + 2 * kt.vl - 1) / (2 * kt.vl) * (2 * kt.vl);
   b->mr = kt.mr;
   b->vl = kt.vl;
   b->R = R;
-  b->stride = TileScratchFloats(b->kc, b->nc, kt.mr, kt.vl);
+  b->stream_k = widest;  // every K of a weight's product (H, I or a rank)
+  b->stride = TileScratchFloats(b->kc, b->nc, kt.mr, kt.vl, b->stream_k);
   Carver cv(base);
   b->plan.row_slot = cv.Take<int32_t>(S);
   b->plan.slot_row = cv.Take<int32_t>(S);

@@ -86,9 +86,10 @@ struct RowBand {
   float* scratch;   // [workers][stride]
   int64_t R;
   int64_t stride, kc, nc;  // per-worker scratch floats; its blocking maxima
+  int64_t stream_k;        // the longest K a tile streams
   int mr, vl;
   TileScratch Scratch(int worker) const {
-    return CarveTileScratch(scratch + worker * stride, kc, nc, mr, vl);
+    return CarveTileScratch(scratch + worker * stride, kc, nc, mr, vl, stream_k);
   }
 };
 
@@ -138,16 +139,35 @@ struct RowProblem {
   uint8_t* written = nullptr;     // [E]: the expert's gradients hold a partial sum
 };
 
+// c[r*ld + n0 + j] += bias[j] for the rows [m0, m1) and j < nc.
+inline void AddRowBias(const float* bias, float* c, int64_t ld, int64_t m0, int64_t m1,
+                       int64_t n0, int nc) {
+  for (int64_t r = m0; r < m1; ++r)
+    for (int j = 0; j < nc; ++j) c[r * ld + n0 + j] += bias[j];
+}
+
+// The columns of item n0 of a chunk of `rows` rows, in items of tc (a
+// divisor of kMaxStreamCols) columns: tc, or for a chunk whose tiles stream,
+// kMaxStreamCols from every such multiple and none from the items between.
+inline int64_t ItemColumns(const KernelTable& kt, int64_t rows, int64_t n0, int64_t tc,
+                           int64_t N) {
+  if (!StreamsRows(kt, rows)) return std::min(tc, N - n0);
+  return n0 % kMaxStreamCols == 0 ? std::min<int64_t>(kMaxStreamCols, N - n0) : 0;
+}
+
 // fn(e, m0, m1, n0, nc, scratch) for every chunk of rows and tile of tc of
-// N columns.
+// N columns (ItemColumns: wider for chunks that stream).
 template <typename F>
-void ForChunkTiles(xla::ffi::ThreadPool& pool, int workers, const RowBand& b, int64_t chunks,
-                   int64_t N, int64_t tc, F&& fn) {
+void ForChunkTiles(const KernelTable& kt, xla::ffi::ThreadPool& pool, int workers,
+                   const RowBand& b, int64_t chunks, int64_t N, int64_t tc, F&& fn) {
   const int64_t tiles = (N + tc - 1) / tc;
   ParallelFor(pool, workers, chunks * tiles, [&](int64_t it, int worker) {
     const int64_t c = it / tiles, n0 = (it % tiles) * tc;
-    fn(static_cast<int64_t>(b.chunks.expert[c]), b.chunks.begin[c], b.chunks.end[c], n0,
-       static_cast<int>(std::min(tc, N - n0)), b.Scratch(worker));
+    const int64_t m0 = b.chunks.begin[c], m1 = b.chunks.end[c];
+    const int64_t nc = ItemColumns(kt, m1 - m0, n0, tc, N);
+    if (nc > 0)
+      fn(static_cast<int64_t>(b.chunks.expert[c]), m0, m1, n0, static_cast<int>(nc),
+         b.Scratch(worker));
   });
 }
 
@@ -156,7 +176,7 @@ void ForChunkTiles(xla::ffi::ThreadPool& pool, int workers, const RowBand& b, in
 template <typename BOf>
 void ToRank(const KernelTable& kt, xla::ffi::ThreadPool& pool, int workers, const RowBand& b,
             int64_t chunks, MatA src, int64_t K, const LoraProj& L, float* dst, BOf&& b_of) {
-  ForChunkTiles(pool, workers, b, chunks, L.r, kt.nc,
+  ForChunkTiles(kt, pool, workers, b, chunks, L.r, kt.nc,
                 [&](int64_t e, int64_t m0, int64_t m1, int64_t n0, int nc, const TileScratch& s) {
     GemmTile<float>(kt, src, b_of(e), MatC{dst + L.col, b.R}, m0, m1, n0, nc, K, false, s);
     for (int64_t m = m0; m < m1; ++m)
@@ -186,8 +206,11 @@ inline std::pair<int64_t, int64_t> PlanGather(const RowProblem& p, xla::ffi::Thr
   return {rows, chunks};
 }
 
-// GU = X [G_e | U_e] + biases + s (X A) B for the adapted ones (LR's gate
-// and up columns first): items (chunk, matrix, tile of I).
+// GU = X [G_e | U_e] + s (X A) B for the adapted ones (LR's gate and up
+// columns first), + biases: items (chunk, matrix, tile of I).  Each sum is
+// one kk-ordered chain from 0, the adapter's rank terms continuing it, the
+// bias added last: a chunk of few rows streams its weights (GemmTile) with
+// the bits of a packed one, so bands change no bit.
 template <typename W>
 void GateUp(const RowProblem& p, const KernelTable& kt, xla::ffi::ThreadPool& pool, int workers,
             int64_t chunks, const RowBand& b) {
@@ -204,19 +227,18 @@ void GateUp(const RowProblem& p, const KernelTable& kt, xla::ffi::ThreadPool& po
     const int64_t n0 = (it % tilesI) * tc;
     const int64_t e = b.chunks.expert[c], m0 = b.chunks.begin[c], m1 = b.chunks.end[c];
     const W* wt = static_cast<const W*>(which == 0 ? p.gate[e] : p.up[e]);
-    const int nc = static_cast<int>(std::min(tc, I - n0));
-    const float* bias = p.bias[which];
+    const int nc = static_cast<int>(ItemColumns(kt, m1 - m0, n0, tc, I));
+    if (nc == 0) return;
     const TileScratch s = b.Scratch(worker);
     const MatC gu{b.GU + which * I, 2 * I};
-    if (bias)  // the sums start from the bias
-      for (int64_t r = m0; r < m1; ++r)
-        std::memcpy(gu.p + r * 2 * I + n0, bias + e * I + n0, sizeof(float) * nc);
     GemmTile<W>(kt, XRows(p, b, 0, false), MatB<W>{wt, p.sk[0], p.sn[0]}, gu, m0, m1, n0, nc, H,
-                bias != nullptr, s);
+                false, s);
     const LoraProj& L = p.lora->p[which];
     if (L.r > 0)
       GemmTile<float>(kt, MatA{b.LR + L.col, b.R, 1}, MatB<float>{L.B + e * L.r * I, I, 1}, gu,
                       m0, m1, n0, nc, L.r, true, s);
+    if (const float* bias = p.bias[which])
+      AddRowBias(bias + e * I + n0, gu.p, 2 * I, m0, m1, n0, nc);
   });
 }
 

@@ -103,7 +103,9 @@ inline void PackA(MatA a, int64_t m, int rows, int64_t k0, int kc, int mr, float
 }
 
 // One worker's scratch for GemmTile: a packed K-block of B, a packed m-panel
-// of A, the micro-tile of C being continued, the epilogue's unit weights.
+// of A, the micro-tile of C being continued, the epilogue's unit weights;
+// for a streamed tile (StreamTile), A's rows [K][rows] and the streaming
+// kernels' sums.
 struct TileScratch {
   float* packed_b;
   float* packed_a;
@@ -112,21 +114,39 @@ struct TileScratch {
   float* ones;
   float* qtmp;   // a transposed quantized B's block, dequantized before it is turned
   int64_t kc;  // K-block rows the scratch holds (the bits do not depend on it)
+  int64_t nc;  // columns of a packed tile at most (GemmTile splits wider ones)
+  float* stream_a = nullptr;    // [stream_k][kMaxStreamRows]
+  float* stream_acc = nullptr;  // [2 * kMaxStreamRows * kMaxStreamCols]
+  int64_t stream_k = 0;         // the longest K a tile streams (0: none streams)
 };
 
-// GemmTile's scratch floats for K-blocks of at most kc rows and tiles of at
-// most nc columns (CarveRowBand sizes them to the problem).
-inline int64_t TileScratchFloats(int64_t kc, int64_t nc, int mr, int vl) {
+// GemmTile's scratch floats for K-blocks of at most kc rows and packed tiles
+// of at most nc columns, streaming tiles of K <= stream_k (CarveRowBand
+// sizes them to the problem).
+inline int64_t TileScratchFloats(int64_t kc, int64_t nc, int mr, int vl, int64_t stream_k) {
   const int64_t kcp = (kc + 2 * vl - 1) / (2 * vl) * (2 * vl);
-  return kc * nc + kc * mr + 2 * mr * 2 * vl + mr + nc * kcp;
+  return kc * nc + kc * mr + 2 * mr * 2 * vl + mr + nc * kcp +
+         (stream_k + 2 * kMaxStreamCols) * kMaxStreamRows;
 }
-inline TileScratch CarveTileScratch(float* base, int64_t kc, int64_t nc, int mr, int vl) {
-  TileScratch s{base, base + kc * nc, nullptr, nullptr, nullptr, nullptr, kc};
+inline TileScratch CarveTileScratch(float* base, int64_t kc, int64_t nc, int mr, int vl,
+                                    int64_t stream_k) {
+  TileScratch s{base, base + kc * nc, nullptr, nullptr, nullptr, nullptr, kc, nc};
   s.tile = s.packed_a + kc * mr;
   s.ctile = s.tile + mr * 2 * vl;
   s.ones = s.ctile + mr * 2 * vl;
   s.qtmp = s.ones + mr;
+  const int64_t kcp = (kc + 2 * vl - 1) / (2 * vl) * (2 * vl);
+  s.stream_a = s.qtmp + nc * kcp;
+  s.stream_acc = s.stream_a + stream_k * kMaxStreamRows;
+  s.stream_k = stream_k;
   return s;
+}
+
+// Whether a tile of `rows` rows may stream (StreamTile), and so be given
+// kMaxStreamCols columns: whole rows of a weight, read in one sweep (a
+// narrower tile of a row-major weight starts a new page on every row).
+inline bool StreamsRows(const KernelTable& kt, int64_t rows) {
+  return rows <= std::min(kMaxStreamRows, kt.mr);
 }
 
 // Rows [k0, k0+kc) of a quantized B's columns [n0, n0+nc) as GemmTile's
@@ -163,11 +183,61 @@ inline void PackQuantB(const KernelTable& kt, const MatB<Quantized>& b, int64_t 
   }
 }
 
+// C[m0:m1, n0:n0+nc] = A[m0:m1, 0:K] B[0:K, n0:n0+nc] through the streaming
+// kernels, B read in place (no packing): the decode rows of the row band.
+// Only where their sums are the packed micro-kernel's bit for bit (each a
+// kk-ordered chain from 0; kernel_table.h): C not continued, C's columns
+// contiguous, at most kMaxStreamRows rows, K within the scratch, and B dense
+// float32 or bfloat16 by rows or by columns, or quantized in a dequantizing
+// format without a tensor scale (int8's column scales and a tensor scale
+// multiply the sums in the streaming kernels but each weight in PackQuantB).
+// Returns false, having done nothing, where it does not apply.
+template <typename W>
+bool StreamTile(const KernelTable& kt, const MatA& a, const MatB<W>& b, const MatC& c,
+                int64_t m0, int64_t m1, int64_t n0, int nc, int64_t K, const TileScratch& s) {
+  const int rows = static_cast<int>(m1 - m0);
+  if (c.sn != 1 || !StreamsRows(kt, rows) || K > s.stream_k || nc > kMaxStreamCols) return false;
+  static const float kOnes[kMaxStreamRows] = {1, 1, 1, 1, 1, 1};
+  float* out = c.p + m0 * c.ld + n0;
+  if constexpr (std::is_same_v<W, Quantized>) {
+    const QuantMatrix& m = *reinterpret_cast<const QuantMatrix*>(b.p);
+    if (b.transposed || QuantArithOf(m.format) != QuantArith::kDequantized ||
+        m.tensor_scale != 1.0f)
+      return false;
+    PackA(a, m0, rows, 0, static_cast<int>(K), rows, s.stream_a);
+    kt.qstream2(s.stream_a, rows, rows, &m, n0, K, nc, kOnes, s.stream_acc, out, c.ld);
+    return true;
+  } else if constexpr (std::is_same_v<W, float> || std::is_same_v<W, bf16>) {
+    const int wi = std::is_same_v<W, float> ? 0 : 1;
+    if (b.sn != 1 && b.sk != 1) return false;
+    PackA(a, m0, rows, 0, static_cast<int>(K), rows, s.stream_a);
+    if (b.sn == 1)  // by rows: row kk of the tile at b.p + kk*sk + n0
+      kt.stream2[wi](s.stream_a, rows, rows, b.p + n0, b.sk, K, nc, kOnes, s.stream_acc, out,
+                     c.ld);
+    else  // by columns: column n at b.p + n*sn, its K values contiguous
+      kt.stream2_cols[wi](s.stream_a, rows, rows, b.p + n0 * b.sn, b.sn, K, nc, kOnes,
+                          s.stream_acc, out, c.ld);
+    return true;
+  } else {
+    return false;  // float16 weights always pack (as the forward's)
+  }
+}
+
 // C[m0:m1, n0:n0+nc] = (accumulate ? C : 0) + A[m0:m1, 0:K] B[0:K, n0:n0+nc],
 // each element one kk-ordered chain of multiply-adds (the micro-kernel's).
+// A fresh tile of few rows streams B in place (StreamTile): the same bits.
+// A tile wider than the scratch's packed tiles runs as several (each
+// element's chain does not depend on the columns beside it).
 template <typename W>
 void GemmTile(const KernelTable& kt, MatA a, MatB<W> b, MatC c, int64_t m0, int64_t m1,
               int64_t n0, int nc, int64_t K, bool accumulate, const TileScratch& s) {
+  if (!accumulate && K > 0 && StreamTile(kt, a, b, c, m0, m1, n0, nc, K, s)) return;
+  if (nc > s.nc) {
+    for (int64_t j = 0; j < nc; j += s.nc)
+      GemmTile<W>(kt, a, b, c, m0, m1, n0 + j, static_cast<int>(std::min<int64_t>(s.nc, nc - j)),
+                  K, accumulate, s);
+    return;
+  }
   const int mr = kt.mr, vl = kt.vl, w = 2 * vl;
   for (int r = 0; r < mr; ++r) s.ones[r] = 1.0f;
   std::fill(s.tile, s.tile + mr * w, 0.0f);
