@@ -116,17 +116,19 @@ struct TileScratch {
   int64_t kc;  // K-block rows the scratch holds (the bits do not depend on it)
   int64_t nc;  // columns of a packed tile at most (GemmTile splits wider ones)
   float* stream_a = nullptr;    // [stream_k][kMaxStreamRows]
-  float* stream_acc = nullptr;  // [2 * kMaxStreamRows * kMaxStreamCols]
+  float* stream_acc = nullptr;  // [2 * kMaxStreamRows * stream_n]
   int64_t stream_k = 0;         // the longest K a tile streams (0: none streams)
+  int64_t stream_n = 0;         // the widest tile that streams
 };
 
 // GemmTile's scratch floats for K-blocks of at most kc rows and packed tiles
-// of at most nc columns, streaming tiles of K <= stream_k (CarveRowBand
-// sizes them to the problem).
+// of at most nc columns, streaming tiles of K <= stream_k and at most
+// min(kMaxStreamCols, stream_k) columns (CarveRowBand sizes them to the
+// problem: stream_k = max(H, I, R), every product's N too).
 inline int64_t TileScratchFloats(int64_t kc, int64_t nc, int mr, int vl, int64_t stream_k) {
   const int64_t kcp = (kc + 2 * vl - 1) / (2 * vl) * (2 * vl);
   return kc * nc + kc * mr + 2 * mr * 2 * vl + mr + nc * kcp +
-         (stream_k + 2 * kMaxStreamCols) * kMaxStreamRows;
+         (stream_k + 2 * std::min<int64_t>(kMaxStreamCols, stream_k)) * kMaxStreamRows;
 }
 inline TileScratch CarveTileScratch(float* base, int64_t kc, int64_t nc, int mr, int vl,
                                     int64_t stream_k) {
@@ -139,6 +141,7 @@ inline TileScratch CarveTileScratch(float* base, int64_t kc, int64_t nc, int mr,
   s.stream_a = s.qtmp + nc * kcp;
   s.stream_acc = s.stream_a + stream_k * kMaxStreamRows;
   s.stream_k = stream_k;
+  s.stream_n = std::min<int64_t>(kMaxStreamCols, stream_k);
   return s;
 }
 
@@ -196,7 +199,7 @@ template <typename W>
 bool StreamTile(const KernelTable& kt, const MatA& a, const MatB<W>& b, const MatC& c,
                 int64_t m0, int64_t m1, int64_t n0, int nc, int64_t K, const TileScratch& s) {
   const int rows = static_cast<int>(m1 - m0);
-  if (c.sn != 1 || !StreamsRows(kt, rows) || K > s.stream_k || nc > kMaxStreamCols) return false;
+  if (c.sn != 1 || !StreamsRows(kt, rows) || K > s.stream_k || nc > s.stream_n) return false;
   static const float kOnes[kMaxStreamRows] = {1, 1, 1, 1, 1, 1};
   float* out = c.p + m0 * c.ld + n0;
   if constexpr (std::is_same_v<W, Quantized>) {
