@@ -1,5 +1,5 @@
 """Tunes the CUDA path's GEMM tile configs on a GPU and writes them to
-``jax_nbx/backends/cuda/configs/<device>.json`` (read by `jax_nbx.backends.cuda.plan.gemm_configs`,
+``jax_nbx/backends/cuda/configs/<device>.json`` (read by `jax_nbx.backends.cuda.tile_configs.gemm_configs`,
 nearest M = T·k slots).
 
     python benchmarks/tune_gpu.py [--models olmoe-1b-7b,...] [--tokens 4096,512] [--budget-seconds 240]
