@@ -44,7 +44,9 @@ Writes (tests/data/README.md says what each file is):
   ``Qwen3MoeSparseMoeBlock`` (float32).
 
 Every file is small (a few KB; the largest ~60 KB).  The outputs are
-deterministic up to the tools' own float formatting.
+deterministic up to the tools' own float formatting.  The compressed-tensors
+and PEFT generators live in fixtures_compressed.py and fixtures_peft.py, the
+tiny model they all start from in fixtures_common.py.
 """
 from __future__ import annotations
 
@@ -55,6 +57,9 @@ import sys
 import tempfile
 
 import numpy as np
+from fixtures_common import tiny_qwen3_moe
+from fixtures_compressed import fp8_checkpoints, nvfp4_checkpoint
+from fixtures_peft import peft_adapter
 
 # The blocks of tests/library/test_families.py (H = 40), in each config class's own key names.
 SMALL = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
@@ -127,27 +132,6 @@ def transformers_configs(out: str) -> None:
         f.write("\n")
 
 
-def _tiny_qwen3_moe(folder: str, H: int, I: int, E: int, k: int, seed: int) -> None:
-    """A 1-layer Qwen3-MoE of random weights (bfloat16), ``save_pretrained`` to ``folder``, with a
-    word-level tokenizer (mlx_lm.convert saves one)."""
-    import torch
-    import transformers as tf
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    torch.manual_seed(seed)
-    cfg = tf.Qwen3MoeConfig(vocab_size=32, hidden_size=H, intermediate_size=2 * H, moe_intermediate_size=I,
-                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=H // 2,
-                            num_experts=E, num_experts_per_tok=k, norm_topk_prob=True, tie_word_embeddings=True)
-    model = tf.Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():  # transformers initializes with std 0.02: a spread the block's output can show
-        for n, p in model.named_parameters():
-            if "mlp" in n:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    model.to(torch.bfloat16).save_pretrained(folder)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(32)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1").save_pretrained(folder)
-
-
 def transformers_checkpoint(out: str) -> None:
     """A tiny Qwen3-MoE saved by transformers, and its block's output by transformers' module."""
     import torch
@@ -156,7 +140,7 @@ def transformers_checkpoint(out: str) -> None:
     d = os.path.join(out, "transformers", "qwen3_moe_tiny")
     os.makedirs(d, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        _tiny_qwen3_moe(tmp, H=32, I=16, E=4, k=2, seed=1)
+        tiny_qwen3_moe(tmp, H=32, I=16, E=4, k=2, seed=1)
         for f in ("config.json", "model.safetensors"):
             shutil.copy(os.path.join(tmp, f), d)
         model = tf.Qwen3MoeForCausalLM.from_pretrained(tmp, dtype=torch.float32)
@@ -202,7 +186,7 @@ def mlx_checkpoints(out: str) -> None:
     os.makedirs(d, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         hf = os.path.join(tmp, "hf")
-        _tiny_qwen3_moe(hf, H=64, I=64, E=4, k=2, seed=3)
+        tiny_qwen3_moe(hf, H=64, I=64, E=4, k=2, seed=3)
         _hub_style(hf)
         runs = {"qwen3_moe_q4_g64": dict(q_group_size=64, q_bits=4),
                 "qwen3_moe_q4_g32": dict(q_group_size=32, q_bits=4),
@@ -348,7 +332,7 @@ def mlx_float_mode(out: str, mode: str) -> None:
     meta = {"producer": f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}"}
     with tempfile.TemporaryDirectory() as tmp:
         hf = os.path.join(tmp, "hf")
-        _tiny_qwen3_moe(hf, H=64, I=64, E=4, k=2, seed=3)
+        tiny_qwen3_moe(hf, H=64, I=64, E=4, k=2, seed=3)
         _hub_style(hf)
         conv = os.path.join(tmp, mode)
         convert(hf, conv, quantize=True, q_mode=mode)
@@ -390,201 +374,6 @@ def mlx_float_mode(out: str, mode: str) -> None:
     mx.save_safetensors(os.path.join(d, f"{mode}_matrices.safetensors"), arrays,
                         metadata={"producer": f"mlx {mx.__version__} mx.quantize / mx.dequantize / "
                                               f"mx.gather_qmm, mode='{mode}'"})
-
-
-def _fp8_reference(d: str, cfg, dequantized: dict, out: str) -> None:
-    """<d>.reference.safetensors: x, the block output ``y`` of transformers' own float32
-    Qwen3MoeSparseMoeBlock with ``dequantized`` ({(e, proj): [out, in]}) as every expert's weights,
-    and the first 16 output rows of expert 0's (kept small)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-    sd = load_file(os.path.join(d, "model.safetensors"))
-    blk = Qwen3MoeSparseMoeBlock(cfg).to(torch.float32).eval()
-    x = torch.from_numpy(np.random.default_rng(4).standard_normal((9, cfg.hidden_size)).astype(np.float32))
-    with torch.no_grad():
-        blk.gate.weight.copy_(sd["model.layers.0.mlp.gate.weight"].float())
-        for e in range(cfg.num_experts):
-            blk.experts.gate_up_proj[e].copy_(torch.cat([dequantized[(e, "gate_proj")], dequantized[(e, "up_proj")]]))
-            blk.experts.down_proj[e].copy_(dequantized[(e, "down_proj")])
-        y = blk(x[None])
-        y = (y[0] if isinstance(y, tuple) else y)[0]
-    ref = {"x": x, "y": y.contiguous()}
-    ref.update({f"experts.0.{p}.rows16": dequantized[(0, p)][:16].contiguous()
-                for p in ("gate_proj", "up_proj", "down_proj")})
-    save_file(ref, d + ".reference.safetensors", metadata={"producer": out})
-
-
-def _linear_tree(path: str, pfx: str):
-    """A torch module tree holding the checkpoint's tensors under ``pfx`` as bias-free
-    nn.Linear layers at their checkpoint names (what compressed-tensors quantizes)."""
-    import torch
-    from safetensors.torch import load_file
-    root = torch.nn.Module()
-    for k, v in load_file(path).items():
-        if not k.startswith(pfx):
-            continue
-        *names, _ = k.split(".")
-        mod = root
-        for i, p in enumerate(names):
-            if not hasattr(mod, p):
-                last = i == len(names) - 1
-                mod.add_module(p, torch.nn.Linear(v.shape[1], v.shape[0], bias=False) if last else torch.nn.Module())
-            mod = getattr(mod, p)
-        mod.weight.data.copy_(v.float())
-    return root
-
-
-def _save_compressed(root, hf: str, dst: str, pfx: str) -> dict:
-    """compressed-tensors' ``compress_model`` of ``root``; its tensors under ``pfx`` saved to
-    ``dst``/model.safetensors beside the tiny model's config.json with the quantization_config
-    compressed-tensors writes (``update_config``); returns them."""
-    from compressed_tensors.compressors import ModelCompressor
-    from safetensors.torch import save_file
-    mc = ModelCompressor.from_pretrained_model(root)
-    mc.compress_model(root)
-    os.makedirs(dst, exist_ok=True)
-    csd = {k: v.contiguous() for k, v in root.state_dict().items() if k.startswith(pfx)}
-    save_file(csd, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    shutil.copy(os.path.join(hf, "config.json"), dst)
-    mc.update_config(dst)
-    return csd
-
-
-def nvfp4_checkpoint(out: str) -> None:
-    """``nvfp4/qwen3_moe_nvfp4``: compressed-tensors' NVFP4 (its ``NVFP4A16`` preset:
-    ``nvfp4-pack-quantized``: E2M1 pairs ``weight_packed`` [N, K/2], E4M3 ``weight_scale`` per 16,
-    a float32 ``weight_global_scale`` per matrix) of a tiny Qwen3-MoE's experts (H=256, I=128,
-    E=2), its MoE block's tensors kept: ``apply_quantization_config``, the global scale by its
-    ``generate_gparam`` and the group scales by its ``calculate_qparams`` from each matrix's and
-    group's min/max (what its min-max observers give), ``ModelCompressor.compress_model``.
-    Beside it (<folder>.reference) expert 0's weights by compressed-tensors' own
-    ``unpack_fp4_from_uint8`` and ``dequantize`` (what its ``NVFP4PackedCompressor.decompress``
-    runs, there in bfloat16; here in float32) and the block output of transformers' float32
-    ``Qwen3MoeSparseMoeBlock`` with every expert so dequantized."""
-    import compressed_tensors
-    import torch
-    import transformers as tf
-    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
-    from compressed_tensors.quantization.lifecycle.forward import dequantize
-    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
-    d = os.path.join(out, "nvfp4")
-    os.makedirs(d, exist_ok=True)
-    pfx = "model.layers.0.mlp."
-    with tempfile.TemporaryDirectory() as tmp:
-        hf = os.path.join(tmp, "hf")
-        _tiny_qwen3_moe(hf, H=256, I=128, E=2, k=2, seed=6)
-        cfg = tf.AutoConfig.from_pretrained(hf)
-        root = _linear_tree(os.path.join(hf, "model.safetensors"), pfx)
-        scheme = preset_name_to_scheme("NVFP4A16", [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"])
-        apply_quantization_config(root, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
-        for _, mod in root.named_modules():
-            if hasattr(mod, "quantization_scheme"):
-                wt = mod.weight.data
-                gs = generate_gparam(wt.amin(), wt.amax()).reshape(mod.weight_global_scale.shape)
-                grp = wt.reshape(wt.shape[0], -1, 16)
-                sc, _ = calculate_qparams(grp.amin(-1), grp.amax(-1), mod.quantization_scheme.weights,
-                                          global_scale=gs)
-                mod.weight_global_scale.data.copy_(gs)
-                mod.weight_scale.data.copy_(sc.to(mod.weight_scale.dtype))
-        dst = os.path.join(d, "qwen3_moe_nvfp4")
-        csd = _save_compressed(root, hf, dst, pfx)
-        w = {}
-        for e in range(cfg.num_experts):
-            for p in ("gate_proj", "up_proj", "down_proj"):
-                local = {k.split(".")[-1]: v for k, v in csd.items() if k.startswith(pfx + f"experts.{e}.{p}.")}
-                m, n = local["weight_packed"].shape
-                codes = unpack_fp4_from_uint8(local["weight_packed"], m, n * 2, dtype=torch.float32)
-                w[(e, p)] = dequantize(x_q=codes, scale=local["weight_scale"].float(), args=scheme.weights,
-                                       global_scale=local["weight_global_scale"], dtype=torch.float32)
-        _fp8_reference(dst, cfg, w, f"compressed-tensors {compressed_tensors.__version__} nvfp4-pack-quantized: "
-                                    "its unpack_fp4_from_uint8 and dequantize in float32")
-
-
-def fp8_checkpoints(out: str) -> None:
-    """FP8 experts as two real producers write them (``fp8/``), a tiny Qwen3-MoE (H=256, I=128,
-    E=2: weight blocks along both axes of every projection), only its MoE block's tensors kept:
-
-    * ``qwen3_moe_fp8_block``: transformers 5.24's fine-grained FP8 --
-      ``from_pretrained(..., quantization_config=FineGrainedFP8Config(weight_block_size=[128, 128]))``
-      then ``save_pretrained``.  Its CPU environment check (it refuses without a GPU) is the one
-      thing replaced; the quantization math and the save are stock.  5.24 writes the experts'
-      weights per expert and their scales fused and stacked (``experts.gate_up_proj_scale_inv``
-      [E, 2I/128, H/128], ``experts.down_proj_scale_inv``).
-    * ``qwen3_moe_fp8_channel``: compressed-tensors' FP8 per-channel (``float-quantized``):
-      ``apply_quantization_config`` on the experts' linears, scales by its ``calculate_qparams``
-      from per-row min/max (what a min-max observer gives), ``ModelCompressor.compress_model``.
-
-    Beside each (<folder>.reference): expert 0's weights dequantized by the producer's own code
-    (transformers' ``Fp8Dequantize``; compressed-tensors' ``float-quantized`` decompress) and the
-    block output of transformers' float32 ``Qwen3MoeSparseMoeBlock`` with every expert so
-    dequantized (weights only: the checkpoints' dynamic FP8 activations are their kernels' choice)."""
-    import compressed_tensors
-    import torch
-    import transformers as tf
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationScheme,
-        apply_quantization_config,
-    )
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams
-    from safetensors.torch import load_file, save_file
-    from transformers.integrations import finegrained_fp8 as F8
-    from transformers.quantizers import quantizer_finegrained_fp8 as Q
-    d = os.path.join(out, "fp8")
-    os.makedirs(d, exist_ok=True)
-    pfx = "model.layers.0.mlp."
-    with tempfile.TemporaryDirectory() as tmp:
-        hf = os.path.join(tmp, "hf")
-        _tiny_qwen3_moe(hf, H=256, I=128, E=2, k=2, seed=5)
-        cfg = tf.AutoConfig.from_pretrained(hf)
-        # 1. transformers' fine-grained FP8
-        Q.FineGrainedFP8HfQuantizer.validate_environment = lambda self, *a, **k: None
-        m = tf.AutoModelForCausalLM.from_pretrained(
-            hf, quantization_config=tf.FineGrainedFP8Config(weight_block_size=[128, 128]), device_map="cpu")
-        conv = os.path.join(tmp, "fp8_block")
-        m.save_pretrained(conv)
-        dst = os.path.join(d, "qwen3_moe_fp8_block")
-        sd = {k: v for k, v in load_file(os.path.join(conv, "model.safetensors")).items() if k.startswith(pfx)}
-        os.makedirs(dst, exist_ok=True)
-        save_file(sd, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-        shutil.copy(os.path.join(conv, "config.json"), dst)
-        deq = F8.Fp8Dequantize(None)._dequantize_one
-        gu, dn = sd[pfx + "experts.gate_up_proj_scale_inv"], sd[pfx + "experts.down_proj_scale_inv"]
-        nb = cfg.moe_intermediate_size // 128
-        w = {}
-        for e in range(cfg.num_experts):
-            w[(e, "gate_proj")] = deq(sd[pfx + f"experts.{e}.gate_proj.weight"], gu[e, :nb], torch.float32)
-            w[(e, "up_proj")] = deq(sd[pfx + f"experts.{e}.up_proj.weight"], gu[e, nb:], torch.float32)
-            w[(e, "down_proj")] = deq(sd[pfx + f"experts.{e}.down_proj.weight"], dn[e], torch.float32)
-        _fp8_reference(dst, cfg, w, f"transformers {tf.__version__} FineGrainedFP8Config; Fp8Dequantize")
-        # 2. compressed-tensors FP8 per-channel, on the experts' nn.Linear layers under their checkpoint names
-        root = _linear_tree(os.path.join(hf, "model.safetensors"), pfx)
-        scheme = QuantizationScheme(
-            targets=[r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
-            weights=QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False),
-            input_activations=QuantizationArgs(num_bits=8, type="float", strategy="token", symmetric=True,
-                                               dynamic=True))
-        apply_quantization_config(root, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
-        for _, mod in root.named_modules():
-            if hasattr(mod, "quantization_scheme"):
-                wt = mod.weight.data
-                sc, _ = calculate_qparams(wt.amin(dim=1, keepdim=True), wt.amax(dim=1, keepdim=True),
-                                          mod.quantization_scheme.weights)
-                mod.weight_scale.data.copy_(sc.to(mod.weight_scale.dtype))
-        dst = os.path.join(d, "qwen3_moe_fp8_channel")
-        csd = _save_compressed(root, hf, dst, pfx)
-        comp = BaseCompressor.get_value_from_registry("float-quantized")
-        w = {}
-        for e in range(cfg.num_experts):
-            for p in ("gate_proj", "up_proj", "down_proj"):
-                local = {k.split(".")[-1]: v for k, v in csd.items() if k.startswith(pfx + f"experts.{e}.{p}.")}
-                w[(e, p)] = comp.decompress(local, scheme)["weight"].float()
-        _fp8_reference(dst, cfg, w, f"compressed-tensors {compressed_tensors.__version__} float-quantized decompress")
 
 
 def gpt_oss_mxfp4(out: str) -> None:
@@ -648,129 +437,6 @@ def gpt_oss_mxfp4(out: str) -> None:
     save_file(ref, os.path.join(out, "gpt_oss", "gpt_oss_mxfp4.reference.safetensors"),
               metadata={"producer": f"transformers {tf.__version__} convert_moe_packed_tensors / GptOssMLP; "
                                     f"bytes by mlx {mx.__version__} mx.quantize(mode='mxfp4')"})
-
-
-PEFT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-
-
-def _peft_block_reference(block, config, x, meta: str, path: str, **extra) -> dict:
-    """<path>: x, the routing transformers' own router computes (``topk_weights``, ``topk_ids``), and
-    the output ``y`` of the (PEFT-wrapped) Qwen3MoeSparseMoeBlock on x, its experts run as the
-    model's default ``experts_implementation`` (``config``'s) and checked against "eager"."""
-    import torch
-    from safetensors.torch import save_file
-    xt = torch.from_numpy(x)
-    impl = config._experts_implementation
-    with torch.no_grad():
-        _, w, ids = block.gate(xt)
-        y = block(xt[None])[0]
-        config._experts_implementation = "eager"
-        y_eager = block(xt[None])[0]
-        config._experts_implementation = impl
-    assert torch.allclose(y, y_eager, rtol=0, atol=1e-6 * float(y.abs().max())), "the experts' implementations differ"
-    ref = {"x": xt, "topk_weights": w.contiguous(), "topk_ids": ids.to(torch.int32).contiguous(),
-           "y": y.contiguous(), **{k: v.contiguous() for k, v in extra.items()}}
-    save_file(ref, path, metadata={"producer": f"{meta}; experts_implementation={impl} (eager agrees)"})
-    return ref
-
-
-def peft_adapter(out: str) -> None:
-    """PEFT LoRA adapters on a tiny Qwen3-MoE's routed experts (``peft/``; H=32, I=16, E=4, top-2,
-    torch seed 8, the base saved by transformers in bfloat16 and loaded back in float32):
-
-    * ``qwen3_moe_base/``: the base MoE block's tensors as transformers saved them (per-expert
-      ``experts.{e}.gate_proj/up_proj/down_proj.weight``, the router) and its config.json;
-    * ``qwen3_moe_lora/``: ``get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=[],
-      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
-      init_lora_weights=False))`` (transformers 5's fused 3-D experts, PEFT's ``ParamWrapper``;
-      ``init_lora_weights=False`` keeps nn.Linear's random init of lora_B, not zeros),
-      ``save_pretrained``: adapter_config.json and adapter_model.safetensors as written (its
-      README.md model card dropped; in the config the temporary base folder and the order of
-      target_modules / target_parameters, sets in PEFT, made stable);
-    * ``qwen3_moe_lora_per_expert/``: the per-expert form (transformers 4's ``experts.{e}.gate_proj``
-      nn.Linear modules, here the checkpoint's per-expert tensors as nn.Linear layers under their
-      names): ``LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"],
-      rank_pattern={"down_proj": 2}, alpha_pattern={"down_proj": 16}, init_lora_weights=False)``.
-
-    Beside each adapter (<folder>.reference): x (7 x 32, numpy seed 9), the routing of transformers'
-    own router, and ``y``, the float32 PEFT-wrapped model's own Qwen3MoeSparseMoeBlock on x (the
-    per-expert adapter loaded onto the transformers 5 model by ``PeftModel.from_pretrained``, i.e.
-    PEFT's own v4 -> v5 conversion of it, and checked against PEFT's per-expert lora.Linear modules
-    run on the same routing); for the fused one also ``y_base``, the block with the adapter
-    disabled."""
-    import peft
-    import torch
-    import transformers as tf
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from safetensors.torch import load_file, save_file
-    d = os.path.join(out, "peft")
-    os.makedirs(d, exist_ok=True)
-    pfx = "model.layers.0.mlp."
-    meta = f"peft {peft.__version__}, transformers {tf.__version__}, torch {torch.__version__}"
-    x = np.random.default_rng(9).standard_normal((7, 32)).astype(np.float32)
-
-    def keep(src: str, name: str) -> str:
-        dst = os.path.join(d, name)
-        os.makedirs(dst, exist_ok=True)
-        shutil.copy(os.path.join(src, "adapter_model.safetensors"), dst)
-        with open(os.path.join(src, "adapter_config.json")) as f:
-            c = json.load(f)
-        # made stable: the temporary base folder, and the order of target_modules / target_parameters
-        # (sets in PEFT; it sorts target_parameters itself before matching them)
-        if c.get("base_model_name_or_path") == hf:
-            c["base_model_name_or_path"] = "/tmp/peft_qwen3_moe_hf"
-        for key in ("target_modules", "target_parameters"):
-            if isinstance(c.get(key), list):
-                c[key] = sorted(c[key])
-        with open(os.path.join(dst, "adapter_config.json"), "w") as f:
-            f.write(json.dumps(c, indent=2, sort_keys=True))  # as PEFT's save_pretrained writes it
-        return dst
-
-    with tempfile.TemporaryDirectory() as tmp:
-        hf = os.path.join(tmp, "hf")
-        _tiny_qwen3_moe(hf, H=32, I=16, E=4, k=2, seed=8)
-        base = os.path.join(d, "qwen3_moe_base")
-        os.makedirs(base, exist_ok=True)
-        sd = {k: v for k, v in load_file(os.path.join(hf, "model.safetensors")).items() if k.startswith(pfx)}
-        save_file(sd, os.path.join(base, "model.safetensors"), metadata={"format": "pt"})
-        shutil.copy(os.path.join(hf, "config.json"), base)
-        # 1. transformers 5's fused experts: target_parameters (PEFT's ParamWrapper)
-        model = tf.Qwen3MoeForCausalLM.from_pretrained(hf, dtype=torch.float32)
-        torch.manual_seed(10)
-        pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=PEFT_TARGETS,
-                                              init_lora_weights=False))
-        pm.save_pretrained(os.path.join(tmp, "fused"))
-        keep(os.path.join(tmp, "fused"), "qwen3_moe_lora")
-        block = pm.base_model.model.model.layers[0].mlp
-        with torch.no_grad(), pm.disable_adapter():
-            y_base = block(torch.from_numpy(x)[None])[0]
-        _peft_block_reference(block, model.config, x, meta + ", target_parameters (ParamWrapper)",
-                              os.path.join(d, "qwen3_moe_lora.reference.safetensors"), y_base=y_base)
-        # 2. per-expert nn.Linear modules (transformers 4's names): target_modules (lora.Linear)
-        root = _linear_tree(os.path.join(hf, "model.safetensors"), pfx)
-        torch.manual_seed(11)
-        pe = get_peft_model(root, LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"],
-                                             rank_pattern={"down_proj": 2}, alpha_pattern={"down_proj": 16},
-                                             init_lora_weights=False))
-        pe.save_pretrained(os.path.join(tmp, "per_expert"))
-        keep(os.path.join(tmp, "per_expert"), "qwen3_moe_lora_per_expert")
-        model = tf.Qwen3MoeForCausalLM.from_pretrained(hf, dtype=torch.float32)
-        pm = PeftModel.from_pretrained(model, os.path.join(tmp, "per_expert"))  # PEFT's v4 -> v5 conversion
-        block = pm.base_model.model.model.layers[0].mlp
-        ref = _peft_block_reference(block, model.config, x,
-                                    meta + ", target_modules (lora.Linear per expert), loaded onto transformers 5's "
-                                    "fused experts by PeftModel.from_pretrained",
-                                    os.path.join(d, "qwen3_moe_lora_per_expert.reference.safetensors"))
-        experts = pe.base_model.model.get_submodule(pfx + "experts")  # PEFT's own per-expert lora.Linear
-        y = torch.zeros(x.shape)
-        with torch.no_grad():
-            for t in range(x.shape[0]):
-                xt = torch.from_numpy(x[t:t + 1])
-                for w, e in zip(ref["topk_weights"][t], ref["topk_ids"][t]):
-                    ex = getattr(experts, str(int(e)))
-                    y[t] += w * ex.down_proj(torch.nn.functional.silu(ex.gate_proj(xt)) * ex.up_proj(xt))[0]
-        err = float((y - ref["y"]).abs().max() / ref["y"].abs().max())
-        assert err < 1e-6, f"PEFT's v5 conversion of the per-expert adapter differs from its lora.Linear: {err}"
 
 
 def main(out: str, only: str | None = None) -> int:
