@@ -24,7 +24,7 @@ namespace kernel_testing {
 
 // ---------------------------------------------------------------- basics
 
-__attribute__((format(printf, 1, 2))) std::string Fmt(const char* fmt, ...) {
+__attribute__((format(printf, 1, 2))) inline std::string Fmt(const char* fmt, ...) {
   char buf[512];
   va_list args;
   va_start(args, fmt);
@@ -33,7 +33,7 @@ __attribute__((format(printf, 1, 2))) std::string Fmt(const char* fmt, ...) {
   return buf;
 }
 
-std::string JoinInts(const std::vector<int64_t>& v, const char* sep) {
+inline std::string JoinInts(const std::vector<int64_t>& v, const char* sep) {
   std::string s;
   for (size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + std::to_string(v[i]);
   return s;
@@ -42,7 +42,7 @@ std::string JoinInts(const std::vector<int64_t>& v, const char* sep) {
 // Output buffers start as this NaN; a kernel never produces these bits.
 constexpr uint32_t kSentinelBits = 0x7fc0ffeeu;
 const float kSentinel = BitsToFloat(kSentinelBits);
-bool IsSentinel(float v) { return FloatToBits(v) == kSentinelBits; }
+inline bool IsSentinel(float v) { return FloatToBits(v) == kSentinelBits; }
 // Inputs no kernel may use.
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
 
@@ -76,16 +76,16 @@ class Report {
   std::vector<std::string> lines_;
 };
 
-const char* ActName(int act) { return abi::kActivationNames[act]; }
+inline const char* ActName(int act) { return abi::kActivationNames[act]; }
 
 // The kernels' Glu of an activation code, kClampedSwiGLU with abi.h's defaults.
-Glu TestGlu(int act) {
+inline Glu TestGlu(int act) {
   return Glu{act, static_cast<float>(abi::kClampedSwiGLUAlpha),
              static_cast<float>(abi::kClampedSwiGLULimit)};
 }
 
 // glu(g, u) in float64 (abi.h Activation).
-double RefGlu(int act, double g, double u) {
+inline double RefGlu(int act, double g, double u) {
   switch (act) {
     case static_cast<int>(abi::Activation::kGeGLU):
       return 0.5 * g * (1.0 + std::tanh(abi::kGeluC * (g + abi::kGeluB * g * g * g))) * u;
@@ -104,7 +104,7 @@ double RefGlu(int act, double g, double u) {
 // power of two, ...).
 const int64_t kKs[] = {0, 1, 2, 7, 37, 128, 129, 257};
 
-std::vector<int> StreamCols(int vl) {
+inline std::vector<int> StreamCols(int vl) {
   std::vector<int> v = {1, vl - 1, vl, vl + 1, 2 * vl, 2 * vl + 3, 3 * vl + 5, 129, 515,
                         kMaxStreamCols};
   v.erase(std::remove_if(v.begin(), v.end(), [](int n) { return n < 1; }), v.end());
@@ -113,7 +113,7 @@ std::vector<int> StreamCols(int vl) {
   return v;
 }
 
-std::vector<int> Acts(bool down) {
+inline std::vector<int> Acts(bool down) {
   std::vector<int> all;
   for (int a = 0; a < abi::kNumActivations; ++a) all.push_back(a);
   return down ? std::vector<int>{0} : all;
@@ -145,7 +145,7 @@ struct RefMatrix {
 };
 
 // a (rows x K, float64) @ w: rows x cols dots.
-std::vector<Dot> Dots(const std::vector<double>& a, int rows, const RefMatrix& w) {
+inline std::vector<Dot> Dots(const std::vector<double>& a, int rows, const RefMatrix& w) {
   std::vector<Dot> d(static_cast<size_t>(rows) * w.cols);
   for (int r = 0; r < rows; ++r) {
     Dot* dr = d.data() + static_cast<size_t>(r) * w.cols;
@@ -160,9 +160,9 @@ std::vector<Dot> Dots(const std::vector<double>& a, int rows, const RefMatrix& w
 }
 
 constexpr double kRelTol = 2e-6;
-double Tol(const Dot& d) { return kRelTol * d.mag + 1e-30; }
+inline double Tol(const Dot& d) { return kRelTol * d.mag + 1e-30; }
 
-std::string Compare(float got, double want, double tol) {
+inline std::string Compare(float got, double want, double tol) {
   const double diff = std::fabs(static_cast<double>(got) - want);
   if (diff <= tol) return "";  // (false for NaN)
   return Fmt("got %.9g, want %.9g (|diff| %.3g > tol %.3g)", got, want, diff, tol);
@@ -171,7 +171,7 @@ std::string Compare(float got, double want, double tol) {
 // glu(g, u): the errors of g and u carried through (|d glu / dg| < 1.2 |u'|
 // and |d glu / du| <= |act(g)| for every activation, u' = u (+ 1 clamped)),
 // plus the float32 activation's own (1e-6 (|g| + |act(g)|) |u'|).
-std::string CheckGlu(int act, const Dot& g, const Dot& u, float got) {
+inline std::string CheckGlu(int act, const Dot& g, const Dot& u, float got) {
   const double tg = Tol(g), tu = Tol(u), want = RefGlu(act, g.sum, u.sum);
   const bool clamped = act == static_cast<int>(abi::Activation::kClampedSwiGLU);
   const double ue = std::fabs(u.sum) + (clamped ? 1.0 : 0.0);  // |u'|
@@ -180,7 +180,7 @@ std::string CheckGlu(int act, const Dot& g, const Dot& u, float got) {
   return Compare(got, want, tol);
 }
 
-std::string CheckDown(float w, const Dot& d, float got) {
+inline std::string CheckDown(float w, const Dot& d, float got) {
   return Compare(got, w * d.sum, std::fabs(w) * Tol(d));
 }
 
@@ -198,7 +198,7 @@ struct Expected {
   std::vector<float> w;
 };
 
-Expected ExpectGlu(int act, const std::vector<double>& a, int rows, const RefMatrix& gate,
+inline Expected ExpectGlu(int act, const std::vector<double>& a, int rows, const RefMatrix& gate,
                    const RefMatrix& up) {
   Expected e;
   e.act = act;
@@ -208,7 +208,7 @@ Expected ExpectGlu(int act, const std::vector<double>& a, int rows, const RefMat
   return e;
 }
 
-Expected ExpectDown(const std::vector<float>& w, const std::vector<double>& a, int rows,
+inline Expected ExpectDown(const std::vector<float>& w, const std::vector<double>& a, int rows,
                     const RefMatrix& down) {
   Expected e;
   e.down = true;
@@ -245,7 +245,7 @@ struct Grid {
   size_t size = 0;
 };
 
-Grid MakeGrid(int rows, int cols, int64_t rs, int64_t cs, int cb = 0, int64_t ps = 0) {
+inline Grid MakeGrid(int rows, int cols, int64_t rs, int64_t cs, int cb = 0, int64_t ps = 0) {
   Grid g;
   g.rows = rows, g.cols = cols, g.rs = rs, g.cs = cs, g.cb = cb, g.ps = ps;
   const int64_t last = rows > 0 && cols > 0 ? g.Offset(rows - 1, cols - 1) : 0;
@@ -255,12 +255,12 @@ Grid MakeGrid(int rows, int cols, int64_t rs, int64_t cs, int cb = 0, int64_t ps
 }
 
 // An output of rows x cols: row-major (rows padded) or column-major.
-Grid OutputGrid(int rows, int cols, bool column_major) {
+inline Grid OutputGrid(int rows, int cols, bool column_major) {
   return column_major ? MakeGrid(rows, cols, 1, rows + 2) : MakeGrid(rows, cols, cols + 3, 1);
 }
 
 // n consecutive elements (guards n long).
-Grid FlatGrid(int64_t n) { return MakeGrid(1, static_cast<int>(n), n, 1); }
+inline Grid FlatGrid(int64_t n) { return MakeGrid(1, static_cast<int>(n), n, 1); }
 
 struct NoCheck {
   std::string operator()(int, int, float) const { return ""; }
@@ -298,12 +298,12 @@ void ScanGrid(const std::string& what, const std::vector<float>& buf, const Grid
   if (stray) issues.push_back(what + Fmt(": %lld written outside, first at ", (long long)stray) + first_stray);
 }
 
-void ExpectUntouched(const std::string& what, const std::vector<float>& buf, Issues& issues) {
+inline void ExpectUntouched(const std::string& what, const std::vector<float>& buf, Issues& issues) {
   ScanGrid(what, buf, MakeGrid(0, 0, 0, 1), false, NoCheck{}, issues);
 }
 
 // The elements of `g` in `got` and `want` must be the same bits.
-void CompareBits(const std::string& what, const std::vector<float>& got,
+inline void CompareBits(const std::string& what, const std::vector<float>& got,
                  const std::vector<float>& want, const Grid& g, Issues& issues) {
   int64_t differ = 0;
   std::string first;
@@ -324,7 +324,7 @@ void CompareBits(const std::string& what, const std::vector<float>& got,
 // n x rows values a[kk*as + r] (r < rows) in [-1, 1], `pad` at r in [rows, as):
 // activations (a streamed kernel's rows, or packed A with as = MR and pad 0)
 // and dense weights (rows = columns, as = ld).
-std::vector<float> RandomRows(int64_t n, int rows, int64_t as, float pad, Rng& rng) {
+inline std::vector<float> RandomRows(int64_t n, int rows, int64_t as, float pad, Rng& rng) {
   std::vector<float> a(static_cast<size_t>(n * as));
   for (int64_t kk = 0; kk < n; ++kk)
     for (int64_t r = 0; r < as; ++r) a[kk * as + r] = r < rows ? rng.Uniform() : pad;
@@ -332,7 +332,7 @@ std::vector<float> RandomRows(int64_t n, int rows, int64_t as, float pad, Rng& r
 }
 
 // Rows of a (a[kk*as + r]) as float64, row-major rows x K.
-std::vector<double> RowsF64(const std::vector<float>& a, int64_t as, int rows, int64_t K) {
+inline std::vector<double> RowsF64(const std::vector<float>& a, int64_t as, int rows, int64_t K) {
   std::vector<double> d(static_cast<size_t>(rows * K));
   for (int r = 0; r < rows; ++r)
     for (int64_t kk = 0; kk < K; ++kk) d[r * K + kk] = a[kk * as + r];
@@ -340,7 +340,7 @@ std::vector<double> RowsF64(const std::vector<float>& a, int64_t as, int rows, i
 }
 
 // Packed A (one m-panel of mr rows, a[kk*mr + r], rows past the end 0).
-std::vector<float> PackA(const std::vector<float>& a, int64_t as, int rows, int64_t K, int mr) {
+inline std::vector<float> PackA(const std::vector<float>& a, int64_t as, int rows, int64_t K, int mr) {
   std::vector<float> p(static_cast<size_t>(K * mr), 0.0f);
   for (int64_t kk = 0; kk < K; ++kk)
     for (int r = 0; r < rows; ++r) p[kk * mr + r] = a[kk * as + r];
@@ -457,6 +457,77 @@ std::vector<float> PackedResult(const KernelTable& t, const std::vector<float>& 
     call(0, K, c.data(), 0);
   }
   return out;
+}
+
+// ---------------------------------------------------------------- K-blocks and streamed shapes
+// (kernel_tests.cc and dot_kernel_tests.cc)
+
+// Three K-blocks [0, p), [p, q), [q, K) at random points (empty ones when K < 3).
+inline std::vector<int64_t> SplitK(int64_t K, Rng& rng) {
+  const int64_t lo = K >= 3 ? 1 : 0, hi = K >= 3 ? K - 1 : K;
+  const int64_t p = rng.Int(lo, hi);
+  int64_t q = rng.Int(lo, hi);
+  while (K >= 3 && q == p) q = rng.Int(lo, hi);
+  return {0, std::min(p, q), std::max(p, q), K};
+}
+
+// K-blocks [at[i], at[i+1]) run in turn through the partial sums in c by
+// call(k0, kc, out, c, flags): every call before the last stores all MR x 2VL
+// sums to c and leaves `out` untouched, the last reads c without writing it,
+// and the result equals `whole` (one pass over K) bit for bit.
+template <class Call>
+void CheckKBlocks(const std::vector<int64_t>& at, const std::vector<float>& whole, const Grid& grid,
+                  const Grid& cgrid, const Call& call, Issues& issues) {
+  const std::string tag = "K-blocks " + JoinInts(at, "|");
+  std::vector<float> blocked = grid.Fresh(), c = cgrid.Fresh();
+  for (size_t i = 0; i + 1 < at.size(); ++i) {
+    const bool last = i + 2 == at.size();
+    const int flags = (i > 0 ? kLoadPartial : 0) | (last ? 0 : kStorePartial);
+    const std::vector<float> before = c;
+    call(at[i], at[i + 1] - at[i], blocked, c.data() + cgrid.base, flags);
+    const std::string step = tag + Fmt(" call %zu (flags %d)", i, flags);
+    ScanGrid(step + ": c", c, cgrid, !last, NoCheck{}, issues);  // all MR x 2VL sums stored
+    if (last) CompareBits(step + ": c changed", c, before, cgrid, issues);
+    else ExpectUntouched(step + ": out", blocked, issues);
+  }
+  CompareBits(tag + " vs whole K", blocked, whole, grid, issues);
+}
+
+// The shape of a streamed case: `rows` rows of a (a[kk*as + r], as in
+// [rows, MR], the padding NaN) times one weight matrix (gemm2: down) or two
+// (gemm1: gate, up) of K x ncols.
+struct StreamShape {
+  std::string Describe() const {
+    return Fmt("rows=%d as=%lld ncols=%d K=%lld", rows, (long long)as, ncols, (long long)K) +
+           (down ? "" : Fmt(" act=%s", ActName(act))) + " out " +
+           OutputGrid(rows, ncols, column_major).Name();
+  }
+  bool down;
+  int rows;
+  int64_t as;
+  int ncols;
+  int64_t K;
+  int act;
+  bool column_major;
+};
+
+// Every StreamShape over rows 1..kMaxStreamRows, StreamCols and Ks (t: a
+// KernelTable or a DotKernelTable: its vl and mr), each with every activation
+// (GEMM1), or with `cycle_acts` one activation per (K, ncols, rows) in turn:
+// the quantized kernels' decode does not meet the activation until the same
+// epilogue, so each format still meets every activation many times over.
+template <class Table, class F>
+void ForEachStreamShape(const Table& t, bool down, const std::vector<int64_t>& Ks, Rng& rng,
+                        const F& f, bool cycle_acts = false) {
+  const std::vector<int> acts = Acts(down);
+  size_t turn = 0;
+  for (int64_t K : Ks)
+    for (int ncols : StreamCols(t.vl))
+      for (size_t ai = 0; ai < (cycle_acts ? 1 : acts.size()); ++ai)
+        for (int rows = 1; rows <= kMaxStreamRows; ++rows) {
+          const int act = acts[cycle_acts ? turn++ % acts.size() : ai];
+          f(StreamShape{down, rows, rng.Int(rows, t.mr), ncols, K, act, !down && rng.Bit()});
+        }
 }
 
 }  // namespace kernel_testing

@@ -32,6 +32,7 @@ NB_MODULE(_ffi_testing, m) {
   m.def("metal_library_source", []() { return std::string(nbx::metal::LibrarySource()); },
         "The Metal kernels' library source as the Apple device compiles it.");
   nbx::BindKernelTests(m);
+  nbx::BindDotKernelTests(m);
   nbx::BindProgramTests(m);
   nbx::BindPlannerTests(m);
   nbx::BindAccountTests(m);
