@@ -183,8 +183,12 @@ void DefaultFamilies(const char* vendor, int family, const char* supported,
   // FLOPs and costs packing and a larger m-panel.  Measured on a 2-core EPYC
   // Zen 4 (issue #19, a982d03), the AVX2 kernels were faster on every row:
   // OLMoE T=512 f32 358 vs 436 ms, bf16 weights 328 vs 354 ms, bf16 decode
-  // T=1 6.29 vs 9.81 ms.  Zen 3 has no AVX-512 (the rule changes nothing
-  // there); Zen 5 (family 1Ah) has full-width AVX-512 and keeps it.
+  // T=1 6.29 vs 9.81 ms.  Re-measured on a Zen 4 on 2026-12-04
+  // (docs/benchmarks.md, isa.py): AVX2 4-20 % faster on every prefill row,
+  // within 5 % of the faster ISA on every decode row, no per-family
+  // composition better on both layers.  Zen 3 has no AVX-512 (the rule
+  // changes nothing there); Zen 5 (family 1Ah) has full-width AVX-512 and
+  // keeps it.
   if (std::strcmp(best, "avx512") == 0 && std::strcmp(vendor, "AuthenticAMD") == 0 &&
       family == 0x19 && has("avx2"))
     for (int f = 0; f < kNumFamilies; ++f) out[f] = "avx2";
