@@ -340,11 +340,8 @@ std::string DotTableName(const DotKernelTable& t) {
 }  // namespace
 
 void BindDotKernelTests(nb::module_& m) {
-  m.def("dot_kernel_names", [] {
-    std::vector<std::string> names;
-    for (const DotKernelEntry& k : kDotKernels) names.push_back(k.name);
-    return names;
-  }, "The bfloat16 dot-product kernels run_dot_kernel_tests covers.");
+  m.def("dot_kernel_names", [] { return EntryNames(kDotKernels); },
+        "The bfloat16 dot-product kernels run_dot_kernel_tests covers.");
   m.def("dot_kernel_tables", [] {
     std::vector<std::string> names;
     for (int i = 0; i < NumDotKernelTables(); ++i) names.push_back(DotTableName(*DotKernelTableAt(i)));

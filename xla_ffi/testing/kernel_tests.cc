@@ -436,11 +436,8 @@ const KernelEntry kKernels[] = {
 }  // namespace
 
 void BindKernelTests(nb::module_& m) {
-  m.def("kernel_names", [] {
-    std::vector<std::string> names;
-    for (const KernelEntry& k : kKernels) names.push_back(k.name);
-    return names;
-  }, "The CPU micro-kernels run_kernel_tests covers (entries of the kernel table).");
+  m.def("kernel_names", [] { return EntryNames(kKernels); },
+        "The CPU micro-kernels run_kernel_tests covers (entries of the kernel table).");
   m.def("run_kernel_tests", [](const std::string& isa, const std::string& kernel, uint32_t seed) {
     const KernelTable* t = KernelsByName(isa.c_str());
     if (t == nullptr)

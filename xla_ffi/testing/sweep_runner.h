@@ -14,6 +14,14 @@
 namespace nbx {
 namespace kernel_testing {
 
+// The names of a registry's entries, in order.
+template <class Entry, size_t N>
+std::vector<std::string> EntryNames(const Entry (&entries)[N]) {
+  std::vector<std::string> names;
+  for (const Entry& k : entries) names.push_back(k.name);
+  return names;
+}
+
 // The entry of `entries` named `name`, else a ValueError naming it.
 template <class Entry, size_t N>
 const Entry* FindEntry(const Entry (&entries)[N], const std::string& name, const char* what,
