@@ -34,9 +34,9 @@ def row(m, T: int, base: str, rank: int, repeats: int, evict: np.ndarray) -> lis
     """One row: (model, T, base) timed with adapters, without, and merged."""
     dt, fmt = BASES[base]
     x, w, ids, ex = make_layer(m, T, dt)
-    lora = nbx.LoRA.init(jax.random.key(1), m.E, m.H, m.I, rank, alpha=2 * rank)
+    init = nbx.LoRA.init(jax.random.key(1), m.E, m.H, m.I, rank, alpha=2 * rank)
     # B = 0 from init would make the merge trivial: give B values too
-    lora = jax.tree.map(lambda a: a + 0.01 if a.ndim == 3 and a.shape[1] == rank else a, lora)
+    lora = nbx.LoRA(*((A, B + 0.01) for A, B in (init.gate, init.up, init.down)), scale=init.scale("gate"))
     merged = nbx.merge_lora(ex, lora)
     base_ex = ex if fmt is None else nbx.quantize(ex, fmt, group_size=128)
     f = jax.jit(nbx.fused_moe)

@@ -38,6 +38,18 @@ constexpr int kMaxStreamRows = 6;
 // kernels take at most this many.
 constexpr int kMaxStreamCols = 1024;
 
+// The columns of the streamed work item that starts at n0 of N, when items
+// are cut every tc columns (tc divides kMaxStreamCols): kMaxStreamCols (or
+// what is left of N) from every multiple of kMaxStreamCols, none from the
+// items between (moe_forward.cc, row_band.h).
+inline int64_t StreamItemColumns(int64_t n0, int64_t N) {
+  if (n0 % kMaxStreamCols != 0) return 0;
+  return N - n0 < kMaxStreamCols ? N - n0 : kMaxStreamCols;
+}
+
+// Unit row weights for a streaming kernel's epilogue (its sums, exact).
+inline constexpr float kStreamUnitWeights[kMaxStreamRows] = {1, 1, 1, 1, 1, 1};
+
 // One expert's quantized matrix [K, N] (formats/<name>.h): int8
 // q[k, n] * scale[n]; int4 packed two rows per byte (low nibble = even row)
 // q[k, n] * scale[k / group, n] + min[k / group, n].  Scales (and mins) f32 or

@@ -247,7 +247,7 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
   const DotKernelTable* const dot = std::is_same_v<W, bf16> ? p.dot : nullptr;
   const int64_t ldw = by_columns ? sn : sk;  // the streaming kernels' ld
   const int64_t col_step = by_columns ? sn : 1;  // elements from column n to n + 1
-  static const float kOnes[kMaxStreamRows] = {1, 1, 1, 1, 1, 1};
+  const float* const ones = kStreamUnitWeights;  // the sums, exact
   const int w_index = sizeof(W) == 4 ? 0 : 1;
   // the dense streaming kernels: the dot table's, by columns, or by rows
   auto* const stream1 = dot ? dot->stream1 : by_columns ? kt.stream1_cols[w_index] : kt.stream1[w_index];
@@ -265,8 +265,8 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     if (can_stream && b.plan.real_end[e] - b.plan.expert_off[e] <= stream_rows) {
       // Few rows: stream the weights in place, kStreamCols columns (whole
       // contiguous rows of W) per item; the other items of the span are empty.
-      if (n0 % kStreamCols != 0) return;
-      const int cols = static_cast<int>(std::min(kStreamCols, N - n0));
+      const int cols = static_cast<int>(StreamItemColumns(n0, N));
+      if (cols == 0) return;
       const int64_t panel = m0 / mr;  // all rows in one panel: stream_rows <= MR
       const int rows = static_cast<int>(m1 - m0);
       const float* a = A + panel * K * mr;
@@ -283,8 +283,8 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
           const float* bg = bias_g ? bias_g + e * I + n0 : nullptr;
           const float* bu = bias_u ? bias_u + e * I + n0 : nullptr;
           if constexpr (WS::kQuant) {
-            kt.qstream2(a, mr, rows, mats[0], n0, K, cols, kOnes, scratch, raw, 2 * cols);
-            kt.qstream2(a, mr, rows, mats[1], n0, K, cols, kOnes, scratch, raw + cols, 2 * cols);
+            kt.qstream2(a, mr, rows, mats[0], n0, K, cols, ones, scratch, raw, 2 * cols);
+            kt.qstream2(a, mr, rows, mats[1], n0, K, cols, ones, scratch, raw + cols, 2 * cols);
             kt.glu(raw, raw + cols, 2 * cols, 1, rows, cols, bg, bu, p.act, out, 1, mr);
           } else if (interleaved) {  // gate||up pairs: one run of 2*cols, its two halves in one pass
             kt.stream_pair[w_index](a, mr, rows, mats[0] + 2 * n0, mats[0] + 2 * n0 + cols, sk,
@@ -295,9 +295,9 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
                                     scratch, raw);
             kt.glu(raw, raw + cols, 2 * cols, 1, rows, cols, bg, bu, p.act, out, 1, mr);
           } else {
-            stream2(a, mr, rows, mats[0] + n0 * col_step, ldw, K, cols, kOnes, scratch, raw,
+            stream2(a, mr, rows, mats[0] + n0 * col_step, ldw, K, cols, ones, scratch, raw,
                     2 * cols);
-            stream2(a, mr, rows, mats[1] + n0 * col_step, ldw, K, cols, kOnes, scratch,
+            stream2(a, mr, rows, mats[1] + n0 * col_step, ldw, K, cols, ones, scratch,
                     raw + cols, 2 * cols);
             kt.glu(raw, raw + cols, 2 * cols, 1, rows, cols, bg, bu, p.act, out, 1, mr);
           }

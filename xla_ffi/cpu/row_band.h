@@ -151,8 +151,7 @@ inline void AddRowBias(const float* bias, float* c, int64_t ld, int64_t m0, int6
 // kMaxStreamCols from every such multiple and none from the items between.
 inline int64_t ItemColumns(const KernelTable& kt, int64_t rows, int64_t n0, int64_t tc,
                            int64_t N) {
-  if (!StreamsRows(kt, rows)) return std::min(tc, N - n0);
-  return n0 % kMaxStreamCols == 0 ? std::min<int64_t>(kMaxStreamCols, N - n0) : 0;
+  return StreamsRows(kt, rows) ? StreamItemColumns(n0, N) : std::min(tc, N - n0);
 }
 
 // fn(e, m0, m1, n0, nc, scratch) for every chunk of rows and tile of tc of

@@ -125,9 +125,12 @@ struct TileScratch {
 // of at most nc columns, streaming tiles of K <= stream_k and at most
 // min(kMaxStreamCols, stream_k) columns (CarveRowBand sizes them to the
 // problem: stream_k = max(H, I, R), every product's N too).
+// kc rounded up to whole micro-panels of 2vl (a transposed quantized B's
+// dequantized block, qtmp [nc][kcp]).
+inline int64_t PaddedKc(int64_t kc, int vl) { return (kc + 2 * vl - 1) / (2 * vl) * (2 * vl); }
+
 inline int64_t TileScratchFloats(int64_t kc, int64_t nc, int mr, int vl, int64_t stream_k) {
-  const int64_t kcp = (kc + 2 * vl - 1) / (2 * vl) * (2 * vl);
-  return kc * nc + kc * mr + 2 * mr * 2 * vl + mr + nc * kcp +
+  return kc * nc + kc * mr + 2 * mr * 2 * vl + mr + nc * PaddedKc(kc, vl) +
          (stream_k + 2 * std::min<int64_t>(kMaxStreamCols, stream_k)) * kMaxStreamRows;
 }
 inline TileScratch CarveTileScratch(float* base, int64_t kc, int64_t nc, int mr, int vl,
@@ -137,8 +140,7 @@ inline TileScratch CarveTileScratch(float* base, int64_t kc, int64_t nc, int mr,
   s.ctile = s.tile + mr * 2 * vl;
   s.ones = s.ctile + mr * 2 * vl;
   s.qtmp = s.ones + mr;
-  const int64_t kcp = (kc + 2 * vl - 1) / (2 * vl) * (2 * vl);
-  s.stream_a = s.qtmp + nc * kcp;
+  s.stream_a = s.qtmp + nc * PaddedKc(kc, vl);
   s.stream_acc = s.stream_a + stream_k * kMaxStreamRows;
   s.stream_k = stream_k;
   s.stream_n = std::min<int64_t>(kMaxStreamCols, stream_k);
@@ -174,7 +176,7 @@ inline void PackQuantB(const KernelTable& kt, const MatB<Quantized>& b, int64_t 
   }
   // B = W_q^T: W_q's rows [n0, n0+nc), columns [k0, k0+kc) dequantized as
   // qtmp [nc][kcp], then turned into the panels.
-  const int64_t kcp = (kc + w - 1) / w * w;
+  const int64_t kcp = PaddedKc(kc, kt.vl);
   kt.qpack(&m, n0, nc, k0, kc, w, s.qtmp, kcp, w);
   for (int i = 0; i < kc; ++i) {
     const float sc = (by_column ? ColumnScale(m, k0 + i) : 1.0f) * m.tensor_scale;
@@ -200,7 +202,6 @@ bool StreamTile(const KernelTable& kt, const MatA& a, const MatB<W>& b, const Ma
                 int64_t m0, int64_t m1, int64_t n0, int nc, int64_t K, const TileScratch& s) {
   const int rows = static_cast<int>(m1 - m0);
   if (c.sn != 1 || !StreamsRows(kt, rows) || K > s.stream_k || nc > s.stream_n) return false;
-  static const float kOnes[kMaxStreamRows] = {1, 1, 1, 1, 1, 1};
   float* out = c.p + m0 * c.ld + n0;
   if constexpr (std::is_same_v<W, Quantized>) {
     const QuantMatrix& m = *reinterpret_cast<const QuantMatrix*>(b.p);
@@ -208,17 +209,18 @@ bool StreamTile(const KernelTable& kt, const MatA& a, const MatB<W>& b, const Ma
         m.tensor_scale != 1.0f)
       return false;
     PackA(a, m0, rows, 0, static_cast<int>(K), rows, s.stream_a);
-    kt.qstream2(s.stream_a, rows, rows, &m, n0, K, nc, kOnes, s.stream_acc, out, c.ld);
+    kt.qstream2(s.stream_a, rows, rows, &m, n0, K, nc, kStreamUnitWeights, s.stream_acc, out,
+                c.ld);
     return true;
   } else if constexpr (std::is_same_v<W, float> || std::is_same_v<W, bf16>) {
     const int wi = std::is_same_v<W, float> ? 0 : 1;
     if (b.sn != 1 && b.sk != 1) return false;
     PackA(a, m0, rows, 0, static_cast<int>(K), rows, s.stream_a);
     if (b.sn == 1)  // by rows: row kk of the tile at b.p + kk*sk + n0
-      kt.stream2[wi](s.stream_a, rows, rows, b.p + n0, b.sk, K, nc, kOnes, s.stream_acc, out,
-                     c.ld);
+      kt.stream2[wi](s.stream_a, rows, rows, b.p + n0, b.sk, K, nc, kStreamUnitWeights,
+                     s.stream_acc, out, c.ld);
     else  // by columns: column n at b.p + n*sn, its K values contiguous
-      kt.stream2_cols[wi](s.stream_a, rows, rows, b.p + n0 * b.sn, b.sn, K, nc, kOnes,
+      kt.stream2_cols[wi](s.stream_a, rows, rows, b.p + n0 * b.sn, b.sn, K, nc, kStreamUnitWeights,
                           s.stream_acc, out, c.ld);
     return true;
   } else {
