@@ -113,12 +113,14 @@ inline constexpr const char* kViewFieldNames[kNumViewFields] = {"offset", "strid
 inline constexpr int32_t kNumBiases = 3;      // gate, up, down
 
 // ---------------------------------------------------------------- LoRA adapters
-// The CPU handlers take LoRA adapters on experts of every format (jax_nbx/lora.py):
+// The CPU handlers take LoRA adapters on experts of every format (jax_nbx/lora.py),
+// and so does the CUDA tables forward (kTargetCudaForwardTables; its backward
+// is the reference's VJP):
 // per projection p (gate, up, down) with input z and rank r_p > 0,
 //   out_p = z W_p + s_p (z A_p) B_p   (before p's bias)
 // attribute "lora_ranks" int64 [3]: r_gate, r_up, r_down (0: none);
 // attributes "lora_scale_gate", "lora_scale_up", "lora_scale_down" float: s_p.
-// Inputs, after the weight groups, biases and tensor scales: A_p float32
+// Inputs, after the weight groups, biases and tensor scales (CUDA: none): A_p float32
 // [E, in, r_p] then B_p float32 [E, r_p, out] for each p with r_p > 0, in
 // gate, up, down order.  The backward's results end with their float32
 // gradients in the same order and shapes; its attribute "weight_grads"
@@ -164,6 +166,8 @@ inline constexpr int32_t kNumBiases = 3;      // gate, up, down
 // x 3 projections, or 2 when fused); the backward takes dense experts.
 #define NBX_ATTRS_CUDA_TABLES(X) \
   NBX_ATTRS_CUDA_PROGRAM(X) X(FMT, format) X(I64, groups) X(BOOL, stacked) NBX_ATTRS_VIEWS(X)
+// kTargetCudaForwardTables: the tables' attributes and the adapters'.
+#define NBX_ATTRS_CUDA_FORWARD_TABLES(X) NBX_ATTRS_CUDA_TABLES(X) NBX_ATTRS_LORA(X)
 // kTargetCudaBackward: the tables' attributes and the gradients' dtype.
 #define NBX_ATTRS_CUDA_BACKWARD(X) NBX_ATTRS_CUDA_TABLES(X) X(BOOL, grad_f32)
 // Each target's list, by the exporter's name for it:
@@ -172,7 +176,7 @@ inline constexpr int32_t kNumBiases = 3;      // gate, up, down
   X(forward, NBX_ATTRS_CPU_FORWARD) X(backward, NBX_ATTRS_CPU_BACKWARD)            \
   X(metal_forward, NBX_ATTRS_CPU_FORWARD) X(forward_poisoned, NBX_ATTRS_CPU_FORWARD) \
   X(backward_poisoned, NBX_ATTRS_CPU_BACKWARD) X(cuda_forward, NBX_ATTRS_CUDA_PROGRAM) \
-  X(cuda_forward_tables, NBX_ATTRS_CUDA_TABLES) X(cuda_backward, NBX_ATTRS_CUDA_BACKWARD)
+  X(cuda_forward_tables, NBX_ATTRS_CUDA_FORWARD_TABLES) X(cuda_backward, NBX_ATTRS_CUDA_BACKWARD)
 
 // ---------------------------------------------------------------- limits
 // Slots (T * k routed pairs) of one call.  The handlers and kernels index

@@ -230,6 +230,8 @@ import numpy as np, ml_dtypes
 from jax_nbx.backends.cuda import plan, compile as C
 bf = np.dtype(ml_dtypes.bfloat16)
 from jax_nbx.experts import WeightLayout
+from jax_nbx.lora import LoRASpec
+lora = LoRASpec((("gate", 16, 0.5), ("up", 3, 1.0), ("down", 64, 2.0)), False)
 # gpt-oss's interleaved gate_up [E, H, 2I] with biases, decode and prefill kernels
 gpt_oss = WeightLayout((0, 64, 2, 1, 64, 2, 0, 64, 1), 32, True, True)
 for prog in (plan.build(40, 40, 2, 6, 64, 32, bf, bf, 0),
@@ -238,7 +240,11 @@ for prog in (plan.build(40, 40, 2, 6, 64, 32, bf, bf, 0),
              plan.build(40, 40, 2, 6, 64, 32, bf, np.float32, 2, quant=("mxfp4", 32)),
              plan.build(1, 1, 2, 6, 64, 32, bf, np.float32, 0, quant=("nvfp4", 16)),
              plan.build(40, 40, 2, 6, 64, 32, bf, bf, 0, quant=("fp8", 32)),
-             plan.build(1, 1, 2, 6, 64, 32, np.float32, np.float32, 0, quant=("mxfp8", 32))):
+             plan.build(1, 1, 2, 6, 64, 32, np.float32, np.float32, 0, quant=("mxfp8", 32)),
+             # LoRA adapters (tf32x3 products on bf16 weights; ieee on float32)
+             plan.build(40, 40, 2, 6, 64, 32, bf, bf, 0, lora=lora),
+             plan.build(1, 1, 2, 6, 64, 32, np.float32, np.float32, 0, lora=lora),
+             plan.build(40, 40, 2, 6, 64, 32, bf, bf, 0, quant=("int4", 32), lora=lora)):
     blob, table = C.pack(prog, 90)
     assert table.shape == (len(prog.kernels()), len(C.KERNEL_FIELDS)), table.shape
     for row in table:

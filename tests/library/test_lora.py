@@ -1,9 +1,8 @@
 """LoRA adapters on the experts (`jax_nbx.LoRA`, ``fused_moe(..., lora=)``):
-forward and every gradient against the float64 oracle (support/problems.py)
-on the CPU handler and the "xla" reference, over dense and quantized (QLoRA)
-base experts, stacked and lists, rank 1 and 16; the CPU handler's bands,
+the CPU handler with H = 1; the CPU handler's bands,
 unwritten outputs and frozen experts; merging for export; the errors; the
-layers' adapters."""
+layers' adapters.  The forward and every gradient against the float64
+oracle on every backend: tests/suite/test_lora.py."""
 from __future__ import annotations
 
 import jax
@@ -14,74 +13,8 @@ import pytest
 import jax_nbx as nbx
 
 from support.handlers import ffi_backward, ffi_forward
-from support.problems import DTYPES, TOL, as_lists, f64, make_problem, np_moe, np_moe_grads, rel_err
-
-SCALES = {"gate": 0.5, "up": 0.8, "down": 1.3}  # one per projection: a swap shows
-
-
-def _lora(seed, E, H, I, r, projections=("gate", "up", "down"), dtype=jnp.float32, lists=False, scale=None):
-    """Random adapters (B not zero, so they change the result), a different
-    scale per projection unless ``scale`` is given."""
-    rng = np.random.default_rng(seed)
-    dims = dict(gate=(H, I), up=(H, I), down=(I, H))
-    pairs = {}
-    for n in projections:
-        fi, fo = dims[n]
-        A = jnp.asarray(rng.standard_normal((E, fi, r)) / np.sqrt(fi), dtype)
-        B = jnp.asarray(rng.standard_normal((E, r, fo)) / np.sqrt(r), dtype)
-        pairs[n] = ([A[e] for e in range(E)], [B[e] for e in range(E)]) if lists else (A, B)
-    return nbx.LoRA(**pairs, scale={n: SCALES[n] for n in projections} if scale is None else scale)
-
-
-def _loss_and_grads(x, w, ids, experts, lora, ct, **kw):
-    """y and the gradients of sum(y * ct) with respect to (x, w, lora, experts)."""
-    def f(x, w, lora, experts):
-        y = nbx.fused_moe(x, w, ids, experts, lora=lora, **kw)
-        return jnp.sum(y.astype(jnp.float32) * ct), y
-
-    grad = jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True, allow_int=True)
-    (_, y), g = jax.jit(grad)(x, w, lora, experts)
-    return y, g
-
-
-def _check_lora_grads(glora, dad, tol):
-    for name, (dA, dB) in dad.items():
-        gA, gB = glora.pair(name)
-        if isinstance(gA, (list, tuple)):
-            gA, gB = jnp.stack(gA), jnp.stack(gB)
-        assert rel_err(gA, dA) < tol, (name, "A", rel_err(gA, dA))
-        assert rel_err(gB, dB) < tol, (name, "B", rel_err(gB, dB))
-
-
-@pytest.mark.parametrize("impl", ["cpu", "xla"])
-@pytest.mark.parametrize("T, r, lists, projections, x_dtype", [
-    (1, 1, False, ("gate", "up", "down"), "f32"),
-    (33, 16, True, ("gate", "up", "down"), "f32"),
-    (222, 16, False, ("gate", "down"), "bf16"),
-    (33, 3, False, ("up",), "f32"),
-])
-def test_forward_and_gradients_match_float64(T, r, lists, projections, x_dtype, impl):
-    E, k, H, I = 5, 2, 40, 24  # H, I not a multiple of any block
-    x, w, ids, ex = make_problem(T, T, E, k, H, I, x_dtype=DTYPES[x_dtype])
-    lora = _lora(T + r, E, H, I, r, projections, lists=lists)
-    if lists:
-        ex = as_lists(ex)
-    ct = jnp.asarray(np.random.default_rng(1).standard_normal((T, H)), jnp.float32)
-    y, (dx, dw, glora, gex) = _loss_and_grads(x, w, ids, ex, lora, ct, implementation=impl)
-    ref = np_moe(x, w, ids, ex, lora=lora)
-    tol = TOL[x_dtype]
-    assert y.dtype == x.dtype and y.shape == x.shape
-    assert rel_err(y, ref) < tol
-    assert rel_err(y, np_moe(x, w, ids, ex)) > 10 * tol  # the adapters changed the result
-    rdx, rdw, rdG, rdU, rdD, dad = np_moe_grads(x, w, ids, ex, ct, lora=lora)
-    gtol = 1e-5 if x_dtype == "f32" else 2e-2
-    assert rel_err(dx, rdx) < gtol and rel_err(dw, rdw) < gtol
-    _check_lora_grads(glora, dad, gtol)
-    for name, want in (("gate", rdG), ("up", rdU), ("down", rdD)):  # a dense base trains too
-        got = getattr(gex, name)
-        got = jnp.stack(got) if isinstance(got, list) else got
-        assert rel_err(got, want) < gtol, (name, rel_err(got, want))
-    assert glora.projections == tuple(projections) and glora.scales == lora.scales
+from support.lora_checks import check_lora_grads, loss_and_grads, make_lora
+from support.problems import DTYPES, TOL, f64, make_problem, np_moe, np_moe_grads, rel_err
 
 
 def test_the_cpu_handler_with_hidden_size_one():
@@ -89,37 +22,15 @@ def test_the_cpu_handler_with_hidden_size_one():
     and the adapters' gradients against the float64 oracle."""
     E, k, H, I, T = 3, 2, 1, 4, 5
     x, w, ids, ex = make_problem(0, T, E, k, H, I)
-    lora = _lora(1, E, H, I, 2)
+    lora = make_lora(1, E, H, I, 2)
     ct = jnp.asarray(np.random.default_rng(4).standard_normal((T, H)), jnp.float32)
-    y, (dx, dw, glora, gex) = _loss_and_grads(x, w, ids, ex, lora, ct, implementation="cpu")
+    y, (dx, dw, glora, gex) = loss_and_grads(x, w, ids, ex, lora, ct, implementation="cpu")
     assert rel_err(y, np_moe(x, w, ids, ex, lora=lora)) < 1e-5
     rdx, rdw, rdG, rdU, rdD, dad = np_moe_grads(x, w, ids, ex, ct, lora=lora)
     assert rel_err(dx, rdx) < 1e-5 and rel_err(dw, rdw) < 1e-5
     for name, want in (("gate", rdG), ("up", rdU), ("down", rdD)):
         assert rel_err(getattr(gex, name), want) < 1e-5, name
-    _check_lora_grads(glora, dad, 1e-5)
-
-
-@pytest.mark.parametrize("impl", ["cpu", "xla"])
-@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4", "fp8", "mxfp8", "nvfp4"])
-def test_qlora_over_every_quantized_format(fmt, impl):
-    """Frozen quantized experts: the adapters' gradients and dx against the
-    oracle on the dequantized weights; the base gets none."""
-    E, k, H, I, T = 4, 2, 64, 32, 17
-    x, w, ids, ex = make_problem(7, T, E, k, H, I)
-    q = nbx.quantize(ex, fmt, group_size=32 if fmt in ("int4", "fp8") else None)
-    lora = _lora(3, E, H, I, 4)
-    ct = jnp.asarray(np.random.default_rng(2).standard_normal((T, H)), jnp.float32)
-    y, (dx, dw, glora, _) = _loss_and_grads(x, w, ids, q, lora, ct, implementation=impl)
-    assert rel_err(y, np_moe(x, w, ids, q, lora=lora)) < 1e-5
-    rdx, rdw, *_, dad = np_moe_grads(x, w, ids, q, ct, lora=lora)
-    assert rel_err(dx, rdx) < 1e-5 and rel_err(dw, rdw) < 1e-5
-    _check_lora_grads(glora, dad, 1e-5)
-    gq = jax.grad(lambda q: jnp.sum(nbx.fused_moe(x, w, ids, q, lora=lora, implementation=impl)),
-                  allow_int=True)(q)
-    floats = [leaf for leaf in jax.tree.leaves(gq) if leaf.dtype != jax.dtypes.float0]
-    assert not any(np.any(np.asarray(leaf, np.float32)) for leaf in floats), \
-        "quantized experts must be frozen"
+    check_lora_grads(glora, dad, 1e-5)
 
 
 def test_zero_B_is_the_base_and_init_follows_the_paper():
@@ -146,7 +57,7 @@ def test_merge_lora_equals_the_adapted_experts():
     # a checkpoint layout with biases: merged into plain stacked experts, biases kept
     ck = nbx.Experts(jnp.swapaxes(ex.gate, 1, 2), jnp.swapaxes(ex.up, 1, 2), jnp.swapaxes(ex.down, 1, 2),
                      down_bias=jnp.asarray(rng.standard_normal((E, H)), jnp.float32), layout="out_in")
-    lora = _lora(1, E, H, I, 5, lists=True)
+    lora = make_lora(1, E, H, I, 5, lists=True)
     merged = nbx.merge_lora(ck, lora)
     assert merged.layout == "in_out" and merged.gate.shape == (E, H, I) and merged.has_bias
     want = nbx.fused_moe(x, w, ids, ck, lora=lora)
@@ -158,7 +69,7 @@ def test_merge_lora_equals_the_adapted_experts():
 def test_vmap_and_weights_on_input():
     E, k, H, I, T = 4, 2, 40, 24, 6
     x, w, ids, ex = make_problem(9, 3 * T, E, k, H, I)
-    lora = _lora(2, E, H, I, 2)
+    lora = make_lora(2, E, H, I, 2)
     xb, wb, ib = x.reshape(3, T, H), w.reshape(3, T, k), ids.reshape(3, T, k)
     yb = jax.vmap(lambda a, b, c: nbx.fused_moe(a, b, c, ex, lora=lora))(xb, wb, ib)
     assert rel_err(yb.reshape(3 * T, H), np_moe(x, w, ids, ex, lora=lora)) < 1e-5
@@ -171,10 +82,11 @@ def test_vmap_and_weights_on_input():
 
 def test_backends_that_take_adapters_and_the_refusals():
     """The CPU handler takes adapters over every format; precision='bfloat16'
-    it refuses by name (None runs float32 arithmetic); CUDA and Metal refuse."""
+    it refuses by name (None runs float32 arithmetic); Metal refuses, naming
+    the backends that take them; CUDA refuses ranks above 64."""
     E, k, H, I, T = 4, 2, 40, 24, 3
     x, w, ids, ex = make_problem(1, T, E, k, H, I)
-    lora = _lora(0, E, H, I, 2)
+    lora = make_lora(0, E, H, I, 2)
     backend, problem = nbx.ops.resolve(x, w, ids, ex, lora=lora)
     assert backend.name == "cpu" and problem.lora == (
         (("gate", 2, 0.5), ("up", 2, 0.8), ("down", 2, 1.3)), False)
@@ -186,9 +98,16 @@ def test_backends_that_take_adapters_and_the_refusals():
     exb = jax.tree.map(lambda a: a.astype(jnp.bfloat16), ex)
     backend, problem = nbx.ops.resolve(xb, w, ids, exb, lora=lora)
     assert backend.name == "cpu" and not problem.bf16_dot  # precision=None: float32 with adapters
-    for name in ("metal", "cuda"):
+    for name in ("metal", "cuda"):  # (Metal: no adapters yet; CUDA: no GPU here)
         with pytest.raises(ValueError, match=f"implementation='{name}' cannot run this call"):
             nbx.fused_moe(x, w, ids, ex, lora=lora, implementation=name)
+    with pytest.raises(ValueError, match=r"LoRA adapters \(lora=\) run on 'cuda', 'cpu', 'xla' only"):
+        nbx.fused_moe(x, w, ids, ex, lora=lora, implementation="metal")
+    from support import cuda_interpret
+
+    cuda_interpret.register()  # the CUDA kernels' rank limit (their shared memory), by name
+    with pytest.raises(ValueError, match="LoRA rank 65 is above the CUDA kernels' 64"):
+        nbx.fused_moe(x, w, ids, ex, lora=make_lora(0, E, H, I, 65), implementation="cuda-interpret")
 
 
 @pytest.mark.sanitize
@@ -208,7 +127,7 @@ def test_cpu_handler_bands_unwritten_outputs_and_frozen_experts(x_dtype, fmt):
     ids = ids.at[:, 0].set(jnp.where(ids[:, 1] == 4, 3, 4))  # expert 4 busy; expert 0 may be idle
     ids = ids.at[:, 1].set(jnp.where(ids[:, 0] == 0, 1, ids[:, 1]))
     ids = jnp.where(ids == 0, 2, ids)  # expert 0 idle: its gradients must be zeros, not NaN
-    lora = _lora(5, E, H, I, 3)
+    lora = make_lora(5, E, H, I, 3)
     arrays = ex.flat()
     y = ffi_forward(x, w, ids, *arrays, poison=True, lora=lora)
     assert rel_err(y, np_moe(x, w, ids, ex, lora=lora)) < TOL[x_dtype]
@@ -242,7 +161,7 @@ def test_the_handler_checks_the_adapters_it_is_given():
     before: this is the handler's own check) are refused by name."""
     E, k, H, I, T = 4, 2, 40, 24, 3
     x, w, ids, ex = make_problem(1, T, E, k, H, I)
-    lora = _lora(0, E, H, I, 2, projections=("down",))
+    lora = make_lora(0, E, H, I, 2, projections=("down",))
     bad = nbx.LoRA(down=(lora.down[0], lora.down[1][:, :, :7]), scale=1.0)
     from jax_nbx.backends import cpu as cpu_backend
     p = nbx.ops.resolve(x, w, ids, ex, lora=lora)[1]
@@ -255,7 +174,7 @@ def test_the_handler_checks_the_adapters_it_is_given():
 def test_bad_adapters_are_refused_by_name():
     E, k, H, I, T = 4, 2, 40, 24, 3
     x, w, ids, ex = make_problem(1, T, E, k, H, I)
-    good = _lora(0, E, H, I, 2)
+    good = make_lora(0, E, H, I, 2)
     A, B = good.gate
 
     def call(lora):

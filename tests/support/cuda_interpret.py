@@ -61,10 +61,11 @@ def _bad_slot(ids: np.ndarray, err: int, E: int) -> str:
 
 class InterpretedCuda(Backend):
     name = NAME
+    takes_lora = True  # as the CUDA backend: fused forward, the reference's VJP
 
     def why_not(self, problem: Problem) -> str:
         return P.kernels_refusal(problem.quant, problem.layout.plain_views, problem.bf16_dot,
-                                 problem.tensor_scales)
+                                 problem.tensor_scales, problem.lora)
 
     def why_not_by_default(self, problem: Problem) -> str:
         return "a test backend: named only"
@@ -75,28 +76,32 @@ class InterpretedCuda(Backend):
         p = problem
         return P.band_workspace(tokens, p.k, p.E, p.H, p.I, p.w_dtype, None, p.quant, call_tokens)
 
-    def forward(self, problem, band_tokens, x, w, ids, experts):
+    def forward(self, problem, band_tokens, x, w, ids, experts, lora=None):
         arrays = (*experts.flat(), *experts.handler_biases())
+        adapters = lora.handler_arrays() if lora is not None else []
+        n_ad = len(adapters)
 
         def host(x, w, ids, *arrays):
             x, w, ids = _np(x), _np(w), _np(ids)
+            arrays, adapters = arrays[:len(arrays) - n_ad], [_np(a) for a in arrays[len(arrays) - n_ad:]]
             groups, biases, strides_ok = _groups(problem, arrays)
             T, H = x.shape
             prog = P.build(T, band_tokens or T, problem.k, problem.E, H, problem.I, x.dtype, problem.w_dtype,
                            problem.activation, None, w_aligned=strides_ok, quant=problem.quant,
-                           layout=None if problem.layout.native else problem.layout)
+                           layout=None if problem.layout.native else problem.layout,
+                           lora=problem.lora if n_ad else None)
             y = np.full((T, H), np.nan, x.dtype)
             firsts, tables = _tables(groups, problem.lists)
-            err = interpret.run(prog, [x, w, ids, *firsts, *biases], y, tables=tables)
+            err = interpret.run(prog, [x, w, ids, *firsts, *biases, *adapters], y, tables=tables)
             if err != P.ERR_NONE and not problem.skip_outside and T:
                 raise ValueError(_bad_slot(ids, err, problem.E))
             return y
 
         out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        return jax.pure_callback(host, out, x, w, ids, *arrays, vmap_method="sequential")
+        return jax.pure_callback(host, out, x, w, ids, *arrays, *adapters, vmap_method="sequential")
 
     def backward(self, problem, dy, x, w, ids, experts, lora=None, weight_grads: bool = True):
-        if problem.quant is not None:
+        if problem.quant is not None or lora is not None:
             return None
         arrays = (*experts.flat(), *experts.handler_biases())
         weights, biases = split_arrays(list(arrays), problem.layout)

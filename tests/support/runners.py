@@ -29,7 +29,8 @@ QUANT = "quantized experts"
 LAYOUTS = "checkpoint layouts and biases"
 BANDS = "bands planned against a workspace budget"
 FUSED_BACKWARD = "a fused backward"
-ALL = frozenset({QUANT, LAYOUTS, BANDS, FUSED_BACKWARD})
+LORA = "LoRA adapters"
+ALL = frozenset({QUANT, LAYOUTS, BANDS, FUSED_BACKWARD, LORA})
 
 # max |y - ref| / max |ref| by x's dtype: float32 accumulation; 16-bit x adds
 # the output's rounding

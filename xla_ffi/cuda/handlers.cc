@@ -15,6 +15,7 @@
 #include "abi.h"
 #include "attr_types.h"
 #include "formats/registry.h"
+#include "lora_args.h"
 #include "cuda/moe_cuda.h"
 #include "cuda/runner.h"
 #include "cuda/weights.h"
@@ -56,15 +57,19 @@ ffi::Error FusedMoeCudaImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
 // each one stacked [E, ...] buffer (`stacked`) or E per-expert buffers, read
 // in place through the table and abi.h's views (the kernels add the offsets
 // and read the strides: the table holds each expert's whole array), then with
-// `has_bias` the three float32 biases [E, I], [E, I], [E, H].
+// `has_bias` the three float32 biases [E, I], [E, I], [E, H], then the LoRA
+// adapters that `lora_ranks` names (abi.h "LoRA adapters": float32 stacked
+// A_p, B_p; the program reads them as inputs after the biases).
 ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                   ffi::AnyBuffer w, ffi::Buffer<ffi::S32> ids,
                                   ffi::RemainingArgs weights, ffi::Result<ffi::AnyBuffer> y,
                                   ffi::Result<ffi::AnyBuffer> ws_buf
-                                      NBX_ATTRS_CUDA_TABLES(NBX_ATTR_PARAM)) {
+                                      NBX_ATTRS_CUDA_FORWARD_TABLES(NBX_ATTR_PARAM)) {
   const int64_t E = num_experts, G = groups;
   const int64_t per_group = stacked ? 1 : E;
   const int64_t nbias = has_bias ? abi::kNumBiases : 0;
+  size_t nlora = 0;
+  if (ffi::Error e = LoraBufferCount(lora_ranks, &nlora); e.failure()) return e;
   const formats::FormatEntry* entry = formats::FindFormat(static_cast<int32_t>(format));
   if (entry == nullptr)
     return ffi::Error::InvalidArgument("unknown weight format code " +
@@ -72,11 +77,13 @@ ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
   const bool quantized = format != abi::WeightFormat::kDense;
   const bool groups_ok =
       fused_gate_up ? G == 2 : G == entry->spec->num_parts * int64_t{abi::kNumProjections};
-  if (E < 1 || !groups_ok || static_cast<int64_t>(weights.size()) != G * per_group + nbias)
+  const int64_t nbufs = G * per_group + nbias + static_cast<int64_t>(nlora);
+  if (E < 1 || !groups_ok || static_cast<int64_t>(weights.size()) != nbufs)
     return ffi::Error::InvalidArgument(
-        "expected " + std::to_string(G * per_group + nbias) + " weight buffers (" +
-        std::to_string(G) + " groups of " + std::to_string(per_group) +
-        (nbias ? ", then 3 biases" : "") + (fused_gate_up ? "; 2 groups when fused" : "") +
+        "expected " + std::to_string(nbufs) + " weight buffers (" + std::to_string(G) +
+        " groups of " + std::to_string(per_group) + (nbias ? ", then 3 biases" : "") +
+        (nlora ? ", then " + std::to_string(nlora) + " adapter buffers" : std::string()) +
+        (fused_gate_up ? "; 2 groups when fused" : "") +
         "; " + entry->spec->name + " weights have " + std::to_string(entry->spec->num_parts) +
         " parts per projection); got " + std::to_string(weights.size()));
   if (quantized && (fused_gate_up || has_bias))
@@ -95,6 +102,16 @@ ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
   std::vector<CUdeviceptr> extra = first;  // the groups' first buffers, then the biases
   if (ffi::Error e = CollectBiases(weights, G * per_group, nbias, E, H, I, &extra); e.failure())
     return e;
+  Lora lora;  // the adapters' device addresses, checked by name, after the biases
+  const float scales[3] = {lora_scale_gate, lora_scale_up, lora_scale_down};
+  if (ffi::Error e = DecodeLora(weights, G * per_group + nbias, E, H, I, lora_ranks, scales, &lora);
+      e.failure())
+    return e;
+  for (const LoraProj& L : lora.p) {
+    if (L.r == 0) continue;
+    extra.push_back(reinterpret_cast<CUdeviceptr>(L.A));
+    extra.push_back(reinterpret_cast<CUdeviceptr>(L.B));
+  }
   const ProgramAttrs attrs{blob, kernels, program, workspace_bytes, err_offset, err_words,
                            w_aligned, num_experts, check_ids, graph};
   return RunProgram(ProgramCall{stream, ordinal, x, w, ids, *ws_buf, G, fused_gate_up,
@@ -240,7 +257,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCudaTables, cuda::FusedMoeCudaTable
                               NBX_PROGRAM_BIND
                                   .RemainingArgs()               // weight groups
                                   NBX_PROGRAM_RETS
-                                  NBX_ATTRS_CUDA_TABLES(NBX_BIND_ATTR));
+                                  NBX_ATTRS_CUDA_FORWARD_TABLES(NBX_BIND_ATTR));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeBackwardCuda, cuda::FusedMoeBackwardCudaImpl,
                               NBX_PROGRAM_BIND

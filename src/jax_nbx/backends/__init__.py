@@ -56,7 +56,8 @@ def get(name: str) -> Backend:
 
 def _why_no_lora(backend: Backend, problem: Problem) -> str:
     if problem.lora is not None and not backend.takes_lora:
-        return "LoRA adapters (lora=) run on the 'cpu' handler and the 'xla' reference only so far (docs/lora.md)"
+        takers = ", ".join(repr(n) for n, b in _BACKENDS.items() if b.takes_lora)
+        return f"LoRA adapters (lora=) run on {takers} only so far (docs/lora.md)"
     return ""
 
 

@@ -34,7 +34,9 @@ def _num_experts(weights, layout: WeightLayout, lists: bool) -> int:
     return len(weights) // groups if lists else int(weights[0].shape[0])
 
 
-def _lora_attrs(spec: LoRASpec | None) -> dict:
+def lora_attrs(spec: LoRASpec | None) -> dict:
+    """The handlers' LoRA attributes (abi.h NBX_ATTRS_LORA) of ``spec``
+    (None: no adapters, every rank 0); the CPU and CUDA handlers take them."""
     ranks, scales = (spec.ranks, spec.scales) if spec is not None else ((0, 0, 0), (1.0, 1.0, 1.0))
     return dict(lora_ranks=ranks, lora_scale_gate=scales[0], lora_scale_up=scales[1],
                 lora_scale_down=scales[2])
@@ -62,7 +64,7 @@ def _weights_and_attrs(problem: Problem, band_tokens: int, arrays, lora: LoRA | 
         format=contract.FORMAT_CODES[quant[0] if quant else None], stacked=not problem.lists,
         group_size=quant[1] if quant else 0, views=layout.views, intermediate=layout.intermediate,
         fused_gate_up=layout.fused, has_bias=layout.bias, tensor_scales=bool(scales),
-        **_lora_attrs(problem.lora if lora is not None else None))
+        **lora_attrs(problem.lora if lora is not None else None))
 
 
 def forward_call(problem: Problem, band_tokens: int, x, w, ids, arrays, target: str = "forward",

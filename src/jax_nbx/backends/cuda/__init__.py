@@ -19,6 +19,7 @@ from . import plan
 
 class CudaBackend(Backend):
     name = "cuda"
+    takes_lora = True  # the forward fuses the adapters; their gradients: the reference's VJP
 
     def why_not(self, problem: Problem) -> str:
         platform = jax.default_backend()
@@ -28,7 +29,7 @@ class CudaBackend(Backend):
         if why:
             return why
         return plan.kernels_refusal(problem.quant, problem.layout.plain_views, problem.bf16_dot,
-                                    problem.tensor_scales)
+                                    problem.tensor_scales, problem.lora)
 
     device = "cuda"
 
@@ -44,21 +45,22 @@ class CudaBackend(Backend):
         return calls.plan_band_tokens(T, problem.k, problem.E, problem.H, problem.I, problem.w_dtype,
                                       problem.max_workspace_bytes, problem.quant)
 
-    def forward(self, problem, band_tokens, x, w, ids, experts: Experts):
+    def forward(self, problem, band_tokens, x, w, ids, experts: Experts, lora=None):
         from . import calls
 
         return calls.forward(x, w, ids, *experts.flat(), *experts.handler_biases(),
                              activation=problem.activation, band_tokens=band_tokens, lists=problem.lists,
-                             skip_outside=problem.skip_outside, layout=problem.layout)
+                             skip_outside=problem.skip_outside, layout=problem.layout, lora=lora,
+                             lora_spec=problem.lora)
 
     def backward(self, problem, dy, x, w, ids, experts: Experts, lora=None, weight_grads: bool = True):
-        if problem.quant is not None:  # frozen: the reference's dx, dw
+        if problem.quant is not None or lora is not None:  # the reference's VJP (frozen base: dx, dw)
             return None
         from . import calls
 
         band = calls.plan_backward_band_tokens(x.shape[0], problem.k, problem.E, problem.H, problem.I,
                                                problem.w_dtype, problem.max_workspace_bytes)
-        # (no adapters: `takes_lora` is False; the experts' gradients always come)
+        # (no adapters here; the experts' gradients always come)
         dx, dw, dws = calls.backward(dy, x, w, ids, *experts.flat(), *experts.handler_biases(),
                                      activation=problem.activation, band_tokens=band, lists=problem.lists,
                                      skip_outside=problem.skip_outside, layout=problem.layout)

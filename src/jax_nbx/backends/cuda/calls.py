@@ -25,7 +25,7 @@ from ... import _env, _registry, contract, memory
 from ...experts import WeightLayout
 from ...formats import QuantizedWeight, weight_groups
 from ...planning import plan_bands
-from ..cpu import split_arrays
+from ..cpu import lora_attrs, split_arrays
 from . import plan as P
 
 _budget_set: set[int] = set()
@@ -148,7 +148,7 @@ def _view_groups(arrays, layout: WeightLayout, lists: bool):
 
 
 def forward(x, w, ids, *arrays, activation, band_tokens: int, lists: bool = False,
-            skip_outside: bool = False, layout: WeightLayout | None = None):
+            skip_outside: bool = False, layout: WeightLayout | None = None, lora=None, lora_spec=None):
     """The raw CUDA FFI call on 2-D inputs (x [T, H], w f32 [T, k], ids i32 [T, k]).
 
     ``arrays`` = the weights as `Experts.flat` gives them, then with
@@ -162,7 +162,10 @@ def forward(x, w, ids, *arrays, activation, band_tokens: int, lists: bool = Fals
     as groups of buffers (gate, up, down, then scales, then mins; or
     gate_up, down), every buffer's address in the pointer table, then the
     biases.  ``skip_outside``: ids outside [0, E) are skipped without an error
-    (the kernels never use them as indices either way).
+    (the kernels never use them as indices either way).  ``lora``: a
+    `jax_nbx.LoRA` with its validated `LoRASpec` ``lora_spec``: the adapters
+    go after the biases (`LoRA.handler_arrays`, float32 stacked) to the
+    tables handler, fused into the kernels (`plan.build`).
     """
     T, H = x.shape
     k = ids.shape[1]
@@ -180,22 +183,24 @@ def forward(x, w, ids, *arrays, activation, band_tokens: int, lists: bool = Fals
         I, quant, views = int(layout.intermediate), None, layout
     dev = _device(0)
     prog = P.build(T, band_tokens or T, k, E, H, I, np.dtype(x.dtype), wdtype, activation,
-                   dev.device_kind, w_aligned=strides_ok, quant=quant, layout=views)
+                   dev.device_kind, w_aligned=strides_ok, quant=quant, layout=views, lora=lora_spec)
     attrs = _program_attrs(prog, dev, strides_ok, E, skip_outside)
     # The workspace is a second output that XLA allocates in its pool (stream
     # ordered, planned by XLA) and that is dropped here.
     outs = (jax.ShapeDtypeStruct(x.shape, x.dtype),
             jax.ShapeDtypeStruct((max(prog.workspace_bytes, 1),), np.uint8))
-    if quant is None and not lists and views is None:
+    if quant is None and not lists and views is None and lora is None:
         call = jax.ffi.ffi_call(contract.TARGET_CUDA_FORWARD, outs, vmap_method="sequential")
         y, _ = call(x, w, ids, *arrays, **contract.attributes("cuda_forward", attrs))
         return y
     bufs = [b for g in groups for b in (g if lists else g[:1])]
     bufs += [b.astype(np.float32) for b in biases]
+    bufs += lora.handler_arrays() if lora is not None else []
     call = jax.ffi.ffi_call(contract.TARGET_CUDA_FORWARD_TABLES, outs, vmap_method="sequential")
     y, _ = call(x, w, ids, *bufs, **contract.attributes(
         "cuda_forward_tables", dict(attrs, format=contract.FORMAT_CODES[quant[0] if quant else None],
-                                    groups=len(groups), stacked=not lists, **layout.attrs())))
+                                    groups=len(groups), stacked=not lists, **layout.attrs(),
+                                    **lora_attrs(lora_spec if lora is not None else None))))
     return y
 
 

@@ -117,6 +117,33 @@ def _view(kk, offs_n, OFF: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr):
 
 
 @triton.jit
+def _dot32(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b on float32 operands: IEEE, else three TF32 products
+    (float32's accuracy on the tensor cores): the adapters' terms."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision="tf32x3")
+
+
+@triton.jit
+def _lora_a(ap, e, kk, kmask, K: tl.constexpr, R: tl.constexpr, RP: tl.constexpr):
+    """Rows kk of expert e's adapter A [E, K, R] (float32) as [BK, RP], zero
+    past R (RP: R padded to a power of two, at least 16, for `tl.dot`)."""
+    ra = tl.arange(0, RP)
+    return tl.load(ap + e.to(tl.int64) * K * R + kk[:, None].to(tl.int64) * R + ra[None, :],
+                   mask=kmask[:, None] & (ra < R)[None, :], other=0.0)
+
+
+@triton.jit
+def _lora_b(bp, e, offs_n, nmask, N: tl.constexpr, R: tl.constexpr, RP: tl.constexpr):
+    """Columns offs_n of expert e's adapter B [E, R, N] (float32) as [RP, BN],
+    zero past R."""
+    ra = tl.arange(0, RP)
+    return tl.load(bp + e.to(tl.int64) * R * N + ra[:, None] * N + offs_n[None, :],
+                   mask=(ra < R)[:, None] & nmask[None, :], other=0.0)
+
+
+@triton.jit
 def _e2m1(c):
     """The E2M1 values of 4-bit codes ``c`` (int32), exactly
     (xla_ffi/formats/minifloat.h kE2M1Values): sign bit 3, exponent bits 2-1
@@ -300,18 +327,22 @@ def _block(block_expert, sorted_slots, BM: tl.constexpr):
 
 @triton.jit
 def gemm1(x, sorted_slots, block_expert, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl,
-          wref, sref, gb, ub, h,
+          wref, sref, gb, ub, lag, lbg, lau, lbu, h,
           H: tl.constexpr, I: tl.constexpr, K_TOP: tl.constexpr, ACT: tl.constexpr,
           ALPHA: tl.constexpr, LIMIT: tl.constexpr, W_ALIGNED: tl.constexpr, IEEE: tl.constexpr,
           QUANT: tl.constexpr, GS: tl.constexpr,
           OFF_G: tl.constexpr, OFF_U: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr,
-          BIAS: tl.constexpr,
+          BIAS: tl.constexpr, RG: tl.constexpr, RU: tl.constexpr, SG: tl.constexpr, SU: tl.constexpr,
+          RP: tl.constexpr,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """h[row, n] = glu(x[tok] @ gate[e] + gb[e], x[tok] @ up[e] + ub[e])[n]
     for the BM rows of one block (one expert) and BN columns (gate and up
     through their views).  The products run in
     sref's dtype (the weights' for dense experts, the scales' for quantized
-    ones, whose tiles are dequantized in registers: `_wtile`)."""
+    ones, whose tiles are dequantized in registers: `_wtile`).  LoRA (RG, RU
+    > 0: the ranks): gate += SG * (x A_g) B_g (lag [E, H, RG], lbg [E, RG,
+    I], float32), up likewise, before the biases; x A accumulates in the same
+    K loop (float32, `_dot32`)."""
     pid_n = tl.program_id(1)
     e, rows, slot, valid = _block(block_expert, sorted_slots, BM)
     if e < 0:
@@ -324,12 +355,18 @@ def gemm1(x, sorted_slots, block_expert, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tb
     offs_k = tl.arange(0, BK)
     acc_g = tl.zeros((BM, BN), tl.float32)
     acc_u = tl.zeros((BM, BN), tl.float32)
+    xag = tl.zeros((BM, RP), tl.float32)
+    xau = tl.zeros((BM, RP), tl.float32)
     for k0 in range(0, H, BK):
         kk = k0 + offs_k
         kmask = kk < H
-        a = tl.load(x + tok[:, None].to(tl.int64) * H + kk[None, :],
-                    mask=valid[:, None] & kmask[None, :], other=0.0)
-        a = a.to(sref.dtype.element_ty)
+        xt = tl.load(x + tok[:, None].to(tl.int64) * H + kk[None, :],
+                     mask=valid[:, None] & kmask[None, :], other=0.0)
+        if RG > 0:
+            xag = _dot32(xt.to(tl.float32), _lora_a(lag, e, kk, kmask, H, RG, RP), xag, IEEE)
+        if RU > 0:
+            xau = _dot32(xt.to(tl.float32), _lora_a(lau, e, kk, kmask, H, RU, RP), xau, IEEE)
+        a = xt.to(sref.dtype.element_ty)
         wmask = kmask[:, None] & nmask[None, :]
         if QUANT == QUANT_DENSE:
             woff = _view(kk, offs_n, 0, SK, SN)
@@ -346,6 +383,10 @@ def gemm1(x, sorted_slots, block_expert, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tb
         else:
             acc_g = tl.dot(a, bg, acc_g)
             acc_u = tl.dot(a, bu, acc_u)
+    if RG > 0:
+        acc_g = _dot32(xag * SG, _lora_b(lbg, e, offs_n, nmask, I, RG, RP), acc_g, IEEE)
+    if RU > 0:
+        acc_u = _dot32(xau * SU, _lora_b(lbu, e, offs_n, nmask, I, RU, RP), acc_u, IEEE)
     if BIAS:
         eb = e.to(tl.int64) * I + offs_n
         acc_g += tl.load(gb + eb, mask=nmask, other=0.0)[None, :]
@@ -356,13 +397,15 @@ def gemm1(x, sorted_slots, block_expert, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tb
 
 
 @triton.jit
-def gemm2(h, sorted_slots, block_expert, down_tbl, ds_tbl, dz_tbl, wref, sref, db, w, out,
+def gemm2(h, sorted_slots, block_expert, down_tbl, ds_tbl, dz_tbl, wref, sref, db, lad, lbd, w, out,
           H: tl.constexpr, I: tl.constexpr, W_ALIGNED: tl.constexpr, IEEE: tl.constexpr,
           QUANT: tl.constexpr, GS: tl.constexpr,
           OFF: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr, BIAS: tl.constexpr,
+          RD: tl.constexpr, SD: tl.constexpr, RP: tl.constexpr,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out[slot, n] = w[slot] * (h[row] @ down[e] + db[e])[n] for the block's
-    real slots (down through its view)."""
+    real slots (down through its view); LoRA (RD > 0): + SD * (h A_d) B_d
+    before the bias (lad [E, I, RD], lbd [E, RD, H], float32)."""
     pid_n = tl.program_id(1)
     e, rows, slot, valid = _block(block_expert, sorted_slots, BM)
     if e < 0:
@@ -372,11 +415,14 @@ def gemm2(h, sorted_slots, block_expert, down_tbl, ds_tbl, dz_tbl, wref, sref, d
     nmask = offs_n < H
     offs_k = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), tl.float32)
+    xad = tl.zeros((BM, RP), tl.float32)
     for k0 in range(0, I, BK):
         kk = k0 + offs_k
         kmask = kk < I
-        a = tl.load(h + rows[:, None].to(tl.int64) * I + kk[None, :], mask=kmask[None, :], other=0.0)
-        a = a.to(sref.dtype.element_ty)
+        ht = tl.load(h + rows[:, None].to(tl.int64) * I + kk[None, :], mask=kmask[None, :], other=0.0)
+        if RD > 0:
+            xad = _dot32(ht.to(tl.float32), _lora_a(lad, e, kk, kmask, I, RD, RP), xad, IEEE)
+        a = ht.to(sref.dtype.element_ty)
         if QUANT == QUANT_DENSE:
             b = tl.load(dp + _view(kk, offs_n, OFF, SK, SN), mask=kmask[:, None] & nmask[None, :],
                         other=0.0)
@@ -388,6 +434,8 @@ def gemm2(h, sorted_slots, block_expert, down_tbl, ds_tbl, dz_tbl, wref, sref, d
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
+    if RD > 0:
+        acc = _dot32(xad * SD, _lora_b(lbd, e, offs_n, nmask, H, RD, RP), acc, IEEE)
     if BIAS:
         acc += tl.load(db + e.to(tl.int64) * H + offs_n, mask=nmask, other=0.0)[None, :]
     rw = tl.load(w + slot, mask=valid, other=0.0)
@@ -398,11 +446,12 @@ def gemm2(h, sorted_slots, block_expert, down_tbl, ds_tbl, dz_tbl, wref, sref, d
 
 @triton.jit
 def decode1(x, ids, slot0, err, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl, wref, sref,
-            gb, ub, part,
+            gb, ub, lag, lbg, lau, lbu, part,
             H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, K_TOP: tl.constexpr,
             W_ALIGNED: tl.constexpr, QUANT: tl.constexpr, GS: tl.constexpr,
             OFF_G: tl.constexpr, OFF_U: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr,
-            BIAS: tl.constexpr,
+            BIAS: tl.constexpr, RG: tl.constexpr, RU: tl.constexpr, SG: tl.constexpr, SU: tl.constexpr,
+            RP: tl.constexpr,
             KCH: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Partial gate and up sums of one slot over one chunk of KCH rows of H
     (split-K: few slots still fill the GPU): part[slot, chunk, 0|1, n],
@@ -410,7 +459,9 @@ def decode1(x, ids, slot0, err, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl
     once per slot.  The expert-id check: the program of tile 0, chunk 0
     writes the slot's own word err[slot0 + s] (the slot number if its id is
     outside [0, E), else ERR_NONE), so the decode path needs no fill launch
-    and no atomics; the handler takes the minimum of the words."""
+    and no atomics; the handler takes the minimum of the words.  LoRA (as
+    `gemm1`): each chunk adds its own rows' share SG * (x_c A_g,c) B_g (the
+    terms are linear in x, so the chunks' sum is the whole term)."""
     s = tl.program_id(0)
     pid_n = tl.program_id(1)
     c = tl.program_id(2)
@@ -434,10 +485,16 @@ def decode1(x, ids, slot0, err, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl
     else:
         acc_g = tl.zeros((BN,), tl.float32)
         acc_u = tl.zeros((BN,), tl.float32)
+    xag = tl.zeros((RP,), tl.float32)
+    xau = tl.zeros((RP,), tl.float32)
     for j in range(0, KCH, BK):  # constant bounds (the interpreter needs them)
         kk = c * KCH + j + offs_k
         kmask = kk < H
         xv = tl.load(x + t * H + kk, mask=kmask, other=0.0).to(tl.float32)
+        if RG > 0:
+            xag += tl.sum(xv[:, None] * _lora_a(lag, e, kk, kmask, H, RG, RP), axis=0)
+        if RU > 0:
+            xau += tl.sum(xv[:, None] * _lora_a(lau, e, kk, kmask, H, RU, RP), axis=0)
         wmask = kmask[:, None] & nmask[None, :]
         bg = _wtile(gate_tbl, gs_tbl, gz_tbl, e, wref, sref, kk, offs_n, I, wmask, QUANT, GS, W_ALIGNED,
                     OFF_G, SK, SN)
@@ -445,22 +502,28 @@ def decode1(x, ids, slot0, err, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl
                     OFF_U, SK, SN)
         acc_g += tl.sum(xv[:, None] * bg, axis=0)
         acc_u += tl.sum(xv[:, None] * bu, axis=0)
+    if RG > 0:
+        acc_g += tl.sum((xag * SG)[:, None] * _lora_b(lbg, e, offs_n, nmask, I, RG, RP), axis=0)
+    if RU > 0:
+        acc_u += tl.sum((xau * SU)[:, None] * _lora_b(lbu, e, offs_n, nmask, I, RU, RP), axis=0)
     tl.store(dst, acc_g, mask=nmask)
     tl.store(dst + I, acc_u, mask=nmask)
 
 
 @triton.jit
-def decode2(part, ids, down_tbl, ds_tbl, dz_tbl, wref, sref, db, w, out,
+def decode2(part, ids, down_tbl, ds_tbl, dz_tbl, wref, sref, db, lad, lbd, w, out,
             H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, W_ALIGNED: tl.constexpr,
             QUANT: tl.constexpr, GS: tl.constexpr,
             OFF: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr, BIAS: tl.constexpr,
+            RD: tl.constexpr, SD: tl.constexpr, RP: tl.constexpr,
             ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, S1: tl.constexpr,
             KCH: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out[slot, chunk, n] = w[slot] * (h[slot, chunk] @ down[e][chunk] (+ db[e]
     in chunk 0))[n]: one chunk of KCH rows of I per program; `combine` adds
     the chunks.  h = glu(gate, up) is formed here from decode1's S1 partial
     sums (added in chunk order, the same float32 sums in every program), so
-    no launch of its own writes it."""
+    no launch of its own writes it.  LoRA (RD > 0): each chunk adds
+    SD * (h_c A_d,c) B_d, as `decode1`."""
     s = tl.program_id(0)
     pid_n = tl.program_id(1)
     c = tl.program_id(2)
@@ -470,6 +533,7 @@ def decode2(part, ids, down_tbl, ds_tbl, dz_tbl, wref, sref, db, w, out,
     acc = tl.zeros((BN,), tl.float32)
     if (e >= 0) & (e < E):
         offs_k = tl.arange(0, BK)
+        xad = tl.zeros((RP,), tl.float32)
         for j in range(0, KCH, BK):
             kk = c * KCH + j + offs_k
             kmask = kk < I
@@ -480,9 +544,13 @@ def decode2(part, ids, down_tbl, ds_tbl, dz_tbl, wref, sref, db, w, out,
                 g += tl.load(src, mask=kmask, other=0.0)
                 u += tl.load(src + I, mask=kmask, other=0.0)
             hv = tl.where(kmask, _glu(g, u, ACT, ALPHA, LIMIT), 0.0)
+            if RD > 0:
+                xad += tl.sum(hv[:, None] * _lora_a(lad, e, kk, kmask, I, RD, RP), axis=0)
             b = _wtile(down_tbl, ds_tbl, dz_tbl, e, wref, sref, kk, offs_n, H,
                        kmask[:, None] & nmask[None, :], QUANT, GS, W_ALIGNED, OFF, SK, SN)
             acc += tl.sum(hv[:, None] * b, axis=0)
+        if RD > 0:
+            acc += tl.sum((xad * SD)[:, None] * _lora_b(lbd, e, offs_n, nmask, H, RD, RP), axis=0)
         if BIAS:
             acc += tl.where(c == 0, tl.load(db + e.to(tl.int64) * H + offs_n, mask=nmask, other=0.0), 0.0)
         acc = acc * tl.load(w + s)

@@ -22,6 +22,7 @@ import numpy as np
 
 from ... import _env, contract, formats
 from ...activations import Activation
+from .lora_operands import MAX_LORA_RANK, lora_operands, pow2
 from .tile_configs import GemmConfig, _default_gemm_configs, _tl_name, config_file, gemm_configs
 
 __all__ = ["Program", "Launch", "Kernel", "Arg", "GemmConfig", "gemm_configs", "config_file", "build",
@@ -68,11 +69,16 @@ def products_dtype(xdtype, wdtype, quant=None) -> np.dtype:
     return np.dtype(xdtype) if np.dtype(xdtype).name == "bfloat16" else np.dtype("float32")
 
 
-def kernels_refusal(quant, plain_views: bool, bf16_dot: bool, tensor_scales: bool = False) -> str:
+def kernels_refusal(quant, plain_views: bool, bf16_dot: bool, tensor_scales: bool = False,
+                    lora=None) -> str:
     """Why the Triton kernels cannot run a problem ("" when they can): its
     experts' format (``quant``: (name, group) or None), layout (quantized
     experts: ``plain_views``, `WeightLayout.plain_views`), precision, tensor
-    scales (`QuantizedWeight.tensor_scale`)."""
+    scales (`QuantizedWeight.tensor_scale`), adapters (``lora``: a
+    `LoRASpec` or None; ranks up to `MAX_LORA_RANK`)."""
+    if lora is not None and max(lora.ranks) > MAX_LORA_RANK:
+        return (f"LoRA rank {max(lora.ranks)} is above the CUDA kernels' {MAX_LORA_RANK} (their tiles' "
+                "shared memory); the 'cpu' handler and the 'xla' reference take any rank")
     if quant is not None and quant[0] not in kernels_formats().values():
         return (f"the CUDA kernels have no tile dequantization for {quant[0]!r} weights "
                 f"(kernels.py _wtile: {sorted(kernels_formats().values())})")
@@ -157,10 +163,6 @@ class _Layout:
         return off
 
 
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << max(0, int(n) - 1).bit_length())
-
-
 def use_decode(slots: int) -> bool:
     """Few slots: one program per (slot, column tile) beats ordering and padding."""
     return slots <= _env.cuda_decode_slots()
@@ -194,16 +196,19 @@ def band_workspace(tokens: int, k: int, E: int, H: int, I: int, wdtype, device_n
 def build(T: int, band: int, k: int, E: int, H: int, I: int, xdtype, wdtype,
           activation: int | Activation,
           device_name: str | None = None, w_aligned: bool = True,
-          quant: tuple | None = None, layout=None) -> Program:
+          quant: tuple | None = None, layout=None, lora=None) -> Program:
     """The program of one fused_moe call: T tokens in bands of ``band``.
 
     ``quant``: None for dense weights of dtype ``wdtype``, else
     ``(kind, group_size)`` with kind "int8"/"int4" and ``wdtype`` the scales'
     dtype (the products then run in that dtype).  ``layout``: the
     `jax_nbx.experts.WeightLayout` of the weights (abi.h "weight views": the
-    kernels read them through its views, and its biases); None: plain."""
+    kernels read them through its views, and its biases); None: plain.
+    ``lora``: the adapters' `jax_nbx.lora.LoRASpec` (abi.h "LoRA adapters":
+    float32 stacked A_p, B_p as inputs after the biases, fused into gemm1 /
+    gemm2 and decode1 / decode2); None: no adapters."""
     return _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name,
-                  w_aligned=w_aligned, quant=quant, layout=layout, call_slots=T * k)
+                  w_aligned=w_aligned, quant=quant, layout=layout, call_slots=T * k, lora=lora)
 
 
 def plain_views(H: int, I: int) -> tuple[tuple[int, int, int], ...]:
@@ -258,7 +263,7 @@ def _order_slots(launches: list, ids_a: Arg, nb: int, slot0: int, E: int, BM: in
     of BM-row blocks (`max_mblocks`)."""
     nblk = -(-nb // COUNT_BLOCK)
     mb = max_mblocks(nb, E, BM)
-    EP = _pow2(E)
+    EP = pow2(E)
     _fill(launches, srt, mb * BM, -1)
     kc = Kernel("count", (("E", E), ("EP", EP), ("BLOCK", COUNT_BLOCK)), 4, 1)
     launches.append(Launch(kc, (nblk, 1, 1), (ids_a, _i32(nb), _i32(slot0), _ws(hist), _ws(rank), _ws(err))))
@@ -276,7 +281,8 @@ def _fill(launches: list, off: int, count: int, value: int) -> None:
 
 
 def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
-           w_aligned=True, layout_only=False, quant=None, layout=None, call_slots=0) -> Program:
+           w_aligned=True, layout_only=False, quant=None, layout=None, call_slots=0,
+           lora=None) -> Program:
     band = max(1, min(int(band) or T, T)) if T else 1
     xdtype, wdtype = np.dtype(xdtype), np.dtype(wdtype)
     a = Activation(contract.ACTIVATIONS[activation]) if isinstance(activation, int) else activation
@@ -319,6 +325,9 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
     # the biases (after the weight groups' inputs), or placeholders the kernels never read
     bias_args = ([inp(IN_GROUP0 + n_groups + j, 0, "*fp32") for j in range(contract.NUM_BIASES)]
                  if has_bias else [inp(IN_W, 0, "*fp32")] * contract.NUM_BIASES)
+    l1, l2, lora_in = lora_operands(lora, IN_GROUP0 + n_groups + (contract.NUM_BIASES if has_bias else 0))
+    lg, lu, ld = ([inp(i, 0, "*fp32") for i in pair] for pair in lora_in)
+    v1, v2 = v1 + l1, v2 + l2
 
     def tables(part):  # one table per projection (gate, up, down) of a part
         return [Arg(ARG_TABLE, contract.group_index(part, group_of[p]), 0, "*i64")
@@ -387,18 +396,19 @@ def _build(T, band, k, E, H, I, xdtype, wdtype, activation, device_name, *,
         if decode:
             launches.append(Launch(d1, (nb, -(-I // BN), S1),
                                    (x_a, ids_a, i32(t0 * k), ws(err), tbl[0], tbl[1], stbl[0], stbl[1],
-                                    ztbl[0], ztbl[1], wref, sref, *bias_args[:2], ws(part_off, "*fp32"))))
+                                    ztbl[0], ztbl[1], wref, sref, *bias_args[:2], *lg, *lu,
+                                    ws(part_off, "*fp32"))))
             launches.append(Launch(d2, (nb, -(-H // BN), S2),
                                    (ws(part_off, "*fp32"), ids_a, tbl[2], stbl[2], ztbl[2], wref, sref,
-                                    bias_args[2], w_a, ws(out_off, "*fp32"))))
+                                    bias_args[2], *ld, w_a, ws(out_off, "*fp32"))))
         else:
             mb = _order_slots(launches, ids_a, nb, t0 * k, E, BM, err, hist, rank, base, bexp, srt)
             launches.append(Launch(g1, (mb, -(-I // c1.BN), 1),
                                    (x_a, ws(srt), ws(bexp), tbl[0], tbl[1], stbl[0], stbl[1], ztbl[0],
-                                    ztbl[1], wref, sref, *bias_args[:2], ws(h_off, hf))))
+                                    ztbl[1], wref, sref, *bias_args[:2], *lg, *lu, ws(h_off, hf))))
             launches.append(Launch(g2, (mb, -(-H // c2.BN), 1),
                                    (ws(h_off, hf), ws(srt), ws(bexp), tbl[2], stbl[2], ztbl[2], wref, sref,
-                                    bias_args[2], w_a, ws(out_off, "*fp32"))))
+                                    bias_args[2], *ld, w_a, ws(out_off, "*fp32"))))
         if decode:  # every slot's chunks written (zeros for a skipped slot)
             combine = Kernel("combine", (("H", H), ("ROWS", rows), ("BH", COMBINE_BLOCK)), 4, 1)
             launches.append(Launch(combine, (tb, -(-H // COMBINE_BLOCK), 1), (ws(out_off, "*fp32"), y_a)))
@@ -493,7 +503,7 @@ def _build_backward(T, band, k, E, H, I, xdtype, wdtype, activation, device_name
     BM = c1.BM
     MB = max_mblocks(n, E, BM)
     nblk = -(-n // COUNT_BLOCK)
-    EP = _pow2(E)
+    EP = pow2(E)
     NT = -(-I // c1.BN)
     BT = _bwd_dw_tile(wdtype)
     lay = _Layout()

@@ -1,0 +1,65 @@
+"""LoRA adapters (``fused_moe(..., lora=)``) on every backend that takes them
+(tests/support/runners.py `LORA`): the forward and every gradient against
+the float64 oracle (support/problems.py), on the decode and prefill paths
+(T = 1, 5, 33, 222), rank 1, 3 and 16, stacked and per-expert lists, any
+subset of the projections, dense and quantized (QLoRA, frozen) base experts.
+The output is checked for unwritten rows (NaN) and against the base, so an
+adapter that is dropped shows."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from support.lora_checks import check_lora_grads, loss_and_grads, make_lora
+from support.problems import DTYPES, as_lists, make_problem, np_moe, np_moe_grads, rel_err
+from support.runners import LORA
+
+ALL3 = ("gate", "up", "down")
+CORE = (pytest.mark.sanitize, pytest.mark.arm64)
+QUANTIZED = ("int8", "int4", "mxfp4", "fp8", "mxfp8", "nvfp4")
+# (T, rank, lists, projections, x dtype, weight format, H, I); E = 5, k = 2.  Dense
+# experts: H, I not a multiple of any block; quantized: whole groups of 32.
+CASES = [
+    pytest.param(1, 1, False, ALL3, "f32", "dense", 40, 24, marks=CORE, id="T1-r1-f32"),
+    pytest.param(33, 16, True, ALL3, "f32", "dense", 40, 24, id="T33-r16-lists"),
+    pytest.param(222, 16, False, ("gate", "down"), "bf16", "dense", 40, 24, id="T222-r16-bf16-gate-down"),
+    pytest.param(33, 3, False, ("up",), "f32", "dense", 40, 24, marks=CORE, id="T33-r3-up"),
+    pytest.param(5, 4, False, ALL3, "bf16", "mxfp4", 64, 32, id="T5-r4-bf16-mxfp4"),
+] + [pytest.param(17, 4, False, ALL3, "f32", f, 64, 32, id=f"T17-r4-{f}") for f in QUANTIZED]
+
+
+@pytest.mark.parametrize("T, r, lists, projections, xd, fmt, H, I", CASES)
+def test_lora_forward_and_gradients_match_float64(backend, T, r, lists, projections, xd, fmt, H, I):
+    import jax_nbx as nbx
+
+    backend.require(LORA)
+    backend.require_format(fmt)
+    E, k = 5, 2
+    x, w, ids, ex = make_problem(T + r, T, E, k, H, I, x_dtype=DTYPES[xd], w_dtype=DTYPES[xd])
+    if fmt != "dense":
+        ex = nbx.quantize(ex, fmt, group_size=32 if fmt in ("int4", "fp8") else None)
+    lora = make_lora(T + r, E, H, I, r, projections, lists=lists)
+    if lists:
+        ex = as_lists(ex)
+    ct = jnp.asarray(np.random.default_rng(1).standard_normal((T, H)), jnp.float32)
+    y, (dx, dw, glora, gex) = loss_and_grads(x, w, ids, ex, lora, ct, implementation=backend.implementation)
+    tol = backend.tol(x.dtype, x.dtype)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert bool(jnp.all(jnp.isfinite(y.astype(jnp.float32)))), "unwritten rows"
+    assert rel_err(y, np_moe(x, w, ids, ex, lora=lora)) < tol
+    assert rel_err(y, np_moe(x, w, ids, ex)) > 10 * tol  # the adapters changed the result
+    rdx, rdw, rdG, rdU, rdD, dad = np_moe_grads(x, w, ids, ex, ct, lora=lora)
+    gtol = 1e-5 if xd == "f32" else 2e-2
+    assert rel_err(dx, rdx) < gtol and rel_err(dw, rdw) < gtol
+    check_lora_grads(glora, dad, gtol)
+    assert glora.projections == tuple(projections) and glora.scales == lora.scales
+    if fmt == "dense":  # a dense base trains too
+        for name, want in (("gate", rdG), ("up", rdU), ("down", rdD)):
+            got = getattr(gex, name)
+            got = jnp.stack(got) if isinstance(got, list) else got
+            assert rel_err(got, want) < gtol, (name, rel_err(got, want))
+    else:  # quantized experts are frozen
+        floats = [leaf for leaf in jax.tree.leaves(gex) if leaf.dtype != jax.dtypes.float0]
+        assert not any(np.any(np.asarray(leaf, np.float32)) for leaf in floats), "quantized experts are frozen"
