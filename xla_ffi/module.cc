@@ -228,10 +228,16 @@ NB_MODULE(_ffi, m) {
     return d;
   });
   m.def("metal_forward_workspace_bytes", [](int64_t tokens, int64_t k, int64_t E, int64_t H,
-                                            int64_t I) {
+                                            int64_t I, int64_t r_gate, int64_t r_up, int64_t r_down) {
     CheckFormulaArgs(tokens, k, E, H, I, 1);
-    return nbx::SaturatedBytes(nbx::MetalForwardWorkspaceBytes(tokens, k, E, H, I));
-  }, "metal:0 workspace bytes of one Metal forward band of `tokens` tokens.");
+    if (r_gate < 0 || r_up < 0 || r_down < 0)
+      throw nb::value_error("the LoRA ranks must be >= 0");
+    const int64_t ranks[3] = {r_gate, r_up, r_down};
+    return nbx::SaturatedBytes(nbx::MetalForwardWorkspaceBytes(tokens, k, E, H, I, ranks));
+  }, nb::arg("tokens"), nb::arg("k"), nb::arg("E"), nb::arg("H"), nb::arg("I"), nb::arg("r_gate") = 0,
+     nb::arg("r_up") = 0, nb::arg("r_down") = 0,
+  "metal:0 workspace bytes of one Metal forward band of `tokens` tokens (with LoRA adapters of "
+  "those ranks).");
   m.def("metal_release_pinned", []() { return nbx::metal::Tables::Get().ReleasePinned(); });
   m.def("metal_command_buffer_flops", []() { return nbx::metal::CommandBufferFlops(); });
   m.def("metal_set_command_buffer_flops", [](int64_t f) { nbx::metal::SetCommandBufferFlops(f); },

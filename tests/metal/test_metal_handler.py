@@ -17,6 +17,7 @@ from jax_nbx import memory
 
 from conftest import make_problem, np_moe, rel_err
 from support import ffi_testing
+from support.lora_checks import make_lora
 from support.problems import as_lists, dense
 
 F = ffi_testing.load()  # jax_nbx._ffi_testing: the simulated device's controls
@@ -142,6 +143,33 @@ def test_without_a_metal_device_the_implementation_is_refused():
     with pytest.raises(ValueError, match="'metal' cannot run this call: no Metal device is active"):
         metal(x, w, ids, ex)
     nbx.metal.use("sim")
+
+
+def test_lora_adapters_their_workspace_bands_and_command_buffers():
+    """Adapters on Metal (moe_lora.metal): the workspace the handler takes is
+    the formula's with the ranks (adapters staged, xa and g | u per row);
+    bands planned under a cap give the unbanded bits; the decode path stays
+    one command buffer.  (Against float64 on every format: tests/suite/test_lora.py.)"""
+    T, E, k, H, I = 64, 2, 2, 1024, 8
+    ranks = (3, 2, 4)
+    x, w, ids, ex = make_problem(22, T, E, k, H, I)
+    lora = nbx.LoRA(**{n: make_lora(9 + r, E, H, I, r, (n,)).pair(n)  # a rank per projection
+                       for n, r in zip(("gate", "up", "down"), ranks)}, scale=0.7)
+    ws = int(P.metal_forward_workspace_bytes(T, k, E, H, I, *ranks))
+    assert ws > int(P.metal_forward_workspace_bytes(T, k, E, H, I)) >= 2**20
+    y = np.asarray(metal(x, w, ids, ex, lora=lora))
+    assert memory.stats()["metal:0"]["cached"] == ws  # the pooled block: the formula's bytes
+    assert rel_err(y, np_moe(x, w, ids, ex, lora=lora)) < 1e-5
+    T, E, H, I = 40, 4, 64, 32  # bands and decode at a small shape (the emulation is slow)
+    x, w, ids, ex = make_problem(23, T, E, k, H, I)
+    lora = make_lora(6, E, H, I, 5)
+    y = np.asarray(metal(x, w, ids, ex, lora=lora))
+    cap = int(P.metal_forward_workspace_bytes(T // 4, k, E, H, I, 5, 5, 5))
+    np.testing.assert_array_equal(np.asarray(metal(x, w, ids, ex, lora=lora, max_workspace_bytes=cap)), y)
+    before = F.metal_command_buffers()
+    y1 = metal(x[:3], w[:3], ids[:3], ex, lora=lora)  # 6 slots: the decode kernels
+    assert F.metal_command_buffers() - before == 1
+    assert rel_err(y1, np_moe(x[:3], w[:3], ids[:3], ex, lora=lora)) < 1e-5
 
 
 def test_the_workspace_buffer_is_pooled_and_gives_way():

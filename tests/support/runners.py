@@ -124,7 +124,7 @@ RUNNERS = (
     Runner("cpu-avx512", "cpu", isa="avx512", sweeps=True),
     Runner("cpu-avx2", "cpu", isa="avx2", sweeps=True),
     Runner("cpu-generic", "cpu", isa="generic", sweeps=True),
-    Runner("metal-sim", "metal", metal=True, takes=frozenset({QUANT, BANDS})),
+    Runner("metal-sim", "metal", metal=True, takes=frozenset({QUANT, BANDS, LORA})),
     Runner("cuda-interpret", "cuda-interpret", tensor_cores=True, lacks_formats=_NO_TILE_DEQUANT),
     # (no sweeps: on a lent GPU the whole check has minutes; its core cases cover each behaviour)
     Runner("cuda", "cuda", tensor_cores=True, lacks_formats=_NO_TILE_DEQUANT),

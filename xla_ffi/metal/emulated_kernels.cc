@@ -34,6 +34,7 @@ using namespace nbx::metal::params;
 #include "metal/kernels/weights.metal"
 #include "metal/kernels/moe_gemm.metal"
 #include "metal/kernels/moe_gemv.metal"
+#include "metal/kernels/moe_lora.metal"
 #include "metal/kernels/moe_order.metal"
 #include "metal/kernels/moe_combine.metal"
 }  // namespace nbx::metal::kernels
@@ -127,6 +128,9 @@ const std::map<std::string, Entry>& Library() {
     NBX_ADD_VARIANT(int4_bf16) NBX_ADD_VARIANT(fp8_f32) NBX_ADD_VARIANT(fp8_bf16)
     NBX_ADD_VARIANT(mxfp4) NBX_ADD_VARIANT(mxfp8) NBX_ADD_VARIANT(nvfp4)
 #undef NBX_ADD_VARIANT
+    m["nbx_lora_xa"] = Make(&k::nbx_lora_xa);
+    m["nbx_lora_add"] = Make(&k::nbx_lora_add);
+    m["nbx_lora_glu"] = Make(&k::nbx_lora_glu);
     m["nbx_count_experts"] = Make(&k::nbx_count_experts);
     m["nbx_expert_offsets"] = Make(&k::nbx_expert_offsets);
     m["nbx_scatter_slots"] = Make(&k::nbx_scatter_slots);

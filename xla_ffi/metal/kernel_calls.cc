@@ -57,6 +57,41 @@ Dispatch MoeGemv(WeightKind w, const params::GemmParams& p, uint32_t rows, View 
   return d;
 }
 
+Dispatch LoraXa(const params::LoraParams& p, uint32_t rows, View a, View row_src, View row_expert,
+                View adapter_a, View xa) {
+  Dispatch d;
+  d.kernel = "nbx_lora_xa";
+  d.grid[0] = CeilDiv(p.r, 32);
+  d.grid[1] = CeilDiv(rows, kGemmTileRows);
+  d.threads = 128;
+  d.threadgroup_bytes = 4;
+  d.args = {A(a), A(row_src), A(row_expert), A(adapter_a), A(xa), BytesArg(p)};
+  return d;
+}
+
+Dispatch LoraAdd(const params::LoraParams& p, uint32_t rows, View xa, View row_src, View row_expert,
+                 View adapter_b, View row_weight, View out) {
+  Dispatch d;
+  d.kernel = "nbx_lora_add";
+  d.grid[0] = CeilDiv(p.N, 128);
+  d.grid[1] = CeilDiv(rows, kGemmTileRows);
+  d.threads = 128;
+  d.threadgroup_bytes = 4;
+  d.args = {A(xa), A(row_src), A(row_expert), A(adapter_b), A(row_weight), A(out), BytesArg(p)};
+  return d;
+}
+
+Dispatch LoraGlu(const params::GemmParams& p, uint32_t rows, View gu, View row_src, View h) {
+  Dispatch d;
+  d.kernel = "nbx_lora_glu";
+  d.grid[0] = CeilDiv(p.N, 128);
+  d.grid[1] = CeilDiv(rows, kGemmTileRows);
+  d.threads = 128;
+  d.threadgroup_bytes = 4;
+  d.args = {A(gu), A(row_src), A(h), BytesArg(p)};
+  return d;
+}
+
 std::vector<Dispatch> OrderSlots(const params::OrderParams& p, View ids, View count, View off,
                                  View row_slot, View slot_row) {
   Dispatch c;
@@ -102,7 +137,7 @@ Dispatch Combine(const params::CombineParams& p, View o, View slot_row, View y) 
 }
 
 int64_t GemmTileFlops(const params::GemmParams& p) {
-  const int64_t projections = p.mode == 0 ? 2 : 1;
+  const int64_t projections = p.mode == 1 ? 1 : 2;
   return 2 * int64_t{kGemmTileRows} * p.K * p.N * projections;
 }
 

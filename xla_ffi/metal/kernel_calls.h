@@ -44,6 +44,16 @@ Dispatch MoeGemm(WeightKind w, const params::GemmParams& p, uint32_t tiles, View
 // nbx_moe_gemv_*: rows [p.tile0, p.tile0 + rows).
 Dispatch MoeGemv(WeightKind w, const params::GemmParams& p, uint32_t rows, View a, View row_src,
                  View row_expert, View table, View row_weight, View out);
+// The LoRA kernels (moe_lora.metal) run over whole tiles of 32 rows from p.tile0: rows past
+// `rows` must be marked -1 in row_src (the decode path's slots).
+// nbx_lora_xa: rows [p.tile0, p.tile0 + rows) of xa's columns of one adapter.
+Dispatch LoraXa(const params::LoraParams& p, uint32_t rows, View a, View row_src, View row_expert,
+                View adapter_a, View xa);
+// nbx_lora_add: the adapter's term onto rows [p.tile0, p.tile0 + rows) of out.
+Dispatch LoraAdd(const params::LoraParams& p, uint32_t rows, View xa, View row_src, View row_expert,
+                 View adapter_b, View row_weight, View out);
+// nbx_lora_glu: h = glu(g | u) on rows [p.tile0, p.tile0 + rows) (p.N = I).
+Dispatch LoraGlu(const params::GemmParams& p, uint32_t rows, View gu, View row_src, View h);
 // The three ordering kernels (count, offsets, scatter), in order.
 std::vector<Dispatch> OrderSlots(const params::OrderParams& p, View ids, View count, View off,
                                  View row_slot, View slot_row);

@@ -24,17 +24,22 @@ namespace {
 
 constexpr int64_t kTileRows = metal::kGemmTileRows;
 
+int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
 // One band's workspace in metal:0 (one shared-storage buffer): what the
 // kernels read and write, and the staged inputs (XLA's CPU buffers are not
 // Metal buffers: x, the ids and the routed weights are copied in, y out).
 struct Band {
+  float* la[3];          // the adapters' A_p [E][in][r_p] and B_p [E][r_p][out] (staged once per
+  float* lb[3];          // call, carved first: the same place in every band), or nullptr
   float* x;              // [tokens][H] staged activations (float32)
   int32_t* ids;          // [S] staged expert ids
   float* wts;            // [S] staged routed weights
   int32_t* row_slot;     // [P] slot of each padded row, -1 for padding (P: MaxPaddedRows)
   int32_t* row_tok;      // [P] token of each row (band-relative), -1
   int32_t* row_self;     // [P] the row itself, -1 for padding (GEMM2 reads h by row)
-  int32_t* tile_expert;  // [P / 32] expert of each row tile (GEMM) or [S] of each row (GEMV)
+  int32_t* tile_expert;  // [P / 32] expert of each row tile (GEMM) or [S rounded up to 32] of
+                         // each row (GEMV; -1 past S)
   float* row_w;          // [P] routed weight, 0 for padding
   int32_t* slot_row;     // [S] row of each slot, -1 when skipped
   int32_t* count;        // [E] slots per expert (the ordering kernels')
@@ -42,18 +47,27 @@ struct Band {
   float* h;              // [P][I]
   float* o;              // [P][H]
   float* y;              // [tokens][H] the combine's float32 result
+  float* xa;             // LoRA: [P][R] s z A_p (R: the ranks' sum), or nullptr
+  float* gu;             // LoRA on gate or up: [P][2I] g | u before the activation, or nullptr
 };
 
-size_t CarveBand(void* base, int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I, Band* b) {
+// `ranks`: the adapters' r_gate, r_up, r_down (abi.h "LoRA adapters"; 0: none).
+size_t CarveBand(void* base, int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
+                 const int64_t ranks[3], Band* b) {
   const int64_t S = tokens * k, P = MaxPaddedRows(S, E, kTileRows);
   Carver cv(base);
+  for (int j = 0; j < abi::kNumProjections; ++j) {
+    const int64_t in = j < 2 ? H : I, out = j < 2 ? I : H;
+    b->la[j] = ranks[j] > 0 ? cv.Take<float>(E * in, ranks[j]) : nullptr;
+    b->lb[j] = ranks[j] > 0 ? cv.Take<float>(E * ranks[j], out) : nullptr;
+  }
   b->x = cv.Take<float>(tokens, H);
   b->ids = cv.Take<int32_t>(S);
   b->wts = cv.Take<float>(S);
   b->row_slot = cv.Take<int32_t>(P);
   b->row_tok = cv.Take<int32_t>(P);
   b->row_self = cv.Take<int32_t>(P);
-  b->tile_expert = cv.Take<int32_t>(std::max(P / kTileRows, S));
+  b->tile_expert = cv.Take<int32_t>(std::max(P / kTileRows, RoundUp(S, kTileRows)));
   b->row_w = cv.Take<float>(P);
   b->slot_row = cv.Take<int32_t>(S);
   b->count = cv.Take<int32_t>(E);
@@ -61,6 +75,9 @@ size_t CarveBand(void* base, int64_t tokens, int64_t k, int64_t E, int64_t H, in
   b->h = cv.Take<float>(P, I);
   b->o = cv.Take<float>(P, H);
   b->y = cv.Take<float>(tokens, H);
+  const int64_t R = ranks[0] + ranks[1] + ranks[2];
+  b->xa = R > 0 ? cv.Take<float>(P, R) : nullptr;
+  b->gu = ranks[0] + ranks[1] > 0 ? cv.Take<float>(P, 2 * I) : nullptr;
   return cv.used();
 }
 
@@ -150,6 +167,58 @@ ffi::Error WaitAll(metal::Device* dev) {
   return ffi::Error::Success();
 }
 
+// LoraParams of adapter j (abi.h "LoRA adapters") on rows [row0, row0 + ...) of the GEMMs
+// (`div`: rows per tile_expert entry: 32, or 1 on the decode path).
+metal::params::LoraParams LoraParamsOf(const Lora& lora, int j, int64_t H, int64_t I, uint32_t row0,
+                                       uint32_t div) {
+  const LoraProj& L = lora.p[j];
+  metal::params::LoraParams p{};
+  p.K = static_cast<uint32_t>(L.in);
+  p.N = static_cast<uint32_t>(L.out);
+  p.r = static_cast<uint32_t>(L.r);
+  p.R = static_cast<uint32_t>(lora.R);
+  p.col = static_cast<uint32_t>(L.col);
+  p.lda = static_cast<uint32_t>(j < 2 ? H : I);     // x's rows, or h's
+  p.ldo = static_cast<uint32_t>(j < 2 ? 2 * I : H);  // g | u's rows, or o's
+  p.off = static_cast<uint32_t>(j == 1 ? I : 0);
+  p.div = div;
+  p.tile0 = row0;
+  p.weighted = j == 2 ? 1u : 0u;  // down: times the routed weight, as o's rows are
+  p.scale = L.s;
+  return p;
+}
+
+// The gate and up adapters' terms onto g | u (GEMM1 in mode 2), then h = glu(g, u):
+// rows [row0, row0 + rows).
+template <typename At>
+void GateUpLora(const Lora& lora, const Band& b, const At& at, uint32_t row0, uint32_t rows,
+                uint32_t div, metal::params::GemmParams g1, std::vector<metal::Dispatch>* cb) {
+  const int64_t H = g1.K, I = g1.N;
+  for (int j = 0; j < 2; ++j) {
+    if (lora.p[j].r == 0) continue;
+    const metal::params::LoraParams p = LoraParamsOf(lora, j, H, I, row0, div);
+    cb->push_back(metal::LoraXa(p, rows, at(b.x), at(b.row_tok), at(b.tile_expert), at(b.la[j]),
+                                at(b.xa)));
+    cb->push_back(metal::LoraAdd(p, rows, at(b.xa), at(b.row_tok), at(b.tile_expert), at(b.lb[j]),
+                                 at(b.row_w), at(b.gu)));
+  }
+  g1.tile0 = row0;  // nbx_lora_glu counts rows
+  cb->push_back(metal::LoraGlu(g1, rows, at(b.gu), at(b.row_tok), at(b.h)));
+}
+
+// The down adapter's term, weighted, onto o (after GEMM2): rows [row0, row0 + rows).
+template <typename At>
+void DownLora(const Lora& lora, const Band& b, const At& at, uint32_t row0, uint32_t rows,
+              uint32_t div, std::vector<metal::Dispatch>* cb) {
+  if (lora.p[2].r == 0) return;
+  const metal::params::LoraParams p =
+      LoraParamsOf(lora, 2, lora.p[0].in, lora.p[2].in, row0, div);
+  cb->push_back(metal::LoraXa(p, rows, at(b.h), at(b.row_self), at(b.tile_expert), at(b.la[2]),
+                              at(b.xa)));
+  cb->push_back(metal::LoraAdd(p, rows, at(b.xa), at(b.row_self), at(b.tile_expert), at(b.lb[2]),
+                               at(b.row_w), at(b.o)));
+}
+
 ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> topk_w,
                             ffi::Buffer<ffi::S32> topk_ids, ffi::RemainingArgs weights,
                             ffi::Result<ffi::AnyBuffer> y NBX_FORWARD_ATTR_PARAMS) {
@@ -160,18 +229,21 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
   if (formats::FindFormat(static_cast<int32_t>(format)) == nullptr)
     return Fail("unknown weight format code " + std::to_string(static_cast<int32_t>(format)));
   if (bf16_dot) return Fail("precision='bfloat16' runs on the CPU handler only");
-  if (!NoLora(LoraAttrs{lora_ranks, {lora_scale_gate, lora_scale_up, lora_scale_down}}))
-    return Fail("LoRA adapters run on the CPU handler and the 'xla' reference only");
   if (tensor_scales)
     return Fail("tensor scales (nvfp4's second-level scale) run on the CPU handler only");
   if (!IsFloatType(x.element_type()) || y->element_type() != x.element_type())
     return Fail("the Metal path takes x and y of one dtype: float32, bfloat16 or float16");
   ExpertWeights w;
-  if (ffi::Error e = DecodeWeights(weights, 0, weights.size(), num_experts, H, format, stacked,
-                                   group_size,
-                                   WeightViewAttrs{views, intermediate, fused_gate_up, has_bias}, &w);
+  Lora lora;  // abi.h "LoRA adapters": the buffers after the weights
+  size_t nlora = 0;
+  if (ffi::Error e = DecodeWeightsAndLora(
+          weights, 0, num_experts, H, format, stacked, group_size,
+          WeightViewAttrs{views, intermediate, fused_gate_up, has_bias},
+          LoraAttrs{lora_ranks, {lora_scale_gate, lora_scale_up, lora_scale_down}}, &w, &lora,
+          &nlora);
       e.failure())
     return e;
+  const int64_t ranks[3] = {lora.p[0].r, lora.p[1].r, lora.p[2].r};
   // the plain layout only (jax_nbx refuses the others by name at trace time)
   if (w.fused || w.bias[0] || w.off[1] != 0 || w.sk[0] != w.I || w.sn[0] != 1 ||
       w.sk[2] != w.H || w.sn[2] != 1)
@@ -209,12 +281,19 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
   const int64_t band = band_tokens <= 0 ? T : std::min(band_tokens, T);
   metal::DeviceBuffer ws;  // one band's workspace, reused for every band
   Band b;
-  const size_t bytes = CarveBand(nullptr, band, k, E, H, I, &b);
+  const size_t bytes = CarveBand(nullptr, band, k, E, H, I, ranks, &b);
   if (!metal::DeviceBuffer::Allocate(static_cast<int64_t>(bytes), "workspace",
                                      WorkShape{band, H, static_cast<int64_t>(
-                                         CarveBand(nullptr, 0, k, E, H, I, &b))},
+                                         CarveBand(nullptr, 0, k, E, H, I, ranks, &b))},
                                      &ws, &err))
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, err);
+  CarveBand(ws.buffer().host, band, k, E, H, I, ranks, &b);
+  for (int j = 0; j < abi::kNumProjections; ++j) {  // the adapters, staged once (carved first)
+    const LoraProj& L = lora.p[j];
+    if (L.r == 0) continue;
+    std::memcpy(b.la[j], L.A, static_cast<size_t>(E * L.in * L.r) * sizeof(float));
+    std::memcpy(b.lb[j], L.B, static_cast<size_t>(E * L.r * L.out) * sizeof(float));
+  }
   const WaitOnExit wait_on_exit{dev};
   std::vector<metal::Buffer> resident = table->pins.resources();
   resident.push_back(ws.buffer());
@@ -236,7 +315,7 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
 
   for (int64_t t0 = 0; t0 < T; t0 += band) {
     const int64_t t1 = std::min(T, t0 + band), n = t1 - t0, S = n * k;
-    CarveBand(wsb.host, n, k, E, H, I, &b);
+    CarveBand(wsb.host, n, k, E, H, I, ranks, &b);
     LoadAsFloat(xt, xs + t0 * row_bytes, n * H, b.x);  // staged (and widened)
     std::memcpy(b.ids, ids + t0 * k, static_cast<size_t>(S) * sizeof(int32_t));
     std::memcpy(b.wts, wts + t0 * k, static_cast<size_t>(S) * sizeof(float));
@@ -249,6 +328,8 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
                                  act_alpha, act_limit, group};
     if (decode) {
       // decode: the GEMV kernels on the slots as they come (row = slot), no ordering
+      for (int64_t s = S; s < RoundUp(S, kTileRows); ++s)  // the LoRA kernels' whole tiles
+        b.row_tok[s] = b.row_self[s] = b.tile_expert[s] = -1;
       for (int64_t s = 0; s < S; ++s) {
         const bool in = b.ids[s] >= 0 && b.ids[s] < E;  // outside: skipped (skip_outside)
         b.row_tok[s] = in ? static_cast<int32_t>(s / k) : -1;
@@ -258,10 +339,18 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
         b.slot_row[s] = in ? static_cast<int32_t>(s) : -1;
       }
       const uint32_t rows = static_cast<uint32_t>(S);
-      cb.push_back(metal::MoeGemv(wt, g1, rows, at(b.x), at(b.row_tok), at(b.tile_expert), tab,
-                                  at(b.row_w), at(b.h)));
+      if (b.gu != nullptr) {  // g | u, the adapters' terms, then h
+        g1.mode = 2;
+        cb.push_back(metal::MoeGemv(wt, g1, rows, at(b.x), at(b.row_tok), at(b.tile_expert), tab,
+                                    at(b.row_w), at(b.gu)));
+        GateUpLora(lora, b, at, 0, rows, 1, g1, &cb);
+      } else {
+        cb.push_back(metal::MoeGemv(wt, g1, rows, at(b.x), at(b.row_tok), at(b.tile_expert), tab,
+                                    at(b.row_w), at(b.h)));
+      }
       cb.push_back(metal::MoeGemv(wt, g2, rows, at(b.h), at(b.row_self), at(b.tile_expert), tab,
                                   at(b.row_w), at(b.o)));
+      DownLora(lora, b, at, 0, rows, 1, &cb);
     } else {
       // slots ordered by expert (stable in (t, j)), each expert padded to a tile: the ordering
       // kernels; slots outside [0, E) (skip_outside) keep slot_row -1.  The padded rows P =
@@ -282,10 +371,19 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
       for (int64_t r0 = 0; r0 < tiles; r0 += step) {
         const uint32_t cnt = static_cast<uint32_t>(std::min(step, tiles - r0));
         g1.tile0 = g2.tile0 = static_cast<uint32_t>(r0);
-        cb.push_back(metal::MoeGemm(wt, g1, cnt, at(b.x), at(b.row_tok), at(b.tile_expert), tab,
-                                    at(b.row_w), at(b.h)));
+        const uint32_t row0 = static_cast<uint32_t>(r0 * kTileRows), nrows = cnt * kTileRows;
+        if (b.gu != nullptr) {  // g | u, the adapters' terms, then h
+          g1.mode = 2;
+          cb.push_back(metal::MoeGemm(wt, g1, cnt, at(b.x), at(b.row_tok), at(b.tile_expert), tab,
+                                      at(b.row_w), at(b.gu)));
+          GateUpLora(lora, b, at, row0, nrows, kTileRows, g1, &cb);
+        } else {
+          cb.push_back(metal::MoeGemm(wt, g1, cnt, at(b.x), at(b.row_tok), at(b.tile_expert), tab,
+                                      at(b.row_w), at(b.h)));
+        }
         cb.push_back(metal::MoeGemm(wt, g2, cnt, at(b.h), at(b.row_self), at(b.tile_expert), tab,
                                     at(b.row_w), at(b.o)));
+        DownLora(lora, b, at, row0, nrows, kTileRows, &cb);
         if (r0 + step < tiles)
           if (ffi::Error e = CommitOne(dev, resident, &cb); e.failure()) return e;
       }
@@ -303,9 +401,10 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
 
 }  // namespace
 
-size_t MetalForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I) {
+size_t MetalForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
+                                  const int64_t lora_ranks[3]) {
   Band unused;
-  return CarveBand(nullptr, tokens, k, E, H, I, &unused);
+  return CarveBand(nullptr, tokens, k, E, H, I, lora_ranks, &unused);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardMetal, MetalForwardImpl, NBX_FORWARD_BINDING);

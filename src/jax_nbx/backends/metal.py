@@ -4,8 +4,9 @@ expert GEMMs to the active Metal device; `jax_nbx.metal`).  Experts in the
 plain layout (gate, up [E, H, I], down [E, I, H], stacked or per-expert lists,
 no biases), dense or quantized in every registered format (int8, int4, mxfp4,
 fp8, mxfp8, nvfp4: read in place, each weight dequantized in the kernels'
-loads, ``xla_ffi/metal/kernels/weights.metal``); gradients from the
-reference's VJP (quantized weights frozen).  ``implementation=None`` takes it
+loads, ``xla_ffi/metal/kernels/weights.metal``); LoRA adapters
+(``moe_lora.metal``); gradients from the reference's VJP (quantized weights
+frozen).  ``implementation=None`` takes it
 on macOS on Apple silicon when Metal itself is active
 (`jax_nbx.metal.is_default`); the simulated device runs only when named.
 """
@@ -21,6 +22,7 @@ from .cpu import forward_call
 
 class MetalBackend(Backend):
     name = "metal"
+    takes_lora = True  # moe_lora.metal's kernels around the GEMMs; gradients: the reference's VJP
 
     def why_not(self, problem: Problem) -> str:
         platform = jax.default_backend()
@@ -48,9 +50,10 @@ class MetalBackend(Backend):
 
     def workspace_bytes(self, problem: Problem, tokens: int, call_tokens: int | None = None) -> int:
         p = problem
-        return int(_registry.ffi_module().metal_forward_workspace_bytes(tokens, p.k, p.E, p.H, p.I))
+        ranks = p.lora.ranks if p.lora is not None else (0, 0, 0)
+        return int(_registry.ffi_module().metal_forward_workspace_bytes(tokens, p.k, p.E, p.H, p.I, *ranks))
 
-    def forward(self, problem, band_tokens, x, w, ids, experts: Experts):
+    def forward(self, problem, band_tokens, x, w, ids, experts: Experts, lora=None):
         name, operands, attrs, out = forward_call(problem, band_tokens, x, w, ids, experts.flat(),
-                                                  target="metal_forward")
+                                                  target="metal_forward", lora=lora)
         return jax.ffi.ffi_call(name, out, vmap_method="sequential")(*operands, **attrs)

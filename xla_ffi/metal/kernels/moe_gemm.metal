@@ -18,6 +18,9 @@
 // element decoded by the format's reader as the tile is loaded.
 //   mode 0 (GEMM1): out[r, n] = act(A W_gate)[r, n] * (A W_up)[r, n]
 //   mode 1 (GEMM2): out[r, n] = row_weight[r] * (A W_down)[r, n]
+//   mode 2 (GEMM1 with LoRA adapters): out[r, n] = (A W_gate)[r, n] and
+//     out[r, N + n] = (A W_up)[r, n] (rows of 2N: moe_lora.metal adds the
+//     adapters' terms, then applies the activation)
 // One kernel per reader (weights.metal): dense nbx_moe_gemm_f32, _f16, _bf16;
 // quantized nbx_moe_gemm_<format>[_<scale type>]: _int8_f32, _int8_bf16,
 // _int4_f32, _int4_bf16, _fp8_f32, _fp8_bf16, _mxfp4, _mxfp8, _nvfp4.
@@ -41,10 +44,12 @@ inline void nbx_moe_gemm_body(device const float* a, device const int* row_src,
   const uint r0 = tile * NBX_BM;
   const int e = tile_expert[tile];
   if (e < 0) return;  // a tile of padding only (uniform over the threadgroup)
-  const uint proj0 = p.mode == 0 ? 0u : 2u;
+  const bool gate_up = p.mode != 1;  // modes 0 and 2: gate and up
+  const uint proj0 = gate_up ? 0u : 2u;
+  const uint ldo = p.mode == 2 ? 2 * p.N : p.N;
   const D W0 = D::load(table, proj0, e, p);
   D W1 = W0;
-  if (p.mode == 0) W1 = D::load(table, 1u, e, p);
+  if (gate_up) W1 = D::load(table, 1u, e, p);
   // simdgroup sg owns the 16x16 quarter (sg / 2, sg % 2): 2x2 fragments
   const uint sm = (sgitg / 2) * 16, sn = (sgitg % 2) * 16;
   simdgroup_float8x8 acc0[2][2], acc1[2][2];
@@ -64,7 +69,7 @@ inline void nbx_moe_gemm_body(device const float* a, device const int* row_src,
       const uint k = q / NBX_BN, n = q % NBX_BN;
       const bool in = k0 + k < p.K && n0 + n < p.N;
       Bs0[q] = in ? W0.at(k0 + k, n0 + n) : 0.0f;
-      if (p.mode == 0) Bs1[q] = in ? W1.at(k0 + k, n0 + n) : 0.0f;
+      if (gate_up) Bs1[q] = in ? W1.at(k0 + k, n0 + n) : 0.0f;
     }
 #ifndef NBX_TEST_DROP_BARRIER
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -74,7 +79,7 @@ inline void nbx_moe_gemm_body(device const float* a, device const int* row_src,
     for (uint j = 0; j < 2; ++j) {
       simdgroup_load(fb, Bs0 + sn + 8 * j, NBX_BN);
       for (uint i = 0; i < 2; ++i) simdgroup_multiply_accumulate(acc0[i][j], fa[i], fb, acc0[i][j]);
-      if (p.mode == 0) {
+      if (gate_up) {
         simdgroup_load(fb, Bs1 + sn + 8 * j, NBX_BN);
         for (uint i = 0; i < 2; ++i) simdgroup_multiply_accumulate(acc1[i][j], fa[i], fb, acc1[i][j]);
       }
@@ -89,13 +94,13 @@ inline void nbx_moe_gemm_body(device const float* a, device const int* row_src,
     const uint r = q / NBX_BN, n = q % NBX_BN;
     if (row_src[r0 + r] < 0 || n0 + n >= p.N) continue;
     const float v = Cs[q];
-    if (p.mode == 0) {
-      out[(ulong)(r0 + r) * p.N + n0 + n] = v;  // the gate: glu(gate, up) below
+    if (gate_up) {
+      out[(ulong)(r0 + r) * ldo + n0 + n] = v;  // the gate: glu(gate, up) below (mode 0)
     } else {
       out[(ulong)(r0 + r) * p.N + n0 + n] = row_weight[r0 + r] * v;
     }
   }
-  if (p.mode == 0) {
+  if (gate_up) {
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint i = 0; i < 2; ++i)
       for (uint j = 0; j < 2; ++j) simdgroup_store(acc1[i][j], Cs + (sm + 8 * i) * NBX_BN + sn + 8 * j, NBX_BN);
@@ -103,8 +108,9 @@ inline void nbx_moe_gemm_body(device const float* a, device const int* row_src,
     for (uint q = tiitg; q < NBX_BM * NBX_BN; q += 128) {
       const uint r = q / NBX_BN, n = q % NBX_BN;
       if (row_src[r0 + r] < 0 || n0 + n >= p.N) continue;
-      device float* h = out + (ulong)(r0 + r) * p.N + n0 + n;
-      *h = nbx_glu(*h, Cs[q], p);
+      device float* h = out + (ulong)(r0 + r) * ldo + n0 + n;
+      if (p.mode == 0) *h = nbx_glu(*h, Cs[q], p);
+      else h[p.N] = Cs[q];  // mode 2: up after the gate
     }
   }
 }

@@ -8,7 +8,8 @@
 // few rows still fill the GPU: N / 32 threadgroups per row.
 //   row_src[r]: row of A (-1: the slot is skipped: nothing stored);
 //   row_expert[r]: its expert; grid.y counts rows from p.tile0;
-//   mode 0: out[r, n] = act(a W_gate) * (a W_up);  mode 1: row_weight[r] * (a W_down).
+//   mode 0: out[r, n] = act(a W_gate) * (a W_up);  mode 1: row_weight[r] * (a W_down);
+//   mode 2: out[r, n] = a W_gate, out[r, N + n] = a W_up (moe_gemm.metal's mode 2).
 // Float32 accumulation; each weight decoded by its format's reader as it is
 // read (weights.metal).  One kernel per reader, named as moe_gemm.metal's
 // (nbx_moe_gemv_f32, ..., _int8_f32, ..., _nvfp4).  Uses nbx_glu and the
@@ -25,16 +26,17 @@ inline void nbx_moe_gemv_body(device const float* a, device const int* row_src,
   const int e = row_expert[r];
   if (src < 0 || e < 0) return;  // uniform over the threadgroup
   const uint n = tgpig.x * 32 + tiisg;
-  const uint proj0 = p.mode == 0 ? 0u : 2u;
+  const bool gate_up = p.mode != 1;  // modes 0 and 2: gate and up
+  const uint proj0 = gate_up ? 0u : 2u;
   const D W0 = D::load(table, proj0, e, p);
   D W1 = W0;
-  if (p.mode == 0) W1 = D::load(table, 1u, e, p);
+  if (gate_up) W1 = D::load(table, 1u, e, p);
   device const float* x = a + (ulong)src * p.lda;
   float s0 = 0.0f, s1 = 0.0f;
   if (n < p.N) {
     for (uint k = sgitg; k < p.K; k += 4) {
       s0 = fma(x[k], W0.at(k, n), s0);
-      if (p.mode == 0) s1 = fma(x[k], W1.at(k, n), s1);
+      if (gate_up) s1 = fma(x[k], W1.at(k, n), s1);
     }
   }
   threadgroup float* part0 = tg;        // [4][32]
@@ -44,9 +46,14 @@ inline void nbx_moe_gemv_body(device const float* a, device const int* row_src,
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (sgitg != 0 || n >= p.N) return;
   const float g = ((part0[tiisg] + part0[32 + tiisg]) + part0[64 + tiisg]) + part0[96 + tiisg];
-  if (p.mode == 0) {
+  if (gate_up) {
     const float u = ((part1[tiisg] + part1[32 + tiisg]) + part1[64 + tiisg]) + part1[96 + tiisg];
-    out[(ulong)r * p.N + n] = nbx_glu(g, u, p);
+    if (p.mode == 0) {
+      out[(ulong)r * p.N + n] = nbx_glu(g, u, p);
+    } else {
+      out[(ulong)r * 2 * p.N + n] = g;
+      out[(ulong)r * 2 * p.N + p.N + n] = u;
+    }
   } else {
     out[(ulong)r * p.N + n] = row_weight[r] * g;
   }

@@ -19,7 +19,8 @@ struct GemmParams {
   uint K;      // reduction length (H for GEMM1, I for GEMM2)
   uint N;      // output columns (I for GEMM1, H for GEMM2)
   uint E;      // experts (table rows of one projection)
-  uint mode;   // 0: gate|up + activation; 1: down x routed weight
+  uint mode;   // 0: gate|up + activation; 1: down x routed weight; 2: gate|up raw, out [rows][2N]
+               // (g then u: the LoRA path adds the adapters' terms, then nbx_lora_glu)
   uint act;    // the activation code (abi.h Activation)
   uint lda;    // elements between rows of A
   uint tile0;  // first row tile (GEMM) or row (GEMV) of this dispatch: grid.y counts from it
@@ -27,6 +28,22 @@ struct GemmParams {
   float limit;
   uint group;   // quantized weights: rows per scale group along K (the attribute group_size;
                 // 0 for formats without groups); the format itself is the kernel's variant
+};
+
+// The LoRA adapters' kernels (moe_lora.metal; abi.h "LoRA adapters").
+struct LoraParams {
+  uint K;         // the adapter's input length (H for gate and up, I for down)
+  uint N;         // its output columns (I for gate and up, H for down)
+  uint r;         // its rank
+  uint R;         // floats per row of xa (the ranks' sum)
+  uint col;       // this adapter's columns [col, col + r) of xa
+  uint lda;       // elements between rows of the input (nbx_lora_xa)
+  uint ldo;       // elements between rows of out (nbx_lora_add)
+  uint off;       // out's first column (nbx_lora_add: 0, or N for up in g | u)
+  uint div;       // rows per entry of row_expert (32: the GEMMs' row tiles; 1: decode rows)
+  uint tile0;     // first row of this dispatch: grid.y counts rows from it
+  uint weighted;  // nbx_lora_add: 1 multiplies the term by row_weight[row] (down)
+  float scale;    // nbx_lora_xa: s = alpha / r
 };
 
 // Ordering the slots by expert (moe_order.metal).

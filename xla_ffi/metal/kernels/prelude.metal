@@ -1,6 +1,6 @@
 // The first part of the Metal kernels' library after params.h (CMake embeds
 // params.h, prelude.metal, weights.metal, moe_gemm.metal, moe_gemv.metal,
-// moe_order.metal, moe_combine.metal, in that order, as the one source
+// moe_lora.metal, moe_order.metal, moe_combine.metal, in that order, as the one source
 // newLibraryWithSource compiles; metal/emulated_kernels.cc includes them in
 // the same order).
 // Apple's compiler gets Metal's own headers and the two spellings the MSL
