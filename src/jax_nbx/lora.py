@@ -8,11 +8,10 @@ scale ``s = alpha / r`` as PEFT's ``LoraLayer`` sets it).  ``A_e`` is
 `from_peft` transposes once.  The base experts may be dense or quantized; they
 are not changed.
 
-Where the adapters run: ``fused_moe(..., lora=)`` (`jax_nbx.ops`) on the
-CPU handler (forward and fused backward, abi.h "LoRA adapters") and on the
-"xla" reference, over every format; the CUDA and Metal
-handlers refuse a call with adapters by name (docs/lora.md says what is
-owed).  Dropout on the adapters' input is left to the caller: it
+Where the adapters run: ``fused_moe(..., lora=)`` (`jax_nbx.ops`) on every
+backend (abi.h "LoRA adapters"): the CPU handler (forward and fused
+backward), the CUDA kernels and the Metal kernels (forward; their gradients
+from the reference's VJP), and the "xla" reference (docs/lora.md).  Dropout on the adapters' input is left to the caller: it
 would be a different mask per (token, expert) slot, which one call cannot
 take from outside without a ``[T*k, H]`` array; apply it to x before the
 block if wanted.

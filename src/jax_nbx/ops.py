@@ -150,10 +150,11 @@ def fused_moe(
         ``x @ W + s * (x @ A) @ B`` for each adapted projection (before its
         bias), the base experts dense or quantized (QLoRA); ``jax.grad``
         gives the adapters' gradients (the experts, frozen, get none: their
-        gradient GEMMs do not run).  On the CPU handler (every format; not
-        with ``precision="bfloat16"``) and the "xla" reference; CUDA and
-        Metal refuse adapters by name (docs/lora.md).  The shared experts
-        take none.
+        gradient GEMMs do not run).  On every backend: the CPU handler
+        (every format; not with ``precision="bfloat16"``; fused backward),
+        CUDA (ranks up to 64) and Metal (forward in their kernels,
+        gradients from the reference's VJP), the "xla" reference
+        (docs/lora.md).  The shared experts take none.
 
     Returns:
       ``y`` with x's shape and dtype; accumulation is float32.

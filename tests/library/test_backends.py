@@ -117,6 +117,9 @@ def test_a_backend_of_ones_own_is_registered_and_named():
     assert _chosen(x, w, ids, ex) == "cpu"  # never the default: it says so
     with pytest.raises(ValueError, match="implementation='doubling' cannot run this call: dense experts only"):
         nbx.fused_moe(x, w, ids, nbx.quantize(ex, "int8"), implementation="doubling")
+    with pytest.raises(ValueError, match=r"'doubling' cannot run this call: LoRA adapters \(lora=\) run on "
+                                         r"'metal', 'cuda', 'cpu', 'xla'"):  # (takes_lora False)
+        nbx.fused_moe(x, w, ids, ex, lora=nbx.LoRA.init(jax.random.key(0), 4, 16, 8, 2), implementation="doubling")
 
 
 def test_a_setting_read_when_a_call_is_traced_is_read_again_on_the_next_trace(monkeypatch):
