@@ -11,8 +11,9 @@ are not changed.
 Where the adapters run: ``fused_moe(..., lora=)`` (`jax_nbx.ops`) on every
 backend (abi.h "LoRA adapters"): the CPU handler (forward and fused
 backward), the CUDA kernels and the Metal kernels (forward; their gradients
-from the reference's VJP), and the "xla" reference (docs/lora.md).  Dropout on the adapters' input is left to the caller: it
-would be a different mask per (token, expert) slot, which one call cannot
+from the reference's VJP), and the "xla" reference (docs/lora.md).
+Dropout on the adapters' input is left to the caller: it would be a
+different mask per (token, expert) slot, which one call cannot
 take from outside without a ``[T*k, H]`` array; apply it to x before the
 block if wanted.
 """

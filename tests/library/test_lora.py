@@ -2,7 +2,7 @@
 the CPU handler with H = 1; the CPU handler's bands,
 unwritten outputs and frozen experts; merging for export; the errors; the
 layers' adapters.  The forward and every gradient against the float64
-oracle on every backend: tests/suite/test_lora.py."""
+oracle on every backend: tests/suite/test_adapters.py."""
 from __future__ import annotations
 
 import jax

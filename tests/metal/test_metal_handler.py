@@ -149,7 +149,7 @@ def test_lora_adapters_their_workspace_bands_and_command_buffers():
     """Adapters on Metal (moe_lora.metal): the workspace the handler takes is
     the formula's with the ranks (adapters staged, xa and g | u per row);
     bands planned under a cap give the unbanded bits; the decode path stays
-    one command buffer.  (Against float64 on every format: tests/suite/test_lora.py.)"""
+    one command buffer.  (Against float64 on every format: tests/suite/test_adapters.py.)"""
     T, E, k, H, I = 64, 2, 2, 1024, 8
     ranks = (3, 2, 4)
     x, w, ids, ex = make_problem(22, T, E, k, H, I)

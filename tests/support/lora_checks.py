@@ -1,5 +1,5 @@
 """LoRA test helpers shared by tests/library/test_lora.py and the suite's
-tests/suite/test_lora.py: random adapters, the loss's gradients through
+tests/suite/test_adapters.py: random adapters, the loss's gradients through
 ``fused_moe(..., lora=)``, and the adapters' gradients against the oracle."""
 from __future__ import annotations
 
