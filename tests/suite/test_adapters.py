@@ -2,7 +2,8 @@
 (tests/support/runners.py `LORA`): the forward and every gradient against
 the float64 oracle (support/problems.py), on the decode and prefill paths
 (T = 1, 5, 33, 222), rank 1, 3 and 16, stacked and per-expert lists, any
-subset of the projections, dense and quantized (QLoRA, frozen) base experts.
+subset of the projections, dense and quantized (QLoRA, frozen) base experts,
+and checkpoint layouts with biases.
 The output is checked for unwritten rows (NaN) and against the base, so an
 adapter that is dropped shows."""
 from __future__ import annotations
@@ -12,8 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from support.layouts import canonical, routing, stored
 from support.lora_checks import check_lora_grads, loss_and_grads, make_lora
 from support.problems import DTYPES, as_lists, make_problem, np_moe, np_moe_grads, rel_err
+from support.runners import LAYOUTS as LAYOUTS_FEATURE
 from support.runners import LORA
 
 ALL3 = ("gate", "up", "down")
@@ -63,3 +66,26 @@ def test_lora_forward_and_gradients_match_float64(backend, T, r, lists, projecti
     else:  # quantized experts are frozen
         floats = [leaf for leaf in jax.tree.leaves(gex) if leaf.dtype != jax.dtypes.float0]
         assert not any(np.any(np.asarray(leaf, np.float32)) for leaf in floats), "quantized experts are frozen"
+
+
+@pytest.mark.parametrize("T", [1, 33])
+@pytest.mark.parametrize("name", ["out_in", "interleaved"])
+def test_lora_over_a_checkpoint_layout_with_biases(backend, name, T):
+    """Adapters on experts read in place in a checkpoint layout with biases
+    (the handlers take the adapters after the bias buffers: abi.h "LoRA
+    adapters"), decode and prefill, against float64."""
+    import jax_nbx as nbx
+
+    backend.require(LORA)
+    backend.require(LAYOUTS_FEATURE)
+    E, k, H, I = 6, 2, 45, 19
+    rng = np.random.default_rng(41 + T)
+    G, U, D, bg, bu, bd = canonical(rng, E, H, I, True)
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    w, ids = routing(rng, T, E, k)
+    lora = make_lora(T, E, H, I, 4)
+    y = backend(x, w, ids, stored(name, G, U, D, bg, bu, bd), lora=lora)
+    plain = nbx.Experts(jnp.asarray(G), jnp.asarray(U), jnp.asarray(D))
+    ref = np_moe(x, w, ids, plain, biases=(bg, bu, bd), lora=lora)
+    assert rel_err(y, ref) < backend.tol(x.dtype)
+    assert rel_err(y, np_moe(x, w, ids, plain, biases=(bg, bu, bd))) > 10 * backend.tol(x.dtype)
