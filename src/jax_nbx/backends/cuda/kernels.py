@@ -22,6 +22,10 @@ choice ``s % k``):
   up biases start the sums before the activation, the down bias is added
   before the routing weight (without biases the arguments are placeholders,
   never read).
+* LoRA adapters (abi.h "LoRA adapters"; `lora_operands.py`): float32
+  stacked ``A [E, in, r]``, ``B [E, r, out]`` per adapted projection; the
+  GEMMs add ``s (z A) B`` before the biases (RG, RU, RD: the ranks, 0 =
+  none, placeholders never read).
 * workspace (from XLA's scratch allocator): ``err`` int32 (first bad slot),
   the expert-ordering arrays, ``h [rows, I]`` (activation times up, in the
   weights' dtype, float32 for float32 weights) and ``out [n, H]`` float32
