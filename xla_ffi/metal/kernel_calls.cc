@@ -22,6 +22,17 @@ Arg A(const View& v) { return BufferArg(v.buffer, v.offset); }
 
 uint32_t CeilDiv(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
 
+// A LoRA kernel's dispatch (moe_lora.metal): 128 threads per (`per` columns of `cols`, 32 rows).
+Dispatch LoraDispatch(const char* kernel, uint32_t cols, uint32_t per, uint32_t rows) {
+  Dispatch d;
+  d.kernel = kernel;
+  d.grid[0] = CeilDiv(cols, per);
+  d.grid[1] = CeilDiv(rows, kGemmTileRows);
+  d.threads = 128;
+  d.threadgroup_bytes = 4;
+  return d;
+}
+
 }  // namespace
 
 std::string KernelName(const char* base, WeightKind w) {
@@ -59,35 +70,20 @@ Dispatch MoeGemv(WeightKind w, const params::GemmParams& p, uint32_t rows, View 
 
 Dispatch LoraXa(const params::LoraParams& p, uint32_t rows, View a, View row_src, View row_expert,
                 View adapter_a, View xa) {
-  Dispatch d;
-  d.kernel = "nbx_lora_xa";
-  d.grid[0] = CeilDiv(p.r, 32);
-  d.grid[1] = CeilDiv(rows, kGemmTileRows);
-  d.threads = 128;
-  d.threadgroup_bytes = 4;
+  Dispatch d = LoraDispatch("nbx_lora_xa", p.r, 32, rows);
   d.args = {A(a), A(row_src), A(row_expert), A(adapter_a), A(xa), BytesArg(p)};
   return d;
 }
 
 Dispatch LoraAdd(const params::LoraParams& p, uint32_t rows, View xa, View row_src, View row_expert,
                  View adapter_b, View row_weight, View out) {
-  Dispatch d;
-  d.kernel = "nbx_lora_add";
-  d.grid[0] = CeilDiv(p.N, 128);
-  d.grid[1] = CeilDiv(rows, kGemmTileRows);
-  d.threads = 128;
-  d.threadgroup_bytes = 4;
+  Dispatch d = LoraDispatch("nbx_lora_add", p.N, 128, rows);
   d.args = {A(xa), A(row_src), A(row_expert), A(adapter_b), A(row_weight), A(out), BytesArg(p)};
   return d;
 }
 
 Dispatch LoraGlu(const params::GemmParams& p, uint32_t rows, View gu, View row_src, View h) {
-  Dispatch d;
-  d.kernel = "nbx_lora_glu";
-  d.grid[0] = CeilDiv(p.N, 128);
-  d.grid[1] = CeilDiv(rows, kGemmTileRows);
-  d.threads = 128;
-  d.threadgroup_bytes = 4;
+  Dispatch d = LoraDispatch("nbx_lora_glu", p.N, 128, rows);
   d.args = {A(gu), A(row_src), A(h), BytesArg(p)};
   return d;
 }
