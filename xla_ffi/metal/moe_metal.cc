@@ -168,9 +168,9 @@ ffi::Error WaitAll(metal::Device* dev) {
 }
 
 // LoraParams of adapter j (abi.h "LoRA adapters") on rows [row0, row0 + ...) of the GEMMs
-// (`div`: rows per tile_expert entry: 32, or 1 on the decode path).
-metal::params::LoraParams LoraParamsOf(const Lora& lora, int j, int64_t H, int64_t I, uint32_t row0,
-                                       uint32_t div) {
+// (`div`: rows per tile_expert entry: 32, or 1 on the decode path).  Its input rows are x's
+// (gate, up: in = H) or h's (down: in = I); its output rows g | u's (2 out) or o's (out).
+metal::params::LoraParams LoraParamsOf(const Lora& lora, int j, uint32_t row0, uint32_t div) {
   const LoraProj& L = lora.p[j];
   metal::params::LoraParams p{};
   p.K = static_cast<uint32_t>(L.in);
@@ -178,9 +178,9 @@ metal::params::LoraParams LoraParamsOf(const Lora& lora, int j, int64_t H, int64
   p.r = static_cast<uint32_t>(L.r);
   p.R = static_cast<uint32_t>(lora.R);
   p.col = static_cast<uint32_t>(L.col);
-  p.lda = static_cast<uint32_t>(j < 2 ? H : I);     // x's rows, or h's
-  p.ldo = static_cast<uint32_t>(j < 2 ? 2 * I : H);  // g | u's rows, or o's
-  p.off = static_cast<uint32_t>(j == 1 ? I : 0);
+  p.lda = static_cast<uint32_t>(L.in);
+  p.ldo = static_cast<uint32_t>(j < 2 ? 2 * L.out : L.out);
+  p.off = static_cast<uint32_t>(j == 1 ? L.out : 0);  // up after the gate in g | u
   p.div = div;
   p.tile0 = row0;
   p.weighted = j == 2 ? 1u : 0u;  // down: times the routed weight, as o's rows are
@@ -193,10 +193,9 @@ metal::params::LoraParams LoraParamsOf(const Lora& lora, int j, int64_t H, int64
 template <typename At>
 void GateUpLora(const Lora& lora, const Band& b, const At& at, uint32_t row0, uint32_t rows,
                 uint32_t div, metal::params::GemmParams g1, std::vector<metal::Dispatch>* cb) {
-  const int64_t H = g1.K, I = g1.N;
   for (int j = 0; j < 2; ++j) {
     if (lora.p[j].r == 0) continue;
-    const metal::params::LoraParams p = LoraParamsOf(lora, j, H, I, row0, div);
+    const metal::params::LoraParams p = LoraParamsOf(lora, j, row0, div);
     cb->push_back(metal::LoraXa(p, rows, at(b.x), at(b.row_tok), at(b.tile_expert), at(b.la[j]),
                                 at(b.xa)));
     cb->push_back(metal::LoraAdd(p, rows, at(b.xa), at(b.row_tok), at(b.tile_expert), at(b.lb[j]),
@@ -211,8 +210,7 @@ template <typename At>
 void DownLora(const Lora& lora, const Band& b, const At& at, uint32_t row0, uint32_t rows,
               uint32_t div, std::vector<metal::Dispatch>* cb) {
   if (lora.p[2].r == 0) return;
-  const metal::params::LoraParams p =
-      LoraParamsOf(lora, 2, lora.p[0].in, lora.p[2].in, row0, div);
+  const metal::params::LoraParams p = LoraParamsOf(lora, 2, row0, div);
   cb->push_back(metal::LoraXa(p, rows, at(b.h), at(b.row_self), at(b.tile_expert), at(b.la[2]),
                               at(b.xa)));
   cb->push_back(metal::LoraAdd(p, rows, at(b.xa), at(b.row_self), at(b.tile_expert), at(b.lb[2]),
@@ -326,6 +324,9 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
     metal::params::GemmParams g2{static_cast<uint32_t>(I), static_cast<uint32_t>(H),
                                  static_cast<uint32_t>(E), 1, act, static_cast<uint32_t>(I), 0,
                                  act_alpha, act_limit, group};
+    // with gate or up adapters GEMM1 writes g | u (mode 2); GateUpLora adds their terms, then h
+    if (b.gu != nullptr) g1.mode = 2;
+    const metal::View gemm1_out = at(b.gu != nullptr ? b.gu : b.h);
     if (decode) {
       // decode: the GEMV kernels on the slots as they come (row = slot), no ordering
       for (int64_t s = S; s < RoundUp(S, kTileRows); ++s)  // the LoRA kernels' whole tiles
@@ -339,15 +340,9 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
         b.slot_row[s] = in ? static_cast<int32_t>(s) : -1;
       }
       const uint32_t rows = static_cast<uint32_t>(S);
-      if (b.gu != nullptr) {  // g | u, the adapters' terms, then h
-        g1.mode = 2;
-        cb.push_back(metal::MoeGemv(wt, g1, rows, at(b.x), at(b.row_tok), at(b.tile_expert), tab,
-                                    at(b.row_w), at(b.gu)));
-        GateUpLora(lora, b, at, 0, rows, 1, g1, &cb);
-      } else {
-        cb.push_back(metal::MoeGemv(wt, g1, rows, at(b.x), at(b.row_tok), at(b.tile_expert), tab,
-                                    at(b.row_w), at(b.h)));
-      }
+      cb.push_back(metal::MoeGemv(wt, g1, rows, at(b.x), at(b.row_tok), at(b.tile_expert), tab,
+                                  at(b.row_w), gemm1_out));
+      if (b.gu != nullptr) GateUpLora(lora, b, at, 0, rows, 1, g1, &cb);
       cb.push_back(metal::MoeGemv(wt, g2, rows, at(b.h), at(b.row_self), at(b.tile_expert), tab,
                                   at(b.row_w), at(b.o)));
       DownLora(lora, b, at, 0, rows, 1, &cb);
@@ -372,15 +367,9 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
         const uint32_t cnt = static_cast<uint32_t>(std::min(step, tiles - r0));
         g1.tile0 = g2.tile0 = static_cast<uint32_t>(r0);
         const uint32_t row0 = static_cast<uint32_t>(r0 * kTileRows), nrows = cnt * kTileRows;
-        if (b.gu != nullptr) {  // g | u, the adapters' terms, then h
-          g1.mode = 2;
-          cb.push_back(metal::MoeGemm(wt, g1, cnt, at(b.x), at(b.row_tok), at(b.tile_expert), tab,
-                                      at(b.row_w), at(b.gu)));
-          GateUpLora(lora, b, at, row0, nrows, kTileRows, g1, &cb);
-        } else {
-          cb.push_back(metal::MoeGemm(wt, g1, cnt, at(b.x), at(b.row_tok), at(b.tile_expert), tab,
-                                      at(b.row_w), at(b.h)));
-        }
+        cb.push_back(metal::MoeGemm(wt, g1, cnt, at(b.x), at(b.row_tok), at(b.tile_expert), tab,
+                                    at(b.row_w), gemm1_out));
+        if (b.gu != nullptr) GateUpLora(lora, b, at, row0, nrows, kTileRows, g1, &cb);
         cb.push_back(metal::MoeGemm(wt, g2, cnt, at(b.h), at(b.row_self), at(b.tile_expert), tab,
                                     at(b.row_w), at(b.o)));
         DownLora(lora, b, at, row0, nrows, kTileRows, &cb);
