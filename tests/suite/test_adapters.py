@@ -1,7 +1,7 @@
 """LoRA adapters (``fused_moe(..., lora=)``) on every backend that takes them
 (tests/support/runners.py `LORA`): the forward and every gradient against
 the float64 oracle (support/problems.py), on the decode and prefill paths
-(T = 1, 5, 33, 222), rank 1, 3 and 16, stacked and per-expert lists, any
+(T = 1, 5, 17, 33, 222), ranks 1, 3, 4 and 16, stacked and per-expert lists, any
 subset of the projections, dense and quantized (QLoRA, frozen) base experts,
 and checkpoint layouts with biases.
 The output is checked for unwritten rows (NaN) and against the base, so an
@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jax_nbx as nbx
 
 from support.layouts import canonical, routing, stored
 from support.lora_checks import check_lora_grads, loss_and_grads, make_lora
@@ -35,8 +37,6 @@ CASES = [
 
 @pytest.mark.parametrize("T, r, lists, projections, xd, fmt, H, I", CASES)
 def test_lora_forward_and_gradients_match_float64(backend, T, r, lists, projections, xd, fmt, H, I):
-    import jax_nbx as nbx
-
     backend.require(LORA)
     backend.require_format(fmt)
     E, k = 5, 2
@@ -74,8 +74,6 @@ def test_lora_over_a_checkpoint_layout_with_biases(backend, name, T):
     """Adapters on experts read in place in a checkpoint layout with biases
     (the handlers take the adapters after the bias buffers: abi.h "LoRA
     adapters"), decode and prefill, against float64."""
-    import jax_nbx as nbx
-
     backend.require(LORA)
     backend.require(LAYOUTS_FEATURE)
     E, k, H, I = 6, 2, 45, 19
