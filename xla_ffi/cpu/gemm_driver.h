@@ -24,7 +24,11 @@ namespace nbx {
 // bytes apart, in up to two matrices (each run of m0, then the same run of m1),
 // issued a few cache lines at a time between micro-kernel calls: the reads
 // overlap the arithmetic, and the runs, one per page, cross pages that the
-// hardware prefetcher does not follow.
+// hardware prefetcher does not follow.  Into L2, not L1 (prefetcht1): a block
+// (up to 256 kB) is many times L1, and pulling it into L1 evicted the packed
+// panels the micro-kernels were reading.  Measured on a Zen 4 (interleaved in
+// one process, T=512 prefill): 4 % (OLMoE f32) to 11 % (Qwen3 f32 and
+// bfloat16 dot products) faster than prefetcht0 (docs/benchmarks.md).
 class Prefetcher {
  public:
   void Start(const void* m0, const void* m1, int64_t stride, int64_t runs, int64_t run_bytes) {
@@ -39,7 +43,7 @@ class Prefetcher {
   // Issues the next n prefetches (counters, no division per line).
   void Step(int64_t n) {
     for (n = std::min(n, left_), left_ -= n; n > 0; --n) {
-      __builtin_prefetch(m_[mat_] + run_ * stride_ + line_ * 64, 0, 3);
+      __builtin_prefetch(m_[mat_] + run_ * stride_ + line_ * 64, 0, 2);
       if (++line_ == lines_) {
         line_ = 0;
         if (++mat_ == nm_) mat_ = 0, ++run_;
