@@ -48,7 +48,8 @@
                                   PackQuant<VL>, GluRows,     {CF1, CB1}, {CF2, CB2},     \
                                   {PackColumnsT<VL, float>, PackColumnsT<VL, uint16_t>},  \
                                   {PackPairsT<VL, float>, PackPairsT<VL, uint16_t>},      \
-                                  {StreamPair<VL, float>, StreamPair<VL, uint16_t>}};     \
+                                  {StreamPair<VL, float>, StreamPair<VL, uint16_t>},      \
+                                  &t};                                                    \
     return &t;                                                                            \
   }                                                                                       \
   }

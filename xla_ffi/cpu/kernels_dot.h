@@ -295,6 +295,73 @@ constexpr decltype(DotKernelTable::stream2) DotStream2Of() {
   else return DotStream2<typename D::Stream>;
 }
 
+// DotKernelTable::pack_a: rows [k0, k0+kc) of one float32 m-panel (MR rows)
+// as the table's packed A -- dot_pack.h's PackDotPanel, the same words --
+// compiled for the table's instruction set: each run of up to 32 rows is
+// rounded in one vectorized pass (kernels_base.h's RoundToBf16), then its
+// pairs are interleaved.  In place too (dst = a + k0*MR, as the forward
+// calls it; AW = 2 only for an even kc): a run's words land on the rows
+// just read, or before them.
+template <int MR, int AW>
+void PackAPanel(const float* a, int64_t k0, int kc, uint32_t* dst) {
+  constexpr int kRows = 32;  // rows per pass: 16 pairs
+  uint16_t h[kRows * MR];
+  for (int k = 0; k < kc; k += kRows) {
+    const int n = (kc - k < kRows ? kc - k : kRows) * MR;
+    const float* src = a + (k0 + k) * MR;
+    for (int i = 0; i < n; ++i) {
+      const float v = RoundToBf16(src[i]);
+      uint32_t u;
+      memcpy(&u, &v, sizeof u);
+      h[i] = static_cast<uint16_t>(u >> 16);
+    }
+    const int pairs = (n / MR + 1) / 2;
+    for (int i = n; i < 2 * pairs * MR; ++i) h[i] = 0;  // the missing odd row of an odd K
+    uint32_t* d = dst + static_cast<int64_t>(k / 2) * MR * AW;
+    for (int p = 0; p < pairs; ++p)
+      for (int r = 0; r < MR; ++r) {
+        const uint32_t even = h[2 * p * MR + r], odd = h[(2 * p + 1) * MR + r];
+        if constexpr (AW == 1) {
+          d[p * MR + r] = even | odd << 16;
+        } else {
+          d[(p * MR + r) * 2] = odd << 16;
+          d[(p * MR + r) * 2 + 1] = even << 16;
+        }
+      }
+  }
+}
+
+// DotKernelTable::pack_b: dot_pack.h's PackRowsPairs<NS> (VL the table's
+// lanes), the same words, compiled for the table's instruction set: a whole
+// micro-panel's run of a matrix (2VL/NS columns of rows 2p and 2p+1) is
+// interleaved in one vectorized loop; a short run at nc and a missing odd
+// row take the general path.
+template <int VL, int NS>
+void PackBPairs(const void* const* mv, int64_t ld, int64_t k0, int kc, int64_t n0, int nc,
+                uint32_t* dst) {
+  constexpr int w = 2 * VL, C = w / NS;
+  const int nsub = (nc + C - 1) / C, pairs = (kc + 1) / 2;
+  for (int p = 0; p < pairs; ++p) {
+    const bool has_odd = 2 * p + 1 < kc;
+    for (int s = 0; s < NS; ++s) {
+      const uint16_t* even = static_cast<const uint16_t*>(mv[s]) + (k0 + 2 * p) * ld + n0;
+      const uint16_t* odd = even + ld;
+      for (int q = 0; q < nsub; ++q) {
+        uint32_t* d = dst + (static_cast<int64_t>(q) * pairs + p) * w + s * C;
+        const uint16_t* e = even + q * C;
+        const uint16_t* o = odd + q * C;
+        const int n = nc - q * C < C ? nc - q * C : C;
+        if (n == C && has_odd) {
+          for (int j = 0; j < C; ++j) d[j] = uint32_t{e[j]} | uint32_t{o[j]} << 16;
+        } else {
+          for (int j = 0; j < n; ++j) d[j] = uint32_t{e[j]} | (has_odd ? uint32_t{o[j]} << 16 : 0u);
+          for (int j = n; j < C; ++j) d[j] = 0;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace nbx
 
@@ -305,6 +372,9 @@ constexpr decltype(DotKernelTable::stream2) DotStream2Of() {
   namespace nbx {                                                                           \
   namespace {                                                                               \
   static_assert((KC) % 2 == 0, "K-blocks hold whole pairs of rows");                        \
+  void FN##PackA(const float* a, int64_t k0, int kc, uint32_t* dst) {                       \
+    PackAPanel<MR, D::kAWords>(a, k0, kc, dst);                                             \
+  }                                                                                         \
   void FN##G1(const uint32_t* a, const uint32_t* b, int64_t P, const Glu& act, int rows,    \
               int cols, float* out, int64_t rs, int64_t cs, float* c, int flags) {          \
     Gemm1Dot<D, MR>(a, b, P, act, rows, cols, out, rs, cs, c, flags);                       \
@@ -316,7 +386,9 @@ constexpr decltype(DotKernelTable::stream2) DotStream2Of() {
   }                                                                                         \
   const DotKernelTable* FN() {                                                              \
     static const DotKernelTable t = {NAME,   D::kVl, MR, KC, D::kAWords, FN##G1,             \
-                                     FN##G2, DotStream1Of<D>(), DotStream2Of<D>()};        \
+                                     FN##G2, DotStream1Of<D>(), DotStream2Of<D>(),         \
+                                     FN##PackA,                                            \
+                                     {PackBPairs<D::kVl, 1>, PackBPairs<D::kVl, 2>}};      \
     return &t;                                                                              \
   }                                                                                         \
   }

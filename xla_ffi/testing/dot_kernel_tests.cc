@@ -313,6 +313,87 @@ void SweepDotSemantics(const DotKernelTable& t, Rng& rng, Report& report) {
   }
 }
 
+// The table's A packer (DotKernelTable::pack_a, compiled for its instruction
+// set) against dot_pack.h's PackDotPanel, word for word: panels of values
+// drawn from normal floats, exact ties of the rounding, denormals, +-0,
+// +-inf, quiet and signaling NaNs of both signs and values that round up
+// to inf; every K-block length up to a few passes of the packer (odd ones:
+// the missing odd row) and offsets k0 into the panel; the words past the
+// block are poisoned and must stay so.
+void SweepPackA(const DotKernelTable& t, Rng& rng, Report& report) {
+  const int mr = t.mr;
+  const auto value = [&rng]() {
+    const uint32_t sign = rng.Bit() ? 0x80000000u : 0u;
+    switch (rng.Int(0, 8)) {
+      case 0: return BitsToFloat(sign | static_cast<uint32_t>(rng.Int(1, 0x7fffff)));       // denormal
+      case 1: return BitsToFloat(sign | static_cast<uint32_t>(rng.Int(1, 0xffff)) << 16 | 0x8000u);  // tie
+      case 2: return BitsToFloat(sign);                                                      // +-0
+      case 3: return BitsToFloat(sign | 0x7f800000u);                                        // +-inf
+      case 4: return BitsToFloat(sign | 0x7f800000u | static_cast<uint32_t>(rng.Int(1, 0x7fffff)));  // NaN
+      case 5: return BitsToFloat(sign | 0x7f7f8000u | static_cast<uint32_t>(rng.Int(0, 0x7fff)));  // -> inf
+      default: return rng.Uniform() * 8.0f - 4.0f;                                         // normal
+    }
+  };
+  for (const int kc : {1, 2, 3, 31, 32, 33, 64, 65, 127, 128}) {
+    for (const int k0 : {0, 1, 6}) {
+      Issues issues;
+      std::vector<float> panel(static_cast<size_t>((k0 + kc) * mr));
+      for (float& v : panel) v = value();
+      const size_t words = static_cast<size_t>((kc + 1) / 2 * mr * t.a_words);
+      std::vector<uint32_t> want(words + 16, 0xdeadbeefu), got(words + 16, 0xdeadbeefu);
+      PackDotPanel(t.a_words, panel.data(), k0, kc, mr, want.data());
+      t.pack_a(panel.data(), k0, kc, got.data());
+      for (size_t i = 0; i < want.size() && issues.size() < 4; ++i)
+        if (got[i] != want[i])
+          issues.push_back(Fmt("word %zu of %zu: %08x, PackDotPanel %08x", i, words, got[i], want[i]));
+      if (t.a_words == 1 || kc % 2 == 0) {  // in place, as the forward packs: the same words
+        std::vector<float> inplace(panel);
+        uint32_t* at = reinterpret_cast<uint32_t*>(inplace.data() + k0 * mr);
+        t.pack_a(inplace.data(), k0, kc, at);
+        for (size_t i = 0; i < words && issues.size() < 4; ++i)
+          if (at[i] != want[i])
+            issues.push_back(Fmt("in place, word %zu of %zu: %08x, PackDotPanel %08x", i, words, at[i], want[i]));
+      }
+      report.Add(Fmt("kc=%d k0=%d", kc, k0), issues);
+    }
+  }
+}
+
+// The table's B packer (DotKernelTable::pack_b) against dot_pack.h's
+// PackRowsPairs, word for word: gate||up (ns = 2) and down (ns = 1); K-block
+// lengths odd and even (the missing odd row), offsets k0 and n0 into the
+// matrices, widths nc that end inside a micro-panel and whole ones, random
+// bits (any bfloat16, NaNs included: packing moves bits); the words past
+// the block are poisoned and must stay so.
+void SweepPackB(const DotKernelTable& t, Rng& rng, Report& report) {
+  const int C1 = 2 * t.vl;
+  for (const int ns : {1, 2})
+    for (const int kc : {1, 2, 7, 128})
+      for (const int nc : {1, C1 / ns - 1, C1 / ns, 3 * C1 + 5}) {
+        Issues issues;
+        const int64_t k0 = rng.Int(0, 3), n0 = rng.Int(0, 5), ld = n0 + nc + rng.Int(0, 3);
+        std::vector<bf16> m[2];
+        const bf16* mats[2] = {nullptr, nullptr};
+        const void* mv[2] = {nullptr, nullptr};
+        for (int s = 0; s < ns; ++s) {
+          m[s].resize(static_cast<size_t>((k0 + kc + 1) * ld));
+          for (bf16& v : m[s]) v.bits = static_cast<uint16_t>(rng.Int(0, 0xffff));
+          mats[s] = m[s].data();
+          mv[s] = m[s].data();
+        }
+        const int nsub = (nc + C1 / ns - 1) / (C1 / ns);
+        const size_t words = static_cast<size_t>(nsub) * ((kc + 1) / 2) * C1;
+        std::vector<uint32_t> want(words + 16, 0xdeadbeefu), got(words + 16, 0xdeadbeefu);
+        if (ns == 1) PackRowsPairs<1>(mats, ld, k0, kc, n0, nc, t.vl, want.data());
+        else PackRowsPairs<2>(mats, ld, k0, kc, n0, nc, t.vl, want.data());
+        t.pack_b[ns - 1](mv, ld, k0, kc, n0, nc, got.data());
+        for (size_t i = 0; i < want.size() && issues.size() < 4; ++i)
+          if (got[i] != want[i])
+            issues.push_back(Fmt("word %zu of %zu: %08x, PackRowsPairs %08x", i, words, got[i], want[i]));
+        report.Add(Fmt("ns=%d kc=%d nc=%d", ns, kc, nc), issues);
+      }
+}
+
 // ---------------------------------------------------------------- registry
 
 struct DotKernelEntry {
@@ -329,6 +410,8 @@ const DotKernelEntry kDotKernels[] = {
     {"gemm1", [](const DotKernelTable& t, Rng& g, Report& r) { SweepDotGemm(t, false, g, r); }, false},
     {"gemm2", [](const DotKernelTable& t, Rng& g, Report& r) { SweepDotGemm(t, true, g, r); }, false},
     {"semantics", SweepDotSemantics, true},
+    {"pack_a", SweepPackA, false},
+    {"pack_b", SweepPackB, false},
     {"stream1", [](const DotKernelTable& t, Rng& g, Report& r) { SweepDotStream(t, false, g, r); }, false},
     {"stream2", [](const DotKernelTable& t, Rng& g, Report& r) { SweepDotStream(t, true, g, r); }, false},
 };
