@@ -156,7 +156,7 @@ NB_MODULE(_ffi, m) {
                              " (this CPU supports: " + nbx::SupportedIsas() + ")").c_str());
   }, nb::arg("name"));
   m.def("cpu_dot_kernels", []() {
-    return std::string(nbx::ActiveDotKernels(*nbx::ActiveKernels())->name);
+    return std::string(nbx::ActiveDotKernels(*nbx::ActiveKernels(true))->name);
   }, "The bfloat16 dot-product kernels precision='bfloat16' runs now: 'avx512_bf16', 'fma' or 'emulated'.");
   m.def("cpu_supported_dot_kernels", []() { return std::string(nbx::SupportedDotKernels()); },
         "The bfloat16 dot-product kernels this CPU runs, fastest first ('avx512_bf16,fma,emulated'-style).");

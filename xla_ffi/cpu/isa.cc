@@ -10,11 +10,14 @@
 //   stream   float32/bfloat16 weights streamed in place (stream1/2, their
 //            by-columns forms, stream_pair): decode;
 //   qstream  int8/int4 weights streamed in place (qstream1/2): quantized
-//            decode.
-// A composed table (e.g. "packed=avx2,stream=avx512,qstream=avx512") takes
+//            decode;
+//   dot      the blocking (and the plain table) that precision="bfloat16"
+//            runs on, with the dot kernels of that blocking (dot_table).
+// A composed table (e.g. "packed=avx2,stream=avx512,qstream=avx512,dot=avx512") takes
 // each family's entries from its instruction set's own table, so each
 // family's results are those of that instruction set alone, bit for bit
 // (tests/test_isa_choice.py).
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
@@ -32,7 +35,7 @@ namespace {
 
 constexpr int kNumIsas = 3;
 const char* const kIsas[kNumIsas] = {"avx512", "avx2", "generic"};  // best first
-const char* const kFamilies[kNumFamilies] = {"packed", "stream", "qstream"};
+const char* const kFamilies[kNumFamilies] = {"packed", "stream", "qstream", "dot"};
 
 #if defined(__x86_64__) || defined(_M_X64)
 // F16C (CPUID.1:ECX bit 29): the AVX2 kernels' half conversions (E4M3 decode).
@@ -89,7 +92,7 @@ void CpuId(char vendor[13], int* family) {
 #endif
 }
 
-// Composed tables: one per combination of three families' instruction sets,
+// Composed tables: one per combination of the families' instruction sets,
 // built on first use and never freed (a call in flight keeps reading the
 // table it started with while another thread selects a new one).
 struct Composed {
@@ -97,13 +100,15 @@ struct Composed {
   char name[64];
   bool built = false;
 };
-Composed g_composed[kNumIsas * kNumIsas * kNumIsas];
+Composed g_composed[kNumIsas * kNumIsas * kNumIsas * kNumIsas];
 std::mutex g_compose_mutex;
 
 const KernelTable* Compose(const int isa[kNumFamilies]) {
-  if (isa[0] == isa[1] && isa[1] == isa[2]) return ByIndex(isa[0]);
+  if (std::all_of(isa, isa + kNumFamilies, [&](int i) { return i == isa[0]; })) return ByIndex(isa[0]);
   std::lock_guard<std::mutex> lock(g_compose_mutex);
-  Composed& c = g_composed[(isa[0] * kNumIsas + isa[1]) * kNumIsas + isa[2]];
+  int index = 0;
+  for (int f = 0; f < kNumFamilies; ++f) index = index * kNumIsas + isa[f];
+  Composed& c = g_composed[index];
   if (!c.built) {
     const KernelTable& p = *ByIndex(isa[kPacked]);
     const KernelTable& s = *ByIndex(isa[kStream]);
@@ -118,8 +123,11 @@ const KernelTable* Compose(const int isa[kNumFamilies]) {
     }
     c.table.qstream1 = q.qstream1;
     c.table.qstream2 = q.qstream2;
-    std::snprintf(c.name, sizeof(c.name), "packed=%s,stream=%s,qstream=%s", kIsas[isa[kPacked]],
-                  kIsas[isa[kStream]], kIsas[isa[kQStream]]);
+    c.table.dot_table = ByIndex(isa[kDot]);
+    std::string name;  // "packed=avx2,stream=avx512,..."
+    for (int f = 0; f < kNumFamilies; ++f)
+      name += std::string(f ? "," : "") + kFamilies[f] + "=" + kIsas[isa[f]];
+    std::snprintf(c.name, sizeof(c.name), "%s", name.c_str());
     c.table.isa = c.name;
     c.built = true;
   }
@@ -127,6 +135,13 @@ const KernelTable* Compose(const int isa[kNumFamilies]) {
 }
 
 std::atomic<const KernelTable*> g_active{nullptr};
+
+// "packed, stream, qstream, dot": the families' names, for messages.
+std::string FamilyList() {
+  std::string s;
+  for (int f = 0; f < kNumFamilies; ++f) s += std::string(f ? ", " : "") + kFamilies[f];
+  return s;
+}
 
 // Parses "avx2" (every family) or "packed=avx2,stream=avx512" (the families
 // not named keep `isa`'s entries) into `isa`; "" or what is wrong.
@@ -146,12 +161,12 @@ std::string Parse(const char* spec, int isa[kNumFamilies]) {
     const std::string item = s.substr(start, end - start);
     const size_t eq = item.find('=');
     if (eq == std::string::npos)
-      return "'" + item + "' is not family=isa (families: packed, stream, qstream)";
+      return "'" + item + "' is not family=isa (families: " + FamilyList() + ")";
     const std::string fam = item.substr(0, eq), name = item.substr(eq + 1);
     int f = 0;
     while (f < kNumFamilies && fam != kFamilies[f]) ++f;
     if (f == kNumFamilies)
-      return "unknown kernel family '" + fam + "' (expected packed, stream or qstream)";
+      return "unknown kernel family '" + fam + "' (expected one of " + FamilyList() + ")";
     const int i = IsaIndex(name.c_str());
     if (i < 0)
       return "unknown instruction set '" + name + "' for " + fam +
@@ -188,10 +203,19 @@ void DefaultFamilies(const char* vendor, int family, const char* supported,
   // within 5 % of the faster ISA on every decode row, no per-family
   // composition better on both layers.  Zen 3 has no AVX-512 (the rule
   // changes nothing there); Zen 5 (family 1Ah) has full-width AVX-512 and
-  // keeps it.
+  // keeps it.  Except, measured on the same Zen 4 after the packing work of
+  // 2026-12-04 (docs/benchmarks.md, interleaved in one process):
+  //   dot     precision="bfloat16" on the AVX-512 blocking (VDPBF16PS on
+  //           zmm, 16 x 12) beat the AVX2 one (ymm, 8 x 6) on prefill:
+  //           OLMoE T=512 1.09-1.17x, Qwen3 1.02x (isa.py);
+  //   stream  the AVX-512 streaming kernels were at least as fast on every
+  //           bf16 decode row of two runs (isa.py 9 rounds: 1.00-1.17x;
+  //           quant.py 7 rounds: 1.06-1.12x), where an earlier run of the
+  //           day had read them within 5 %.
+  // qstream stays AVX2 (int4 decode: AVX2 1.07-1.48x faster at T=1).
   if (std::strcmp(best, "avx512") == 0 && std::strcmp(vendor, "AuthenticAMD") == 0 &&
       family == 0x19 && has("avx2"))
-    for (int f = 0; f < kNumFamilies; ++f) out[f] = "avx2";
+    for (int f = 0; f < kNumFamilies; ++f) out[f] = f == kDot || f == kStream ? "avx512" : "avx2";
 }
 
 const char* KernelFamilyName(int f) { return f >= 0 && f < kNumFamilies ? kFamilies[f] : ""; }
@@ -232,7 +256,8 @@ const char* IsaOfFamily(const KernelTable& t, int family) {
     if (k == nullptr) continue;
     const bool same = family == kPacked    ? t.gemm1 == k->gemm1
                       : family == kStream  ? t.stream1[0] == k->stream1[0]
-                                           : t.qstream1 == k->qstream1;
+                      : family == kQStream ? t.qstream1 == k->qstream1
+                                           : t.dot_table == k;
     if (same) return kIsas[i];
   }
   return "";
@@ -245,6 +270,11 @@ const KernelTable* ActiveKernels() {
     g_active.store(t);
   }
   return t;
+}
+
+const KernelTable* ActiveKernels(bool bf16_dot) {
+  const KernelTable* t = ActiveKernels();
+  return bf16_dot ? t->dot_table : t;
 }
 
 // avx512_bf16: the AVX-512 table's requirements plus CPUID leaf 7 subleaf 1

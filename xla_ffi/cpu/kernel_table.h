@@ -172,6 +172,10 @@ struct KernelTable {
   // halves of the pairs).
   void (*stream_pair[2])(const float* a, int64_t as, int rows, const void* w0, const void* w1,
                          int64_t ld, int64_t K, int ncols, float* acc, float* out);
+  // The dot family: the plain table whose blocking (and packed entries)
+  // precision="bfloat16" runs on, with the dot kernels of that blocking
+  // (ActiveDotKernels); an instruction set's own table names itself.
+  const KernelTable* dot_table;
 };
 
 // The most words per (pair, row) of any dot table's packed A.
@@ -202,6 +206,18 @@ struct DotKernelTable {
                   int64_t rs, int64_t cs);
   void (*stream2)(const float* a, int64_t as, int rows, const void* wd, int64_t ld, int64_t K,
                   int ncols, const float* w, float* acc, float* out, int64_t rs);
+  // Packed A: rows [k0, k0+kc) of one float32 m-panel (mr rows) as
+  // ceil(kc/2) * mr * a_words words -- dot_pack.h's PackDotPanel, the same
+  // bits, compiled for the table's instruction set.  dst may be a + k0*mr
+  // (in place; with a_words = 2 only for an even kc): the forward turns
+  // each packing expert's panels into pairs once per GEMM so.
+  void (*pack_a)(const float* a, int64_t k0, int kc, uint32_t* dst);
+  // Packed B, pack_b[ns - 1]: rows [k0, k0+kc) of columns [n0, n0+nc) of ns
+  // bfloat16 row-major matrices m[s] (leading dimension ld) as micro-panels
+  // 2vl words wide -- dot_pack.h's PackRowsPairs<ns>, the same words,
+  // compiled for the table's instruction set.
+  void (*pack_b[2])(const void* const* m, int64_t ld, int64_t k0, int kc, int64_t n0, int nc,
+                    uint32_t* dst);
 };
 
 // Defined where the target supports them (x86-64: all three).
@@ -211,8 +227,9 @@ const KernelTable* KernelsAvx512();
 
 // The families of a table's entries, each of which may come from a different
 // instruction set (isa.cc): packed (blocking, GEMMs, packing, glu), stream
-// (float32/bfloat16 weights streamed), qstream (int8/int4 weights streamed).
-enum KernelFamily : int { kPacked = 0, kStream = 1, kQStream = 2, kNumFamilies = 3 };
+// (float32/bfloat16 weights streamed), qstream (int8/int4 weights streamed),
+// dot (the blocking precision="bfloat16" runs on: dot_table).
+enum KernelFamily : int { kPacked = 0, kStream = 1, kQStream = 2, kDot = 3, kNumFamilies = 4 };
 const char* KernelFamilyName(int family);
 
 // The table of an instruction set by name ("avx512", "avx2", "generic"), or
@@ -236,6 +253,10 @@ void DefaultFamilies(const char* vendor, int family, const char* supported,
 // default's) and returns false with the reason for an unknown name or one
 // this CPU lacks.  A composed table's `isa` is its full composition.
 const KernelTable* ActiveKernels();
+// The table a forward runs on: the active one, or with `bf16_dot`
+// (precision="bfloat16") its dot family's; the handler and its workspace
+// formula both ask here, so the plan and the call agree.
+const KernelTable* ActiveKernels(bool bf16_dot);
 const KernelTable* DefaultKernels();
 bool SelectIsa(const char* name, std::string* error);
 const char* SupportedIsas();  // "avx512,avx2,generic"-style list for this CPU
@@ -260,7 +281,8 @@ const DotKernelTable* DotKernelTableAt(int i);
 // table's blocking, or nullptr (unknown name, no such blocking, or a CPU
 // without it).
 const DotKernelTable* DotKernelsByName(const char* name, int vl, int mr);
-// The table the forward's bfloat16 precision uses with packed table `kt`:
+// The table the forward's bfloat16 precision uses with packed table `kt`
+// (the active table's dot_table):
 // the one SelectDotKernels forced, else the first of avx512_bf16, fma and
 // emulated that this CPU has for kt's blocking (the emulation when the
 // forced one has none).

@@ -29,7 +29,7 @@
 #include <vector>
 
 #include "account.h"
-#include "cpu/dot_pack.h"
+#include "cpu/forward_band.h"
 #include "cpu/gemm_driver.h"
 #include "cpu/handler_common.h"
 #include "cpu/kernel_table.h"
@@ -43,97 +43,11 @@ namespace ffi = xla::ffi;
 namespace nbx {
 namespace {
 
-// Experts with at most this many rows in a band (and at most MR: one
-// m-panel) stream their weights; kMaxStreamCols columns per streamed item.
-constexpr int64_t kStreamRows = kMaxStreamRows;
-constexpr int64_t kStreamCols = kMaxStreamCols;
-
-int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
-
-// A worker's scratch, sized to the problem's H and I (never more than they
-// can use, and the same for every band of a call, so the part of the
-// workspace that does not shrink with the band stays fixed), in floats:
-//   [0, part_offset)   one packed K-block of a weight tile (GEMM1: gate||up,
-//                      GEMM2: down; the larger of the two)
-//   [part_offset, ..)  the partial sums of one chunk's panels over the tile,
-//                      needed only when K spans more than one K-block; the
-//                      streaming accumulators use the scratch from 0
-//   the last columns   a tile's int8 column scales (RunGemm)
-struct ScratchLayout {
-  int64_t part_offset;
-  int64_t raw_offset;  // GEMM1's streamed sums before the gated unit (2 * rows * cols)
-  int64_t dot_a_offset;  // precision="bfloat16": a chunk's m-panels of one K-block as pairs
-  int64_t stride;  // whole pages (1024 floats): workers' blocks keep one alignment
-};
-
-ScratchLayout LayOutScratch(int64_t H, int64_t I, const KernelTable& kt, bool dot) {
-  const int64_t mr = kt.mr, vl = kt.vl;
-  const int64_t cols1 = 2 * RoundUp(std::min<int64_t>(kt.nc, I), vl);  // gate||up
-  const int64_t cols2 = RoundUp(std::min<int64_t>(kt.nc, H), 2 * vl);  // down
-  const int64_t packed =
-      std::max(std::min<int64_t>(kt.kc, H) * cols1, std::min<int64_t>(kt.kc, I) * cols2);
-  const int64_t part =
-      kt.chunk_panels * mr * std::max(H > kt.kc ? cols1 : 0, I > kt.kc ? cols2 : 0);
-  const int64_t rows = std::min(kStreamRows, mr);
-  const int64_t stream = rows * std::max(2 * std::min(kStreamCols, I), std::min(kStreamCols, H));
-  const int64_t raw = packed + std::max(part, stream);
-  // (also one m-panel's GEMM1 sums, when they are stored for the epilogue
-  // within a single K-block)
-  const int64_t raw_floats = std::max(rows * 2 * std::min(kStreamCols, I), mr * 2 * vl);
-  // (precision="bfloat16": a chunk's packed A of one K-block, up to kMaxDotAWords
-  // 4-byte words per pair and row)
-  const int64_t dot_a = dot ? kt.chunk_panels * mr * kMaxDotAWords *
-                                  ((std::min<int64_t>(kt.kc, std::max(H, I)) + 1) / 2)
-                            : 0;
-  const int64_t dot_a_offset = raw + raw_floats;
-  return {packed, raw, dot_a_offset,
-          RoundUp(dot_a_offset + dot_a + std::max(cols1, cols2), 1024)};
-}
-
-
-struct Band {
-  SlotPlan plan;          // slot order (slots.h); slot_row is the combine's map
-  int32_t* row_token;     // [P] token of each padded row, -1 for padding
-  float* row_weight;      // [P] routed weight of each padded row, 0 for padding
-  int64_t* total;         // [E] expert-major groups: slots per expert in the call
-  Chunks chunks;          // [C] work items
-  float* XO;              // [P/MR][H][MR] packed x; later O [P][H]
-  float* A2;              // [P/MR][I][MR] packed activations
-  float* scratch;         // [workers][scratch_layout.stride]
-  ScratchLayout scratch_layout;
-};
-
-// Lays a band of S slots out from `base`; returns the bytes it takes.  With
-// base == nullptr it only measures: the one layout both sizes the
-// allocation (and the Python plan) and carves it.
-size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int workers,
-                 const KernelTable& kt, bool dot, Band* b) {
-  const int64_t P = MaxPaddedRows(S, E, kt.mr);
-  const int64_t C = MaxChunks(P, E, int64_t{kt.mr} * kt.chunk_panels);
-  Carver cv(base);
-  b->plan.slot_row = cv.Take<int32_t>(S);
-  b->row_token = cv.Take<int32_t>(P);
-  b->row_weight = cv.Take<float>(P);
-  b->plan.row_slot = cv.Take<int32_t>(P);
-  b->plan.expert_off = cv.Take<int64_t>(E + 1);
-  b->plan.real_end = cv.Take<int64_t>(E);
-  b->plan.seen = cv.Take<int64_t>(E);
-  b->total = cv.Take<int64_t>(E);
-  b->chunks.expert = cv.Take<int32_t>(C);
-  b->chunks.begin = cv.Take<int64_t>(C);
-  b->chunks.end = cv.Take<int64_t>(C);
-  b->XO = cv.Take<float>(P, H);
-  b->A2 = cv.Take<float>(P, I);
-  b->scratch_layout = LayOutScratch(H, I, kt, dot);
-  b->scratch = cv.Take<float>(workers, b->scratch_layout.stride);
-  return cv.used();
-}
-
-size_t BandBytes(int64_t S, int64_t E, int64_t H, int64_t I, int workers, const KernelTable& kt,
-                 bool dot) {
-  Band unused;
-  return CarveBand(nullptr, S, E, H, I, workers, kt, dot, &unused);
-}
+using cpu_forward::Band;
+using cpu_forward::BandBytes;
+using cpu_forward::CarveBand;
+using cpu_forward::kStreamCols;
+using cpu_forward::kStreamRows;
 
 struct Problem {
   int64_t T, H, I, E, k;
@@ -220,7 +134,7 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
   const int mr = kt.mr, vl = kt.vl;
   const int ns = first ? 2 : 1;                // matrices per micro-panel
   const int width = first ? vl : 2 * vl;       // columns of each per micro-panel
-  const float* A = first ? b.XO : b.A2;        // packed panels [K][MR]
+  float* const A = first ? b.XO : b.A2;        // packed panels [K][MR]
   float* O = b.XO;                             // GEMM2's rows (x is no longer needed)
   // dense: f32 and bf16 weights stream (f16 ones always pack); quantized: all.
   // Dense weights stream when stored in rows (stride_n 1), or (GEMM1) as an
@@ -253,6 +167,20 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
   auto* const stream1 = dot ? dot->stream1 : by_columns ? kt.stream1_cols[w_index] : kt.stream1[w_index];
   auto* const stream2 = dot ? dot->stream2 : by_columns ? kt.stream2_cols[w_index] : kt.stream2[w_index];
   const int64_t stream_rows = std::min<int64_t>(kStreamRows, mr);
+  const auto streams = [&](int64_t e) {
+    return can_stream && b.plan.real_end[e] - b.plan.expert_off[e] <= stream_rows;
+  };
+  // precision="bfloat16": the packing experts' m-panels of A become pairs once, in place
+  // (pack_a reads each run of rows before it writes its words over them), not once per
+  // tile; an odd K of two words per pair outgrows its panel and packs per tile instead
+  const bool pairs_in_place = dot != nullptr && (dot->a_words == 1 || K % 2 == 0);
+  if (pairs_in_place)
+    ParallelFor(pool, workers, chunks, [&](int64_t c, int) {
+      if (streams(b.chunks.expert[c])) return;
+      for (int64_t m = b.chunks.begin[c]; m < b.chunks.end[c]; m += mr)
+        dot->pack_a(A + m / mr * K * mr, 0, static_cast<int>(K),
+                    reinterpret_cast<uint32_t*>(A + m / mr * K * mr));
+    });
   const int64_t tiles = (N + kt.nc - 1) / kt.nc;
   ParallelFor(pool, workers, chunks * tiles, [&](int64_t it, int worker) {
     const int64_t c = it / tiles, n0 = (it % tiles) * kt.nc;
@@ -262,7 +190,7 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     const typename WS::Src mats[2] = {WS::At(first ? p.w->gate() : p.w->down(), e),
                                       first ? WS::At(p.w->up(), e) : nullptr};
     float* scratch = b.scratch + worker * b.scratch_layout.stride;
-    if (can_stream && b.plan.real_end[e] - b.plan.expert_off[e] <= stream_rows) {
+    if (streams(e)) {
       // Few rows: stream the weights in place, kStreamCols columns (whole
       // contiguous rows of W) per item; the other items of the span are empty.
       const int cols = static_cast<int>(StreamItemColumns(n0, N));
@@ -349,16 +277,18 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
           if constexpr (WS::kQuant) {
             for (int s = 0; s < ns; ++s)
               kt.qpack(mats[s], k0, kc, n0, nc, width, packed + s * width, 2 * vl, kc * 2 * vl);
-          } else if (dot != nullptr) {  // pairs of rows; then the chunk's A panels
+          } else if (dot != nullptr) {  // pairs of rows (and A's, unless already in place)
             if constexpr (std::is_same_v<W, bf16>) {
               auto* words = reinterpret_cast<uint32_t*>(packed);
-              if (first) PackRowsPairs<2>(mats, sk, k0, kc, n0, nc, vl, words);
-              else PackRowsPairs<1>(mats, sk, k0, kc, n0, nc, vl, words);
-              auto* a_pairs = reinterpret_cast<uint32_t*>(scratch + b.scratch_layout.dot_a_offset);
-              const int64_t pairs = (kc + 1) / 2;
-              for (int64_t pi = 0; pi < panels; ++pi)
-                PackDotPanel(dot->a_words, A + (m0 / mr + pi) * K * mr, k0, kc, mr,
-                             a_pairs + pi * pairs * mr * dot->a_words);
+              const void* mv[2] = {mats[0], mats[1]};
+              dot->pack_b[ns - 1](mv, sk, k0, kc, n0, nc, words);
+              if (!pairs_in_place) {  // this chunk's A panels of the block, into the scratch
+                auto* a_pairs = reinterpret_cast<uint32_t*>(scratch + b.scratch_layout.dot_a_offset);
+                const int64_t pairs = (kc + 1) / 2;
+                for (int64_t pi = 0; pi < panels; ++pi)
+                  dot->pack_a(A + (m0 / mr + pi) * K * mr, k0, kc,
+                              a_pairs + pi * pairs * mr * dot->a_words);
+              }
             }
           } else if constexpr (first) {
             PackView<2>(kt, mats, sk, sn, k0, kc, n0, nc, packed);
@@ -383,7 +313,10 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
               const int64_t m = m0 + pi * mr, panel = m / mr;
               const int rows = static_cast<int>(std::min<int64_t>(mr, m1 - m));
               const float* a = A + panel * K * mr + k0 * mr;
-              const uint32_t* ap = dot != nullptr ? a_pairs + pi * pairs * mr * dot->a_words : nullptr;
+              const uint32_t* ap =
+                  dot == nullptr     ? nullptr
+                  : pairs_in_place ? reinterpret_cast<const uint32_t*>(A + panel * K * mr) + k0 / 2 * mr * dot->a_words
+                                   : a_pairs + pi * pairs * mr * dot->a_words;
               // (one K-block: a stored GEMM1 sum is read back at once, one panel's room)
               float* pp = K > kt.kc ? part + (pi * nsub + q) * mr * 2 * vl
                                     : scratch + b.scratch_layout.raw_offset;
@@ -533,13 +466,13 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
     return e;
   const int32_t* ids = topk_ids.typed_data();
   if (ffi::Error e = CheckIds(ids, T, k, w.E, a.skip_outside); e.failure()) return e;
-  if (ffi::Error e = CheckSlots(T, k, w.E, ActiveKernels()->mr); e.failure()) return e;
+  const KernelTable& kt = *ActiveKernels(a.bf16_dot);
+  if (ffi::Error e = CheckSlots(T, k, w.E, kt.mr); e.failure()) return e;
   if (T == 0 || H == 0) return ffi::Error::Success();
   if (w.I == 0 || k == 0) {
     std::memset(y->untyped_data(), 0, y->size_bytes());
     return ffi::Error::Success();
   }
-  const KernelTable& kt = *ActiveKernels();
   const DotKernelTable* dot = nullptr;
   if (a.bf16_dot) {
     if (w.quantized() || w.dtype != ffi::DataType::BF16)
@@ -590,7 +523,7 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
 
 size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
                              int workers, bool bf16_dot) {
-  return BandBytes(tokens * k, E, H, I, workers, *ActiveKernels(), bf16_dot);
+  return BandBytes(tokens * k, E, H, I, workers, *ActiveKernels(bf16_dot), bf16_dot);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCpu, FusedMoeForwardImpl, NBX_FORWARD_BINDING);
