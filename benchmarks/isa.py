@@ -31,7 +31,8 @@ printed:
   the copy's read rate in the same rounds; target <= 1.3 for bf16);
 * ``÷ best``: each ISA's time over the fastest ISA's on that row; the ISA
   jax_nbx chooses by itself for the row's kernel family (prefill: packed;
-  decode: stream, quantized decode: qstream; `jax_nbx.cpu.isa_families`) is
+  decode: stream, quantized decode: qstream; precision="bfloat16": dot;
+  `jax_nbx.cpu.isa_families`) is
   marked ``*`` (target: never above 1.03).  ``--calibrate`` first runs
   `jax_nbx.calibrate_isa` and marks its choice instead.
 """
@@ -66,8 +67,11 @@ ROWS = {  # name -> (T, weights, x dtype, precision)
 DEFAULT_ROWS = [r for r, v in ROWS.items() if v[3] is None]  # (the precision="bfloat16" rows: by name)
 
 
-def _family(T, fmt) -> str:
-    """The kernel family a row runs (every expert streams at T <= 8 here)."""
+def _family(T, fmt, prec) -> str:
+    """The kernel family a row runs (every expert streams at T <= 8 here;
+    precision="bfloat16" runs on the dot family's blocking, streamed or not)."""
+    if prec == "bfloat16":
+        return "dot"
     if T > 8:
         return "packed"
     return "qstream" if fmt in ("int8", "int4") else "stream"
@@ -193,7 +197,7 @@ def main(argv=None) -> int:
                     anchor = (f"{flops / t / 1e9:.1f} GF/s, {flops / t / rate:.2f} x sgemm, "
                               f"{t / roof:.2f} x roofline ({'flops' if flops / rate >= floor else 'bytes'})"
                               if T > 8 else f"{t / floor:.2f} x bw floor")
-                    mark = "*" if i == families[_family(T, fmt)] else ""
+                    mark = "*" if i == families[_family(T, fmt, precision)] else ""
                     label = i + mark + (f" ({dot[i]})" if i in dot else "")
                     table.append([name, row, label, f"{t * 1e3:.2f}", anchor,
                                   f"{t / best:.2f}"])

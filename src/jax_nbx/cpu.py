@@ -2,17 +2,22 @@
 
 The wheel carries one build of the micro-kernels per instruction set
 ("avx512", "avx2", "generic" on x86-64; "generic" = NEON on arm64).  Their
-entries fall into three *families*, each of which may come from a different
+entries fall into four *families*, each of which may come from a different
 instruction set (`FAMILIES`; xla_ffi/cpu/isa.cc):
 
 * ``packed``: the K-block GEMMs, packing and blocking (prefill, and any
   expert with more than 6 rows in a call);
 * ``stream``: float32/bfloat16 weights streamed in place (decode);
-* ``qstream``: int8/int4/mxfp4 weights streamed in place (quantized decode).
+* ``qstream``: int8/int4/mxfp4 weights streamed in place (quantized decode);
+* ``dot``: the blocking (16 x 12 on avx512, 8 x 6 on avx2) that
+  ``precision="bfloat16"`` runs on, with the bfloat16 dot-product kernels of
+  that blocking (`dot_kernels`).
 
 By default every family takes the best instruction set the CPU supports,
-except where a measurement says otherwise (AMD family 19h, Zen 4: AVX2, which
-beat AVX-512 on every row measured there; `default_isa`).  The default is a
+except where a measurement says otherwise (AMD family 19h, Zen 4: AVX2 for
+``packed`` and ``qstream``, which were faster there, and AVX-512 for
+``stream`` and ``dot``: ``packed=avx2,stream=avx512,qstream=avx2,dot=avx512``;
+`default_isa`; the figures in docs/benchmarks.md).  The default is a
 fixed rule, so results are the same bits from one process to the next.
 ``JAX_NBX_ISA`` (applied when the package loads, `jax_nbx._registry`) or
 `set_isa` force one instruction set or a composition such as
@@ -29,7 +34,7 @@ from . import _registry
 __all__ = ["FAMILIES", "isa", "isa_families", "default_isa", "supported_isas", "set_isa",
            "dot_kernels", "supported_dot_kernels", "set_dot_kernels", "bf16_dot_by_default", "planned_workers"]
 
-FAMILIES = ("packed", "stream", "qstream")
+FAMILIES = ("packed", "stream", "qstream", "dot")
 
 _ffi = _registry.ffi_module
 
@@ -37,7 +42,7 @@ _ffi = _registry.ffi_module
 def isa() -> str:
     """The micro-kernels in use: an instruction set ("avx512", "avx2",
     "generic") when every family runs it, else the composition
-    ``"packed=avx2,stream=avx512,qstream=avx512"``.  `set_isa` accepts either."""
+    ``"packed=avx2,stream=avx512,qstream=avx512,dot=avx512"``.  `set_isa` accepts either."""
     return _ffi().cpu_isa()
 
 
@@ -75,7 +80,7 @@ def set_isa(name: str | Mapping[str, str]) -> None:
 
 def dot_kernels() -> str:
     """The bfloat16 dot-product kernels that ``fused_moe(..., precision="bfloat16")``
-    runs on the CPU now, for the packed kernels' blocking (``precision=None``
+    runs on the CPU now, for the dot family's blocking (``precision=None``
     takes them for bfloat16 x where this is ``"avx512_bf16"``):
 
     - ``"avx512_bf16"``: the VDPBF16PS instruction, on CPUs with avx512_bf16;
@@ -99,8 +104,8 @@ def supported_dot_kernels() -> list[str]:
 def set_dot_kernels(name: str) -> None:
     """``"auto"`` (default: the fastest this CPU has) or one of
     ``supported_dot_kernels()`` (tests, benchmarks, reproducing another
-    machine's bits); where the forced kind has no kernels for the packed
-    blocking in use, the emulation runs.  Takes effect for calls that start
+    machine's bits); where the forced kind has no kernels for the dot
+    family's blocking in use, the emulation runs.  Takes effect for calls that start
     after it."""
     if name != "auto" and name not in supported_dot_kernels():
         raise ValueError(f"set_dot_kernels: expected 'auto' or one of {supported_dot_kernels()}, got {name!r}")

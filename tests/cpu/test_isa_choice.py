@@ -41,8 +41,10 @@ def test_default_rule_per_cpu():
     full = "avx512,avx2,generic"
     every = lambda i: {f: i for f in nbx.cpu.FAMILIES}  # noqa: E731
     assert _ffi.cpu_default_families("GenuineIntel", 6, full) == every("avx512")
-    # AMD family 19h (Zen 4 double-pumps 512-bit FMAs): AVX2 measured faster
-    assert _ffi.cpu_default_families("AuthenticAMD", 0x19, full) == every("avx2")
+    # AMD family 19h (Zen 4 double-pumps 512-bit FMAs): AVX2 measured faster, but for the
+    # bfloat16 dot products (VDPBF16PS on the 16 x 12 blocking) and bf16/f32 streaming
+    assert _ffi.cpu_default_families("AuthenticAMD", 0x19, full) == {**every("avx2"), "dot": "avx512",
+                                                                     "stream": "avx512"}
     assert _ffi.cpu_default_families("AuthenticAMD", 0x19, "avx2,generic") == every("avx2")
     assert _ffi.cpu_default_families("AuthenticAMD", 0x1A, full) == every("avx512")  # Zen 5
     assert _ffi.cpu_default_families("GenuineIntel", 6, "avx2,generic") == every("avx2")
@@ -52,15 +54,40 @@ def test_default_rule_per_cpu():
 @two_isas
 def test_composition_forms_and_report():
     a, b = ISAS[-2], ISAS[-1]  # e.g. avx2, generic
-    nbx.cpu.set_isa(f"packed={b},stream={a},qstream={b}")
-    assert nbx.cpu.isa() == f"packed={b},stream={a},qstream={b}"
-    assert nbx.cpu.isa_families() == {"packed": b, "stream": a, "qstream": b}
+    nbx.cpu.set_isa(f"packed={b},stream={a},qstream={b},dot={a}")
+    assert nbx.cpu.isa() == f"packed={b},stream={a},qstream={b},dot={a}"
+    assert nbx.cpu.isa_families() == {"packed": b, "stream": a, "qstream": b, "dot": a}
     nbx.cpu.set_isa({"stream": b})  # the families not named take the default's
     assert nbx.cpu.isa_families()["stream"] == b
     nbx.cpu.set_isa(a)  # one name: every family
     assert nbx.cpu.isa() == a and set(nbx.cpu.isa_families().values()) == {a}
-    nbx.cpu.set_isa(f"packed={a},stream={a},qstream={a}")  # all the same: the plain table
+    nbx.cpu.set_isa(f"packed={a},stream={a},qstream={a},dot={a}")  # all the same: the plain table
     assert nbx.cpu.isa() == a
+
+
+@two_isas
+def test_dot_family_sets_the_bfloat16_blocking():
+    """precision="bfloat16" runs on the dot family's blocking: its plan
+    (workspace bytes) follows the dot family and nothing else, the float32
+    plan ignores it, and the bits do not depend on the blocking (the dot
+    products' documented arithmetic on every table; avx512_bf16 on both
+    blockings where the CPU has it)."""
+    a, b = ISAS[0], ISAS[1]  # e.g. avx512 (16 x 12), avx2 (8 x 6)
+    plan = lambda dot: nbx.memory.fused_moe_workspace_bytes(150, 2, 4, 224, 96, bf16_dot=dot)  # noqa: E731
+    nbx.cpu.set_isa(f"packed={a},stream={a},qstream={a},dot={a}")
+    dot_a, f32_a = plan(True), plan(False)
+    nbx.cpu.set_isa(f"packed={a},stream={a},qstream={a},dot={b}")
+    assert plan(False) == f32_a and plan(True) != dot_a
+    nbx.cpu.set_isa(f"packed={b},stream={b},qstream={b},dot={a}")
+    assert plan(True) == dot_a and plan(False) != f32_a
+    x, w, ids, ex = _layer(150, 4, 2, 224, 96, jnp.bfloat16, seed=3)  # 75 rows per expert: packed
+    x = x.astype(jnp.bfloat16)
+    f = jax.jit(lambda x, w, i, e: nbx.fused_moe(x, w, i, e, implementation="ffi", precision="bfloat16"))
+    ys = []
+    for spec in (f"packed={b},dot={a}", f"packed={a},dot={b}"):
+        nbx.cpu.set_isa(spec)
+        ys.append(np.asarray(jax.block_until_ready(f(x, w, ids, ex))).view(np.uint16))
+    np.testing.assert_array_equal(ys[0], ys[1])
 
 
 @pytest.mark.parametrize("spec, message", [

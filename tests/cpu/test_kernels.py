@@ -84,12 +84,12 @@ def test_dot_kernel_tables_follow_the_cpu():
     assert ("fma/8x6" in tables) == ("avx2" in isas)
     assert ("fma/16x12" in tables) == ("avx512" in isas)
     assert set(T.dot_streaming_tables()) == {t for t in tables if not t.startswith("emulated/")}
-    packed = jax_nbx.cpu.isa_families()["packed"]  # the dot tables follow its blocking
-    assert jax_nbx.cpu.dot_kernels() == ("emulated" if packed == "generic" else "avx512_bf16" if has_bf16 else "fma")
+    blocking = jax_nbx.cpu.isa_families()["dot"]  # the dot tables follow the dot family's blocking
+    assert jax_nbx.cpu.dot_kernels() == ("emulated" if blocking == "generic" else "avx512_bf16" if has_bf16 else "fma")
 
 
 def test_set_dot_kernels_forces_and_restores():
-    if jax_nbx.cpu.isa_families()["packed"] == "generic":
+    if jax_nbx.cpu.isa_families()["dot"] == "generic":
         pytest.skip("the generic blocking has only the emulation")
     supported = jax_nbx.cpu.supported_dot_kernels()
     assert supported[-1] == "emulated"

@@ -177,7 +177,7 @@ def test_fma_kernels_give_the_emulation_bits():
     the emulation give the same bits through the op, banded and not, float32
     and bfloat16 x.  Skipped where the CPU has no fma kernels (not x86-64, or
     no AVX2)."""
-    if "fma" not in nbx.cpu.supported_dot_kernels() or nbx.cpu.isa_families()["packed"] == "generic":
+    if "fma" not in nbx.cpu.supported_dot_kernels() or nbx.cpu.isa_families()["dot"] == "generic":
         pytest.skip("no fma dot kernels on this CPU (or the generic blocking, which has none)")
     for seed, xd in ((21, jnp.float32), (22, jnp.bfloat16)):
         x, w, ids, ex = make_problem(seed, 45, 8, 3, 131, 70, xd, jnp.bfloat16)
