@@ -124,8 +124,11 @@ template <int VL>
 NBX_AI void AccumulateRows(const float* a, int64_t as, int rows, const float* w, int64_t ld,
                            int64_t K, int ncols, float* acc) {
   for (int i = 0; i < rows * ncols; ++i) acc[i] = 0.0f;
-  for (int64_t kk = 0; kk < K; ++kk)
+  const int64_t ahead = StreamAheadRows(ncols * int64_t{4});
+  for (int64_t kk = 0; kk < K; ++kk) {
+    if (kk + ahead < K) PrefetchRunL2(w + (kk + ahead) * ld, ncols * int64_t{4});
     for (int r = 0; r < rows; ++r) AxpyRow<VL>(a[kk * as + r], w + kk * ld, ncols, acc + r * ncols);
+  }
 }
 
 // AccumulateRows over two matrices in one pass: row kk of w0 into acc0,
@@ -139,10 +142,13 @@ NBX_AI void AccumulateRowsPair(const float* a, int64_t as, int rows, const float
                                float* acc1, int64_t ars) {
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < ncols; ++c) acc0[r * ars + c] = acc1[r * ars + c] = 0.0f;
+  const int64_t ahead = StreamAheadRows(ncols * int64_t{4});
   for (int64_t kk = 0; kk < K; ++kk)
-    for (int m = 0; m < 2; ++m)
+    for (int m = 0; m < 2; ++m) {
+      if (kk + ahead < K) PrefetchRunL2((m ? w1 : w0) + (kk + ahead) * ld, ncols * int64_t{4});
       for (int r = 0; r < rows; ++r)
         AxpyRow<VL>(a[kk * as + r], (m ? w1 : w0) + kk * ld, ncols, (m ? acc1 : acc0) + r * ars);
+    }
 }
 
 // Streaming over bfloat16 weights, R rows (compile time), two rows of W per
@@ -221,8 +227,13 @@ void AccumulateRowsBf16R(const float* a, int64_t as, const uint16_t* w, int64_t 
     else return v;
   };
   for (int i = 0; i < R * ncols; ++i) acc[i] = 0.0f;
+  const int64_t ahead = StreamAheadRows(ncols * int64_t{2});
   int64_t kk = 0;
   for (; kk + 1 < K; kk += 2) {
+    if (kk + ahead + 1 < K) {
+      PrefetchRunL2(w + (kk + ahead) * ld, ncols * int64_t{2});
+      PrefetchRunL2(w + (kk + ahead + 1) * ld, ncols * int64_t{2});
+    }
     const int64_t k0 = kDot ? kk + 1 : kk, k1 = kDot ? kk : kk + 1;
     float av[2][R];
 #pragma GCC unroll 4

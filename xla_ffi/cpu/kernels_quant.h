@@ -22,9 +22,7 @@ namespace {
 // Streaming accumulation over quantized weights: R rows (compile time),
 // columns [n0, n0+ncols) of m; acc[r*ncols + c] = sum_kk a[kk*as + r] * w[kk, c]
 // in kk order, w dequantized once per element for all rows.  Software
-// prefetch kPrefetchRows rows (int4: byte rows) ahead: each row's run is short
-// (<= 1 kB) and the runs cross pages the hardware prefetcher stops at.
-constexpr int kPrefetchRows = 8;
+// prefetch (PrefetchRunL2) `ahead` rows (int4: byte rows) ahead.
 
 // Two rows of W into R rows of accumulators (row r at acc + r * ncols): row
 // kk's FMA, then row kk+1's, per element -- the kk order every path keeps.
@@ -51,6 +49,7 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
   for (int i = 0; i < R * ncols; ++i) acc[i] = 0.0f;
   // the item's scales (and mins) in float32, converted once (int4: per group)
   float sc[kMaxStreamCols], zc[kMaxStreamCols];
+  const int64_t ahead = StreamAheadRows(ncols);  // a byte per weight, or per two rows' weights
   if constexpr (kQ == kQInt8) {
     const int8_t* q = static_cast<const int8_t*>(m.q) + n0;
     ScalesToFloat<VL, kQ, kB>(m.scale, n0, ncols, sc);
@@ -60,11 +59,10 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
       const bool two = kk + 1 < K;
       const int8_t* qr0 = q + kk * N;
       const int8_t* qr1 = two ? qr0 + N : qr0;
-      if (kk + kPrefetchRows + 1 < K)
-        for (int l = 0; l < ncols; l += 64) {
-          __builtin_prefetch(qr0 + kPrefetchRows * N + l, 0, 3);
-          __builtin_prefetch(qr1 + kPrefetchRows * N + l, 0, 3);
-        }
+      if (kk + ahead + 1 < K) {
+        PrefetchRunL2(qr0 + ahead * N, ncols);
+        PrefetchRunL2(qr1 + ahead * N, ncols);
+      }
       float a0[R], a1[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) a0[r] = a[kk * as + r], a1[r] = two ? a[(kk + 1) * as + r] : 0.0f;
@@ -105,11 +103,10 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
     for (int64_t kk = 0; kk < K; kk += 2) {
       const uint8_t* qr0 = q + kk * N;
       const uint8_t* qr1 = qr0 + N;
-      if (kk + kPrefetchRows + 1 < K)
-        for (int l = 0; l < ncols; l += 64) {
-          __builtin_prefetch(qr0 + kPrefetchRows * N + l, 0, 3);
-          __builtin_prefetch(qr1 + kPrefetchRows * N + l, 0, 3);
-        }
+      if (kk + ahead + 1 < K) {
+        PrefetchRunL2(qr0 + ahead * N, ncols);
+        PrefetchRunL2(qr1 + ahead * N, ncols);
+      }
       if (kk % m.group == 0) ScalesToFloat<VL, kQ, kB>(m.scale, (kk / m.group) * N + n0, ncols, sc);
       float a0[R], a1[R];
 #pragma GCC unroll 4
@@ -130,8 +127,7 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
     const uint8_t* q = static_cast<const uint8_t*>(m.q) + n0;
     for (int64_t kk = 0; kk < K; kk += 2) {
       const uint8_t* qr = q + (kk / 2) * N;
-      if (kk / 2 + kPrefetchRows < K / 2)
-        for (int l = 0; l < ncols; l += 64) __builtin_prefetch(qr + kPrefetchRows * N + l, 0, 3);
+      if (kk / 2 + ahead < K / 2) PrefetchRunL2(qr + ahead * N, ncols);
       if (kk % m.group == 0) {
         ScalesToFloat<VL, kQ, kB>(m.scale, (kk / m.group) * N + n0, ncols, sc);
         if constexpr (kMins(kQ)) ScalesToFloat<VL, kQ, kB>(m.zero, (kk / m.group) * N + n0, ncols, zc);
