@@ -87,14 +87,6 @@ NBX_AI typename VecT<VL>::type FusedMulAdd(typename VecT<VL>::type a, typename V
 #endif
 }
 
-// c + a*b for a scalar a and a vector or scalar b: one fused multiply-add
-// where the file is compiled with FMA (x86 -mfma), else a*b + c (which
-// -ffp-contract=fast fuses where the ISA has it: aarch64).  Every kernel's
-// accumulation step is written with it, never as `acc += a * b`: whether a
-// compiler contracts that is its own choice (built by the compiler of the
-// H200 machine's image, the by-columns streaming differed from the packed
-// kernels by an ulp, most likely a step it left unfused), and every kernel
-// must round each step alike.
 // Software prefetch for the streaming (decode) kernels: the `bytes` of a
 // weight row's run that a kernel will read `ahead` rows from now, a line at a
 // time, into L2 (prefetcht1).  Each run is short (<= 4 kB) and the runs of
@@ -109,12 +101,21 @@ NBX_AI void PrefetchRunL2(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(c + l, 0, 2);
 }
-// The rows ahead for runs of `run_bytes`: kStreamAheadBytes of them, 1 to 32.
+// The rows ahead for runs of `run_bytes`: kStreamAheadBytes of them, at most
+// 32 (at least 1: the division rounds up).
 NBX_AI int64_t StreamAheadRows(int64_t run_bytes) {
   const int64_t rows = (kStreamAheadBytes + run_bytes - 1) / (run_bytes > 0 ? run_bytes : 1);
-  return rows < 1 ? 1 : rows > 32 ? 32 : rows;
+  return rows > 32 ? 32 : rows;
 }
 
+// c + a*b for a scalar a and a vector or scalar b: one fused multiply-add
+// where the file is compiled with FMA (x86 -mfma), else a*b + c (which
+// -ffp-contract=fast fuses where the ISA has it: aarch64).  Every kernel's
+// accumulation step is written with it, never as `acc += a * b`: whether a
+// compiler contracts that is its own choice (built by the compiler of the
+// H200 machine's image, the by-columns streaming differed from the packed
+// kernels by an ulp, most likely a step it left unfused), and every kernel
+// must round each step alike.
 template <class W>
 NBX_AI W MulAdd(float a, W b, W c) {
   if constexpr (std::is_same_v<W, float>) {
