@@ -13,7 +13,7 @@
 #include <xmmintrin.h>
 #endif
 
-#include "cpu/dot_pack.h"
+#include "testing/dot_pack.h"
 #include "testing/kernel_test_support.h"
 #include "testing/kernel_tests.h"
 #include "testing/sweep_runner.h"
@@ -55,7 +55,8 @@ std::vector<int64_t> SplitKEven(int64_t K, Rng& rng) {
 
 // gemm1 / gemm2 of a dot-kernel table: x and the weights bfloat16 (x given
 // as a float32 packed panel of bfloat16 values, packed into pairs by
-// dot_pack.h as the drivers will), every output against float64 (the
+// dot_pack.h's reference packers, whose words the tables' own pack_a /
+// pack_b give: SweepPackA, SweepPackB), every output against float64 (the
 // products are exact; the float32 sums are rounded once per product, as the
 // float32 kernels' are: the same tolerance), unwritten and stray elements,
 // and K-blocks through the partial sums giving the bits of one pass.

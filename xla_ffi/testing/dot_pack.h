@@ -1,7 +1,10 @@
-// Packing for the bfloat16 dot-product kernels (kernels_dot.h layouts):
-// uint32 words of two bfloat16, the low half row 2p and the high half row
-// 2p+1 of a K-block, a missing row 2p+1 (odd K) 0.  Portable code, shared by
-// every dot-kernel table (the layout does not depend on the instruction).
+// The reference packers of the bfloat16 dot-product kernels (kernels_dot.h
+// layouts): uint32 words of two bfloat16, the low half row 2p and the high
+// half row 2p+1 of a K-block, a missing row 2p+1 (odd K) 0.  Portable, one
+// scalar loop per layout (it does not depend on the instruction).  Test code:
+// the forward packs with each dot table's own pack_a / pack_b
+// (kernel_table.h), which dot_kernel_tests.cc sweeps against these, word for
+// word, and whose GEMMs it feeds with operands packed here.
 #pragma once
 
 #include <algorithm>
