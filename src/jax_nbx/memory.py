@@ -49,8 +49,9 @@ def fused_moe_workspace_bytes(tokens: int, k: int, E: int, H: int, I: int,
     ``bf16_dot``: for calls that run the bfloat16 dot-product kernels,
     ``precision="bfloat16"``, or ``precision=None`` with bfloat16 x where
     `cpu.bf16_dot_by_default`: the blocking of the ``dot`` kernel family
-    (`cpu.isa_families`), and, where x or the activations cannot become
-    bfloat16 pairs in place, a chunk's pairs besides).  ``tokens=0`` gives the part that does not
+    (`cpu.isa_families`), and room for a chunk's x or activations as
+    bfloat16 pairs, used only where they cannot become pairs in place but
+    counted for every such call).  ``tokens=0`` gives the part that does not
     shrink with the band.  ``lora_rank`` > 0 (LoRA adapters, their ranks
     summed): the forward with adapters instead, per slot the weighted output row,
     g | u, the activations and the rank products (float32,

@@ -27,9 +27,11 @@ ScratchLayout LayOutScratch(int64_t H, int64_t I, const KernelTable& kt, bool do
   // (also one m-panel's GEMM1 sums, when they are stored for the epilogue
   // within a single K-block)
   const int64_t raw_floats = std::max(rows * 2 * std::min(kStreamCols, I), mr * 2 * vl);
-  // (precision="bfloat16" where A cannot become pairs in place -- an odd K of
-  // two words per pair, RunGemm -- a chunk's packed A of one K-block, up to
-  // kMaxDotAWords 4-byte words per pair and row)
+  // (precision="bfloat16": a chunk's packed A of one K-block, up to
+  // kMaxDotAWords 4-byte words per pair and row, used only where A cannot
+  // become pairs in place -- an odd K of two words per pair, RunGemm -- but
+  // counted for every such call: the dot kernels, and so their words per
+  // pair, are chosen when the call runs, after the plan)
   const int64_t dot_a = dot ? kt.chunk_panels * mr * kMaxDotAWords *
                                   ((std::min<int64_t>(kt.kc, std::max(H, I)) + 1) / 2)
                             : 0;
