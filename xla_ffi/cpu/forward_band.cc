@@ -17,8 +17,8 @@ ScratchLayout LayOutScratch(int64_t H, int64_t I, const KernelTable& kt, bool do
   const int64_t mr = kt.mr, vl = kt.vl;
   const int64_t cols1 = 2 * RoundUp(std::min<int64_t>(kt.nc, I), vl);  // gate||up
   const int64_t cols2 = RoundUp(std::min<int64_t>(kt.nc, H), 2 * vl);  // down
-  const int64_t packed =
-      std::max(std::min<int64_t>(kt.kc, H) * cols1, std::min<int64_t>(kt.kc, I) * cols2);
+  const int64_t packed = std::max(PackedBlockFloats(std::min<int64_t>(kt.kc, H), cols1, kt.vl),
+                                  PackedBlockFloats(std::min<int64_t>(kt.kc, I), cols2, kt.vl));
   const int64_t part =
       kt.chunk_panels * mr * std::max(H > kt.kc ? cols1 : 0, I > kt.kc ? cols2 : 0);
   const int64_t rows = std::min(kStreamRows, mr);

@@ -5,8 +5,9 @@
 // to the instruction set's kernel table (kernel_table.h).
 //
 // A packed block holds rows [k0, k0+kc) of columns [n0, n0+nc) as
-// micro-panels 2*VL floats wide: panel q at dst + q*kc*2VL, row i at
-// + i*2VL, zero-padded past nc (kernels.h's packed-B layout).
+// micro-panels 2*VL floats wide: panel q at dst + q*PanelStride(kc, VL)
+// (kernel_table.h: kc rows and a skew), row i at + i*2VL, zero-padded past
+// nc (kernels.h's packed-B layout).
 #pragma once
 
 #include <algorithm>
@@ -105,7 +106,7 @@ void PackRowsT(const W* const* m, int64_t ld, int64_t k0, int kc, int64_t n0, in
     const W* row[NS];
     for (int s = 0; s < NS; ++s) row[s] = m[s] + (k0 + i) * ld + n0;
     float* d = dst + i * 2 * VL;
-    for (int q = 0; q < nsub; ++q, d += kc * 2 * VL) {
+    for (int q = 0; q < nsub; ++q, d += PanelStride(kc, VL)) {
       const int n = std::min(C, nc - q * C);
       for (int s = 0; s < NS; ++s) CopyPad<C>(row[s] + q * C, n, d + s * C);
     }
@@ -131,7 +132,7 @@ void PackColumns(const W* const* m, int64_t ld, int64_t k0, int kc, int64_t n0, 
   const int w = 2 * vl, C = w / NS, nsub = (nc + C - 1) / C;
   for (int s = 0; s < NS; ++s)
     for (int c = 0; c < nsub * C; ++c) {
-      float* d = dst + (c / C) * kc * w + s * C + c % C;
+      float* d = dst + (c / C) * PanelStride(kc, vl) + s * C + c % C;
       if (c >= nc) {
         for (int i = 0; i < kc; ++i) d[i * w] = 0.0f;
         continue;
@@ -151,7 +152,7 @@ void PackStrided(const W* const* m, int64_t sk, int64_t sn, int64_t k0, int kc, 
     for (int q = 0; q < nsub; ++q)
       for (int s = 0; s < NS; ++s) {
         const W* row = m[s] + (k0 + i) * sk + n0 * sn;
-        float* d = dst + q * kc * w + i * w + s * C;
+        float* d = dst + q * PanelStride(kc, vl) + i * w + s * C;
         for (int j = 0; j < C; ++j) {
           const int c = q * C + j;
           d[j] = c < nc ? ToFloat(row[c * sn]) : 0.0f;

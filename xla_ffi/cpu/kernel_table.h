@@ -47,6 +47,20 @@ inline int64_t StreamItemColumns(int64_t n0, int64_t N) {
   return N - n0 < kMaxStreamCols ? N - n0 : kMaxStreamCols;
 }
 
+// The packed-B layout's step from one micro-panel to the next: `rows` rows
+// (float32 panels: the K-block's kc; bfloat16 pairs: ceil(kc/2)) of 2*vl
+// floats or words, then kPanelSkew more.  A 128-row micro-panel is 4, 8 or
+// 16 kB, a multiple of 4 kB: without the skew a packer's stores (row i of
+// panel after panel) all fall into one set of the L1 cache, and packing ran
+// 2.4x slower (a standalone loop on a Zen 4, docs/benchmarks.md).
+constexpr int64_t kPanelSkew = 16;  // floats or words: one 64-byte line
+inline int64_t PanelStride(int64_t rows, int vl) { return rows * 2 * vl + kPanelSkew; }
+// Floats (words) of a packed block of `rows` rows and `cols` columns: whole
+// micro-panels of 2*vl columns, each PanelStride apart.
+inline int64_t PackedBlockFloats(int64_t rows, int64_t cols, int vl) {
+  return (cols + 2 * vl - 1) / (2 * vl) * PanelStride(rows, vl);
+}
+
 // Unit row weights for a streaming kernel's epilogue (its sums, exact).
 inline constexpr float kStreamUnitWeights[kMaxStreamRows] = {1, 1, 1, 1, 1, 1};
 

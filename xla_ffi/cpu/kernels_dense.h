@@ -444,7 +444,7 @@ NBX_AI void Gemm2StreamCols(const float* a, int64_t as, int rows, const W* wd, i
 
 // KernelTable::pack_cols: rows [k0, k0+kc) of columns [n0, n0+nc) of ns
 // matrices stored by columns (column n at m[s] + n*ld) into the packed-B
-// micro-panels (gemm_driver.h PackRows' layout: panel q at dst + q*kc*2VL,
+// micro-panels (gemm_driver.h PackRows' layout: panel q at dst + q*PanelStride(kc, VL),
 // matrix s at + s*(2VL/ns)), VL x VL blocks turned in registers, zero past nc.
 template <int VL, typename W>
 void PackColumnsT(const void* const* mv, int ns, int64_t ld, int64_t k0, int kc, int64_t n0,
@@ -454,7 +454,7 @@ void PackColumnsT(const void* const* mv, int ns, int64_t ld, int64_t k0, int kc,
   for (int s = 0; s < ns; ++s) {
     const W* m = static_cast<const W*>(mv[s]);
     for (int c0 = 0; c0 < nsub * C; c0 += VL) {  // VL columns at a time (C: VL or 2VL)
-      float* d = dst + (c0 / C) * kc * w + s * C + c0 % C;
+      float* d = dst + (c0 / C) * PanelStride(kc, VL) + s * C + c0 % C;
       const int ncv = nc - c0 < VL ? nc - c0 : VL;  // real columns of the block (may be <= 0)
       int i = 0;
       if (ncv == VL) {
@@ -515,7 +515,7 @@ void PackPairsT(const void* pv, int64_t ld, int64_t k0, int kc, int64_t n0, int 
   for (int i = 0; i < kc; ++i) {
     const W* row = p + (k0 + i) * ld + 2 * n0;
     for (int q = 0; q < nsub; ++q) {
-      float* d = dst + q * kc * w + i * w;
+      float* d = dst + q * PanelStride(kc, VL) + i * w;
       const int ncv = nc - q * VL < VL ? nc - q * VL : VL;
       if (ncv == VL) {
         V g, u;

@@ -348,7 +348,7 @@ void PackBPairs(const void* const* mv, int64_t ld, int64_t k0, int kc, int64_t n
       const uint16_t* even = static_cast<const uint16_t*>(mv[s]) + (k0 + 2 * p) * ld + n0;
       const uint16_t* odd = even + ld;
       for (int q = 0; q < nsub; ++q) {
-        uint32_t* d = dst + (static_cast<int64_t>(q) * pairs + p) * w + s * C;
+        uint32_t* d = dst + q * PanelStride(pairs, VL) + p * w + s * C;
         const uint16_t* e = even + q * C;
         const uint16_t* o = odd + q * C;
         const int n = nc - q * C < C ? nc - q * C : C;

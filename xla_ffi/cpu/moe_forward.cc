@@ -276,7 +276,7 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
         [&](int64_t k0, int kc) {
           if constexpr (WS::kQuant) {
             for (int s = 0; s < ns; ++s)
-              kt.qpack(mats[s], k0, kc, n0, nc, width, packed + s * width, 2 * vl, kc * 2 * vl);
+              kt.qpack(mats[s], k0, kc, n0, nc, width, packed + s * width, 2 * vl, PanelStride(kc, vl));
           } else if (dot != nullptr) {  // pairs of rows (and A's, unless already in place)
             if constexpr (std::is_same_v<W, bf16>) {
               auto* words = reinterpret_cast<uint32_t*>(packed);
@@ -306,8 +306,8 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
               reinterpret_cast<const uint32_t*>(scratch + b.scratch_layout.dot_a_offset);
           for (int q = 0; q < nsub; ++q) {
             const int cols = std::min(width, nc - q * width);
-            const float* bq = packed + q * kc * 2 * vl;
-            const uint32_t* bq_pairs = reinterpret_cast<const uint32_t*>(packed) + q * pairs * 2 * vl;
+            const float* bq = packed + q * PanelStride(kc, vl);
+            const uint32_t* bq_pairs = reinterpret_cast<const uint32_t*>(packed) + q * PanelStride(pairs, vl);
             const float* sq = scale ? scale + q * 2 * vl : nullptr;
             for (int64_t pi = 0; pi < panels; ++pi) {
               const int64_t m = m0 + pi * mr, panel = m / mr;

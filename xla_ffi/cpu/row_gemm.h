@@ -130,12 +130,12 @@ struct TileScratch {
 inline int64_t PaddedKc(int64_t kc, int vl) { return (kc + 2 * vl - 1) / (2 * vl) * (2 * vl); }
 
 inline int64_t TileScratchFloats(int64_t kc, int64_t nc, int mr, int vl, int64_t stream_k) {
-  return kc * nc + kc * mr + 2 * mr * 2 * vl + mr + nc * PaddedKc(kc, vl) +
+  return PackedBlockFloats(kc, nc, vl) + kc * mr + 2 * mr * 2 * vl + mr + nc * PaddedKc(kc, vl) +
          (stream_k + 2 * std::min<int64_t>(kMaxStreamCols, stream_k)) * kMaxStreamRows;
 }
 inline TileScratch CarveTileScratch(float* base, int64_t kc, int64_t nc, int mr, int vl,
                                     int64_t stream_k) {
-  TileScratch s{base, base + kc * nc, nullptr, nullptr, nullptr, nullptr, kc, nc};
+  TileScratch s{base, base + PackedBlockFloats(kc, nc, vl), nullptr, nullptr, nullptr, nullptr, kc, nc};
   s.tile = s.packed_a + kc * mr;
   s.ctile = s.tile + mr * 2 * vl;
   s.ones = s.ctile + mr * 2 * vl;
@@ -155,7 +155,7 @@ inline bool StreamsRows(const KernelTable& kt, int64_t rows) {
 }
 
 // Rows [k0, k0+kc) of a quantized B's columns [n0, n0+nc) as GemmTile's
-// packed panels ([panel][kc][w], zero-padded), dequantized by the
+// packed panels ([panel][kc][w], PanelStride apart, zero-padded), dequantized by the
 // instruction set's packer (KernelTable::qpack) and scaled: int8's column
 // scales and the tensor scale multiply each weight (B = W_q^T: W_q's column
 // scale is B's row scale).
@@ -163,14 +163,15 @@ inline void PackQuantB(const KernelTable& kt, const MatB<Quantized>& b, int64_t 
                        int64_t n0, int nc, const TileScratch& s) {
   const QuantMatrix& m = *reinterpret_cast<const QuantMatrix*>(b.p);
   const int w = 2 * kt.vl, np = (nc + w - 1) / w;
+  const int64_t ps = PanelStride(kc, kt.vl);
   const bool by_column = QuantArithOf(m.format) == QuantArith::kColumnScaled;
   if (!b.transposed) {  // B = W_q: its rows
-    kt.qpack(&m, k0, kc, n0, nc, w, s.packed_b, w, int64_t{kc} * w);
+    kt.qpack(&m, k0, kc, n0, nc, w, s.packed_b, w, ps);
     if (by_column || m.tensor_scale != 1.0f)
       for (int p = 0; p < np; ++p)
         for (int j = 0; j < w && p * w + j < nc; ++j) {
           const float sc = (by_column ? ColumnScale(m, n0 + p * w + j) : 1.0f) * m.tensor_scale;
-          for (int i = 0; i < kc; ++i) s.packed_b[(int64_t{p} * kc + i) * w + j] *= sc;
+          for (int i = 0; i < kc; ++i) s.packed_b[p * ps + i * w + j] *= sc;
         }
     return;
   }
@@ -183,7 +184,7 @@ inline void PackQuantB(const KernelTable& kt, const MatB<Quantized>& b, int64_t 
     for (int p = 0; p < np; ++p)
       for (int j = 0; j < w; ++j) {
         const int n = p * w + j;
-        s.packed_b[(int64_t{p} * kc + i) * w + j] = n < nc ? s.qtmp[n * kcp + i] * sc : 0.0f;
+        s.packed_b[p * ps + i * w + j] = n < nc ? s.qtmp[n * kcp + i] * sc : 0.0f;
       }
   }
 }
@@ -276,19 +277,20 @@ void GemmTile(const KernelTable& kt, MatA a, MatB<W> b, MatC c, int64_t m0, int6
           PackA(a, m, rows, k0, kc, mr, s.packed_a);
           for (int q = 0; q < nsub; ++q) {
             const int cols = std::min(w, nc - q * w);
+            const float* bq = s.packed_b + q * PanelStride(kc, kt.vl);
             float* cp = c.p + m * c.ld + (n0 + q * w) * c.sn;
             if (c.sn == 1) {
               if (load)
                 for (int r = 0; r < rows; ++r)
                   std::memcpy(s.tile + r * w, cp + r * c.ld, sizeof(float) * cols);
-              kt.gemm2(s.packed_a, s.packed_b + q * kc * w, kc, s.ones, rows, cols, cp, c.ld,
-                       s.tile, load ? kLoadPartial : 0, /*scale=*/nullptr);
+              kt.gemm2(s.packed_a, bq, kc, s.ones, rows, cols, cp, c.ld, s.tile,
+                       load ? kLoadPartial : 0, /*scale=*/nullptr);
             } else {  // through ctile: gathered from C, computed, scattered back
               if (load)
                 for (int r = 0; r < rows; ++r)
                   for (int j = 0; j < cols; ++j) s.tile[r * w + j] = cp[r * c.ld + j * c.sn];
-              kt.gemm2(s.packed_a, s.packed_b + q * kc * w, kc, s.ones, rows, cols, s.ctile, w,
-                       s.tile, load ? kLoadPartial : 0, /*scale=*/nullptr);
+              kt.gemm2(s.packed_a, bq, kc, s.ones, rows, cols, s.ctile, w, s.tile,
+                       load ? kLoadPartial : 0, /*scale=*/nullptr);
               for (int r = 0; r < rows; ++r)
                 for (int j = 0; j < cols; ++j) cp[r * c.ld + j * c.sn] = s.ctile[r * w + j];
             }

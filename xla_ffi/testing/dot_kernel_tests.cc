@@ -86,7 +86,7 @@ struct DotGemmTester {
     const auto call = [&](int64_t k0, int64_t kc, std::vector<float>& out, float* c, int flags) {
       const int64_t P = (kc + 1) / 2;
       std::vector<uint32_t> pa(static_cast<size_t>(std::max<int64_t>(P, 1) * mr * t.a_words));
-      std::vector<uint32_t> pb(static_cast<size_t>(std::max<int64_t>(P, 1) * 2 * vl));
+      std::vector<uint32_t> pb(static_cast<size_t>(PanelStride(std::max<int64_t>(P, 1), vl)));
       PackDotPanel(t.a_words, a.data(), k0, static_cast<int>(kc), mr, pa.data());
       if (down) PackRowsPairs<1>(mats, cols + 1, k0, static_cast<int>(kc), 0, cols, vl, pb.data());
       else PackRowsPairs<2>(mats, cols + 1, k0, static_cast<int>(kc), 0, cols, vl, pb.data());
@@ -159,7 +159,7 @@ struct DotStreamTester {
     std::vector<uint32_t> pa(static_cast<size_t>(std::max(P, 1) * mr * t.a_words));
     PackDotPanel(t.a_words, panel.data(), 0, static_cast<int>(s.K), mr, pa.data());
     const int width = s.down ? 2 * vl : vl, nsub = (s.ncols + width - 1) / width;
-    std::vector<uint32_t> pb(static_cast<size_t>(std::max(P, 1)) * nsub * 2 * vl);
+    std::vector<uint32_t> pb(static_cast<size_t>(nsub * PanelStride(std::max(P, 1), vl)));
     const bf16* mats[2] = {static_cast<const bf16*>(first.Data()),
                            second ? static_cast<const bf16*>(second->Data()) : nullptr};
     if (s.down) PackRowsPairs<1>(mats, ld, 0, static_cast<int>(s.K), 0, s.ncols, vl, pb.data());
@@ -167,7 +167,7 @@ struct DotStreamTester {
     std::vector<float> packed = grid.Fresh(), c(static_cast<size_t>(mr * 2 * vl));
     for (int q = 0; q < nsub; ++q) {
       const int cols = std::min(width, s.ncols - q * width);
-      const uint32_t* b = pb.data() + static_cast<int64_t>(q) * P * 2 * vl;
+      const uint32_t* b = pb.data() + q * PanelStride(P, vl);
       float* o = packed.data() + grid.At(0, q * width);
       if (s.down) t.gemm2(pa.data(), b, P, w.data(), s.rows, cols, o, grid.rs, c.data(), 0);
       else t.gemm1(pa.data(), b, P, TestGlu(s.act), s.rows, cols, o, grid.rs, grid.cs, c.data(), 0);
@@ -365,7 +365,7 @@ void SweepPackA(const DotKernelTable& t, Rng& rng, Report& report) {
 // lengths odd and even (the missing odd row), offsets k0 and n0 into the
 // matrices, widths nc that end inside a micro-panel and whole ones, random
 // bits (any bfloat16, NaNs included: packing moves bits); the words past
-// the block are poisoned and must stay so.
+// the block and the skew between its panels are poisoned and must stay so.
 void SweepPackB(const DotKernelTable& t, Rng& rng, Report& report) {
   const int C1 = 2 * t.vl;
   for (const int ns : {1, 2})
@@ -383,7 +383,7 @@ void SweepPackB(const DotKernelTable& t, Rng& rng, Report& report) {
           mv[s] = m[s].data();
         }
         const int nsub = (nc + C1 / ns - 1) / (C1 / ns);
-        const size_t words = static_cast<size_t>(nsub) * ((kc + 1) / 2) * C1;
+        const size_t words = static_cast<size_t>(nsub * PanelStride((kc + 1) / 2, t.vl));
         std::vector<uint32_t> want(words + 16, 0xdeadbeefu), got(words + 16, 0xdeadbeefu);
         if (ns == 1) PackRowsPairs<1>(mats, ld, k0, kc, n0, nc, t.vl, want.data());
         else PackRowsPairs<2>(mats, ld, k0, kc, n0, nc, t.vl, want.data());

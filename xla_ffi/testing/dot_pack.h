@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu/kernel_table.h"
 #include "dtypes.h"
 
 namespace nbx {
@@ -59,7 +60,7 @@ inline void PackDotPanel(int a_words, const float* a, int64_t k0, int kc, int mr
 
 // Packed B: rows [k0, k0+kc) of columns [n0, n0+nc) of NS bfloat16
 // row-major matrices m[s] (leading dimension ld) as micro-panels 2vl words
-// wide (panel q at dst + q*P*2vl, pair p at + p*2vl, P = ceil(kc/2)), each
+// wide (panel q at dst + q*PanelStride(P, vl), pair p at + p*2vl, P = ceil(kc/2)), each
 // holding the next 2vl/NS columns of every matrix in turn (NS = 2: gate||up
 // for GEMM1; NS = 1: down), zero past nc.
 template <int NS>
@@ -72,7 +73,7 @@ void PackRowsPairs(const bf16* const* m, int64_t ld, int64_t k0, int kc, int64_t
       const bf16* even = m[s] + (k0 + 2 * p) * ld + n0;
       const bf16* odd = has_odd ? even + ld : nullptr;
       for (int q = 0; q < nsub; ++q) {
-        uint32_t* d = dst + (static_cast<int64_t>(q) * pairs + p) * w + s * C;
+        uint32_t* d = dst + q * PanelStride(pairs, vl) + p * w + s * C;
         const int n = std::min(C, nc - q * C);
         for (int j = 0; j < n; ++j)
           d[j] = Bf16Pair(even[q * C + j].bits, odd ? odd[q * C + j].bits : uint16_t{0});

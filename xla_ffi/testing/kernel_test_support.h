@@ -259,6 +259,13 @@ inline Grid OutputGrid(int rows, int cols, bool column_major) {
   return column_major ? MakeGrid(rows, cols, 1, rows + 2) : MakeGrid(rows, cols, cols + 3, 1);
 }
 
+// A packed block of kc rows and nsub micro-panels w = 2*vl wide, the panels
+// PanelStride(kc, vl) apart (kernel_table.h): element (i, q*w + j) is row i
+// of panel q; the skew between panels must stay untouched.
+inline Grid PackedGrid(int kc, int nsub, int w, int vl) {
+  return MakeGrid(kc, nsub * w, w, 1, w, PanelStride(kc, vl));
+}
+
 // n consecutive elements (guards n long).
 inline Grid FlatGrid(int64_t n) { return MakeGrid(1, static_cast<int>(n), n, 1); }
 

@@ -182,12 +182,12 @@ void SweepPackCols(const KernelTable& t, Rng& rng, Report& report) {
           for (int sidx = 0; sidx < ns; ++sidx) mats.emplace_back(ld - 1, static_cast<int>(N), ld, wi == 1, false, rng, true);
           const void* mv[2] = {mats[0].Data(), ns == 2 ? mats[1].Data() : nullptr};
           const int C = w / ns, nsub = (nc + C - 1) / C;
-          const Grid grid = FlatGrid(static_cast<int64_t>(nsub) * kc * w);
+          const Grid grid = PackedGrid(kc, nsub, w, t.vl);
           std::vector<float> out = grid.Fresh();
           t.pack_cols[wi](mv, ns, ld, k0, kc, n0, nc, out.data() + grid.base);
           ScanGrid("packed", out, grid, true,
-                   [&](int, int idx, float got) -> std::string {
-                     const int q = idx / (kc * w), i = (idx % (kc * w)) / w, j = idx % w;
+                   [&](int i, int col, float got) -> std::string {
+                     const int q = col / w, j = col % w;
                      const int sidx = j / C, c = q * C + j % C;
                      const float want = c < nc ? mats[sidx].At(k0 + i, n0 + c) : 0.0f;
                      if (got == want || (std::isnan(got) && std::isnan(want))) return "";
@@ -212,12 +212,12 @@ void SweepPackPairs(const KernelTable& t, Rng& rng, Report& report) {
         const int64_t ld = 2 * N + rng.Int(0, 3);
         const DenseWeights m(k0 + kc, static_cast<int>(2 * N), ld, wi == 1, false, rng);
         const int nsub = (nc + t.vl - 1) / t.vl;
-        const Grid grid = FlatGrid(static_cast<int64_t>(nsub) * kc * w);
+        const Grid grid = PackedGrid(kc, nsub, w, t.vl);
         std::vector<float> out = grid.Fresh();
         t.pack_pairs[wi](m.Data(), ld, k0, kc, n0, nc, out.data() + grid.base);
         ScanGrid("packed", out, grid, true,
-                 [&](int, int idx, float got) -> std::string {
-                   const int q = idx / (kc * w), i = (idx % (kc * w)) / w, j = idx % w;
+                 [&](int i, int col, float got) -> std::string {
+                   const int q = col / w, j = col % w;
                    const int c = q * t.vl + j % t.vl, s = j / t.vl;
                    const float want = c < nc ? m.At(k0 + i, 2 * (n0 + c) + s) : 0.0f;
                    if (got == want) return "";
