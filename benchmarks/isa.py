@@ -31,7 +31,8 @@ printed:
   the copy's read rate in the same rounds; target <= 1.3 for bf16);
 * ``÷ best``: each ISA's time over the fastest ISA's on that row; the ISA
   jax_nbx chooses by itself for the row's kernel family (prefill: packed;
-  decode: stream, quantized decode: qstream; precision="bfloat16": dot;
+  decode: stream for bf16 weights, stream_f32 for float32, quantized decode:
+  qstream; precision="bfloat16": dot;
   `jax_nbx.cpu.isa_families`) is
   marked ``*`` (target: never above 1.03).  ``--calibrate`` first runs
   `jax_nbx.calibrate_isa` and marks its choice instead.
@@ -74,7 +75,7 @@ def _family(T, fmt, prec) -> str:
         return "dot"
     if T > 8:
         return "packed"
-    return "qstream" if fmt in ("int8", "int4") else "stream"
+    return "qstream" if fmt in ("int8", "int4") else "stream_f32" if fmt == "f32" else "stream"
 
 
 def _experts(m, fmt, T):

@@ -9,7 +9,7 @@ fastest per family (the default's unless another is faster by more than
 ``tolerance``)::
 
     import jax_nbx as nbx
-    cal = nbx.calibrate_isa()        # seconds (three compilations); cached for the process
+    cal = nbx.calibrate_isa()        # seconds (a compilation per family); cached for the process
     print(cal.chosen, cal.times_ms)  # e.g. "avx2" {"packed": {"avx512": 41.2, "avx2": 33.0, ...}, ...}
 
 Calibration trades reproducibility for speed: two processes may time the
@@ -35,11 +35,12 @@ __all__ = ["Calibration", "calibrate_isa", "candidates", "choose"]
 
 # family -> (T, E, k, H, I, weights): small enough to time in milliseconds,
 # shaped so the whole call runs that family's kernels (packed: every expert
-# gets T*k/E = 96 rows, more than the 6 that stream; stream/qstream: T = 1;
+# gets T*k/E = 96 rows, more than the 6 that stream; stream/stream_f32/qstream: T = 1;
 # dot: the packed shape in bfloat16 under precision="bfloat16").
 PROBLEMS = {
     "packed": (192, 4, 2, 1024, 512, "f32"),
     "stream": (1, 8, 2, 2048, 1024, "bf16"),
+    "stream_f32": (1, 8, 2, 2048, 1024, "f32"),
     "qstream": (1, 8, 2, 2048, 1024, "int4"),
     "dot": (192, 4, 2, 1024, 512, "bf16dot"),
 }

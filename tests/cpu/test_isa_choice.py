@@ -42,7 +42,8 @@ def test_default_rule_per_cpu():
     every = lambda i: {f: i for f in nbx.cpu.FAMILIES}  # noqa: E731
     assert _ffi.cpu_default_families("GenuineIntel", 6, full) == every("avx512")
     # AMD family 19h (Zen 4 double-pumps 512-bit FMAs): AVX2 measured faster, but for the
-    # bfloat16 dot products (VDPBF16PS on the 16 x 12 blocking) and bf16/f32 streaming
+    # bfloat16 dot products (VDPBF16PS on the 16 x 12 blocking) and bf16 streaming (float32
+    # streaming, its own family, stays AVX2)
     assert _ffi.cpu_default_families("AuthenticAMD", 0x19, full) == {**every("avx2"), "dot": "avx512",
                                                                      "stream": "avx512"}
     assert _ffi.cpu_default_families("AuthenticAMD", 0x19, "avx2,generic") == every("avx2")
@@ -54,14 +55,14 @@ def test_default_rule_per_cpu():
 @two_isas
 def test_composition_forms_and_report():
     a, b = ISAS[-2], ISAS[-1]  # e.g. avx2, generic
-    nbx.cpu.set_isa(f"packed={b},stream={a},qstream={b},dot={a}")
-    assert nbx.cpu.isa() == f"packed={b},stream={a},qstream={b},dot={a}"
-    assert nbx.cpu.isa_families() == {"packed": b, "stream": a, "qstream": b, "dot": a}
+    nbx.cpu.set_isa(f"packed={b},stream={a},qstream={b},dot={a},stream_f32={b}")
+    assert nbx.cpu.isa() == f"packed={b},stream={a},qstream={b},dot={a},stream_f32={b}"
+    assert nbx.cpu.isa_families() == {"packed": b, "stream": a, "qstream": b, "dot": a, "stream_f32": b}
     nbx.cpu.set_isa({"stream": b})  # the families not named take the default's
     assert nbx.cpu.isa_families()["stream"] == b
     nbx.cpu.set_isa(a)  # one name: every family
     assert nbx.cpu.isa() == a and set(nbx.cpu.isa_families().values()) == {a}
-    nbx.cpu.set_isa(f"packed={a},stream={a},qstream={a},dot={a}")  # all the same: the plain table
+    nbx.cpu.set_isa(",".join(f"{f}={a}" for f in nbx.cpu.FAMILIES))  # all the same: the plain table
     assert nbx.cpu.isa() == a
 
 
@@ -74,11 +75,11 @@ def test_dot_family_sets_the_bfloat16_blocking():
     blockings where the CPU has it)."""
     a, b = ISAS[0], ISAS[1]  # e.g. avx512 (16 x 12), avx2 (8 x 6)
     plan = lambda dot: nbx.memory.fused_moe_workspace_bytes(150, 2, 4, 224, 96, bf16_dot=dot)  # noqa: E731
-    nbx.cpu.set_isa(f"packed={a},stream={a},qstream={a},dot={a}")
+    nbx.cpu.set_isa(a)
     dot_a, f32_a = plan(True), plan(False)
-    nbx.cpu.set_isa(f"packed={a},stream={a},qstream={a},dot={b}")
+    nbx.cpu.set_isa(f"packed={a},stream={a},qstream={a},dot={b},stream_f32={a}")
     assert plan(False) == f32_a and plan(True) != dot_a
-    nbx.cpu.set_isa(f"packed={b},stream={b},qstream={b},dot={a}")
+    nbx.cpu.set_isa(f"packed={b},stream={b},qstream={b},dot={a},stream_f32={b}")
     assert plan(True) == dot_a and plan(False) != f32_a
     x, w, ids, ex = _layer(150, 4, 2, 224, 96, jnp.bfloat16, seed=3)  # 75 rows per expert: packed
     x = x.astype(jnp.bfloat16)
@@ -139,7 +140,8 @@ def test_each_family_gives_its_isas_bits(case):
     other's (the two differ on this input, so the test can fail)."""
     a, b = ISAS[-2], ISAS[-1]
     kind, fmt = case.split("-")
-    T, family = (1, "qstream" if fmt.startswith("int") else "stream") if kind == "decode" else (150, "packed")
+    streams = {"int4": "qstream", "int8": "qstream", "bf16": "stream", "f32": "stream_f32"}
+    T, family = (1, streams[fmt]) if kind == "decode" else (150, "packed")
     # decode: 1 row per expert (streamed); prefill: 75 rows per expert (packed); H, I multiples of
     # the int4 group (32) only
     x, w, ids, ex = _layer(T, 4, 2, 224, 96, jnp.float32 if fmt in ("f32", "int8", "int4") else jnp.bfloat16,
@@ -168,7 +170,7 @@ def test_mixed_call_and_gradient_under_a_composition():
     ids[:, 1] = 1
     ids[0, 0] = 2  # expert 2: one row (streamed); experts 0, 1: 33 rows (packed)
     ids = jnp.asarray(ids)
-    nbx.cpu.set_isa(f"packed={b},stream={a},qstream={b}")
+    nbx.cpu.set_isa(f"packed={b},stream_f32={a},qstream={b}")
     y = nbx.fused_moe(x, w, ids, ex, implementation="ffi")
     ref = nbx.moe_reference(x, w, ids, ex)
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=2e-5, atol=2e-5)

@@ -1,19 +1,21 @@
 // Run-time choice of the micro-kernels' instruction set, per kernel family.
 //
-// A KernelTable's entries fall into three families that never exchange
+// A KernelTable's entries fall into five families that never exchange
 // anything but plain float32 rows (kernel_table.h), so each may come from a
 // different instruction set:
 //   packed   the K-block GEMMs and everything sized by the table's blocking
 //            (vl, mr, kc, nc, chunk_panels, gemm1/gemm2, qpack, glu,
 //            pack_cols, pack_pairs): prefill and every expert with more
 //            rows than kMaxStreamRows;
-//   stream   float32/bfloat16 weights streamed in place (stream1/2, their
-//            by-columns forms, stream_pair): decode;
+//   stream   bfloat16 weights streamed in place (the [1] entries of
+//            stream1/2, their by-columns forms, stream_pair): decode;
 //   qstream  int8/int4 weights streamed in place (qstream1/2): quantized
 //            decode;
 //   dot      the blocking (and the plain table) that precision="bfloat16"
-//            runs on, with the dot kernels of that blocking (dot_table).
-// A composed table (e.g. "packed=avx2,stream=avx512,qstream=avx512,dot=avx512") takes
+//            runs on, with the dot kernels of that blocking (dot_table);
+//   stream_f32  float32 weights streamed in place (the [0] entries).
+// A composed table (e.g. "packed=avx2,stream=avx512,qstream=avx2,dot=avx512,
+// stream_f32=avx2") takes
 // each family's entries from its instruction set's own table, so each
 // family's results are those of that instruction set alone, bit for bit
 // (tests/test_isa_choice.py).
@@ -35,7 +37,7 @@ namespace {
 
 constexpr int kNumIsas = 3;
 const char* const kIsas[kNumIsas] = {"avx512", "avx2", "generic"};  // best first
-const char* const kFamilies[kNumFamilies] = {"packed", "stream", "qstream", "dot"};
+const char* const kFamilies[kNumFamilies] = {"packed", "stream", "qstream", "dot", "stream_f32"};
 
 #if defined(__x86_64__) || defined(_M_X64)
 // F16C (CPUID.1:ECX bit 29): the AVX2 kernels' half conversions (E4M3 decode).
@@ -97,10 +99,10 @@ void CpuId(char vendor[13], int* family) {
 // table it started with while another thread selects a new one).
 struct Composed {
   KernelTable table;
-  char name[64];
+  char name[96];  // "packed=avx512,stream=generic,...": five families
   bool built = false;
 };
-Composed g_composed[kNumIsas * kNumIsas * kNumIsas * kNumIsas];
+Composed g_composed[kNumIsas * kNumIsas * kNumIsas * kNumIsas * kNumIsas];
 std::mutex g_compose_mutex;
 
 const KernelTable* Compose(const int isa[kNumFamilies]) {
@@ -111,10 +113,10 @@ const KernelTable* Compose(const int isa[kNumFamilies]) {
   Composed& c = g_composed[index];
   if (!c.built) {
     const KernelTable& p = *ByIndex(isa[kPacked]);
-    const KernelTable& s = *ByIndex(isa[kStream]);
     const KernelTable& q = *ByIndex(isa[kQStream]);
     c.table = p;  // the packed family: blocking, GEMMs, packing, glu
-    for (int w = 0; w < 2; ++w) {
+    for (int w = 0; w < 2; ++w) {  // [0] float32 weights, [1] bfloat16
+      const KernelTable& s = *ByIndex(isa[w == 0 ? kStreamF32 : kStream]);
       c.table.stream1[w] = s.stream1[w];
       c.table.stream2[w] = s.stream2[w];
       c.table.stream1_cols[w] = s.stream1_cols[w];
@@ -136,7 +138,7 @@ const KernelTable* Compose(const int isa[kNumFamilies]) {
 
 std::atomic<const KernelTable*> g_active{nullptr};
 
-// "packed, stream, qstream, dot": the families' names, for messages.
+// "packed, stream, qstream, dot, stream_f32": the families' names, for messages.
 std::string FamilyList() {
   std::string s;
   for (int f = 0; f < kNumFamilies; ++f) s += std::string(f ? ", " : "") + kFamilies[f];
@@ -212,7 +214,11 @@ void DefaultFamilies(const char* vendor, int family, const char* supported,
   //           bf16 decode row of two runs (isa.py 9 rounds: 1.00-1.17x;
   //           quant.py 7 rounds: 1.06-1.12x), where an earlier run of the
   //           day had read them within 5 %.
-  // qstream stays AVX2 (int4 decode: AVX2 1.07-1.48x faster at T=1).
+  // qstream stays AVX2 (int4 decode: AVX2 1.07-1.48x faster at T=1), and so
+  // does stream_f32, split from stream on 2026-12-05 because the float32
+  // rows disagreed with the bf16 ones: isa.py 5 rounds, f32 decode T=1
+  // AVX-512 1.13x (OLMoE) and 1.07x (Qwen3) the AVX2 time, where the
+  // 2026-12-05 run before had read 1.37x and 1.05x.
   if (std::strcmp(best, "avx512") == 0 && std::strcmp(vendor, "AuthenticAMD") == 0 &&
       family == 0x19 && has("avx2"))
     for (int f = 0; f < kNumFamilies; ++f) out[f] = f == kDot || f == kStream ? "avx512" : "avx2";
@@ -255,7 +261,8 @@ const char* IsaOfFamily(const KernelTable& t, int family) {
     const KernelTable* k = ByIndex(i);
     if (k == nullptr) continue;
     const bool same = family == kPacked    ? t.gemm1 == k->gemm1
-                      : family == kStream  ? t.stream1[0] == k->stream1[0]
+                      : family == kStream  ? t.stream1[1] == k->stream1[1]
+                      : family == kStreamF32 ? t.stream1[0] == k->stream1[0]
                       : family == kQStream ? t.qstream1 == k->qstream1
                                            : t.dot_table == k;
     if (same) return kIsas[i];

@@ -241,9 +241,17 @@ const KernelTable* KernelsAvx512();
 
 // The families of a table's entries, each of which may come from a different
 // instruction set (isa.cc): packed (blocking, GEMMs, packing, glu), stream
-// (float32/bfloat16 weights streamed), qstream (int8/int4 weights streamed),
-// dot (the blocking precision="bfloat16" runs on: dot_table).
-enum KernelFamily : int { kPacked = 0, kStream = 1, kQStream = 2, kDot = 3, kNumFamilies = 4 };
+// (16-bit weights streamed: the [1] entries), qstream (int8/int4 weights
+// streamed), dot (the blocking precision="bfloat16" runs on: dot_table),
+// stream_f32 (float32 weights streamed: the [0] entries).
+enum KernelFamily : int {
+  kPacked = 0,
+  kStream = 1,
+  kQStream = 2,
+  kDot = 3,
+  kStreamF32 = 4,
+  kNumFamilies = 5
+};
 const char* KernelFamilyName(int family);
 
 // The table of an instruction set by name ("avx512", "avx2", "generic"), or
