@@ -214,6 +214,13 @@ void DefaultFamilies(const char* vendor, int family, const char* supported,
   //           bf16 decode row of two runs (isa.py 9 rounds: 1.00-1.17x;
   //           quant.py 7 rounds: 1.06-1.12x), where an earlier run of the
   //           day had read them within 5 %.
+  // The dot family went back to AVX2 (the 8 x 6 blocking, VDPBF16PS on
+  // ymm) on 2026-12-05, after the packed panels' skew (kernel_table.h
+  // PanelStride) made the narrower blocking's packing cheaper: isa.py
+  // prefill-bf16dot, three runs of 5-7 rounds, AVX-512 / AVX2 time: Qwen3
+  // 1.06, 1.12, 1.06; OLMoE 0.98, 1.05, 0.99.  Its decode rows (the fma
+  // streaming kernels of the blocking's width) split by layer: Qwen3 1.21 and
+  // 1.07, OLMoE 0.96 and 0.92; the rule follows prefill, as before.
   // qstream stays AVX2 (int4 decode: AVX2 1.07-1.48x faster at T=1), and so
   // does stream_f32, split from stream on 2026-12-05 because the float32
   // rows disagreed with the bf16 ones: isa.py 5 rounds, f32 decode T=1
@@ -221,7 +228,7 @@ void DefaultFamilies(const char* vendor, int family, const char* supported,
   // 2026-12-05 run before had read 1.37x and 1.05x.
   if (std::strcmp(best, "avx512") == 0 && std::strcmp(vendor, "AuthenticAMD") == 0 &&
       family == 0x19 && has("avx2"))
-    for (int f = 0; f < kNumFamilies; ++f) out[f] = f == kDot || f == kStream ? "avx512" : "avx2";
+    for (int f = 0; f < kNumFamilies; ++f) out[f] = f == kStream ? "avx512" : "avx2";
 }
 
 const char* KernelFamilyName(int f) { return f >= 0 && f < kNumFamilies ? kFamilies[f] : ""; }
