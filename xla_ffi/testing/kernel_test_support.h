@@ -262,7 +262,8 @@ inline Grid OutputGrid(int rows, int cols, bool column_major) {
 // A packed block of kc rows and nsub micro-panels w = 2*vl wide, the panels
 // PanelStride(kc, vl) apart (kernel_table.h): element (i, q*w + j) is row i
 // of panel q; the skew between panels must stay untouched.
-inline Grid PackedGrid(int kc, int nsub, int w, int vl) {
+inline Grid PackedGrid(int kc, int nsub, int vl) {
+  const int w = 2 * vl;
   return MakeGrid(kc, nsub * w, w, 1, w, PanelStride(kc, vl));
 }
 

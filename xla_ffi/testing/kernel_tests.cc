@@ -182,7 +182,7 @@ void SweepPackCols(const KernelTable& t, Rng& rng, Report& report) {
           for (int sidx = 0; sidx < ns; ++sidx) mats.emplace_back(ld - 1, static_cast<int>(N), ld, wi == 1, false, rng, true);
           const void* mv[2] = {mats[0].Data(), ns == 2 ? mats[1].Data() : nullptr};
           const int C = w / ns, nsub = (nc + C - 1) / C;
-          const Grid grid = PackedGrid(kc, nsub, w, t.vl);
+          const Grid grid = PackedGrid(kc, nsub, t.vl);
           std::vector<float> out = grid.Fresh();
           t.pack_cols[wi](mv, ns, ld, k0, kc, n0, nc, out.data() + grid.base);
           ScanGrid("packed", out, grid, true,
@@ -212,7 +212,7 @@ void SweepPackPairs(const KernelTable& t, Rng& rng, Report& report) {
         const int64_t ld = 2 * N + rng.Int(0, 3);
         const DenseWeights m(k0 + kc, static_cast<int>(2 * N), ld, wi == 1, false, rng);
         const int nsub = (nc + t.vl - 1) / t.vl;
-        const Grid grid = PackedGrid(kc, nsub, w, t.vl);
+        const Grid grid = PackedGrid(kc, nsub, t.vl);
         std::vector<float> out = grid.Fresh();
         t.pack_pairs[wi](m.Data(), ld, k0, kc, n0, nc, out.data() + grid.base);
         ScanGrid("packed", out, grid, true,
