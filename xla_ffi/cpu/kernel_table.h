@@ -241,9 +241,10 @@ const KernelTable* KernelsAvx512();
 
 // The families of a table's entries, each of which may come from a different
 // instruction set (isa.cc): packed (blocking, GEMMs, packing, glu), stream
-// (16-bit weights streamed: the [1] entries), qstream (int8/int4 weights
-// streamed), dot (the blocking precision="bfloat16" runs on: dot_table),
-// stream_f32 (float32 weights streamed: the [0] entries).
+// (bfloat16 weights streamed: the [1] entries; float16 ones always pack),
+// qstream (int8/int4 weights streamed), dot (the blocking
+// precision="bfloat16" runs on: dot_table), stream_f32 (float32 weights
+// streamed: the [0] entries).
 enum KernelFamily : int {
   kPacked = 0,
   kStream = 1,
