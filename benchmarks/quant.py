@@ -1,14 +1,15 @@
 """Quantized experts vs bf16 experts on the CPU handler, every supported ISA side by side.
 
     python benchmarks/quant.py [--models olmoe-1b-7b,qwen3-30b-a3b] [--tokens 1,8,256]
-                               [--formats int8,int4,mxfp4,fp8,mxfp8,nvfp4]
+                               [--formats int8,int4,mxfp4,fp8,mxfp8,nvfp4,int8/x8,int4/x8]
                                [--isas avx512,avx2] [--json out.json]
 
 For each model and T: median time of the op with bf16 weights and with each
 quantized format -- int8 (bf16 scales), int4 (group 128, bf16 scales), mxfp4
 (E2M1, E8M0 scales per 32), fp8 (E4M3, bf16 scales per 128 rows), mxfp8 (E4M3,
 E8M0 per 32), nvfp4 (E2M1, E4M3 per 16) -- under each instruction set the CPU
-supports (`jax_nbx.cpu.set_isa`), all in one process and interleaved (each
+supports (`jax_nbx.cpu.set_isa`) -- and "int8/x8", "int4/x8": int8 and int4
+under precision="int8" (x quantized to int8, integer sums) -- all in one process and interleaved (each
 round runs every ISA and format once), and the speed ratios bf16 time /
 quantized time (higher is better for the quantized experts; issue #19's goals:
 decode int4 >= 2.5, int8 >= 1.6; issue #32's: mxfp4 and nvfp4 >= 3, fp8 >=
@@ -32,6 +33,9 @@ from jax_nbx._bench import format_table, machine, make_layer
 # each format as `jax_nbx.quantize` makes it here: (kind, group_size, scale dtype)
 QUANT = {"int8": ("int8", None, jnp.bfloat16), "int4": ("int4", 128, jnp.bfloat16), "mxfp4": ("mxfp4", None, None),
          "fp8": ("fp8", 128, jnp.bfloat16), "mxfp8": ("mxfp8", None, None), "nvfp4": ("nvfp4", None, None)}
+# the same experts under precision="int8" (x quantized to int8, integer sums)
+PRECISION = {"int8/x8": "int8", "int4/x8": "int8"}
+QUANT.update({k: QUANT[k.split("/")[0]] for k in PRECISION})
 
 
 def main(argv=None):
@@ -54,18 +58,24 @@ def main(argv=None):
             ap.error(f"--isas: {i!r} is not supported here (supported: {nbx.cpu.supported_isas()})")
     print(f"{machine()}; ISA chosen: {chosen}; measured: {', '.join(isas)}")
     rows, results = [], []
-    f = jax.jit(nbx.fused_moe)
+    f = jax.jit(nbx.fused_moe, static_argnames=("precision",))
     try:
         for name in args.models.split(","):
             m = nbx.MODELS[name]
             x0, w0, ids0, ex = make_layer(m, 1, jnp.bfloat16)
-            qs = {k: nbx.quantize(ex, QUANT[k][0], group_size=QUANT[k][1], scale_dtype=QUANT[k][2] or jnp.float32)
-                  for k in FORMATS[1:]}
+            made = {}  # one quantized copy per format, whatever the precision
+            for k in FORMATS[1:]:
+                if QUANT[k] not in made:
+                    made[QUANT[k]] = nbx.quantize(ex, QUANT[k][0], group_size=QUANT[k][1],
+                                                  scale_dtype=QUANT[k][2] or jnp.float32)
+            qs = {k: made[QUANT[k]] for k in FORMATS[1:]}
             jax.block_until_ready(qs)
             for T in (int(t) for t in args.tokens.split(",")):
                 x, w, ids, _ = make_layer(m, T, jnp.bfloat16, seed=T)
                 fns = {"bf16": lambda: f(x, w, ids, ex)}
-                fns.update({k: (lambda q=q: f(x, w, ids, q)) for k, q in qs.items()})
+                for k, q in qs.items():
+                    p = PRECISION.get(k)
+                    fns[k] = lambda q=q, p=p: f(x, w, ids, q, precision=p)
                 times = {(i, k): [] for i in isas for k in fns}
                 for r in range(args.repeats + 1):  # round 0 warms up (compiles, first touches)
                     for i in isas:

@@ -57,6 +57,18 @@ inline constexpr double kInvSqrt2 = 0.7071067811865476;
 inline constexpr double kClampedSwiGLUAlpha = 1.702;
 inline constexpr double kClampedSwiGLULimit = 7.0;
 
+// ---------------------------------------------------------------- int8 arithmetic
+// precision="int8" (CPU handler; int8 and int4 experts): each row of x, and of
+// the intermediate act(x@gate) * (x@up), is quantized to int8 in blocks of
+// kInt8Block values along K: amax = max |v| over the block, d = amax / 127,
+// q = rint(v * (127 / amax)) in float32 (ties to even; q = 0 and d = 0 where
+// amax is 0; d = NaN where the block holds a NaN or an infinity).  The sums
+// are exact integer sums of q times the weights' codes per block, scaled in
+// float32 (cpu/kernels_qdot.h has the order); the result is the product of
+// the dequantized rows q * d with the dequantized weights, up to float32
+// rounding.  int4 group sizes are multiples of kInt8Block.
+inline constexpr int64_t kInt8Block = 32;
+
 // ---------------------------------------------------------------- weight formats
 // The codes of the weight formats (the enum attribute "format", int32), as
 // X(enumerator, code, name).  What each format is -- its parts, their dtypes
@@ -149,6 +161,7 @@ inline constexpr int32_t kNumBiases = 3;      // gate, up, down
   NBX_ATTRS_ACTIVATION(X)                                                                \
   X(I64, band_tokens) X(I64, max_workers) X(BOOL, skip_outside) X(I64, num_experts)      \
   X(FMT, format) X(BOOL, stacked) X(I64, group_size) NBX_ATTRS_VIEWS(X) X(BOOL, bf16_dot)   \
+  X(BOOL, int8_dot)                                                                      \
   X(BOOL, tensor_scales) NBX_ATTRS_LORA(X)
 // The CPU backward (kTargetBackward, and its twin).
 #define NBX_ATTRS_CPU_BACKWARD(X)                                                   \

@@ -92,6 +92,7 @@ nb::dict AbiDict() {
   d["inv_sqrt2"] = abi::kInvSqrt2;
   d["clamped_swiglu_alpha"] = abi::kClampedSwiGLUAlpha;
   d["clamped_swiglu_limit"] = abi::kClampedSwiGLULimit;
+  d["int8_block"] = abi::kInt8Block;
 
   d["weight_formats"] = Names(abi::kWeightFormatNames);
   d["projections"] = Names(abi::kProjectionNames);

@@ -41,6 +41,7 @@ ACT_SWIGLU_CLAMPED: int = ACTIVATION_CODES["swiglu_clamped"]
 ACT_GEGLU_ERF: int = ACTIVATION_CODES["geglu_erf"]
 CLAMPED_SWIGLU_ALPHA: float = _d["clamped_swiglu_alpha"]
 CLAMPED_SWIGLU_LIMIT: float = _d["clamped_swiglu_limit"]
+INT8_BLOCK: int = _d["int8_block"]  # precision="int8": x's values per int8 scale
 
 # weight formats: name -> code (the enum attribute "format", int32); None = dense
 WEIGHT_FORMATS: tuple[str, ...] = tuple(_d["weight_formats"])

@@ -57,7 +57,7 @@ def fused_moe(
     ids_outside: Literal["error", "skip"] = "error",
     weights_on: Literal["output", "input"] = "output",
     shared_experts: SharedExperts | None = None,
-    precision: Literal["float32", "bfloat16"] | None = None,
+    precision: Literal["float32", "bfloat16", "int8"] | None = None,
     lora: LoRA | None = None,
 ) -> jax.Array:
     """The MoE feed-forward block: route each token to its k experts, run each
@@ -145,7 +145,15 @@ def fused_moe(
         most 6 rows (the fma kernels, on the instruction's CPUs too) with
         the bits the packed kernels give; with the emulation every expert
         packs.  Gradients are those of the float32 arithmetic (the roundings
-        pass gradients through unchanged).
+        pass gradients through unchanged).  ``"int8"``: int8 and int4
+        experts on the CPU handler, x and the intermediate quantized to int8
+        in blocks of 32 values along K (``d = max|v| / 127``, codes
+        ``rint(v * 127 / max|v|)``), exact integer sums per block scaled in
+        float32 (abi.h "int8 arithmetic"; every instruction set and every
+        row count give the same bits).  Error: about half a code step
+        (``d / 2``) per element of x and the intermediate; NaN or infinity in
+        a block makes that row's outputs NaN.  Every expert streams (decode
+        speed: docs/benchmarks.md); gradients as for ``"bfloat16"``.
       lora: `jax_nbx.LoRA` adapters on the routed experts' projections:
         ``x @ W + s * (x @ A) @ B`` for each adapted projection (before its
         bias), the base experts dense or quantized (QLoRA); ``jax.grad``
@@ -227,8 +235,8 @@ def _resolve(x, topk_weights, topk_ids, experts, activation, implementation, max
         raise ValueError(f"ids_outside must be 'error' or 'skip'; got {ids_outside!r}")
     if weights_on not in ("output", "input"):
         raise ValueError(f"weights_on must be 'output' or 'input'; got {weights_on!r}")
-    if precision not in (None, "float32", "bfloat16"):
-        raise ValueError(f"precision must be None, 'float32' or 'bfloat16'; got {precision!r}")
+    if precision not in (None, "float32", "bfloat16", "int8"):
+        raise ValueError(f"precision must be None, 'float32', 'bfloat16' or 'int8'; got {precision!r}")
     if shared_experts is not None and not isinstance(shared_experts, SharedExperts):
         raise TypeError("shared_experts must be a jax_nbx.SharedExperts or None; got "
                         f"{type(shared_experts).__name__}")
@@ -238,7 +246,8 @@ def _resolve(x, topk_weights, topk_ids, experts, activation, implementation, max
     options = dict(skip_outside=ids_outside == "skip", max_workspace_bytes=max_workspace_bytes)
     k_pass = 1 if weights_on == "input" else k
     problem = backends.Problem.of(experts, x.dtype, E, H, I, k_pass, activation,
-                                  bf16_dot=precision == "bfloat16", lora=lora_spec, **options)
+                                  bf16_dot=precision == "bfloat16", int8_dot=precision == "int8",
+                                  lora=lora_spec, **options)
     backend = backends.choose(implementation, problem)
     shared = _shared_pass(shared_experts, implementation, x.dtype, H, activation, precision, options)
     passes = [(backend, problem)] + ([shared] if shared is not None else [])
@@ -280,7 +289,7 @@ def _shared_pass(shared: SharedExperts | None, implementation, x_dtype, H: int, 
     if Hs != H:
         raise ValueError(f"shared_experts have hidden size {Hs}; x's is {H}")
     problem = backends.Problem.of(ex, x_dtype, S, H, Is, S, activation, bf16_dot=precision == "bfloat16",
-                                  **dict(options, skip_outside=False))
+                                  int8_dot=precision == "int8", **dict(options, skip_outside=False))
     try:
         return backends.choose(implementation, problem), problem
     except ValueError as e:

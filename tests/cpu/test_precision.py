@@ -219,7 +219,7 @@ def test_emulation_agrees_with_the_instruction():
 
 def test_errors_name_the_argument():
     x, w, ids, ex = make_problem(6, 4, 4, 2, 16, 8, jnp.float32, jnp.bfloat16)
-    with pytest.raises(ValueError, match="precision must be None, 'float32' or 'bfloat16'; got 'tf32'"):
+    with pytest.raises(ValueError, match="precision must be None, 'float32', 'bfloat16' or 'int8'; got 'tf32'"):
         nbx.fused_moe(x, w, ids, ex, precision="tf32")
     with pytest.raises(ValueError, match="'xla' cannot run this call: precision='bfloat16' runs on the CPU"):
         nbx.fused_moe(x, w, ids, ex, implementation="xla", precision="bfloat16")

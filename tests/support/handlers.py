@@ -15,7 +15,8 @@ from jax_nbx.experts import WeightLayout
 from jax_nbx.lora import validate_lora
 
 
-def _problem(x, ids, arrays, activation, lists, layout, skip_outside, bf16_dot) -> backends.Problem:
+def _problem(x, ids, arrays, activation, lists, layout, skip_outside, bf16_dot,
+             int8_dot=False) -> backends.Problem:
     """A `Problem` for the raw arrays (`Experts.flat` [+ biases])."""
     if layout is None:  # the plain layout, read off the arrays
         g = arrays[0]
@@ -31,7 +32,7 @@ def _problem(x, ids, arrays, activation, lists, layout, skip_outside, bf16_dot) 
                             x_dtype=jnp.dtype(x.dtype), w_dtype=jnp.dtype(first.dtype), quant=quant,
                             lists=lists, layout=layout, layout_name="in_out", fusion=None,
                             activation=activations.as_activation(activation), skip_outside=skip_outside,
-                            bf16_dot=bf16_dot)
+                            bf16_dot=bf16_dot, int8_dot=int8_dot)
 
 
 def poisoned_call(target: str, outs, operands, attrs):
@@ -50,11 +51,12 @@ def _with_lora(p, lora):
 
 def ffi_forward(x, w, ids, *arrays, activation="swiglu", band_tokens: int = 0, poison: bool = False,
                 lists: bool = False, skip_outside: bool = False, layout: WeightLayout | None = None,
-                bf16_dot: bool = False, lora=None):
+                bf16_dot: bool = False, lora=None, int8_dot: bool = False):
     """The CPU forward on 2-D inputs; ``arrays`` = `Experts.flat` (then
     `Experts.handler_biases` when ``layout.bias``); ``poison``: the twin;
     ``lora``: a `jax_nbx.LoRA` on the experts."""
-    p = _with_lora(_problem(x, ids, arrays, activation, lists, layout, skip_outside, bf16_dot), lora)
+    p = _with_lora(_problem(x, ids, arrays, activation, lists, layout, skip_outside, bf16_dot, int8_dot),
+                   lora)
     name, operands, attrs, out = cpu_backend.forward_call(
         p, band_tokens, x, w, ids, arrays, target="forward_poisoned" if poison else "forward", lora=lora)
     if poison:

@@ -125,6 +125,8 @@ const KernelTable* Compose(const int isa[kNumFamilies]) {
     }
     c.table.qstream1 = q.qstream1;
     c.table.qstream2 = q.qstream2;
+    c.table.qdot1 = q.qdot1;  // precision="int8": the same bits on every ISA
+    c.table.qdot2 = q.qdot2;
     c.table.dot_table = ByIndex(isa[kDot]);
     std::string name;  // "packed=avx2,stream=avx512,..."
     for (int f = 0; f < kNumFamilies; ++f)

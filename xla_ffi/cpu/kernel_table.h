@@ -152,6 +152,14 @@ struct KernelTable {
   // row k0 + i goes to dst[p*ps + i*rs + j].
   void (*qpack)(const QuantMatrix* m, int64_t k0, int kc, int64_t n0, int nc, int width,
                 float* dst, int64_t rs, int64_t ps);
+  // precision="int8" (int8 and int4 experts only): qstream1 / qstream2 in the
+  // int8 arithmetic (kernels_qdot.h: the rows quantized to int8 in blocks of
+  // abi::kInt8Block, integer sums), every row count and ISA the same bits.
+  void (*qdot1)(const float* a, int64_t as, int rows, const QuantMatrix* wg,
+                const QuantMatrix* wu, int64_t n0, int64_t K, int ncols, const Glu& act,
+                float* acc, float* out, int64_t rs, int64_t cs);
+  void (*qdot2)(const float* a, int64_t as, int rows, const QuantMatrix* wd, int64_t n0,
+                int64_t K, int ncols, const float* w, float* acc, float* out, int64_t rs);
   // The gated unit on sums stored by a GEMM1 without its epilogue (experts
   // with biases; an interleaved gate||up streamed as one matrix):
   // out[r*rs + c*cs] = act(g[r*gs + c*gcs] + bg[c], u[r*gs + c*gcs] + bu[c])

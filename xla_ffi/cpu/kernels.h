@@ -1,11 +1,12 @@
 // The CPU micro-kernels of one instruction set: kernels_<isa>.cc includes
 // this file and instantiates NBX_DEFINE_KERNELS with its vector length VL,
 // rows per m-panel MR and blocking parameters.  The kernels themselves are in
-// kernels_base.h (common), kernels_dense.h and kernels_quant.h.
+// kernels_base.h (common), kernels_dense.h, kernels_quant.h and kernels_qdot.h.
 #pragma once
 
 #include "cpu/kernels_base.h"
 #include "cpu/kernels_dense.h"
+#include "cpu/kernels_qdot.h"
 #include "cpu/kernels_quant.h"
 
 // One ISA's streaming entries over weights of type T: G1/G2 = Gemm1Stream and
@@ -45,7 +46,8 @@
     static const KernelTable t = {NAME,       VL,         MR,         KC, NC, CP,         \
                                   G1,         G2,         {SF1, SB1},                     \
                                   {SF2, SB2}, Gemm1StreamQuant<VL>, Gemm2StreamQuant<VL>, \
-                                  PackQuant<VL>, GluRows,     {CF1, CB1}, {CF2, CB2},     \
+                                  PackQuant<VL>, Gemm1QDot<VL>, Gemm2QDot<VL>, GluRows,   \
+                                  {CF1, CB1}, {CF2, CB2},                                 \
                                   {PackColumnsT<VL, float>, PackColumnsT<VL, uint16_t>},  \
                                   {PackPairsT<VL, float>, PackPairsT<VL, uint16_t>},      \
                                   {StreamPair<VL, float>, StreamPair<VL, uint16_t>},      \

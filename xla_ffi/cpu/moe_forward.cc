@@ -62,6 +62,8 @@ struct Problem {
   // rows; experts of few rows stream where the table has streaming kernels:
   // the same bits), else nullptr (float32).
   const DotKernelTable* dot = nullptr;
+  // precision="int8": every expert (int8 or int4) streams through qdot1/qdot2.
+  bool int8 = false;
 };
 
 template <typename W>
@@ -167,9 +169,13 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
   auto* const stream1 = dot ? dot->stream1 : by_columns ? kt.stream1_cols[w_index] : kt.stream1[w_index];
   auto* const stream2 = dot ? dot->stream2 : by_columns ? kt.stream2_cols[w_index] : kt.stream2[w_index];
   const int64_t stream_rows = std::min<int64_t>(kStreamRows, mr);
+  // precision="int8": every expert streams, its rows in runs of stream_rows
+  const bool int8 = WS::kQuant && p.int8;
   const auto streams = [&](int64_t e) {
-    return can_stream && b.plan.real_end[e] - b.plan.expert_off[e] <= stream_rows;
+    return int8 || (can_stream && b.plan.real_end[e] - b.plan.expert_off[e] <= stream_rows);
   };
+  auto* const qstream1 = int8 ? kt.qdot1 : kt.qstream1;
+  auto* const qstream2 = int8 ? kt.qdot2 : kt.qstream2;
   // precision="bfloat16": the packing experts' m-panels of A become pairs once, in place
   // (pack_a reads each run of rows before it writes its words over them), not once per
   // tile; an odd K of two words per pair outgrows its panel and packs per tile instead
@@ -190,19 +196,18 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     const typename WS::Src mats[2] = {WS::At(first ? p.w->gate() : p.w->down(), e),
                                       first ? WS::At(p.w->up(), e) : nullptr};
     float* scratch = b.scratch + worker * b.scratch_layout.stride;
-    if (streams(e)) {
-      // Few rows: stream the weights in place, kStreamCols columns (whole
-      // contiguous rows of W) per item; the other items of the span are empty.
-      const int cols = static_cast<int>(StreamItemColumns(n0, N));
-      if (cols == 0) return;
-      const int64_t panel = m0 / mr;  // all rows in one panel: stream_rows <= MR
-      const int rows = static_cast<int>(m1 - m0);
-      const float* a = A + panel * K * mr;
+    // Few rows: stream the weights in place, kStreamCols columns (whole
+    // contiguous rows of W) per item; the other items of the span are empty.
+    // Rows [r0, r1) of one m-panel, at most stream_rows of them.
+    const auto stream = [&](int64_t r0, int64_t r1, int cols) {
+      const int64_t panel = r0 / mr, at = r0 - panel * mr;
+      const int rows = static_cast<int>(r1 - r0);
+      const float* a = A + panel * K * mr + at;
       if constexpr (first) {
-        float* out = b.A2 + panel * I * mr + n0 * mr;
+        float* out = b.A2 + panel * I * mr + n0 * mr + at;
         if (!raw_glu) {
           if constexpr (WS::kQuant)
-            kt.qstream1(a, mr, rows, mats[0], mats[1], n0, K, cols, p.act, scratch, out, 1, mr);
+            qstream1(a, mr, rows, mats[0], mats[1], n0, K, cols, p.act, scratch, out, 1, mr);
           else
             stream1(a, mr, rows, mats[0] + n0 * col_step, mats[1] + n0 * col_step, ldw, K, cols,
                     p.act, scratch, out, 1, mr);
@@ -211,8 +216,8 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
           const float* bg = bias_g ? bias_g + e * I + n0 : nullptr;
           const float* bu = bias_u ? bias_u + e * I + n0 : nullptr;
           if constexpr (WS::kQuant) {
-            kt.qstream2(a, mr, rows, mats[0], n0, K, cols, ones, scratch, raw, 2 * cols);
-            kt.qstream2(a, mr, rows, mats[1], n0, K, cols, ones, scratch, raw + cols, 2 * cols);
+            qstream2(a, mr, rows, mats[0], n0, K, cols, ones, scratch, raw, 2 * cols);
+            qstream2(a, mr, rows, mats[1], n0, K, cols, ones, scratch, raw + cols, 2 * cols);
             kt.glu(raw, raw + cols, 2 * cols, 1, rows, cols, bg, bu, p.act, out, 1, mr);
           } else if (interleaved) {  // gate||up pairs: one run of 2*cols, its two halves in one pass
             kt.stream_pair[w_index](a, mr, rows, mats[0] + 2 * n0, mats[0] + 2 * n0 + cols, sk,
@@ -231,14 +236,22 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
           }
         }
       } else {
-        float* out = O + m0 * H + n0;
+        float* out = O + r0 * H + n0;
         if constexpr (WS::kQuant)
-          kt.qstream2(a, mr, rows, mats[0], n0, K, cols, b.row_weight + m0, scratch, out, H);
+          qstream2(a, mr, rows, mats[0], n0, K, cols, b.row_weight + r0, scratch, out, H);
         else
-          stream2(a, mr, rows, mats[0] + n0 * col_step, ldw, K, cols, b.row_weight + m0, scratch,
+          stream2(a, mr, rows, mats[0] + n0 * col_step, ldw, K, cols, b.row_weight + r0, scratch,
                   out, H);
-        if (bias_d) AddDownBias(bias_d + e * H, b.row_weight, m0, m1, n0, cols, O, H);
+        if (bias_d) AddDownBias(bias_d + e * H, b.row_weight, r0, r1, n0, cols, O, H);
       }
+    };
+    if (streams(e)) {
+      const int cols = static_cast<int>(StreamItemColumns(n0, N));
+      if (cols == 0) return;
+      if (!int8) return stream(m0, m1, cols);  // all rows in one panel: stream_rows <= MR
+      for (int64_t pm = m0; pm < m1; pm = (pm / mr + 1) * mr)  // each m-panel's rows, in runs
+        for (int64_t r0 = pm, pe = std::min(m1, (pm / mr + 1) * mr); r0 < pe; r0 += stream_rows)
+          stream(r0, std::min(pe, r0 + stream_rows), cols);
       return;
     }
     // K-blocks: pack a block of the tile, then run every m-panel of the chunk
@@ -473,6 +486,19 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
     std::memset(y->untyped_data(), 0, y->size_bytes());
     return ffi::Error::Success();
   }
+  if (a.int8_dot) {
+    if (a.bf16_dot)
+      return ffi::Error::InvalidArgument("precision is either 'int8' or 'bfloat16', not both");
+    if (w.format != abi::WeightFormat::kInt8 && w.format != abi::WeightFormat::kInt4)
+      return ffi::Error::InvalidArgument(
+          std::string("precision='int8' takes int8 or int4 experts; these are ") +
+          abi::kWeightFormatNames[static_cast<int>(w.format)]);
+    for (const QuantMatrix& m : w.quant)
+      if (w.format == abi::WeightFormat::kInt4 && m.group % abi::kInt8Block != 0)
+        return ffi::Error::InvalidArgument(
+            "precision='int8' takes int4 group sizes that are multiples of " +
+            std::to_string(abi::kInt8Block) + "; got " + std::to_string(m.group));
+  }
   const DotKernelTable* dot = nullptr;
   if (a.bf16_dot) {
     if (w.quantized() || w.dtype != ffi::DataType::BF16)
@@ -491,7 +517,8 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
   }
   const Problem p{T, H, w.I, w.E, k, x.untyped_data(), x.element_type(), topk_w.typed_data(),
                   ids, &w, y->untyped_data(),
-                  Glu{static_cast<int>(a.activation), a.act_alpha, a.act_limit}, dot};
+                  Glu{static_cast<int>(a.activation), a.act_alpha, a.act_limit}, dot,
+                  a.int8_dot};
   const int64_t band = (a.band_tokens <= 0) ? T : std::min(a.band_tokens, T);
   // The plan counted scratch for max_workers; never use more.
   const int workers = static_cast<int>(std::clamp<int64_t>(a.max_workers, 1, MaxWorkers(pool)));

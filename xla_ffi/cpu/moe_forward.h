@@ -30,6 +30,9 @@ struct ForwardAttrs {
   // summed in pairs as VDPBF16PS does (kernels_dot.h); bfloat16 weights
   // stored by rows only, every expert through the packed kernels.
   bool bf16_dot;
+  // precision="int8": int8 and int4 experts only, every expert streamed
+  // through the int8-arithmetic kernels (abi.h "int8 arithmetic").
+  bool int8_dot;
   LoraAttrs lora;  // abi.h "LoRA adapters": any rank > 0 runs FusedMoeLoraForward
 };
 
@@ -84,6 +87,6 @@ size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, in
     activation, act_alpha, act_limit, band_tokens, max_workers, skip_outside, num_experts, \
         format, stacked, group_size,                                                   \
         ::nbx::WeightViewAttrs{views, intermediate, fused_gate_up, has_bias, tensor_scales}, \
-        bf16_dot,                                                                      \
+        bf16_dot, int8_dot,                                                            \
         ::nbx::LoraAttrs{lora_ranks, {lora_scale_gate, lora_scale_up, lora_scale_down}}     \
   }

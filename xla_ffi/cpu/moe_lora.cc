@@ -97,6 +97,9 @@ ffi::Error FusedMoeLoraForward(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (a.bf16_dot)
     return ffi::Error::InvalidArgument(
         "LoRA adapters in the CPU handler run in float32 arithmetic, not precision='bfloat16'");
+  if (a.int8_dot)
+    return ffi::Error::InvalidArgument(
+        "LoRA adapters in the CPU handler run in float32 arithmetic, not precision='int8'");
   ExpertWeights w;
   Lora lora;
   size_t nlora = 0;

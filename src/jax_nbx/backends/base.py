@@ -29,7 +29,8 @@ class Problem:
     None for dense ones; ``layout``: the handlers' views of the experts
     (`Experts.weight_layout`); ``layout_name``/``fusion``: the experts' named
     layout; ``bf16_dot``: the CPU handler's bfloat16 dot-product arithmetic
-    (``precision="bfloat16"``); ``skip_outside``: ids outside [0, E) are
+    (``precision="bfloat16"``); ``int8_dot``: its int8 arithmetic on int8 and
+    int4 experts (``precision="int8"``); ``skip_outside``: ids outside [0, E) are
     skipped, not an error."""
 
     E: int
@@ -46,6 +47,7 @@ class Problem:
     activation: Activation
     skip_outside: bool = False
     bf16_dot: bool = False
+    int8_dot: bool = False
     max_workspace_bytes: int | str | None = None
     tensor_scales: bool = False  # a quantized matrix carries a tensor scale (nvfp4)
     lora: LoRASpec | None = None  # LoRA adapters on the projections (`jax_nbx.LoRA`)
@@ -68,6 +70,12 @@ class Problem:
     @property
     def has_bias(self) -> bool:
         return self.layout.bias
+
+    @property
+    def handler_precision(self) -> str | None:
+        """The CPU handler's own arithmetic this pass asks for (``"bfloat16"``,
+        ``"int8"``), or None: float32, which every backend runs."""
+        return "bfloat16" if self.bf16_dot else "int8" if self.int8_dot else None
 
     def replace(self, **changes) -> Problem:
         return dataclasses.replace(self, **changes)

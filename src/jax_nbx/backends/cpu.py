@@ -77,7 +77,7 @@ def forward_call(problem: Problem, band_tokens: int, x, w, ids, arrays, target: 
     the quantized matrices' tensor scales, float32 [E] per projection),
     read in place; then ``lora``'s adapters (`LoRA.handler_arrays`)."""
     bufs, attrs = _weights_and_attrs(problem, band_tokens, arrays, lora)
-    attrs = contract.attributes(target, dict(attrs, bf16_dot=problem.bf16_dot))
+    attrs = contract.attributes(target, dict(attrs, bf16_dot=problem.bf16_dot, int8_dot=problem.int8_dot))
     name = {"forward": contract.TARGET_FORWARD, "metal_forward": contract.TARGET_METAL_FORWARD,
             "forward_poisoned": contract.TARGET_FORWARD_POISONED}[target]
     return name, [x, w, ids, *bufs], attrs, jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -115,6 +115,18 @@ def why_no_bf16_dot(problem: Problem, what: str = "experts") -> str:
     return ""
 
 
+def why_no_int8_dot(problem: Problem, what: str = "experts") -> str:
+    """Why the int8-arithmetic kernels cannot run these experts ("" when they
+    can), worded to follow "precision='int8' "."""
+    if problem.quant is None or problem.quant[0] not in ("int8", "int4"):
+        kind = problem.quant[0] if problem.quant is not None else f"dense {problem.w_dtype.name}"
+        return f"takes int8 or int4 {what}; these are {kind}"
+    if problem.quant[0] == "int4" and problem.quant[1] % contract.INT8_BLOCK:
+        return (f"takes int4 {what} whose group_size is a multiple of {contract.INT8_BLOCK}; "
+                f"these have group_size={problem.quant[1]}")
+    return ""
+
+
 def _lora_rank(problem: Problem) -> int:
     return sum(problem.lora.ranks) if problem.lora is not None else 0
 
@@ -133,6 +145,12 @@ class CpuBackend(Backend):
             why = why_no_bf16_dot(problem)
             if why:
                 return f"precision='bfloat16' {why}"
+        if problem.lora is not None and problem.int8_dot:
+            return "LoRA adapters (lora=) run in float32 arithmetic, not precision='int8'"
+        if problem.int8_dot:
+            why = why_no_int8_dot(problem)
+            if why:
+                return f"precision='int8' {why}"
         return ""
 
     device = "cpu"

@@ -34,8 +34,8 @@ class MetalBackend(Backend):
             kind = f"{problem.quant[0]} experts" if problem.quant is not None else "experts"
             return (f"takes plain experts (gate, up [E, H, I], down [E, I, H], no biases); these {kind} "
                     f"have {problem.describe_layout()}: use implementation='xla' or the CPU handler")
-        if problem.bf16_dot:
-            return "precision='bfloat16' runs on the CPU handler only"
+        if problem.handler_precision:
+            return f"precision={problem.handler_precision!r} runs on the CPU handler only"
         if problem.tensor_scales:
             return (f"{problem.quant[0]} experts with a tensor scale run on the CPU handler and the xla "
                     "reference (the Metal kernels have no tensor scale yet)")

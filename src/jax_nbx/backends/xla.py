@@ -48,8 +48,8 @@ class XlaBackend(Backend):
     takes_lora = True
 
     def why_not(self, problem: Problem) -> str:
-        if problem.bf16_dot:
-            return "precision='bfloat16' runs on the CPU handler only"
+        if problem.handler_precision:
+            return f"precision={problem.handler_precision!r} runs on the CPU handler only"
         return ""
 
     def forward(self, problem: Problem, band_tokens: int, x, w, ids, experts: Experts,

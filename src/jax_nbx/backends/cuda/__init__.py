@@ -28,6 +28,8 @@ class CudaBackend(Backend):
         why = _registry.cuda_unavailable_reason()
         if why:
             return why
+        if problem.int8_dot:
+            return "precision='int8' runs on the CPU handler only"
         return plan.kernels_refusal(problem.quant, problem.layout.plain_views, problem.bf16_dot,
                                     problem.tensor_scales, problem.lora)
 
