@@ -346,6 +346,85 @@ void SweepQuantStream(const KernelTable& t, bool down, Rng& rng, Report& report)
         /*cycle_acts=*/true);
 }
 
+// ---------------------------------------------------------------- qdot1, qdot2
+
+// Rows of a (a[kk*as + r]) as float64 after the int8 arithmetic's
+// quantization (abi.h "int8 arithmetic", written out again here from that
+// text): per row and block of abi::kInt8Block, d = amax / 127, codes
+// rint(v * (127 / amax)) in float32, values code * d.
+std::vector<double> Int8Rows(const std::vector<float>& a, int64_t as, int rows, int64_t K) {
+  std::vector<double> d(static_cast<size_t>(rows * K));
+  for (int r = 0; r < rows; ++r)
+    for (int64_t b0 = 0; b0 < K; b0 += abi::kInt8Block) {
+      const int64_t b1 = std::min(K, b0 + abi::kInt8Block);
+      float amax = 0.0f;
+      for (int64_t kk = b0; kk < b1; ++kk) amax = std::max(amax, std::fabs(a[kk * as + r]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, step = amax / 127.0f;
+      for (int64_t kk = b0; kk < b1; ++kk)
+        d[r * K + kk] = static_cast<double>(std::nearbyint(a[kk * as + r] * inv)) * step;
+    }
+  return d;
+}
+
+// qdot1 / qdot2 (precision="int8"): int8 and int4 matrices, columns [n0,
+// n0+ncols) of N.  Each output against the float64 reference on the
+// quantized rows; every row alone gives the same bits as with the others.
+struct QDotTester {
+  std::string Describe() const {
+    return f.Name() + " " + s.Describe() + Fmt(" n0=%lld N=%lld", (long long)n0, (long long)N);
+  }
+
+  void Test(Rng& rng, Report& report) const {
+    Issues issues;
+    const QuantWeights first(f, s.K, N, n0, s.ncols, rng);
+    std::optional<QuantWeights> second;
+    if (!s.down) second.emplace(f, s.K, N, n0, s.ncols, rng);
+    const QuantMatrix m1 = first.Matrix();
+    const QuantMatrix m2 = second ? second->Matrix() : m1;
+    const std::vector<float> a = RandomRows(s.K, s.rows, s.as, kNaN, rng);
+    const std::vector<float> w = RandomRows(1, s.rows, s.rows, kNaN, rng);
+    const std::vector<double> ad = Int8Rows(a, s.as, s.rows, s.K);
+    const Expected want = s.down ? ExpectDown(w, ad, s.rows, first.Ref())
+                                 : ExpectGlu(s.act, ad, s.rows, first.Ref(), second->Ref());
+    const Grid grid = OutputGrid(s.rows, s.ncols, s.column_major);
+    const Grid acc_grid = FlatGrid(2 * s.rows * s.ncols);
+    auto call = [&](const float* ap, int rows, const float* wp, std::vector<float>& out, int64_t at) {
+      std::vector<float> acc = acc_grid.Fresh();
+      float* o = out.data() + grid.base + at;
+      if (s.down) t.qdot2(ap, s.as, rows, &m1, n0, s.K, s.ncols, wp, acc.data() + acc_grid.base, o, grid.rs);
+      else t.qdot1(ap, s.as, rows, &m1, &m2, n0, s.K, s.ncols, TestGlu(s.act), acc.data() + acc_grid.base, o,
+                   grid.rs, grid.cs);
+      ScanGrid("acc", acc, acc_grid, false, NoCheck{}, issues);
+    };
+    std::vector<float> out = grid.Fresh(), alone = grid.Fresh();
+    call(a.data(), s.rows, w.data(), out, 0);
+    ScanGrid("out", out, grid, true, want, issues);
+    for (int r = 0; r < s.rows; ++r) call(a.data() + r, 1, w.data() + r, alone, r * grid.rs);
+    CompareBits("rows together vs each alone", alone, out, grid, issues);
+    report.Add(Describe(), issues);
+  }
+
+  const KernelTable& t;
+  StreamShape s;
+  QuantFormat f;
+  int64_t n0, N;
+};
+
+void SweepQDot(const KernelTable& t, bool down, Rng& rng, Report& report) {
+  for (const QuantFormat& f : QuantFormats()) {
+    if (f.code != abi::WeightFormat::kInt8 && f.code != abi::WeightFormat::kInt4) continue;
+    std::vector<int64_t> Ks = QuantKs(f);
+    Ks.push_back(f.group ? 1152 : 1057);  // past one chunk of codes (kQDotChunk), a partial last block
+    ForEachStreamShape(
+        t, down, Ks, rng,
+        [&](const StreamShape& s) {
+          const int64_t n0 = rng.Int(0, 9), N = n0 + s.ncols + rng.Int(0, 5);
+          QDotTester{t, s, f, n0, N}.Test(rng, report);
+        },
+        /*cycle_acts=*/true);
+  }
+}
+
 // ---------------------------------------------------------------- qpack
 
 // Rows [k0, k0+kc) of columns [n0, n0+nc) into ceil(nc / width) panels, rows
@@ -431,6 +510,8 @@ const KernelEntry kKernels[] = {
     {"qstream1", [](const KernelTable& t, Rng& g, Report& r) { SweepQuantStream(t, false, g, r); }},
     {"qstream2", [](const KernelTable& t, Rng& g, Report& r) { SweepQuantStream(t, true, g, r); }},
     {"qpack", [](const KernelTable& t, Rng& g, Report& r) { SweepQPack(t, g, r); }},
+    {"qdot1", [](const KernelTable& t, Rng& g, Report& r) { SweepQDot(t, false, g, r); }},
+    {"qdot2", [](const KernelTable& t, Rng& g, Report& r) { SweepQDot(t, true, g, r); }},
 };
 
 }  // namespace
