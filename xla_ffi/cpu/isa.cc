@@ -9,8 +9,9 @@
 //            rows than kMaxStreamRows;
 //   stream   bfloat16 weights streamed in place (the [1] entries of
 //            stream1/2, their by-columns forms, stream_pair): decode;
-//   qstream  int8/int4 weights streamed in place (qstream1/2): quantized
-//            decode;
+//   qstream  quantized weights streamed in place (qstream1/2): quantized
+//            decode; and precision="int8"'s kernels (qdot1/2, same bits on
+//            every ISA);
 //   dot      the blocking (and the plain table) that precision="bfloat16"
 //            runs on, with the dot kernels of that blocking (dot_table);
 //   stream_f32  float32 weights streamed in place (the [0] entries).
