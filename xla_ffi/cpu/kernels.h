@@ -45,8 +45,11 @@
   const KernelTable* FN() {                                                               \
     static const KernelTable t = {NAME,       VL,         MR,         KC, NC, CP,         \
                                   G1,         G2,         {SF1, SB1},                     \
-                                  {SF2, SB2}, Gemm1StreamQuant<VL>, Gemm2StreamQuant<VL>, \
-                                  PackQuant<VL>, Gemm1QDot<VL>, Gemm2QDot<VL>, GluRows,   \
+                                  {SF2, SB2}, Gemm1StreamQ<AccumulateRowsQuant<VL>>,      \
+                                  Gemm2StreamQ<AccumulateRowsQuant<VL>>,                  \
+                                  PackQuant<VL>,                                          \
+                                  Gemm1StreamQ<QDotRowsAny<VL>>, Gemm2StreamQ<QDotRowsAny<VL>>, \
+                                  GluRows,                                                \
                                   {CF1, CB1}, {CF2, CB2},                                 \
                                   {PackColumnsT<VL, float>, PackColumnsT<VL, uint16_t>},  \
                                   {PackPairsT<VL, float>, PackPairsT<VL, uint16_t>},      \

@@ -364,26 +364,5 @@ void QDotRowsAny(const float* a, int64_t as, int rows, const QuantMatrix& m, int
   });
 }
 
-// KernelTable::qdot1 / qdot2: qstream1 / qstream2 in the int8 arithmetic.
-template <int VL>
-void Gemm1QDot(const float* a, int64_t as, int rows, const QuantMatrix* wg, const QuantMatrix* wu,
-               int64_t n0, int64_t K, int ncols, const Glu& act, float* acc, float* out,
-               int64_t rs, int64_t cs) {
-  QDotRowsAny<VL>(a, as, rows, *wg, n0, K, ncols, acc);
-  float* accu = acc + rows * ncols;
-  QDotRowsAny<VL>(a, as, rows, *wu, n0, K, ncols, accu);
-  for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < ncols; ++c)
-      out[r * rs + c * cs] = GluOf(act, acc[r * ncols + c], accu[r * ncols + c]);
-}
-
-template <int VL>
-void Gemm2QDot(const float* a, int64_t as, int rows, const QuantMatrix* wd, int64_t n0, int64_t K,
-               int ncols, const float* w, float* acc, float* out, int64_t rs) {
-  QDotRowsAny<VL>(a, as, rows, *wd, n0, K, ncols, acc);
-  for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < ncols; ++c) out[r * rs + c] = w[r] * acc[r * ncols + c];
-}
-
 }  // namespace
 }  // namespace nbx

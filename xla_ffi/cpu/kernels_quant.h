@@ -183,23 +183,28 @@ void AccumulateRowsQuant(const float* a, int64_t as, int rows, const QuantMatrix
   });
 }
 
-template <int VL>
-void Gemm1StreamQuant(const float* a, int64_t as, int rows, const QuantMatrix* wg,
-                      const QuantMatrix* wu, int64_t n0, int64_t K, int ncols, const Glu& act,
-                      float* acc, float* out, int64_t rs, int64_t cs) {
-  AccumulateRowsQuant<VL>(a, as, rows, *wg, n0, K, ncols, acc);
+// qstream1 / qstream2 (and kernels_qdot.h's qdot1 / qdot2) over an
+// accumulation of rows into acc (AccumulateRowsQuant, QDotRowsAny): the
+// sums, then the gated unit or the row weights.
+using RowsAccumulation = void (*)(const float* a, int64_t as, int rows, const QuantMatrix& m,
+                                  int64_t n0, int64_t K, int ncols, float* acc);
+
+template <RowsAccumulation Acc>
+void Gemm1StreamQ(const float* a, int64_t as, int rows, const QuantMatrix* wg, const QuantMatrix* wu,
+                  int64_t n0, int64_t K, int ncols, const Glu& act, float* acc, float* out, int64_t rs,
+                  int64_t cs) {
+  Acc(a, as, rows, *wg, n0, K, ncols, acc);
   float* accu = acc + rows * ncols;
-  AccumulateRowsQuant<VL>(a, as, rows, *wu, n0, K, ncols, accu);
+  Acc(a, as, rows, *wu, n0, K, ncols, accu);
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < ncols; ++c)
       out[r * rs + c * cs] = GluOf(act, acc[r * ncols + c], accu[r * ncols + c]);
 }
 
-template <int VL>
-void Gemm2StreamQuant(const float* a, int64_t as, int rows, const QuantMatrix* wd, int64_t n0,
-                      int64_t K, int ncols, const float* w, float* acc, float* out,
-                      int64_t rs) {
-  AccumulateRowsQuant<VL>(a, as, rows, *wd, n0, K, ncols, acc);
+template <RowsAccumulation Acc>
+void Gemm2StreamQ(const float* a, int64_t as, int rows, const QuantMatrix* wd, int64_t n0, int64_t K,
+                  int ncols, const float* w, float* acc, float* out, int64_t rs) {
+  Acc(a, as, rows, *wd, n0, K, ncols, acc);
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < ncols; ++c) out[r * rs + c] = w[r] * acc[r * ncols + c];
 }

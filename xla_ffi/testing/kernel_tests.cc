@@ -307,19 +307,37 @@ void SweepGlu(const KernelTable& t, Rng& rng, Report& report) {
           }
 }
 
-// qstream1 / qstream2: columns [n0, n0+ncols) of quantized N-column matrices.
-struct QuantStreamTester {
+// A streamed quantized case: columns [n0, n0+ncols) of N-column matrices in
+// format f, the one (down) or two (gate, up) of them made fresh.
+struct QuantStreamCase {
   std::string Describe() const {
     return f.Name() + " " + s.Describe() + Fmt(" n0=%lld N=%lld", (long long)n0, (long long)N);
   }
+  const KernelTable& t;
+  StreamShape s;
+  QuantFormat f;
+  int64_t n0, N;
+};
 
+struct QuantOperands {
+  QuantOperands(const QuantStreamCase& c, Rng& rng) : first(c.f, c.s.K, c.N, c.n0, c.s.ncols, rng) {
+    if (!c.s.down) second.emplace(c.f, c.s.K, c.N, c.n0, c.s.ncols, rng);
+    m1 = first.Matrix();
+    m2 = second ? second->Matrix() : m1;
+  }
+  QuantWeights first;
+  std::optional<QuantWeights> second;
+  QuantMatrix m1, m2;
+};
+
+// qstream1 / qstream2.
+struct QuantStreamTester : QuantStreamCase {
   void Test(Rng& rng, Report& report) const {
     Issues issues;
-    const QuantWeights first(f, s.K, N, n0, s.ncols, rng);
-    std::optional<QuantWeights> second;
-    if (!s.down) second.emplace(f, s.K, N, n0, s.ncols, rng);
-    const QuantMatrix m1 = first.Matrix();
-    const QuantMatrix m2 = second ? second->Matrix() : m1;
+    const QuantOperands q(*this, rng);
+    const QuantWeights& first = q.first;
+    const std::optional<QuantWeights>& second = q.second;
+    const QuantMatrix &m1 = q.m1, &m2 = q.m2;
     TestStreamed(t, s, first, second ? &*second : nullptr,
                  [&](const float* a, const float* w, float* acc, float* out, int64_t rs, int64_t cs) {
                    if (s.down) t.qstream2(a, s.as, s.rows, &m1, n0, s.K, s.ncols, w, acc, out, rs);
@@ -328,22 +346,34 @@ struct QuantStreamTester {
                  rng, issues);
     report.Add(Describe(), issues);
   }
-
-  const KernelTable& t;
-  StreamShape s;
-  QuantFormat f;
-  int64_t n0, N;
 };
 
-void SweepQuantStream(const KernelTable& t, bool down, Rng& rng, Report& report) {
-  for (const QuantFormat& f : QuantFormats())
+// f(format, shape, n0, N) for every case of the formats `keep` takes, each
+// format's Ks (with `more`'s K added: more(f) > 0) and every streamed shape,
+// columns [n0, n0 + ncols) of N.
+template <class Keep, class More, class F>
+void ForEachQuantStreamCase(const KernelTable& t, bool down, Rng& rng, const Keep& keep, const More& more,
+                            const F& f) {
+  for (const QuantFormat& fmt : QuantFormats()) {
+    if (!keep(fmt)) continue;
+    std::vector<int64_t> Ks = QuantKs(fmt);
+    if (more(fmt) > 0) Ks.push_back(more(fmt));
     ForEachStreamShape(
-        t, down, QuantKs(f), rng,
+        t, down, Ks, rng,
         [&](const StreamShape& s) {
           const int64_t n0 = rng.Int(0, 9), N = n0 + s.ncols + rng.Int(0, 5);
-          QuantStreamTester{t, s, f, n0, N}.Test(rng, report);
+          f(fmt, s, n0, N);
         },
         /*cycle_acts=*/true);
+  }
+}
+
+void SweepQuantStream(const KernelTable& t, bool down, Rng& rng, Report& report) {
+  ForEachQuantStreamCase(
+      t, down, rng, [](const QuantFormat&) { return true; }, [](const QuantFormat&) { return 0; },
+      [&](const QuantFormat& f, const StreamShape& s, int64_t n0, int64_t N) {
+        QuantStreamTester{{t, s, f, n0, N}}.Test(rng, report);
+      });
 }
 
 // ---------------------------------------------------------------- qdot1, qdot2
@@ -369,18 +399,13 @@ std::vector<double> Int8Rows(const std::vector<float>& a, int64_t as, int rows, 
 // qdot1 / qdot2 (precision="int8"): int8 and int4 matrices, columns [n0,
 // n0+ncols) of N.  Each output against the float64 reference on the
 // quantized rows; every row alone gives the same bits as with the others.
-struct QDotTester {
-  std::string Describe() const {
-    return f.Name() + " " + s.Describe() + Fmt(" n0=%lld N=%lld", (long long)n0, (long long)N);
-  }
-
+struct QDotTester : QuantStreamCase {
   void Test(Rng& rng, Report& report) const {
     Issues issues;
-    const QuantWeights first(f, s.K, N, n0, s.ncols, rng);
-    std::optional<QuantWeights> second;
-    if (!s.down) second.emplace(f, s.K, N, n0, s.ncols, rng);
-    const QuantMatrix m1 = first.Matrix();
-    const QuantMatrix m2 = second ? second->Matrix() : m1;
+    const QuantOperands q(*this, rng);
+    const QuantWeights& first = q.first;
+    const std::optional<QuantWeights>& second = q.second;
+    const QuantMatrix &m1 = q.m1, &m2 = q.m2;
     const std::vector<float> a = RandomRows(s.K, s.rows, s.as, kNaN, rng);
     const std::vector<float> w = RandomRows(1, s.rows, s.rows, kNaN, rng);
     const std::vector<double> ad = Int8Rows(a, s.as, s.rows, s.K);
@@ -403,26 +428,17 @@ struct QDotTester {
     CompareBits("rows together vs each alone", alone, out, grid, issues);
     report.Add(Describe(), issues);
   }
-
-  const KernelTable& t;
-  StreamShape s;
-  QuantFormat f;
-  int64_t n0, N;
 };
 
 void SweepQDot(const KernelTable& t, bool down, Rng& rng, Report& report) {
-  for (const QuantFormat& f : QuantFormats()) {
-    if (f.code != abi::WeightFormat::kInt8 && f.code != abi::WeightFormat::kInt4) continue;
-    std::vector<int64_t> Ks = QuantKs(f);
-    Ks.push_back(f.group ? 1152 : 1057);  // past one chunk of codes (kQDotChunk), a partial last block
-    ForEachStreamShape(
-        t, down, Ks, rng,
-        [&](const StreamShape& s) {
-          const int64_t n0 = rng.Int(0, 9), N = n0 + s.ncols + rng.Int(0, 5);
-          QDotTester{t, s, f, n0, N}.Test(rng, report);
-        },
-        /*cycle_acts=*/true);
-  }
+  ForEachQuantStreamCase(
+      t, down, rng,
+      [](const QuantFormat& f) { return f.code == abi::WeightFormat::kInt8 || f.code == abi::WeightFormat::kInt4; },
+      // past one chunk of codes (kQDotChunk), int8's last block partial
+      [](const QuantFormat& f) { return f.group ? 1152 : 1057; },
+      [&](const QuantFormat& f, const StreamShape& s, int64_t n0, int64_t N) {
+        QDotTester{{t, s, f, n0, N}}.Test(rng, report);
+      });
 }
 
 // ---------------------------------------------------------------- qpack

@@ -139,18 +139,13 @@ class CpuBackend(Backend):
         platform = jax.default_backend()
         if platform != "cpu":
             return f"runs under JAX's CPU backend; the default backend is {platform!r}"
-        if problem.lora is not None and problem.bf16_dot:
-            return "LoRA adapters (lora=) run in float32 arithmetic, not precision='bfloat16'"
-        if problem.bf16_dot:
-            why = why_no_bf16_dot(problem)
+        prec = problem.handler_precision
+        if prec is not None:
+            if problem.lora is not None:
+                return f"LoRA adapters (lora=) run in float32 arithmetic, not precision={prec!r}"
+            why = (why_no_bf16_dot if prec == "bfloat16" else why_no_int8_dot)(problem)
             if why:
-                return f"precision='bfloat16' {why}"
-        if problem.lora is not None and problem.int8_dot:
-            return "LoRA adapters (lora=) run in float32 arithmetic, not precision='int8'"
-        if problem.int8_dot:
-            why = why_no_int8_dot(problem)
-            if why:
-                return f"precision='int8' {why}"
+                return f"precision={prec!r} {why}"
         return ""
 
     device = "cpu"
