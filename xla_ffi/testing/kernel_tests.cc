@@ -349,17 +349,13 @@ struct QuantStreamTester : QuantStreamCase {
 };
 
 // f(format, shape, n0, N) for every case of the formats `keep` takes, each
-// format's Ks (with `more`'s K added: more(f) > 0) and every streamed shape,
-// columns [n0, n0 + ncols) of N.
-template <class Keep, class More, class F>
-void ForEachQuantStreamCase(const KernelTable& t, bool down, Rng& rng, const Keep& keep, const More& more,
-                            const F& f) {
+// format's Ks and every streamed shape, columns [n0, n0 + ncols) of N.
+template <class Keep, class F>
+void ForEachQuantStreamCase(const KernelTable& t, bool down, Rng& rng, const Keep& keep, const F& f) {
   for (const QuantFormat& fmt : QuantFormats()) {
     if (!keep(fmt)) continue;
-    std::vector<int64_t> Ks = QuantKs(fmt);
-    if (more(fmt) > 0) Ks.push_back(more(fmt));
     ForEachStreamShape(
-        t, down, Ks, rng,
+        t, down, QuantKs(fmt), rng,
         [&](const StreamShape& s) {
           const int64_t n0 = rng.Int(0, 9), N = n0 + s.ncols + rng.Int(0, 5);
           f(fmt, s, n0, N);
@@ -370,7 +366,7 @@ void ForEachQuantStreamCase(const KernelTable& t, bool down, Rng& rng, const Kee
 
 void SweepQuantStream(const KernelTable& t, bool down, Rng& rng, Report& report) {
   ForEachQuantStreamCase(
-      t, down, rng, [](const QuantFormat&) { return true; }, [](const QuantFormat&) { return 0; },
+      t, down, rng, [](const QuantFormat&) { return true; },
       [&](const QuantFormat& f, const StreamShape& s, int64_t n0, int64_t N) {
         QuantStreamTester{{t, s, f, n0, N}}.Test(rng, report);
       });
@@ -431,14 +427,21 @@ struct QDotTester : QuantStreamCase {
 };
 
 void SweepQDot(const KernelTable& t, bool down, Rng& rng, Report& report) {
-  ForEachQuantStreamCase(
-      t, down, rng,
-      [](const QuantFormat& f) { return f.code == abi::WeightFormat::kInt8 || f.code == abi::WeightFormat::kInt4; },
-      // past one chunk of codes (kQDotChunk), int8's last block partial
-      [](const QuantFormat& f) { return f.group ? 1152 : 1057; },
-      [&](const QuantFormat& f, const StreamShape& s, int64_t n0, int64_t N) {
-        QDotTester{{t, s, f, n0, N}}.Test(rng, report);
-      });
+  const auto ints = [](const QuantFormat& f) {
+    return f.code == abi::WeightFormat::kInt8 || f.code == abi::WeightFormat::kInt4;
+  };
+  const auto test = [&](const QuantFormat& f, const StreamShape& s, int64_t n0, int64_t N) {
+    QDotTester{{t, s, f, n0, N}}.Test(rng, report);
+  };
+  ForEachQuantStreamCase(t, down, rng, ints, test);
+  // K past one chunk of codes (kQDotChunk; int8's last block partial): a few shapes
+  const int act = Acts(down)[0];
+  for (const QuantFormat& f : QuantFormats())
+    if (ints(f) && !f.bf16_scales)
+      for (int rows : {1, kMaxStreamRows}) {
+        const int64_t n0 = rng.Int(0, 9), N = n0 + 129 + rng.Int(0, 5);
+        test(f, StreamShape{down, rows, rng.Int(rows, t.mr), 129, f.group ? 1152 : 1057, act, false}, n0, N);
+      }
 }
 
 // ---------------------------------------------------------------- qpack
