@@ -119,7 +119,8 @@ template <> struct IntVec<16> { using T = __m512i; };
 //   int8: rows k and k + 1 widened to 16 bits and interleaved, vpmaddwd forms
 //     the pair's sum in 32 bits.
 // Unpacking works within 128-bit lanes: the sums come out with the columns of
-// each lane in a known order, stored to their natural places (StoreLane*).
+// each lane in a known order, stored to their natural places (AddLane16, and
+// Int8Sums' lane stores).
 // Overloads for the two widths: __m256i (AVX2) and __m512i (AVX-512BW).
 NBX_AI __m256i LoadV(const uint8_t* p, __m256i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 NBX_AI __m256i Bytes(int v, __m256i) { return _mm256_set1_epi8(static_cast<char>(v)); }
