@@ -119,8 +119,8 @@ template <> struct IntVec<16> { using T = __m512i; };
 //   int8: rows k and k + 1 widened to 16 bits and interleaved, vpmaddwd forms
 //     the pair's sum in 32 bits.
 // Unpacking works within 128-bit lanes: the sums come out with the columns of
-// each lane in a known order, stored to their natural places (AddLane16, and
-// Int8Sums' lane stores).
+// each lane in a known order, put in their natural places by AddInt4Sums and
+// StoreInt8Sums (in registers).
 // Overloads for the two widths: __m256i (AVX2) and __m512i (AVX-512BW).
 NBX_AI __m256i LoadV(const uint8_t* p, __m256i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 NBX_AI __m256i Bytes(int v, __m256i) { return _mm256_set1_epi8(static_cast<char>(v)); }
@@ -158,20 +158,47 @@ NBX_AI __m512i Pairs16(__m512i w, __m512i x) { return _mm512_madd_epi16(w, x); }
 NBX_AI __m512i Widen8(const uint8_t* p, __m512i) {  // 32 signed bytes to 32 words
   return _mm512_maskz_cvtepi8_epi16(~0u, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-NBX_AI __m128i Lane(__m512i v, int l) {  // (through memory: GCC 12 warns on the extracts)
-  alignas(64) uint8_t t[64];
-  _mm512_store_si512(t, v);
-  return _mm_load_si128(reinterpret_cast<const __m128i*>(t + 16 * l));
+#endif
+
+// dst[0, 16 * lanes) += Int4Sums' two int16 accumulators, widened: lane l
+// of s0 holds columns 16l + 0..7, lane l of s1 columns 16l + 8..15.
+NBX_AI void AddInt4Sums(__m256i s0, __m256i s1, int32_t* dst) {
+  const __m256i w[4] = {_mm256_cvtepi16_epi32(Lane(s0, 0)), _mm256_cvtepi16_epi32(Lane(s1, 0)),
+                        _mm256_cvtepi16_epi32(Lane(s0, 1)), _mm256_cvtepi16_epi32(Lane(s1, 1))};
+  for (int j = 0; j < 4; ++j) {
+    __m256i* p = reinterpret_cast<__m256i*>(dst + 8 * j);
+    _mm256_storeu_si256(p, _mm256_add_epi32(w[j], _mm256_loadu_si256(p)));
+  }
+}
+#if defined(__AVX512F__)
+NBX_AI void AddInt4Sums(__m512i s0, __m512i s1, int32_t* dst) {  // in registers: no lane extracts
+  // (zero-masked forms: GCC 12 warns on the unmasked ones' undefined operand, casts included)
+  auto widen = [](__m512i v, int h) {
+    return _mm512_maskz_cvtepi16_epi32(0xFFFF, h ? _mm512_maskz_extracti64x4_epi64(0xF, v, 1)
+                                                 : _mm512_maskz_extracti64x4_epi64(0xF, v, 0));
+  };
+  const __m512i a0 = widen(s0, 0), a1 = widen(s0, 1);  // columns 0-7 | 16-23, 32-39 | 48-55
+  const __m512i b0 = widen(s1, 0), b1 = widen(s1, 1);  // 8-15 | 24-31, 40-47 | 56-63
+  const __m512i w[4] = {_mm512_maskz_shuffle_i64x2(0xFF, a0, b0, 0x44), _mm512_maskz_shuffle_i64x2(0xFF, a0, b0, 0xEE),
+                        _mm512_maskz_shuffle_i64x2(0xFF, a1, b1, 0x44), _mm512_maskz_shuffle_i64x2(0xFF, a1, b1, 0xEE)};
+  for (int j = 0; j < 4; ++j)
+    _mm512_storeu_si512(dst + 16 * j, _mm512_add_epi32(w[j], _mm512_loadu_si512(dst + 16 * j)));
 }
 #endif
 
-// dst[0, 8) += the 8 int16 sums of v's 128-bit lane l.
-template <class V>
-NBX_AI void AddLane16(V v, int l, int32_t* dst) {
-  const __m256i w = _mm256_cvtepi16_epi32(Lane(v, l));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                      _mm256_add_epi32(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(dst))));
+// dst[0, 8 * lanes) = Int8Sums' two int32 accumulators: lane l of s0 holds
+// columns 8l + 0..3, lane l of s1 columns 8l + 4..7.
+NBX_AI void StoreInt8Sums(__m256i s0, __m256i s1, int32_t* dst) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute2x128_si256(s0, s1, 0x20));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8), _mm256_permute2x128_si256(s0, s1, 0x31));
 }
+#if defined(__AVX512F__)
+NBX_AI void StoreInt8Sums(__m512i s0, __m512i s1, int32_t* dst) {  // 64-bit indices; s1's are 8-15
+  const __m512i lo = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  _mm512_storeu_si512(dst, _mm512_permutex2var_epi64(s0, lo, s1));
+  _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi64(s0, hi, s1));
+}
+#endif
 
 // int4, 64 (AVX-512) or 32 (AVX2) columns at c: isum (+)= the sums of the
 // byte rows [p0, p0 + np) (np <= 8) for R rows.
@@ -180,7 +207,6 @@ NBX_AI void AddLane16(V v, int l, int32_t* dst) {
 template <class V, int R>
 NBX_AI void Int4Sums(const uint8_t* q, int64_t N, int64_t p0, int np, const uint16_t (*xp)[kXBlock / 2],
                      int pi, int ncols, int32_t* isum, int c, int64_t ahead, int64_t rows) {
-  constexpr int kLanes = sizeof(V) / 16;
   const V m = Bytes(15, V{});
   V s[R][2];
   for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = V{};
@@ -196,11 +222,7 @@ NBX_AI void Int4Sums(const uint8_t* q, int64_t N, int64_t p0, int np, const uint
       s[r][1] = Add16(s[r][1], PairsU8(u1, x));
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int l = 0; l < kLanes; ++l) {
-      AddLane16(s[r][0], l, isum + r * ncols + c + 16 * l);
-      AddLane16(s[r][1], l, isum + r * ncols + c + 16 * l + 8);
-    }
+  for (int r = 0; r < R; ++r) AddInt4Sums(s[r][0], s[r][1], isum + r * ncols + c);
 }
 
 // int8, 32 (AVX-512) or 16 (AVX2) columns at c: isum = the sums of rows
@@ -208,7 +230,6 @@ NBX_AI void Int4Sums(const uint8_t* q, int64_t N, int64_t p0, int np, const uint
 template <class V, int R>
 NBX_AI void Int8Sums(const uint8_t* q, int64_t N, int64_t k, int len, const uint32_t (*xp)[kXBlock / 2],
                      int ncols, int32_t* isum, int c, int64_t ahead, int64_t rows) {
-  constexpr int kLanes = sizeof(V) / 16;
   V s[R][2];
   for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = V{};
   for (int i = 0; i < len; i += 2) {
@@ -226,11 +247,7 @@ NBX_AI void Int8Sums(const uint8_t* q, int64_t N, int64_t k, int len, const uint
       s[r][1] = Add32(s[r][1], Pairs16(u1, x));
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int l = 0; l < kLanes; ++l) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(isum + r * ncols + c + 8 * l), Lane(s[r][0], l));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(isum + r * ncols + c + 8 * l + 4), Lane(s[r][1], l));
-    }
+  for (int r = 0; r < R; ++r) StoreInt8Sums(s[r][0], s[r][1], isum + r * ncols + c);
 }
 #endif  // __AVX2__
 
