@@ -6,6 +6,7 @@ with the anchors measured beside each row (issue #19's benchmark method).
     python benchmarks/isa.py --json isa.json
     python benchmarks/isa.py --rows prefill-f32,prefill-bf16,prefill-bf16dot   # bf16 dot products
     python benchmarks/isa.py --rows decode-bf16,decode-bf16dot,decode8-bf16,decode8-bf16dot
+    python benchmarks/isa.py --rows decode-int8x8,decode-int4x8,decode8-int8x8,decode8-int4x8  # int8 arithmetic
 
 A row is one (model layer, T, weight format): prefill T=512 with float32 and
 bfloat16 weights; decode T=1 and T=8 with float32, bfloat16, int8 and int4
@@ -16,7 +17,8 @@ has avx512_bf16, issue #19's target >= 1.3 x the sgemm rate; else the fma
 kernels, the same arithmetic on float32 FMAs; an ISA whose dot kernels would
 be the emulation -- the generic table -- is not timed on that row; the ISA
 column names the dot kernels, and a T=16 layer's bits are compared with the
-emulation's).
+emulation's); and decode T=1 / T=8 with int8 and int4 experts under
+``precision="int8"`` (the ``x8`` rows: x quantized to int8, integer sums).
 Each round runs, for that row, numpy's sgemm (1024^3, float32), a numpy
 copy, and the op once under each ISA (`jax_nbx.cpu.set_isa`) -- so every
 ratio compares times taken seconds apart; the medians over the rounds are
@@ -32,7 +34,7 @@ printed:
 * ``÷ best``: each ISA's time over the fastest ISA's on that row; the ISA
   jax_nbx chooses by itself for the row's kernel family (prefill: packed;
   decode: stream for bf16 weights, stream_f32 for float32, quantized decode:
-  qstream; precision="bfloat16": dot;
+  qstream; precision="bfloat16": dot; precision="int8": qdot;
   `jax_nbx.cpu.isa_families`) is
   marked ``*`` (target: never above 1.03).  ``--calibrate`` first runs
   `jax_nbx.calibrate_isa` and marks its choice instead.
@@ -64,15 +66,22 @@ ROWS = {  # name -> (T, weights, x dtype, precision)
     "decode8-int4": (8, "int4", jnp.bfloat16, None),
     "decode-bf16dot": (1, "bf16", jnp.bfloat16, "bfloat16"),
     "decode8-bf16dot": (8, "bf16", jnp.bfloat16, "bfloat16"),
+    "decode-int8x8": (1, "int8", jnp.bfloat16, "int8"),
+    "decode-int4x8": (1, "int4", jnp.bfloat16, "int8"),
+    "decode8-int8x8": (8, "int8", jnp.bfloat16, "int8"),
+    "decode8-int4x8": (8, "int4", jnp.bfloat16, "int8"),
 }
-DEFAULT_ROWS = [r for r, v in ROWS.items() if v[3] is None]  # (the precision="bfloat16" rows: by name)
+DEFAULT_ROWS = [r for r, v in ROWS.items() if v[3] is None]  # (the other precisions' rows: by name)
 
 
 def _family(T, fmt, prec) -> str:
     """The kernel family a row runs (every expert streams at T <= 8 here;
-    precision="bfloat16" runs on the dot family's blocking, streamed or not)."""
+    precision="bfloat16" runs on the dot family's blocking, streamed or not;
+    precision="int8" on the qdot family's kernels)."""
     if prec == "bfloat16":
         return "dot"
+    if prec == "int8":
+        return "qdot"
     if T > 8:
         return "packed"
     return "qstream" if fmt in ("int8", "int4") else "stream_f32" if fmt == "f32" else "stream"
@@ -129,7 +138,7 @@ def main(argv=None) -> int:
     dst = np.empty_like(src)
     # (None rows: "float32" explicitly, whatever the default picks for bf16 x on this CPU)
     jitted = {p: jax.jit(lambda *a, p=p: nbx.fused_moe(*a, precision=p or "float32"))
-              for p in (None, "bfloat16")}
+              for p in (None, "bfloat16", "int8")}
     table, results = [], []
     try:
         for name in a.models.split(","):

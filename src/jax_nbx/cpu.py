@@ -2,7 +2,7 @@
 
 The wheel carries one build of the micro-kernels per instruction set
 ("avx512", "avx2", "generic" on x86-64; "generic" = NEON on arm64).  Their
-entries fall into five *families*, each of which may come from a different
+entries fall into six *families*, each of which may come from a different
 instruction set (`FAMILIES`; xla_ffi/cpu/isa.cc):
 
 * ``packed``: the K-block GEMMs, packing and blocking (prefill, and any
@@ -12,13 +12,15 @@ instruction set (`FAMILIES`; xla_ffi/cpu/isa.cc):
 * ``qstream``: int8/int4/mxfp4 weights streamed in place (quantized decode);
 * ``dot``: the blocking (16 x 12 on avx512, 8 x 6 on avx2) that
   ``precision="bfloat16"`` runs on, with the bfloat16 dot-product kernels of
-  that blocking (`dot_kernels`).
+  that blocking (`dot_kernels`);
+* ``qdot``: ``precision="int8"``'s integer-sum kernels over int8/int4
+  experts (the same bits on every instruction set).
 
 By default every family takes the best instruction set the CPU supports,
 except where a measurement says otherwise (AMD family 19h, Zen 4: AVX2 for
 ``packed``, ``qstream``, ``dot`` and ``stream_f32``, which were faster
-there, and AVX-512 for ``stream``:
-``packed=avx2,stream=avx512,qstream=avx2,dot=avx2,stream_f32=avx2``;
+there, and AVX-512 for ``stream`` and ``qdot``:
+``packed=avx2,stream=avx512,qstream=avx2,dot=avx2,stream_f32=avx2,qdot=avx512``;
 `default_isa`; the figures in docs/benchmarks.md).  The default is a
 fixed rule, so results are the same bits from one process to the next.
 ``JAX_NBX_ISA`` (applied when the package loads, `jax_nbx._registry`) or
@@ -36,7 +38,7 @@ from . import _registry
 __all__ = ["FAMILIES", "isa", "isa_families", "default_isa", "supported_isas", "set_isa",
            "dot_kernels", "supported_dot_kernels", "set_dot_kernels", "bf16_dot_by_default", "planned_workers"]
 
-FAMILIES = ("packed", "stream", "qstream", "dot", "stream_f32")
+FAMILIES = ("packed", "stream", "qstream", "dot", "stream_f32", "qdot")
 
 _ffi = _registry.ffi_module
 
@@ -44,7 +46,7 @@ _ffi = _registry.ffi_module
 def isa() -> str:
     """The micro-kernels in use: an instruction set ("avx512", "avx2",
     "generic") when every family runs it, else the composition
-    ``"packed=avx2,stream=avx512,qstream=avx2,dot=avx2,stream_f32=avx2"``.  `set_isa`
+    ``"packed=avx2,stream=avx512,qstream=avx2,dot=avx2,stream_f32=avx2,qdot=avx512"``.  `set_isa`
     accepts either."""
     return _ffi().cpu_isa()
 

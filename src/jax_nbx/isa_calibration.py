@@ -36,13 +36,15 @@ __all__ = ["Calibration", "calibrate_isa", "candidates", "choose"]
 # family -> (T, E, k, H, I, weights): small enough to time in milliseconds,
 # shaped so the whole call runs that family's kernels (packed: every expert
 # gets T*k/E = 96 rows, more than the 6 that stream; stream/stream_f32/qstream: T = 1;
-# dot: the packed shape in bfloat16 under precision="bfloat16").
+# dot: the packed shape in bfloat16 under precision="bfloat16"; qdot: T = 1, int8 experts
+# under precision="int8").
 PROBLEMS = {
     "packed": (192, 4, 2, 1024, 512, "f32"),
     "stream": (1, 8, 2, 2048, 1024, "bf16"),
     "stream_f32": (1, 8, 2, 2048, 1024, "f32"),
     "qstream": (1, 8, 2, 2048, 1024, "int4"),
     "dot": (192, 4, 2, 1024, 512, "bf16dot"),
+    "qdot": (1, 8, 2, 2048, 1024, "int8x8"),
 }
 
 
@@ -90,13 +92,15 @@ def _problem(family: str) -> Callable[[], jax.Array]:
     T, E, k, H, I, fmt = PROBLEMS[family]
     rng = np.random.default_rng(0)
     wdt = jnp.float32 if fmt == "f32" else jnp.bfloat16
-    precision = "bfloat16" if fmt == "bf16dot" else None
+    precision = {"bf16dot": "bfloat16", "int8x8": "int8"}.get(fmt)
     experts = Experts(
         gate=jnp.asarray(rng.standard_normal((E, H, I), np.float32) * H ** -0.5, wdt),
         up=jnp.asarray(rng.standard_normal((E, H, I), np.float32) * H ** -0.5, wdt),
         down=jnp.asarray(rng.standard_normal((E, I, H), np.float32) * I ** -0.5, wdt))
     if fmt == "int4":
         experts = quantize(experts, "int4", group_size=128)
+    elif fmt == "int8x8":
+        experts = quantize(experts, "int8")
     x = jnp.asarray(rng.standard_normal((T, H), np.float32), jnp.bfloat16 if precision else jnp.float32)
     ids = jnp.asarray((np.arange(T * k) % E).reshape(T, k), jnp.int32)  # T*k/E rows per expert
     w = jnp.full((T, k), 1.0 / k, jnp.float32)

@@ -42,8 +42,10 @@ def test_default_rule_per_cpu():
     every = lambda i: {f: i for f in nbx.cpu.FAMILIES}  # noqa: E731
     assert _ffi.cpu_default_families("GenuineIntel", 6, full) == every("avx512")
     # AMD family 19h (Zen 4 double-pumps 512-bit FMAs): AVX2 measured faster, but for bf16
-    # streaming (float32 streaming, its own family, and the bfloat16 dot products stay AVX2)
-    assert _ffi.cpu_default_families("AuthenticAMD", 0x19, full) == {**every("avx2"), "stream": "avx512"}
+    # streaming and precision="int8" (float32 streaming, its own family, and the bfloat16 dot
+    # products stay AVX2)
+    assert _ffi.cpu_default_families("AuthenticAMD", 0x19, full) == {**every("avx2"), "stream": "avx512",
+                                                                      "qdot": "avx512"}
     assert _ffi.cpu_default_families("AuthenticAMD", 0x19, "avx2,generic") == every("avx2")
     assert _ffi.cpu_default_families("AuthenticAMD", 0x1A, full) == every("avx512")  # Zen 5
     assert _ffi.cpu_default_families("GenuineIntel", 6, "avx2,generic") == every("avx2")
@@ -53,9 +55,10 @@ def test_default_rule_per_cpu():
 @two_isas
 def test_composition_forms_and_report():
     a, b = ISAS[-2], ISAS[-1]  # e.g. avx2, generic
-    nbx.cpu.set_isa(f"packed={b},stream={a},qstream={b},dot={a},stream_f32={b}")
-    assert nbx.cpu.isa() == f"packed={b},stream={a},qstream={b},dot={a},stream_f32={b}"
-    assert nbx.cpu.isa_families() == {"packed": b, "stream": a, "qstream": b, "dot": a, "stream_f32": b}
+    nbx.cpu.set_isa(f"packed={b},stream={a},qstream={b},dot={a},stream_f32={b},qdot={a}")
+    assert nbx.cpu.isa() == f"packed={b},stream={a},qstream={b},dot={a},stream_f32={b},qdot={a}"
+    assert nbx.cpu.isa_families() == {"packed": b, "stream": a, "qstream": b, "dot": a, "stream_f32": b,
+                                      "qdot": a}
     nbx.cpu.set_isa({"stream": b})  # the families not named take the default's
     assert nbx.cpu.isa_families()["stream"] == b
     nbx.cpu.set_isa(a)  # one name: every family

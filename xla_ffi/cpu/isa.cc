@@ -1,6 +1,6 @@
 // Run-time choice of the micro-kernels' instruction set, per kernel family.
 //
-// A KernelTable's entries fall into five families that never exchange
+// A KernelTable's entries fall into six families that never exchange
 // anything but plain float32 rows (kernel_table.h), so each may come from a
 // different instruction set:
 //   packed   the K-block GEMMs and everything sized by the table's blocking
@@ -10,13 +10,14 @@
 //   stream   bfloat16 weights streamed in place (the [1] entries of
 //            stream1/2, their by-columns forms, stream_pair): decode;
 //   qstream  quantized weights streamed in place (qstream1/2): quantized
-//            decode; and precision="int8"'s kernels (qdot1/2, same bits on
-//            every ISA);
+//            decode;
 //   dot      the blocking (and the plain table) that precision="bfloat16"
 //            runs on, with the dot kernels of that blocking (dot_table);
-//   stream_f32  float32 weights streamed in place (the [0] entries).
+//   stream_f32  float32 weights streamed in place (the [0] entries);
+//   qdot     precision="int8"'s kernels (qdot1/2; the same bits on every
+//            instruction set, abi.h "int8 arithmetic").
 // A composed table (e.g. "packed=avx2,stream=avx512,qstream=avx2,dot=avx512,
-// stream_f32=avx2") takes
+// stream_f32=avx2,qdot=avx512") takes
 // each family's entries from its instruction set's own table, so each
 // family's results are those of that instruction set alone, bit for bit
 // (tests/test_isa_choice.py).
@@ -38,7 +39,7 @@ namespace {
 
 constexpr int kNumIsas = 3;
 const char* const kIsas[kNumIsas] = {"avx512", "avx2", "generic"};  // best first
-const char* const kFamilies[kNumFamilies] = {"packed", "stream", "qstream", "dot", "stream_f32"};
+const char* const kFamilies[kNumFamilies] = {"packed", "stream", "qstream", "dot", "stream_f32", "qdot"};
 
 #if defined(__x86_64__) || defined(_M_X64)
 // F16C (CPUID.1:ECX bit 29): the AVX2 kernels' half conversions (E4M3 decode).
@@ -100,10 +101,15 @@ void CpuId(char vendor[13], int* family) {
 // table it started with while another thread selects a new one).
 struct Composed {
   KernelTable table;
-  char name[96];  // "packed=avx512,stream=generic,...": five families
+  char name[128];  // "packed=avx512,stream=generic,...": six families
   bool built = false;
 };
-Composed g_composed[kNumIsas * kNumIsas * kNumIsas * kNumIsas * kNumIsas];
+constexpr int Combinations() {
+  int n = 1;
+  for (int f = 0; f < kNumFamilies; ++f) n *= kNumIsas;
+  return n;
+}
+Composed g_composed[Combinations()];  // (zero-initialized: untouched pages until used)
 std::mutex g_compose_mutex;
 
 const KernelTable* Compose(const int isa[kNumFamilies]) {
@@ -126,8 +132,8 @@ const KernelTable* Compose(const int isa[kNumFamilies]) {
     }
     c.table.qstream1 = q.qstream1;
     c.table.qstream2 = q.qstream2;
-    c.table.qdot1 = q.qdot1;  // precision="int8": the same bits on every ISA
-    c.table.qdot2 = q.qdot2;
+    c.table.qdot1 = ByIndex(isa[kQDot])->qdot1;  // precision="int8"
+    c.table.qdot2 = ByIndex(isa[kQDot])->qdot2;
     c.table.dot_table = ByIndex(isa[kDot]);
     std::string name;  // "packed=avx2,stream=avx512,..."
     for (int f = 0; f < kNumFamilies; ++f)
@@ -141,7 +147,7 @@ const KernelTable* Compose(const int isa[kNumFamilies]) {
 
 std::atomic<const KernelTable*> g_active{nullptr};
 
-// "packed, stream, qstream, dot, stream_f32": the families' names, for messages.
+// "packed, stream, qstream, dot, stream_f32, qdot": the families' names, for messages.
 std::string FamilyList() {
   std::string s;
   for (int f = 0; f < kNumFamilies; ++f) s += std::string(f ? ", " : "") + kFamilies[f];
@@ -228,10 +234,13 @@ void DefaultFamilies(const char* vendor, int family, const char* supported,
   // does stream_f32, split from stream on 2026-12-05 because the float32
   // rows disagreed with the bf16 ones: isa.py 5 rounds, f32 decode T=1
   // AVX-512 1.13x (OLMoE) and 1.07x (Qwen3) the AVX2 time, where the
-  // 2026-12-05 run before had read 1.37x and 1.05x.
+  // 2026-12-05 run before had read 1.37x and 1.05x.  qdot (precision="int8")
+  // takes AVX-512, split from qstream on 2026-12-05: three runs of 9
+  // interleaved rounds per shape, OLMoE and Qwen3 at T = 1 and 8, AVX2 / AVX-512
+  // time 1.06-1.40 (int8) and 1.01-1.23 (int4), never below 1.
   if (std::strcmp(best, "avx512") == 0 && std::strcmp(vendor, "AuthenticAMD") == 0 &&
       family == 0x19 && has("avx2"))
-    for (int f = 0; f < kNumFamilies; ++f) out[f] = f == kStream ? "avx512" : "avx2";
+    for (int f = 0; f < kNumFamilies; ++f) out[f] = f == kStream || f == kQDot ? "avx512" : "avx2";
 }
 
 const char* KernelFamilyName(int f) { return f >= 0 && f < kNumFamilies ? kFamilies[f] : ""; }
@@ -274,6 +283,7 @@ const char* IsaOfFamily(const KernelTable& t, int family) {
                       : family == kStream  ? t.stream1[1] == k->stream1[1]
                       : family == kStreamF32 ? t.stream1[0] == k->stream1[0]
                       : family == kQStream ? t.qstream1 == k->qstream1
+                      : family == kQDot    ? t.qdot1 == k->qdot1
                                            : t.dot_table == k;
     if (same) return kIsas[i];
   }

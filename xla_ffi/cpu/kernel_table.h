@@ -252,14 +252,15 @@ const KernelTable* KernelsAvx512();
 // (bfloat16 weights streamed: the [1] entries; float16 ones always pack),
 // qstream (int8/int4 weights streamed), dot (the blocking
 // precision="bfloat16" runs on: dot_table), stream_f32 (float32 weights
-// streamed: the [0] entries).
+// streamed: the [0] entries), qdot (precision="int8": qdot1/2).
 enum KernelFamily : int {
   kPacked = 0,
   kStream = 1,
   kQStream = 2,
   kDot = 3,
   kStreamF32 = 4,
-  kNumFamilies = 5
+  kQDot = 5,
+  kNumFamilies = 6
 };
 const char* KernelFamilyName(int family);
 
