@@ -19,10 +19,17 @@ be the emulation -- the generic table -- is not timed on that row; the ISA
 column names the dot kernels, and a T=16 layer's bits are compared with the
 emulation's); and decode T=1 / T=8 with int8 and int4 experts under
 ``precision="int8"`` (the ``x8`` rows: x quantized to int8, integer sums).
-Each round runs, for that row, numpy's sgemm (1024^3, float32), a numpy
-copy, and the op once under each ISA (`jax_nbx.cpu.set_isa`) -- so every
-ratio compares times taken seconds apart; the medians over the rounds are
-printed:
+Each round runs, for that row, numpy's sgemm (1024^3, float32), and the op
+once with each ISA for the row's kernel family (`jax_nbx.cpu.set_isa`; the
+other families as chosen; until 2026-12-05 every family took the ISA, so a
+decode row also changed the packed family's blocking, which lays out the
+gathered rows), each call right after a numpy
+copy of 256 MB, which leaves the weights cold (as in a model, where the
+other layers' weights pass between two calls of one layer), the ISAs' order
+rotating from round to round -- so every ratio compares times taken seconds
+apart; the medians over the rounds are printed.  (Until 2026-12-05 the copy
+ran once per round, before the first ISA: a later ISA found the weights of
+a small layer, such as int4 Qwen3 at T=1 (21 MB), still in a 32 MB L3.)
 
 * prefill: GFLOP/s of the routed work and its ratio to the sgemm rate of the
   same rounds (issue #19's target: >= 0.85), and the time over the roofline
@@ -178,18 +185,23 @@ def main(argv=None) -> int:
                         print(f"{name} {row}: not timed (no ISA here has dot kernels other than the "
                               f"emulation)", flush=True)
                         continue
+                family = _family(T, fmt, precision)
                 times = {i: [] for i in row_isas}
                 sg, bw = [], []
                 for r in range(a.rounds + 1):  # round 0 warms up
                     t_sg = _time(lambda: A @ B)
-                    t_cp = _time(lambda: np.copyto(dst, src))
-                    per = {}
-                    for i in row_isas:
-                        nbx.cpu.set_isa(i)
+                    per, t_cp = {}, []
+                    # each call after the copy (its weights cold, as in a model's decode, where
+                    # the other layers' weights pass between two calls of one layer), the ISAs'
+                    # order rotating from round to round
+                    for j in range(len(row_isas)):
+                        i = row_isas[(r + j) % len(row_isas)]
+                        nbx.cpu.set_isa({**families, family: i})  # only the row's family changes
+                        t_cp.append(_time(lambda: np.copyto(dst, src)))
                         per[i] = _time(fn)
                     if r:
                         sg.append(2 * 1024 ** 3 / t_sg)
-                        bw.append(src.nbytes / t_cp)  # the copy's read rate
+                        bw.extend(src.nbytes / t for t in t_cp)  # the copy's read rate
                         for i in row_isas:
                             times[i].append(per[i])
                     sys.stderr.write(f"\r{name} {row} round {r}/{a.rounds}   ")
@@ -207,11 +219,12 @@ def main(argv=None) -> int:
                     anchor = (f"{flops / t / 1e9:.1f} GF/s, {flops / t / rate:.2f} x sgemm, "
                               f"{t / roof:.2f} x roofline ({'flops' if flops / rate >= floor else 'bytes'})"
                               if T > 8 else f"{t / floor:.2f} x bw floor")
-                    mark = "*" if i == families[_family(T, fmt, precision)] else ""
+                    mark = "*" if i == families[family] else ""
                     label = i + mark + (f" ({dot[i]})" if i in dot else "")
                     table.append([name, row, label, f"{t * 1e3:.2f}", anchor,
                                   f"{t / best:.2f}"])
-                results.append({"model": name, "row": row, "T": T, "weights": fmt, "x": str(np.dtype(xdt)),
+                results.append({"model": name, "row": row, "family": family, "T": T, "weights": fmt,
+                                "x": str(np.dtype(xdt)),
                                 "precision": precision or "float32", "dot_kernels": dot,
                                 "median_ms": {i: v * 1e3 for i, v in med.items()},
                                 "all_ms": {i: [t * 1e3 for t in v] for i, v in times.items()},

@@ -18,9 +18,9 @@ instruction set (`FAMILIES`; xla_ffi/cpu/isa.cc):
 
 By default every family takes the best instruction set the CPU supports,
 except where a measurement says otherwise (AMD family 19h, Zen 4: AVX2 for
-``packed``, ``qstream``, ``dot`` and ``stream_f32``, which were faster
-there, and AVX-512 for ``stream`` and ``qdot``:
-``packed=avx2,stream=avx512,qstream=avx2,dot=avx2,stream_f32=avx2,qdot=avx512``;
+``packed``, ``dot`` and ``stream_f32``, which were faster there, and AVX-512
+for ``stream``, ``qstream`` and ``qdot``:
+``packed=avx2,stream=avx512,qstream=avx512,dot=avx2,stream_f32=avx2,qdot=avx512``;
 `default_isa`; the figures in docs/benchmarks.md).  The default is a
 fixed rule, so results are the same bits from one process to the next.
 ``JAX_NBX_ISA`` (applied when the package loads, `jax_nbx._registry`) or
@@ -46,7 +46,7 @@ _ffi = _registry.ffi_module
 def isa() -> str:
     """The micro-kernels in use: an instruction set ("avx512", "avx2",
     "generic") when every family runs it, else the composition
-    ``"packed=avx2,stream=avx512,qstream=avx2,dot=avx2,stream_f32=avx2,qdot=avx512"``.  `set_isa`
+    ``"packed=avx2,stream=avx512,qstream=avx512,dot=avx2,stream_f32=avx2,qdot=avx512"``.  `set_isa`
     accepts either."""
     return _ffi().cpu_isa()
 

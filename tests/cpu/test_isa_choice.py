@@ -41,11 +41,11 @@ def test_default_rule_per_cpu():
     full = "avx512,avx2,generic"
     every = lambda i: {f: i for f in nbx.cpu.FAMILIES}  # noqa: E731
     assert _ffi.cpu_default_families("GenuineIntel", 6, full) == every("avx512")
-    # AMD family 19h (Zen 4 double-pumps 512-bit FMAs): AVX2 measured faster, but for bf16
-    # streaming and precision="int8" (float32 streaming, its own family, and the bfloat16 dot
-    # products stay AVX2)
-    assert _ffi.cpu_default_families("AuthenticAMD", 0x19, full) == {**every("avx2"), "stream": "avx512",
-                                                                      "qdot": "avx512"}
+    # AMD family 19h (Zen 4 double-pumps 512-bit FMAs): AVX2 measured faster for the packed GEMMs,
+    # float32 streaming and the bfloat16 dot products; AVX-512 for bf16 and quantized streaming
+    # and precision="int8"
+    assert _ffi.cpu_default_families("AuthenticAMD", 0x19, full) == {
+        **every("avx2"), "stream": "avx512", "qstream": "avx512", "qdot": "avx512"}
     assert _ffi.cpu_default_families("AuthenticAMD", 0x19, "avx2,generic") == every("avx2")
     assert _ffi.cpu_default_families("AuthenticAMD", 0x1A, full) == every("avx512")  # Zen 5
     assert _ffi.cpu_default_families("GenuineIntel", 6, "avx2,generic") == every("avx2")

@@ -230,17 +230,23 @@ void DefaultFamilies(const char* vendor, int family, const char* supported,
   // 1.06, 1.12, 1.06; OLMoE 0.98, 1.05, 0.99.  Its decode rows (the fma
   // streaming kernels of the blocking's width) split by layer: Qwen3 1.21 and
   // 1.07, OLMoE 0.96 and 0.92; the rule follows prefill, as before.
-  // qstream stays AVX2 (int4 decode: AVX2 1.07-1.48x faster at T=1), and so
-  // does stream_f32, split from stream on 2026-12-05 because the float32
-  // rows disagreed with the bf16 ones: isa.py 5 rounds, f32 decode T=1
-  // AVX-512 1.13x (OLMoE) and 1.07x (Qwen3) the AVX2 time, where the
-  // 2026-12-05 run before had read 1.37x and 1.05x.  qdot (precision="int8")
-  // takes AVX-512, split from qstream on 2026-12-05: three runs of 9
-  // interleaved rounds per shape, OLMoE and Qwen3 at T = 1 and 8, AVX2 / AVX-512
-  // time 1.06-1.40 (int8) and 1.01-1.23 (int4), never below 1.
+  // stream_f32 stays AVX2, split from stream on 2026-12-05 because the
+  // float32 rows disagreed with the bf16 ones (isa.py 5 rounds, f32 decode
+  // T=1 AVX-512 1.13x (OLMoE) and 1.07x (Qwen3) the AVX2 time, where the run
+  // before had read 1.37x and 1.05x; the two fair runs below split, 0.92-1.07).
+  // qstream and qdot (precision="int8", split from qstream) take AVX-512 since
+  // 2026-12-05, when isa.py was made fair: every call after the eviction (the
+  // copy ran once per round, before the first ISA, avx512, so AVX2 found a
+  // small layer such as int4 Qwen3 T=1, 21 MB, still in the 32 MB L3: the
+  // "AVX2 1.07-1.48x faster at T=1" that had kept qstream on AVX2), the
+  // order rotating, and only the row's family switched.  Two such runs of 9
+  // rounds, OLMoE and Qwen3, AVX2 / AVX-512 time: qstream int4 T=1 and 8
+  // 1.01-1.17 (all 8 rows), int8 T=1 0.88-1.11; qdot int8 1.01-1.40, int4
+  // 1.08-1.21 (one run, 8 rows; three runs without eviction agreed).
   if (std::strcmp(best, "avx512") == 0 && std::strcmp(vendor, "AuthenticAMD") == 0 &&
       family == 0x19 && has("avx2"))
-    for (int f = 0; f < kNumFamilies; ++f) out[f] = f == kStream || f == kQDot ? "avx512" : "avx2";
+    for (int f = 0; f < kNumFamilies; ++f)
+      out[f] = f == kStream || f == kQStream || f == kQDot ? "avx512" : "avx2";
 }
 
 const char* KernelFamilyName(int f) { return f >= 0 && f < kNumFamilies ? kFamilies[f] : ""; }
