@@ -2,7 +2,7 @@
 
     python benchmarks/quant.py [--models olmoe-1b-7b,qwen3-30b-a3b] [--tokens 1,8,256]
                                [--formats int8,int4,mxfp4,fp8,mxfp8,nvfp4,int8/x8,int4/x8]
-                               [--isas avx512,avx2] [--json out.json]
+                               [--isas avx512,avx2,chosen] [--json out.json]
 
 For each model and T: median time of the op with bf16 weights and with each
 quantized format -- int8 (bf16 scales), int4 (group 128, bf16 scales), mxfp4
@@ -14,7 +14,8 @@ round runs every ISA and format once), and the speed ratios bf16 time /
 quantized time (higher is better for the quantized experts; issue #19's goals:
 decode int4 >= 2.5, int8 >= 1.6; issue #32's: mxfp4 and nvfp4 >= 3, fp8 >=
 1.8, prefill any <= 1.1x bf16's time).  "÷ best ISA" is each ISA's time over
-the fastest ISA's, per format; the ISA jax_nbx chooses by itself is marked *.
+the fastest ISA's, per format; the ISA jax_nbx chooses by itself is marked *; "chosen" measures the
+composition in use (`jax_nbx.cpu.isa`, e.g. the default's per-family choice).
 x is bf16.
 """
 from __future__ import annotations
@@ -44,7 +45,8 @@ def main(argv=None):
     ap.add_argument("--tokens", default="1,8,256")
     ap.add_argument("--formats", default="int8,int4,mxfp4,fp8,mxfp8,nvfp4")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--isas", default=None, help="comma-separated (default: every ISA this CPU supports)")
+    ap.add_argument("--isas", default=None, help="comma-separated, 'chosen' for the composition in use "
+                    "(default: every ISA this CPU supports)")
     ap.add_argument("--json", default=None, help="also write the medians and every timing here")
     args = ap.parse_args(argv)
     chosen = nbx.cpu.isa()
@@ -53,8 +55,9 @@ def main(argv=None):
     for k in FORMATS[1:]:
         if k not in QUANT:
             ap.error(f"--formats: {k!r} is not one of {tuple(QUANT)}")
+    isas = [chosen if i == "chosen" else i for i in isas]
     for i in isas:
-        if i not in nbx.cpu.supported_isas():
+        if i != chosen and i not in nbx.cpu.supported_isas():
             ap.error(f"--isas: {i!r} is not supported here (supported: {nbx.cpu.supported_isas()})")
     print(f"{machine()}; ISA chosen: {chosen}; measured: {', '.join(isas)}")
     rows, results = [], []
@@ -88,7 +91,7 @@ def main(argv=None):
                 med = {key: statistics.median(v) * 1e3 for key, v in times.items()}
                 best = {k: min(med[(i, k)] for i in isas) for k in fns}
                 for i in isas:
-                    row = [name, str(T), i + ("*" if i == chosen else "")]
+                    row = [name, str(T), ("chosen" if "=" in i else i) + ("*" if i == chosen else "")]
                     row += [f"{med[(i, k)]:.2f}" for k in FORMATS]
                     row += [f"{med[(i, 'bf16')] / med[(i, q)]:.2f}" for q in FORMATS[1:]]
                     row += [" ".join(f"{med[(i, k)] / best[k]:.2f}" for k in FORMATS)]
