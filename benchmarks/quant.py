@@ -55,7 +55,7 @@ def main(argv=None):
     for k in FORMATS[1:]:
         if k not in QUANT:
             ap.error(f"--formats: {k!r} is not one of {tuple(QUANT)}")
-    isas = [chosen if i == "chosen" else i for i in isas]
+    isas = list(dict.fromkeys(chosen if i == "chosen" else i for i in isas))  # (no ISA twice)
     for i in isas:
         if i != chosen and i not in nbx.cpu.supported_isas():
             ap.error(f"--isas: {i!r} is not supported here (supported: {nbx.cpu.supported_isas()})")
