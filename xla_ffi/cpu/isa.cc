@@ -241,8 +241,8 @@ void DefaultFamilies(const char* vendor, int family, const char* supported,
   // "AVX2 1.07-1.48x faster at T=1" that had kept qstream on AVX2), the
   // order rotating, and only the row's family switched.  Two such runs of 9
   // rounds, OLMoE and Qwen3, AVX2 / AVX-512 time: qstream int4 T=1 and 8
-  // 1.01-1.17 (all 8 rows), int8 T=1 0.88-1.11; qdot int8 1.01-1.40, int4
-  // 1.08-1.21 (one run, 8 rows; three runs without eviction agreed).
+  // 1.01-1.17 (all 8 rows), int8 T=1 0.88-1.11; qdot int8 1.01-1.54, int4
+  // 1.08-1.35 (all 16 rows; three runs without eviction agreed).
   if (std::strcmp(best, "avx512") == 0 && std::strcmp(vendor, "AuthenticAMD") == 0 &&
       family == 0x19 && has("avx2"))
     for (int f = 0; f < kNumFamilies; ++f)
