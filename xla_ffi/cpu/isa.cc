@@ -121,6 +121,7 @@ const KernelTable* Compose(const int isa[kNumFamilies]) {
   if (!c.built) {
     const KernelTable& p = *ByIndex(isa[kPacked]);
     const KernelTable& q = *ByIndex(isa[kQStream]);
+    const KernelTable& qd = *ByIndex(isa[kQDot]);
     c.table = p;  // the packed family: blocking, GEMMs, packing, glu
     for (int w = 0; w < 2; ++w) {  // [0] float32 weights, [1] bfloat16
       const KernelTable& s = *ByIndex(isa[w == 0 ? kStreamF32 : kStream]);
@@ -132,8 +133,8 @@ const KernelTable* Compose(const int isa[kNumFamilies]) {
     }
     c.table.qstream1 = q.qstream1;
     c.table.qstream2 = q.qstream2;
-    c.table.qdot1 = ByIndex(isa[kQDot])->qdot1;  // precision="int8"
-    c.table.qdot2 = ByIndex(isa[kQDot])->qdot2;
+    c.table.qdot1 = qd.qdot1;  // precision="int8"
+    c.table.qdot2 = qd.qdot2;
     c.table.dot_table = ByIndex(isa[kDot]);
     std::string name;  // "packed=avx2,stream=avx512,..."
     for (int f = 0; f < kNumFamilies; ++f)
