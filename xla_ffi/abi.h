@@ -28,6 +28,9 @@ inline constexpr const char* kTargetCudaBackward = "nbx_fused_moe_bwd_cuda";
 // The Metal path (platform "cpu": JAX's CPU client, the handler dispatching
 // to the Metal device; metal/moe_metal.cc), the forward's attributes.
 inline constexpr const char* kTargetMetalForward = "nbx_fused_moe_fwd_metal";
+// The CPU forward's weights packed once into its kernels' layout
+// ("prepacked weights" below; cpu/prepack.cc).
+inline constexpr const char* kTargetPrepack = "nbx_prepack";
 // Test-only twins (xla_ffi/testing/): the same handlers with one more input
 // per result, aliased to it and NaN-filled, so an unwritten element shows.
 // Registered only by the test suite (jax_nbx._registry.register_testing).
@@ -68,6 +71,31 @@ inline constexpr double kClampedSwiGLULimit = 7.0;
 // the dequantized rows q * d with the dequantized weights, up to float32
 // rounding.  int4 group sizes are multiples of kInt8Block.
 inline constexpr int64_t kInt8Block = 32;
+
+// ---------------------------------------------------------------- prepacked weights
+// jax_nbx.prepack: dense experts' K-blocks packed once (kTargetPrepack) into
+// the micro-panels the CPU forward's packed kernels read, which the forward
+// (attribute `prepacked`) then reads instead of packing per call.  Two uint32
+// buffers, GEMM1's (gate||up) and GEMM2's (down), each a header of
+// kPackedHeaderWords words then E experts of `expert_words` words: float32
+// bits, or bfloat16 pairs with precision="bfloat16" (cpu/prepacked.h has the
+// order of the blocks).  The header names the blocking the words were packed
+// for; the forward refuses a buffer whose header does not match the kernels
+// in use (another instruction set, precision or shape).
+inline constexpr int64_t kPackedHeaderWords = 16;
+inline constexpr uint32_t kPackedMagic = 0x5042584eu;  // "NXBP"
+enum PackedField : int32_t {
+  kPackedFieldMagic = 0,
+  kPackedFieldGemm = 1,   // 1: gate||up, 2: down
+  kPackedFieldE = 2,
+  kPackedFieldK = 3,      // rows of each matrix (H, or I)
+  kPackedFieldN = 4,      // columns (I, or H)
+  kPackedFieldVl = 5,     // the blocking: vector lanes, K-block rows, tile columns
+  kPackedFieldKc = 6,
+  kPackedFieldNc = 7,
+  kPackedFieldDot = 8,    // 1: bfloat16 pairs (precision="bfloat16")
+  kPackedFieldExpertWords = 9,
+};
 
 // ---------------------------------------------------------------- weight formats
 // The codes of the weight formats (the enum attribute "format", int32), as
@@ -162,7 +190,12 @@ inline constexpr int32_t kNumBiases = 3;      // gate, up, down
   X(I64, band_tokens) X(I64, max_workers) X(BOOL, skip_outside) X(I64, num_experts)      \
   X(FMT, format) X(BOOL, stacked) X(I64, group_size) NBX_ATTRS_VIEWS(X) X(BOOL, bf16_dot)   \
   X(BOOL, int8_dot)                                                                      \
-  X(BOOL, tensor_scales) NBX_ATTRS_LORA(X)
+  X(BOOL, tensor_scales) NBX_ATTRS_LORA(X) X(BOOL, prepacked)
+// kTargetPrepack: the weights' decoding (as the forward's), x's hidden size
+// and the arithmetic the words are packed for.
+#define NBX_ATTRS_CPU_PREPACK(X)                                                     \
+  X(I64, num_experts) X(FMT, format) X(BOOL, stacked) X(I64, group_size)             \
+  NBX_ATTRS_VIEWS(X) X(BOOL, tensor_scales) X(I64, hidden) X(BOOL, bf16_dot)
 // The CPU backward (kTargetBackward, and its twin).
 #define NBX_ATTRS_CPU_BACKWARD(X)                                                   \
   NBX_ATTRS_ACTIVATION(X)                                                           \
@@ -189,7 +222,8 @@ inline constexpr int32_t kNumBiases = 3;      // gate, up, down
   X(forward, NBX_ATTRS_CPU_FORWARD) X(backward, NBX_ATTRS_CPU_BACKWARD)            \
   X(metal_forward, NBX_ATTRS_CPU_FORWARD) X(forward_poisoned, NBX_ATTRS_CPU_FORWARD) \
   X(backward_poisoned, NBX_ATTRS_CPU_BACKWARD) X(cuda_forward, NBX_ATTRS_CUDA_PROGRAM) \
-  X(cuda_forward_tables, NBX_ATTRS_CUDA_FORWARD_TABLES) X(cuda_backward, NBX_ATTRS_CUDA_BACKWARD)
+  X(cuda_forward_tables, NBX_ATTRS_CUDA_FORWARD_TABLES) X(cuda_backward, NBX_ATTRS_CUDA_BACKWARD) \
+  X(prepack, NBX_ATTRS_CPU_PREPACK)
 
 // ---------------------------------------------------------------- limits
 // Slots (T * k routed pairs) of one call.  The handlers and kernels index

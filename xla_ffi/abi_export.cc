@@ -82,6 +82,7 @@ nb::dict AbiDict() {
   targets["cuda_forward_tables"] = abi::kTargetCudaForwardTables;
   targets["cuda_backward"] = abi::kTargetCudaBackward;
   targets["metal_forward"] = abi::kTargetMetalForward;
+  targets["prepack"] = abi::kTargetPrepack;
   targets["forward_poisoned"] = abi::kTargetForwardPoisoned;
   targets["backward_poisoned"] = abi::kTargetBackwardPoisoned;
   d["targets"] = targets;
@@ -127,6 +128,8 @@ nb::dict AbiDict() {
   d["max_deferred_err_words"] = abi::kMaxDeferredErrWords;
   d["workspace_align"] = abi::kWorkspaceAlign;
   d["max_slots"] = abi::kMaxSlots;
+  d["packed_header_words"] = abi::kPackedHeaderWords;
+  d["packed_magic"] = abi::kPackedMagic;
   d["attributes"] = AttributeTable();
   return d;
 }

@@ -15,6 +15,7 @@ from .lora import LoRA, merge_lora
 from .memory import DeviceOOMError
 from .models import MODELS, ModelShape
 from .ops import IMPLEMENTATIONS, fused_moe
+from .prepack import PackedExperts, prepack
 from .reference import moe_reference
 from .routing import (
     expert_counts,
@@ -36,4 +37,4 @@ __all__ = ["Experts", "SharedExperts", "LoRA", "merge_lora", "Activation", "acti
            "dequantize", "QuantizedWeight", "formats", "backends", "sharded_moe", "memory", "cpu", "metal",
            "tables", "nn",
            "load_moe", "load_experts", "from_gptq", "from_awq", "from_mlx", "calibrate_isa", "Calibration",
-           "__version__"]
+           "prepack", "PackedExperts", "__version__"]

@@ -26,6 +26,7 @@ TARGET_CUDA_FORWARD: str = _d["targets"]["cuda_forward"]
 TARGET_CUDA_FORWARD_TABLES: str = _d["targets"]["cuda_forward_tables"]
 TARGET_CUDA_BACKWARD: str = _d["targets"]["cuda_backward"]
 TARGET_METAL_FORWARD: str = _d["targets"]["metal_forward"]
+TARGET_PREPACK: str = _d["targets"]["prepack"]
 TARGET_FORWARD_POISONED: str = _d["targets"]["forward_poisoned"]  # tests only
 TARGET_BACKWARD_POISONED: str = _d["targets"]["backward_poisoned"]  # tests only
 
@@ -94,6 +95,9 @@ MAX_DEFERRED_ERR_WORDS: int = _d["max_deferred_err_words"]
 WORKSPACE_ALIGN: int = _d["workspace_align"]
 # slots (T * k) of one call: indexed with int32 by every handler
 MAX_SLOTS: int = _d["max_slots"]
+# abi.h "prepacked weights": words of each packed buffer's header, its first word
+PACKED_HEADER_WORDS: int = _d["packed_header_words"]
+PACKED_MAGIC: int = _d["packed_magic"]
 
 # Each target's FFI attributes (abi.h NBX_TARGET_ATTRS): target key -> {name: kind}
 TARGET_ATTRIBUTES: dict[str, dict[str, str]] = {

@@ -16,6 +16,7 @@ from .activations import Activation, as_activation
 from .backends.cpu import why_no_bf16_dot
 from .experts import Experts, SharedExperts
 from .lora import LoRA, validate_lora
+from .prepack import PackedExperts
 from .transforms import op
 from .validation import check_slots, ids_as_int32, validate, validate_experts
 
@@ -49,7 +50,7 @@ def fused_moe(
     x: jax.Array,
     topk_weights: jax.Array,
     topk_ids: jax.Array,
-    experts: Experts,
+    experts: Experts | PackedExperts,
     *,
     activation: Literal["swiglu", "geglu", "geglu_erf", "swiglu_clamped"] | Activation = "swiglu",
     implementation: Literal["xla", "cpu", "cuda", "metal", "ffi"] | None = None,
@@ -81,7 +82,11 @@ def fused_moe(
         down biases (the CPU handler, the CUDA kernels and the "xla" path;
         the Metal handler takes the plain layout without biases and says so), dense
         or quantized (`jax_nbx.quantize`: int8, int4 in groups; quantized
-        weights are frozen: no gradient flows to them).
+        weights are frozen: no gradient flows to them).  Or a
+        `jax_nbx.PackedExperts` (`jax_nbx.prepack`: dense experts whose
+        weights were packed once for the CPU handler's kernels; the same
+        bits, no per-call packing; CPU handler only, no ``lora``; the call's
+        ``precision`` is the one they were packed for).
       activation: the experts' gated unit (`jax_nbx.activations`): ``"swiglu"``
         (silu gate), ``"geglu"`` (tanh-approximated gelu gate), ``"geglu_erf"``
         (exact gelu gate), ``"swiglu_clamped"`` (gpt-oss), or an
@@ -187,10 +192,11 @@ def fused_moe(
       the refusal is a ``JaxRuntimeError`` whose text carries the same
       advice; ``jax_nbx.memory.last_refusal()`` has the record).
     """
+    experts, packed, precision = _unpack(experts, precision, lora)
     x, topk_weights, topk_ids, experts, lora = _as_arrays(x, topk_weights, topk_ids, experts, lora)
     (backend, problem), shared = _resolve(x, topk_weights, topk_ids, experts, activation, implementation,
                                           max_workspace_bytes, ids_outside, weights_on, shared_experts,
-                                          precision, lora)
+                                          precision, lora, packed is not None)
     E, H, k = problem.E, problem.H, topk_ids.shape[-1]
 
     lead = x.shape[:-1]
@@ -203,14 +209,28 @@ def fused_moe(
     if weights_on == "input":  # one row per slot, scaled by its weight; unit weights
         xs = (x2[:, None, :].astype(jnp.float32) * w2[:, :, None]).astype(x.dtype).reshape(T * k, H)
         y = _run(backend, problem, xs, jnp.ones((T * k, 1), jnp.float32), ids2.reshape(T * k, 1), experts,
-                 lora)
+                 lora, packed)
         y = y.reshape(T, k, H).astype(jnp.float32).sum(axis=1).astype(x.dtype)
     else:
-        y = _run(backend, problem, x2, w2, ids2, experts, lora)
+        y = _run(backend, problem, x2, w2, ids2, experts, lora, packed)
     if shared is not None:
         y = y.astype(jnp.float32) + _shared(x2, shared_experts, *shared)
         y = y.astype(x.dtype)
     return y.reshape(x.shape)
+
+
+def _unpack(experts, precision, lora):
+    """(experts, packed or None, precision) of a call: a `PackedExperts`
+    gives its experts, itself and its precision (None takes it; another is a
+    ValueError), and takes no LoRA adapters."""
+    if not isinstance(experts, PackedExperts):
+        return experts, None, precision
+    if precision is not None and precision != experts.precision:
+        raise ValueError(f"these experts were prepacked for precision={experts.precision!r}; the call "
+                         f"asks for precision={precision!r} (prepack them for it, or pass None)")
+    if lora is not None:
+        raise ValueError("prepacked experts take no LoRA adapters (lora=): pass the Experts themselves")
+    return experts.experts, experts, experts.precision
 
 
 def _as_arrays(x, topk_weights, topk_ids, experts, lora=None):
@@ -228,7 +248,7 @@ def _as_arrays(x, topk_weights, topk_ids, experts, lora=None):
 
 
 def _resolve(x, topk_weights, topk_ids, experts, activation, implementation, max_workspace_bytes,
-             ids_outside, weights_on, shared_experts, precision, lora=None):
+             ids_outside, weights_on, shared_experts, precision, lora=None, prepacked=False):
     """Validates a call; ((backend, problem) of the routed experts' pass,
     (backend, problem) of the shared experts' or None)."""
     if ids_outside not in ("error", "skip"):
@@ -247,7 +267,7 @@ def _resolve(x, topk_weights, topk_ids, experts, activation, implementation, max
     k_pass = 1 if weights_on == "input" else k
     problem = backends.Problem.of(experts, x.dtype, E, H, I, k_pass, activation,
                                   bf16_dot=precision == "bfloat16", int8_dot=precision == "int8",
-                                  lora=lora_spec, **options)
+                                  lora=lora_spec, prepacked=prepacked, **options)
     backend = backends.choose(implementation, problem)
     shared = _shared_pass(shared_experts, implementation, x.dtype, H, activation, precision, options)
     passes = [(backend, problem)] + ([shared] if shared is not None else [])
@@ -265,9 +285,11 @@ def resolve(x, topk_weights, topk_ids, experts: Experts, *, activation="swiglu",
     backend and the `backends.Problem` of the routed experts' pass (its
     ``bf16_dot`` says which arithmetic ``precision`` resolved to).  Raises
     what `fused_moe` raises at trace time."""
+    experts, packed, precision = _unpack(experts, precision, lora)
     x, topk_weights, topk_ids, experts, lora = _as_arrays(x, topk_weights, topk_ids, experts, lora)
     routed, _ = _resolve(x, topk_weights, topk_ids, experts, activation, implementation,
-                         max_workspace_bytes, ids_outside, weights_on, shared_experts, precision, lora)
+                         max_workspace_bytes, ids_outside, weights_on, shared_experts, precision, lora,
+                         packed is not None)
     return routed
 
 
@@ -311,9 +333,10 @@ def _bf16_dot_by_default(x_dtype, passes) -> bool:
 
 
 def _run(backend: backends.Backend, problem: backends.Problem, x2, w2, ids2, experts: Experts,
-         lora: LoRA | None = None) -> jax.Array:
+         lora: LoRA | None = None, packed: PackedExperts | None = None) -> jax.Array:
     """One pass of ``backend`` on 2-D inputs (validated; ``lora`` only on a
-    backend that `takes_lora`, which `backends.choose` made sure of)."""
+    backend that `takes_lora`, ``packed`` only on one that `takes_prepacked`,
+    which `backends.choose` made sure of)."""
     T = x2.shape[0]
     if backend.traced_by_jax:
         extra = {} if lora is None else {"lora": lora}
@@ -321,7 +344,7 @@ def _run(backend: backends.Backend, problem: backends.Problem, x2, w2, ids2, exp
     check_slots(T, problem.k)
     band = backend.plan(problem, T)
     try:
-        y = op(backend, problem, band)(x2, w2, ids2, experts, lora)
+        y = op(backend, problem, band)(x2, w2, ids2, experts, lora, packed)
         if not isinstance(y, jax.core.Tracer):  # eager: surface a refusal here
             y.block_until_ready()
     except (jax.errors.JaxRuntimeError, ValueError) as e:  # eager errors may arrive as either

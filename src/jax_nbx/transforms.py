@@ -81,17 +81,21 @@ def _perturbed(tree) -> bool:
 @functools.cache
 def op(backend: Backend, problem: Problem, band_tokens: int):
     """The raw forward of ``backend`` on 2-D inputs ``(x, w, ids, experts,
-    lora)`` (``lora`` None or a `jax_nbx.LoRA`, only where the backend
-    `takes_lora`) with a batching rule and a derivative."""
+    lora, packed)`` (``lora`` None or a `jax_nbx.LoRA`, only where the backend
+    `takes_lora`; ``packed`` None or the `jax_nbx.PackedExperts` of
+    ``experts``, only where it `takes_prepacked`: the forward reads it, the
+    derivative the experts) with a batching rule and a derivative."""
 
     @custom_vmap
-    def forward(x, w, ids, experts, lora):
+    def forward(x, w, ids, experts, lora, packed):
         check_slots(*ids.shape)  # (a vmapped batch folds into the tokens: checked again here)
         extra = {} if lora is None else {"lora": lora}
+        if packed is not None:
+            extra["packed"] = packed
         return backend.forward(problem, band_tokens, x, w, ids, experts, **extra)
 
     @forward.def_vmap
-    def _batch(axis_size, in_batched, x, w, ids, experts, lora):
+    def _batch(axis_size, in_batched, x, w, ids, experts, lora, packed):
         args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
                 for a, b in zip((x, w, ids), in_batched[:3])]
         if not any(jax.tree.leaves(in_batched[3:])):
@@ -99,24 +103,25 @@ def op(backend: Backend, problem: Problem, band_tokens: int):
             xb, wb, ib = args
             B, T, H = xb.shape
             k = wb.shape[-1]  # (not -1: an empty batch has nothing to infer it from)
-            y = forward(xb.reshape(B * T, H), wb.reshape(B * T, k), ib.reshape(B * T, k), experts, lora)
+            y = forward(xb.reshape(B * T, H), wb.reshape(B * T, k), ib.reshape(B * T, k), experts, lora,
+                        packed)
             return y.reshape(B, T, H), True
         # Experts or adapters differ per batch element: one call per element.
-        ex, lo = jax.tree.map(lambda a, b: a if b else jnp.broadcast_to(a, (axis_size,) + a.shape),
-                              (experts, lora), tuple(in_batched[3:]))
-        return jax.lax.map(lambda a: forward(*a), (*args, ex, lo)), True
+        ex, lo, pk = jax.tree.map(lambda a, b: a if b else jnp.broadcast_to(a, (axis_size,) + a.shape),
+                                  (experts, lora, packed), tuple(in_batched[3:]))
+        return jax.lax.map(lambda a: forward(*a), (*args, ex, lo, pk)), True
 
     @jax.custom_vjp
-    def run(x, w, ids, experts, lora):
-        return forward(x, w, ids, experts, lora)
+    def run(x, w, ids, experts, lora, packed):
+        return forward(x, w, ids, experts, lora, packed)
 
-    def run_fwd(x, w, ids, experts, lora):
+    def run_fwd(x, w, ids, experts, lora, packed):
         # The experts' gradients are computed only when they are differentiated
         # (frozen experts under LoRA, or x-only gradients, skip the dW GEMMs):
         # the residuals' structure carries that, () or None.
         train = () if _perturbed(experts) else None
-        x, w, ids, experts, lora = custom_vjp_primal_tree_values((x, w, ids, experts, lora))
-        return forward(x, w, ids, experts, lora), (x, w, ids, experts, lora, train)
+        x, w, ids, experts, lora, packed = custom_vjp_primal_tree_values((x, w, ids, experts, lora, packed))
+        return forward(x, w, ids, experts, lora, packed), (x, w, ids, experts, lora, train)
 
     def run_bwd(res, g):
         x, w, ids, experts, lora, train = res
@@ -126,15 +131,15 @@ def op(backend: Backend, problem: Problem, band_tokens: int):
         fused = backend.backward(problem, g, x, w, ids, experts, lora=lora, weight_grads=train)
         if fused is not None:
             dx, dw, dws, dlora = fused
-            return dx, dw, None, (_regroup(experts, dws) if train and dws is not None else None), dlora
+            return dx, dw, None, (_regroup(experts, dws) if train and dws is not None else None), dlora, None
         ref = functools.partial(moe_reference, activation=problem.activation)
         if problem.quant is not None or not train:  # quantized weights are frozen
             _, vjp = jax.vjp(lambda x_, w_, l_: ref(x_, w_, ids, experts, lora=l_), x, w, lora)
             dx, dw, dlora = vjp(g)
-            return dx, dw, None, None, dlora
+            return dx, dw, None, None, dlora, None
         _, vjp = jax.vjp(lambda x_, w_, e_, l_: ref(x_, w_, ids, e_, lora=l_), x, w, experts, lora)
         dx, dw, dexperts, dlora = vjp(g)
-        return dx, dw, None, dexperts, dlora
+        return dx, dw, None, dexperts, dlora, None
 
     run.defvjp(run_fwd, run_bwd, symbolic_zeros=True)
     return run

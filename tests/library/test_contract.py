@@ -24,7 +24,8 @@ pytestmark = pytest.mark.fast
 
 @pytest.mark.arm64
 def test_target_names_are_the_abis():
-    assert set(ffi.cpu_handlers()) == {contract.TARGET_FORWARD, contract.TARGET_BACKWARD, contract.TARGET_METAL_FORWARD}
+    assert set(ffi.cpu_handlers()) == {contract.TARGET_FORWARD, contract.TARGET_BACKWARD, contract.TARGET_METAL_FORWARD,
+                                       contract.TARGET_PREPACK}
     assert set(ffi_testing.load().handlers()) == {contract.TARGET_FORWARD_POISONED,
                                                   contract.TARGET_BACKWARD_POISONED}
     if getattr(ffi, "has_cuda", False):
@@ -99,8 +100,10 @@ def test_attributes_are_built_from_the_contract_alone():
     one builder refuses a missing or an unknown name before XLA sees it."""
     assert set(contract.TARGET_ATTRIBUTES) == {
         "forward", "backward", "metal_forward", "forward_poisoned", "backward_poisoned",
-        "cuda_forward", "cuda_forward_tables", "cuda_backward"}
+        "cuda_forward", "cuda_forward_tables", "cuda_backward", "prepack"}
     fwd = contract.TARGET_ATTRIBUTES["forward"]
+    # the prepack handler decodes the weights with the forward's attributes
+    assert set(contract.TARGET_ATTRIBUTES["prepack"]) - set(fwd) == {"hidden"}
     assert fwd["activation"] == "ACT" and fwd["format"] == "FMT" and fwd["views"] == "I64S"
     assert contract.TARGET_ATTRIBUTES["metal_forward"] == fwd == contract.TARGET_ATTRIBUTES["forward_poisoned"]
     values = {n: 0 for n in fwd}

@@ -51,14 +51,16 @@ def _with_lora(p, lora):
 
 def ffi_forward(x, w, ids, *arrays, activation="swiglu", band_tokens: int = 0, poison: bool = False,
                 lists: bool = False, skip_outside: bool = False, layout: WeightLayout | None = None,
-                bf16_dot: bool = False, lora=None, int8_dot: bool = False):
+                bf16_dot: bool = False, lora=None, int8_dot: bool = False, packed=None):
     """The CPU forward on 2-D inputs; ``arrays`` = `Experts.flat` (then
     `Experts.handler_biases` when ``layout.bias``); ``poison``: the twin;
-    ``lora``: a `jax_nbx.LoRA` on the experts."""
+    ``lora``: a `jax_nbx.LoRA` on the experts; ``packed``: their
+    `jax_nbx.PackedExperts`."""
     p = _with_lora(_problem(x, ids, arrays, activation, lists, layout, skip_outside, bf16_dot, int8_dot),
                    lora)
     name, operands, attrs, out = cpu_backend.forward_call(
-        p, band_tokens, x, w, ids, arrays, target="forward_poisoned" if poison else "forward", lora=lora)
+        p, band_tokens, x, w, ids, arrays, target="forward_poisoned" if poison else "forward", lora=lora,
+        packed=packed)
     if poison:
         (y,) = poisoned_call(name, [out], operands, attrs)
         return y

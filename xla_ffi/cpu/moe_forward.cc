@@ -33,6 +33,7 @@
 #include "cpu/gemm_driver.h"
 #include "cpu/handler_common.h"
 #include "cpu/kernel_table.h"
+#include "cpu/prepacked.h"
 #include "cpu/slots.h"
 #include "cpu/weights.h"
 #include "dtypes.h"
@@ -64,6 +65,8 @@ struct Problem {
   const DotKernelTable* dot = nullptr;
   // precision="int8": every expert (int8 or int4) streams through qdot1/qdot2.
   bool int8 = false;
+  // jax_nbx.prepack's words of GEMM1 and GEMM2 (cpu/prepacked.h), or null bases.
+  PackedWords packed[2] = {};
 };
 
 template <typename W>
@@ -278,11 +281,21 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
         scale = colscale;
       }
     }
+    // prepacked weights: each block read where jax_nbx.prepack put it, not packed
+    const PackedWords& pw = p.packed[first ? 0 : 1];
+    const PackedLayout layout(kt, dot != nullptr, first, K, N);
+    const auto prepacked = [&](int64_t k0) {
+      return reinterpret_cast<const float*>(pw.base + e * pw.expert_words + layout.Offset(n0, k0));
+    };
+    const float* bsrc = packed;  // the block the micro-kernels read
     RunKBlocks(
         K, kt.kc,
         [&](Prefetcher& pf, int64_t k0, int64_t kc) {
           if constexpr (WS::kQuant)
             StartPrefetch(pf, mats[0], mats[1], N, k0, kc, n0, nc);
+          else if (pw.base != nullptr)  // one contiguous run
+            pf.Start(prepacked(k0), nullptr, 0, 1,
+                     layout.Panels(nc) * PanelStride(layout.BlockRows(kc), vl) * 4);
           else
             StartViewPrefetch(pf, mats[0], mats[1], sk, sn, k0, kc, n0, nc);
         },
@@ -290,23 +303,18 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
           if constexpr (WS::kQuant) {
             for (int s = 0; s < ns; ++s)
               kt.qpack(mats[s], k0, kc, n0, nc, width, packed + s * width, 2 * vl, PanelStride(kc, vl));
-          } else if (dot != nullptr) {  // pairs of rows (and A's, unless already in place)
-            if constexpr (std::is_same_v<W, bf16>) {
-              auto* words = reinterpret_cast<uint32_t*>(packed);
-              const void* mv[2] = {mats[0], mats[1]};
-              dot->pack_b[ns - 1](mv, sk, k0, kc, n0, nc, words);
-              if (!pairs_in_place) {  // this chunk's A panels of the block, into the scratch
-                auto* a_pairs = reinterpret_cast<uint32_t*>(scratch + b.scratch_layout.dot_a_offset);
-                const int64_t pairs = (kc + 1) / 2;
-                for (int64_t pi = 0; pi < panels; ++pi)
-                  dot->pack_a(A + (m0 / mr + pi) * K * mr, k0, kc,
-                              a_pairs + pi * pairs * mr * dot->a_words);
-              }
-            }
-          } else if constexpr (first) {
-            PackView<2>(kt, mats, sk, sn, k0, kc, n0, nc, packed);
           } else {
-            PackView<1>(kt, mats, sk, sn, k0, kc, n0, nc, packed);
+            if (pw.base != nullptr)
+              bsrc = prepacked(k0);
+            else
+              PackDenseBlock<W, first>(kt, dot, mats, sk, sn, k0, kc, n0, nc, packed);
+            if (dot != nullptr && !pairs_in_place) {  // this chunk's A panels of the block
+              auto* a_pairs = reinterpret_cast<uint32_t*>(scratch + b.scratch_layout.dot_a_offset);
+              const int64_t pairs = (kc + 1) / 2;
+              for (int64_t pi = 0; pi < panels; ++pi)
+                dot->pack_a(A + (m0 / mr + pi) * K * mr, k0, kc,
+                            a_pairs + pi * pairs * mr * dot->a_words);
+            }
           }
         },
         [&](int64_t k0, int kc, Prefetcher& pf) {
@@ -319,8 +327,8 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
               reinterpret_cast<const uint32_t*>(scratch + b.scratch_layout.dot_a_offset);
           for (int q = 0; q < nsub; ++q) {
             const int cols = std::min(width, nc - q * width);
-            const float* bq = packed + q * PanelStride(kc, vl);
-            const uint32_t* bq_pairs = reinterpret_cast<const uint32_t*>(packed) + q * PanelStride(pairs, vl);
+            const float* bq = bsrc + q * PanelStride(kc, vl);
+            const uint32_t* bq_pairs = reinterpret_cast<const uint32_t*>(bsrc) + q * PanelStride(pairs, vl);
             const float* sq = scale ? scale + q * 2 * vl : nullptr;
             for (int64_t pi = 0; pi < panels; ++pi) {
               const int64_t m = m0 + pi * mr, panel = m / mr;
@@ -464,16 +472,22 @@ ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
 ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> topk_w,
                            ffi::Buffer<ffi::S32> topk_ids, ffi::RemainingArgs weights,
                            size_t trailing, ffi::Result<ffi::AnyBuffer> y, const ForwardAttrs& a) {
-  if (!NoLora(a.lora)) return FusedMoeLoraForward(pool, x, topk_w, topk_ids, weights, trailing, y, a);
+  if (!NoLora(a.lora)) {
+    if (a.prepacked)
+      return ffi::Error::InvalidArgument("prepacked experts take no LoRA adapters");
+    return FusedMoeLoraForward(pool, x, topk_w, topk_ids, weights, trailing, y, a);
+  }
   int64_t T, H, k;
   if (ffi::Error e = CheckForwardCall(x, topk_w, topk_ids, y, a.activation, a.act_alpha,
                                       a.act_limit, &T, &H, &k);
       e.failure())
     return e;
-  if (weights.size() < trailing)
-    return ffi::Error::InvalidArgument("fewer inputs than the aliased outputs");
+  const size_t packed_bufs = a.prepacked ? 2 : 0;  // after the weights
+  if (weights.size() < trailing + packed_bufs)
+    return ffi::Error::InvalidArgument("fewer inputs than the prepacked words and aliased outputs");
+  const size_t nw = weights.size() - trailing - packed_bufs;
   ExpertWeights w;
-  if (ffi::Error e = DecodeWeights(weights, 0, weights.size() - trailing, a.num_experts, H,
+  if (ffi::Error e = DecodeWeights(weights, 0, nw, a.num_experts, H,
                                    a.format, a.stacked, a.group_size, a.views, &w);
       e.failure())
     return e;
@@ -515,10 +529,22 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
       return ffi::Error::Internal(std::string("no bfloat16 dot kernels for the ") + kt.isa +
                                   " packed kernels' blocking");
   }
-  const Problem p{T, H, w.I, w.E, k, x.untyped_data(), x.element_type(), topk_w.typed_data(),
-                  ids, &w, y->untyped_data(),
-                  Glu{static_cast<int>(a.activation), a.act_alpha, a.act_limit}, dot,
-                  a.int8_dot};
+  Problem p{T, H, w.I, w.E, k, x.untyped_data(), x.element_type(), topk_w.typed_data(),
+            ids, &w, y->untyped_data(),
+            Glu{static_cast<int>(a.activation), a.act_alpha, a.act_limit}, dot,
+            a.int8_dot};
+  if (a.prepacked) {
+    if (w.quantized())
+      return ffi::Error::InvalidArgument("prepacked experts are dense; these are quantized");
+    static constexpr const char* kWhat[2] = {"gate_up", "down"};
+    for (int g = 0; g < 2; ++g) {
+      auto buf = weights.get<ffi::AnyBuffer>(nw + g);
+      if (buf.has_error()) return buf.error();
+      const PackedLayout layout(kt, dot != nullptr, g == 0, g == 0 ? H : w.I, g == 0 ? w.I : H);
+      if (ffi::Error e = CheckPacked(*buf, layout, w.E, kWhat[g], &p.packed[g]); e.failure())
+        return e;
+    }
+  }
   const int64_t band = (a.band_tokens <= 0) ? T : std::min(a.band_tokens, T);
   // The plan counted scratch for max_workers; never use more.
   const int workers = static_cast<int>(std::clamp<int64_t>(a.max_workers, 1, MaxWorkers(pool)));

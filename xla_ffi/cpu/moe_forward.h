@@ -34,6 +34,9 @@ struct ForwardAttrs {
   // through the int8-arithmetic kernels (abi.h "int8 arithmetic").
   bool int8_dot;
   LoraAttrs lora;  // abi.h "LoRA adapters": any rank > 0 runs FusedMoeLoraForward
+  // abi.h "prepacked weights": the last two weight buffers are GEMM1's and
+  // GEMM2's packed words (cpu/prepacked.h), read instead of packing
+  bool prepacked;
 };
 
 // The forward on x [T, H], topk_weights/topk_ids [T, k] and the weight
@@ -88,5 +91,6 @@ size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, in
         format, stacked, group_size,                                                   \
         ::nbx::WeightViewAttrs{views, intermediate, fused_gate_up, has_bias, tensor_scales}, \
         bf16_dot, int8_dot,                                                            \
-        ::nbx::LoraAttrs{lora_ranks, {lora_scale_gate, lora_scale_up, lora_scale_down}}     \
+        ::nbx::LoraAttrs{lora_ranks, {lora_scale_gate, lora_scale_up, lora_scale_down}},    \
+        prepacked                                                                      \
   }

@@ -228,6 +228,7 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
     return Fail("unknown weight format code " + std::to_string(static_cast<int32_t>(format)));
   if (bf16_dot) return Fail("precision='bfloat16' runs on the CPU handler only");
   if (int8_dot) return Fail("precision='int8' runs on the CPU handler only");
+  if (prepacked) return Fail("prepacked experts (jax_nbx.prepack) run on the CPU handler only");
   if (tensor_scales)
     return Fail("tensor scales (nvfp4's second-level scale) run on the CPU handler only");
   if (!IsFloatType(x.element_type()) || y->element_type() != x.element_type())

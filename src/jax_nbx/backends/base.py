@@ -51,6 +51,7 @@ class Problem:
     max_workspace_bytes: int | str | None = None
     tensor_scales: bool = False  # a quantized matrix carries a tensor scale (nvfp4)
     lora: LoRASpec | None = None  # LoRA adapters on the projections (`jax_nbx.LoRA`)
+    prepacked: bool = False  # the forward reads `jax_nbx.prepack`'s words (`PackedExperts`)
 
     @classmethod
     def of(cls, experts: Experts, x_dtype, E: int, H: int, I: int, k: int, activation: Activation,
@@ -100,6 +101,9 @@ class Backend:
     #: whether `forward` takes LoRA adapters (``lora=``); the registry refuses
     #: a problem with adapters on a backend that does not
     takes_lora: bool = False
+    #: whether `forward` takes prepacked experts (``packed=``, `jax_nbx.prepack`);
+    #: the registry refuses a ``problem.prepacked`` on a backend that does not
+    takes_prepacked: bool = False
 
     def why_not(self, problem: Problem) -> str:
         """"" when this backend can run ``problem`` in this process, else why not."""
@@ -133,9 +137,11 @@ class Backend:
                           f"({self.name}, E={p.E} k={p.k} H={p.H} I={p.I})")
 
     def forward(self, problem: Problem, band_tokens: int, x: jax.Array, w: jax.Array, ids: jax.Array,
-                experts: Experts, lora: LoRA | None = None) -> jax.Array:
+                experts: Experts, lora: LoRA | None = None, packed=None) -> jax.Array:
         """y [T, H] of the raw pass on 2-D, validated inputs (ids int32);
-        ``lora`` only where `takes_lora` (validated: ``problem.lora``)."""
+        ``lora`` only where `takes_lora` (validated: ``problem.lora``);
+        ``packed`` (the `PackedExperts` of ``experts``) only where
+        `takes_prepacked` (``problem.prepacked``)."""
         raise NotImplementedError
 
     def backward(self, problem: Problem, dy: jax.Array, x: jax.Array, w: jax.Array, ids: jax.Array,

@@ -68,19 +68,36 @@ def _weights_and_attrs(problem: Problem, band_tokens: int, arrays, lora: LoRA | 
 
 
 def forward_call(problem: Problem, band_tokens: int, x, w, ids, arrays, target: str = "forward",
-                 lora: LoRA | None = None):
+                 lora: LoRA | None = None, packed=None):
     """``(target name, operands, attributes, result)`` of the CPU forward (or
     of a target with its attributes: "metal_forward", the tests'
     "forward_poisoned") on 2-D inputs.  ``arrays``: `Experts.flat` then
     `Experts.handler_biases`; they reach the handler as the contract's
     buffer groups (weights, then scales, then zeros; biases float32, then
     the quantized matrices' tensor scales, float32 [E] per projection),
-    read in place; then ``lora``'s adapters (`LoRA.handler_arrays`)."""
+    read in place; then ``lora``'s adapters (`LoRA.handler_arrays`); then
+    ``packed``'s two buffers (a `jax_nbx.PackedExperts`: abi.h "prepacked
+    weights")."""
     bufs, attrs = _weights_and_attrs(problem, band_tokens, arrays, lora)
-    attrs = contract.attributes(target, dict(attrs, bf16_dot=problem.bf16_dot, int8_dot=problem.int8_dot))
+    if packed is not None:
+        bufs += [packed.gate_up, packed.down]
+    attrs = contract.attributes(target, dict(attrs, bf16_dot=problem.bf16_dot, int8_dot=problem.int8_dot,
+                                             prepacked=packed is not None))
     name = {"forward": contract.TARGET_FORWARD, "metal_forward": contract.TARGET_METAL_FORWARD,
             "forward_poisoned": contract.TARGET_FORWARD_POISONED}[target]
     return name, [x, w, ids, *bufs], attrs, jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def prepack_call(problem: Problem, arrays, words: tuple[int, int]):
+    """``(target name, operands, attributes, results)`` of the prepack handler
+    (abi.h "prepacked weights") on the experts' ``arrays`` (as `forward_call`'s):
+    two uint32 buffers of ``words`` (gate_up, down) words each, header included."""
+    bufs, attrs = _weights_and_attrs(problem, 0, arrays, None)
+    keep = contract.TARGET_ATTRIBUTES["prepack"]
+    attrs = contract.attributes("prepack", dict({n: v for n, v in attrs.items() if n in keep},
+                                                hidden=problem.H, bf16_dot=problem.bf16_dot))
+    outs = tuple(jax.ShapeDtypeStruct((n,), jnp.uint32) for n in words)
+    return contract.TARGET_PREPACK, bufs, attrs, outs
 
 
 def backward_call(problem: Problem, band_tokens: int, dy, x, w, ids, arrays, target: str = "backward",
@@ -134,6 +151,7 @@ def _lora_rank(problem: Problem) -> int:
 class CpuBackend(Backend):
     name = "cpu"
     takes_lora = True
+    takes_prepacked = True
 
     def why_not(self, problem: Problem) -> str:
         platform = jax.default_backend()
@@ -159,10 +177,11 @@ class CpuBackend(Backend):
                                 problem.max_workspace_bytes, bf16_dot=problem.bf16_dot,
                                 lora_rank=_lora_rank(problem))
 
-    def forward(self, problem, band_tokens, x, w, ids, experts: Experts, lora: LoRA | None = None):
+    def forward(self, problem, band_tokens, x, w, ids, experts: Experts, lora: LoRA | None = None,
+                packed=None):
         name, operands, attrs, out = forward_call(problem, band_tokens, x, w, ids,
                                                   (*experts.flat(), *experts.handler_biases()),
-                                                  lora=lora)
+                                                  lora=lora, packed=packed)
         return jax.ffi.ffi_call(name, out, vmap_method="sequential")(*operands, **attrs)
 
     def backward(self, problem, dy, x, w, ids, experts: Experts, lora: LoRA | None = None,
