@@ -125,6 +125,9 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
             raise ValueError("capacity_factor applies to dispatch='all_to_all' only")
         if not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0 (or None: exact); got {capacity_factor!r}")
+    if not isinstance(experts, Experts):
+        raise TypeError(f"sharded_moe takes a jax_nbx.Experts; got {type(experts).__name__} (prepacked "
+                        "experts run unsharded on the CPU handler: jax_nbx.fused_moe)")
     if experts.is_list:
         raise TypeError("sharded_moe takes stacked experts ([E, ...] arrays, sharded on E); "
                         "got per-expert lists")

@@ -64,6 +64,8 @@ def test_prepacked_layouts(case):
         np.testing.assert_array_equal(np.asarray(y), np.asarray(nbx.fused_moe(x, w, ids, ex, precision="float32")))
         if dtype == jnp.float32:
             assert rel_err(y, np_block(x, w, ids, *canon)) <= 1e-5
+    on_input = nbx.fused_moe(x, w, ids, packed, weights_on="input")  # T*k rows of one slot each
+    np.testing.assert_array_equal(np.asarray(on_input), np.asarray(nbx.fused_moe(x, w, ids, ex, weights_on="input")))
 
 
 @pytest.mark.parametrize("T", [1, 33, 222])
@@ -111,6 +113,9 @@ def test_refusals():
         nbx.prepack(nbx.quantize(ex, "int8"))
     with pytest.raises(TypeError, match="jax_nbx.Experts"):
         nbx.prepack(ex.gate)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",))
+    with pytest.raises(TypeError, match="prepacked experts run unsharded"):
+        nbx.sharded_moe(x, w, ids, packed, mesh, data_axis=None)
     hdr = contract.PACKED_HEADER_WORDS
     no_header = nbx.PackedExperts(ex, packed.gate_up.at[0].set(0), packed.down, "float32")
     with pytest.raises(Exception, match="no prepack header"):
