@@ -1,5 +1,6 @@
 """The main job: one MoE layer of a real model's shape through jax_nbx's
-handler and through the pure-JAX reference, with a table of the results.
+handler (on a CPU also with the experts prepacked, `jax_nbx.prepack`) and
+through the pure-JAX reference, with a table of the results.
 
     python -m jax_nbx                       # OLMoE-1B-7B layer, T=256, float32
     python -m jax_nbx --model qwen3-30b-a3b --tokens 64 --dtype bf16
@@ -16,6 +17,7 @@ from . import _registry, contract
 from ._bench import DTYPES, format_table, machine, make_layer, max_rel_error, median_time, np_reference
 from .models import MODELS
 from .ops import fused_moe
+from .prepack import prepack
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,14 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     ref = np_reference(x[:n_check], w[:n_check], ids[:n_check], experts, a.activation)
 
     impls = ["ffi", "xla"] if _registry.has_handler(jax.default_backend()) else ["xla"]
+    runs = [(impl, impl, experts) for impl in impls]
+    if "ffi" in impls and jax.default_backend() == "cpu":  # the same experts packed once (nbx.prepack)
+        runs.insert(1, ("ffi, prepacked", "ffi", prepack(experts)))
     flops = m.routed_flops(a.tokens)
     rows = []
-    for impl in impls:
+    for name, impl, ex in runs:
         f = jax.jit(functools.partial(fused_moe, activation=a.activation, implementation=impl))
-        y = f(x, w, ids, experts)
+        y = f(x, w, ids, ex)
         err = max_rel_error(y[:n_check], ref)
-        t = median_time(lambda: f(x, w, ids, experts), repeats=a.repeats, warmup=0)
-        rows.append([impl, f"T={a.tokens} E={m.E} k={m.k} H={m.H} I={m.I}", a.dtype,
+        t = median_time(lambda: f(x, w, ids, ex), repeats=a.repeats, warmup=0)
+        rows.append([name, f"T={a.tokens} E={m.E} k={m.k} H={m.H} I={m.I}", a.dtype,
                      f"{t * 1e3:.1f}", f"{flops / t / 1e9:.1f}", f"{err:.2e}"])
     print()
     print(format_table(["implementation", "shape", "dtype", "time ms (median)", "routed GFLOP/s",
