@@ -52,14 +52,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_nbx as nbx
-from jax_nbx._bench import format_table, machine, make_layer
+from jax_nbx._bench import format_table, machine, make_layer, time_once
 
 ROWS = {  # name -> (T, weights, x dtype, precision)
     "prefill-f32": (512, "f32", jnp.float32, None),
@@ -108,11 +107,6 @@ def _weight_bytes(m, fmt, ids) -> float:
     active = len(np.unique(np.asarray(ids)))
     return active * 3 * m.H * m.I * per
 
-
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t0
 
 
 def main(argv=None) -> int:
@@ -189,7 +183,7 @@ def main(argv=None) -> int:
                 times = {i: [] for i in row_isas}
                 sg, bw = [], []
                 for r in range(a.rounds + 1):  # round 0 warms up
-                    t_sg = _time(lambda: A @ B)
+                    t_sg = time_once(lambda: A @ B)
                     per, t_cp = {}, []
                     # each call after the copy (its weights cold, as in a model's decode, where
                     # the other layers' weights pass between two calls of one layer), the ISAs'
@@ -197,8 +191,8 @@ def main(argv=None) -> int:
                     for j in range(len(row_isas)):
                         i = row_isas[(r + j) % len(row_isas)]
                         nbx.cpu.set_isa({**families, family: i})  # only the row's family changes
-                        t_cp.append(_time(lambda: np.copyto(dst, src)))
-                        per[i] = _time(fn)
+                        t_cp.append(time_once(lambda: np.copyto(dst, src)))
+                        per[i] = time_once(fn)
                     if r:
                         sg.append(2 * 1024 ** 3 / t_sg)
                         bw.extend(src.nbytes / t for t in t_cp)  # the copy's read rate

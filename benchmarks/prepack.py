@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_nbx as nbx
-from jax_nbx._bench import format_table, machine, make_layer
+from jax_nbx._bench import format_table, machine, make_layer, time_once
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peaks import peaks  # noqa: E402
@@ -36,11 +36,6 @@ from peaks import peaks  # noqa: E402
 ROWS = {"f32": (jnp.float32, "float32"), "bf16": (jnp.bfloat16, "bfloat16"),
         "bf16-f32": (jnp.bfloat16, "float32")}
 
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t0
 
 
 def main(argv=None) -> int:
@@ -81,7 +76,7 @@ def main(argv=None) -> int:
                 times = {k: [] for k in runs}
                 for r in range(args.rounds):
                     for k in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-                        times[k].append(_timed(runs[k]))
+                        times[k].append(time_once(runs[k]))
                 med = {k: statistics.median(v) for k, v in times.items()}
                 flops = T * model.k * 6 * model.H * model.I
                 peak = pk["vdpbf16ps"] if prec == "bfloat16" and nbx.cpu.dot_kernels() == "avx512_bf16" \

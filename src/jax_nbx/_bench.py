@@ -49,6 +49,13 @@ def make_layer(model: ModelShape, T: int, dtype=jnp.float32, seed: int = 0):
     return x, w, ids, experts
 
 
+def time_once(fn: Callable[[], object]) -> float:
+    """Wall time (s) of one call of fn(), blocking on its result."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
 def median_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1,
                 slow_after: float | None = None) -> float:
     """Median wall time (s) of fn(), blocking on its result; warmup runs first.
