@@ -157,12 +157,12 @@ NB_MODULE(_ffi, m) {
       throw nb::value_error((std::string("cannot use instruction set '") + name + "': " + why +
                              " (this CPU supports: " + nbx::SupportedIsas() + ")").c_str());
   }, nb::arg("name"));
-  m.def("cpu_prepacked_words", [](int64_t H, int64_t I, bool bf16_dot, bool gemm1) {
-    if (H < 1 || I < 1)
-      throw nb::value_error(("prepacked words: H and I must be >= 1; got H=" + std::to_string(H) +
-                             " I=" + std::to_string(I)).c_str());
-    return nbx::PrepackedExpertWords(H, I, bf16_dot, gemm1);
-  }, "Words per expert of jax_nbx.prepack's gate_up (gemm1) or down buffer, kernels in use now.");
+  m.def("cpu_prepacked_words", [](int64_t E, int64_t H, int64_t I, bool bf16_dot, bool gemm1) {
+    if (E < 1 || H < 1 || I < 1)
+      throw nb::value_error(("prepacked words: E, H and I must be >= 1; got E=" + std::to_string(E) +
+                             " H=" + std::to_string(H) + " I=" + std::to_string(I)).c_str());
+    return nbx::PrepackedBufferWords(E, H, I, bf16_dot, gemm1);
+  }, "Words of jax_nbx.prepack's gate_up (gemm1) or down buffer, header included, kernels in use now.");
   m.def("cpu_dot_kernels", []() {
     return std::string(nbx::ActiveDotKernels(*nbx::ActiveKernels(true))->name);
   }, "The bfloat16 dot-product kernels precision='bfloat16' runs now: 'avx512_bf16', 'fma' or 'emulated'.");

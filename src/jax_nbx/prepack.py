@@ -24,9 +24,9 @@ from typing import Literal
 import jax
 import numpy as np
 
-from . import backends, contract
-from ._registry import _ffi
+from . import _registry, backends
 from .activations import as_activation
+from .backends.cpu import prepack_call, why_no_bf16_dot
 from .experts import Experts
 from .formats import quant_format
 from .validation import validate_experts
@@ -91,7 +91,8 @@ def prepack(experts: Experts, *, precision: Literal["float32", "bfloat16"] = "fl
 
     Raises:
       TypeError / ValueError for quantized or malformed experts, an unknown
-      precision, or JAX's default backend not being the CPU.
+      precision, or JAX's default backend not being the CPU; RuntimeError
+      when jax_nbx's compiled module did not load.
     """
     if not isinstance(experts, Experts):
         raise TypeError(f"experts must be a jax_nbx.Experts; got {type(experts).__name__}")
@@ -99,24 +100,17 @@ def prepack(experts: Experts, *, precision: Literal["float32", "bfloat16"] = "fl
         raise ValueError(f"precision must be one of {PRECISIONS}; got {precision!r}")
     if jax.default_backend() != "cpu":
         raise ValueError(f"prepack packs for the CPU handler; the default backend is {jax.default_backend()!r}")
-    if _ffi is None:
-        raise ValueError("prepack needs jax_nbx's compiled handlers, which did not load")
+    ffi = _registry.ffi_module()  # (RuntimeError naming why, when it did not load)
     experts = jax.tree.map(jax.numpy.asarray, experts)
     E, H, I = validate_experts(experts)
     if quant_format(experts) is not None:
         raise TypeError(f"prepack takes dense experts; these are quantized ({quant_format(experts)[0]})")
     bf16 = precision == "bfloat16"
     problem = backends.Problem.of(experts, np.float32, E, H, I, 1, as_activation("swiglu"), bf16_dot=bf16)
-    if bf16:
-        from .backends.cpu import why_no_bf16_dot
-
-        why = why_no_bf16_dot(problem)
-        if why:
-            raise ValueError(f"prepack(precision='bfloat16') {why}")
-    from .backends.cpu import prepack_call
-
-    words = tuple(contract.PACKED_HEADER_WORDS + E * _ffi.cpu_prepacked_words(H, I, bf16, g)
-                  for g in (True, False))
+    why = why_no_bf16_dot(problem) if bf16 else ""
+    if why:
+        raise ValueError(f"prepack(precision='bfloat16') {why}")
+    words = tuple(ffi.cpu_prepacked_words(E, H, I, bf16, g) for g in (True, False))
     name, operands, attrs, outs = prepack_call(problem, (*experts.flat(), *experts.handler_biases()), words)
     gate_up, down = jax.ffi.ffi_call(name, outs)(*operands, **attrs)
     return PackedExperts(experts, gate_up, down, precision)

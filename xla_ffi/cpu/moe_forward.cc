@@ -294,8 +294,7 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
           if constexpr (WS::kQuant)
             StartPrefetch(pf, mats[0], mats[1], N, k0, kc, n0, nc);
           else if (pw.base != nullptr)  // one contiguous run
-            pf.Start(prepacked(k0), nullptr, 0, 1,
-                     layout.Panels(nc) * PanelStride(layout.BlockRows(kc), vl) * 4);
+            pf.Start(prepacked(k0), nullptr, 0, 1, layout.BlockWords(nc, kc) * 4);
           else
             StartViewPrefetch(pf, mats[0], mats[1], sk, sn, k0, kc, n0, nc);
         },
@@ -514,21 +513,8 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
             std::to_string(abi::kInt8Block) + "; got " + std::to_string(m.group));
   }
   const DotKernelTable* dot = nullptr;
-  if (a.bf16_dot) {
-    if (w.quantized() || w.dtype != ffi::DataType::BF16)
-      return ffi::Error::InvalidArgument(
-          "precision='bfloat16' needs dense bfloat16 weights; these are " +
-          std::string(w.quantized() ? "quantized" : "not bfloat16"));
-    if (w.sn[0] != 1 || w.sn[2] != 1)
-      return ffi::Error::InvalidArgument(
-          "precision='bfloat16' reads weights stored by rows (layout 'in_out', gate and up "
-          "not interleaved); these are stored with column stride " +
-          std::to_string(w.sn[0] != 1 ? w.sn[0] : w.sn[2]));
-    dot = ActiveDotKernels(kt);
-    if (dot == nullptr || dot->kc != kt.kc)
-      return ffi::Error::Internal(std::string("no bfloat16 dot kernels for the ") + kt.isa +
-                                  " packed kernels' blocking");
-  }
+  if (a.bf16_dot)
+    if (ffi::Error e = ForwardDotKernels(w, kt, &dot); e.failure()) return e;
   Problem p{T, H, w.I, w.E, k, x.untyped_data(), x.element_type(), topk_w.typed_data(),
             ids, &w, y->untyped_data(),
             Glu{static_cast<int>(a.activation), a.act_alpha, a.act_limit}, dot,
@@ -540,7 +526,7 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
     for (int g = 0; g < 2; ++g) {
       auto buf = weights.get<ffi::AnyBuffer>(nw + g);
       if (buf.has_error()) return buf.error();
-      const PackedLayout layout(kt, dot != nullptr, g == 0, g == 0 ? H : w.I, g == 0 ? w.I : H);
+      const PackedLayout layout = PackedLayout::Of(kt, dot != nullptr, g == 0, H, w.I);
       if (ffi::Error e = CheckPacked(*buf, layout, w.E, kWhat[g], &p.packed[g]); e.failure())
         return e;
     }
@@ -571,6 +557,24 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
       RunTokenBand<typename decltype(tag)::type>(p, kt, pool, workers, t0, t1, b);
     });
   }
+  return ffi::Error::Success();
+}
+
+ffi::Error ForwardDotKernels(const ExpertWeights& w, const KernelTable& kt,
+                             const DotKernelTable** dot) {
+  if (w.quantized() || w.dtype != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument(
+        "precision='bfloat16' needs dense bfloat16 weights; these are " +
+        std::string(w.quantized() ? "quantized" : "not bfloat16"));
+  if (w.sn[0] != 1 || w.sn[2] != 1)
+    return ffi::Error::InvalidArgument(
+        "precision='bfloat16' reads weights stored by rows (layout 'in_out', gate and up "
+        "not interleaved); these are stored with column stride " +
+        std::to_string(w.sn[0] != 1 ? w.sn[0] : w.sn[2]));
+  *dot = ActiveDotKernels(kt);
+  if (*dot == nullptr || (*dot)->kc != kt.kc)
+    return ffi::Error::Internal(std::string("no bfloat16 dot kernels for the ") + kt.isa +
+                                " packed kernels' blocking");
   return ffi::Error::Success();
 }
 

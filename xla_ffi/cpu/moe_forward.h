@@ -61,6 +61,11 @@ xla::ffi::Error FusedMoeLoraForward(xla::ffi::ThreadPool pool, xla::ffi::AnyBuff
 // Bytes of workspace of one band of the forward with adapters of total rank R.
 size_t LoraForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
                                  int64_t R, int workers);
+// precision="bfloat16": the dot kernels in use for the packed table kt, or
+// why these experts cannot take them (dense bfloat16, stored by rows).  The
+// prepack handler packs for the same kernels.
+xla::ffi::Error ForwardDotKernels(const ExpertWeights& w, const KernelTable& kt,
+                                  const DotKernelTable** dot);
 // Bytes of workspace the CPU forward allocates for one band of `tokens`
 // tokens (0 gives the part that does not shrink with the band: the
 // per-expert arrays and the per-worker scratch, sized to H and I);

@@ -13,6 +13,7 @@
 
 #include "cpu/handler_common.h"
 #include "cpu/kernel_table.h"
+#include "cpu/moe_forward.h"  // ForwardDotKernels
 #include "cpu/prepacked.h"
 #include "cpu/weights.h"
 #include "parallel.h"
@@ -59,24 +60,17 @@ ffi::Error PrepackImpl(ffi::ThreadPool pool, ffi::RemainingArgs weights,
         abi::kWeightFormatNames[static_cast<int>(w.format)]);
   const KernelTable& kt = *ActiveKernels(bf16_dot);
   const DotKernelTable* dot = nullptr;
-  if (bf16_dot) {
-    if (w.dtype != ffi::DataType::BF16 || w.sn[0] != 1 || w.sn[2] != 1)
-      return ffi::Error::InvalidArgument(
-          "precision='bfloat16' packs bfloat16 experts stored by rows (layout 'in_out', not "
-          "interleaved)");
-    dot = ActiveDotKernels(kt);
-    if (dot == nullptr || dot->kc != kt.kc)
-      return ffi::Error::Internal(std::string("no bfloat16 dot kernels for the ") + kt.isa +
-                                  " packed kernels' blocking");
-  }
-  const PackedLayout l1(kt, bf16_dot, true, hidden, w.I), l2(kt, bf16_dot, false, w.I, hidden);
+  if (bf16_dot)
+    if (ffi::Error e = ForwardDotKernels(w, kt, &dot); e.failure()) return e;
+  const PackedLayout l1 = PackedLayout::Of(kt, bf16_dot, true, hidden, w.I);
+  const PackedLayout l2 = PackedLayout::Of(kt, bf16_dot, false, hidden, w.I);
   ffi::Result<ffi::Buffer<ffi::U32>>* outs[2] = {&gate_up, &down};
   const PackedLayout* layouts[2] = {&l1, &l2};
   for (int g = 0; g < 2; ++g) {
     const PackedLayout& l = *layouts[g];
     if (l.ExpertWords() > std::numeric_limits<uint32_t>::max())
       return ffi::Error::InvalidArgument("an expert's packed words exceed 2^32");
-    const int64_t want = abi::kPackedHeaderWords + w.E * l.ExpertWords();
+    const int64_t want = l.BufferWords(w.E);
     const int64_t got = static_cast<int64_t>((*outs[g])->element_count());
     if (got != want)
       return ffi::Error::InvalidArgument(
@@ -99,9 +93,8 @@ ffi::Error PrepackImpl(ffi::ThreadPool pool, ffi::RemainingArgs weights,
 
 }  // namespace
 
-int64_t PrepackedExpertWords(int64_t H, int64_t I, bool bf16_dot, bool gemm1) {
-  const KernelTable& kt = *ActiveKernels(bf16_dot);
-  return PackedLayout(kt, bf16_dot, gemm1, gemm1 ? H : I, gemm1 ? I : H).ExpertWords();
+int64_t PrepackedBufferWords(int64_t E, int64_t H, int64_t I, bool bf16_dot, bool gemm1) {
+  return PackedLayout::Of(*ActiveKernels(bf16_dot), bf16_dot, gemm1, H, I).BufferWords(E);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PrepackCpu, PrepackImpl,

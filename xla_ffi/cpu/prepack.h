@@ -11,10 +11,10 @@ namespace nbx {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PrepackCpu);
 
-// Words per expert of GEMM1's (gate||up, `gemm1`) or GEMM2's (down) packed
-// buffer for experts of hidden size H and intermediate size I, for the
-// kernels in use now (precision="bfloat16": the dot family's blocking).
-int64_t PrepackedExpertWords(int64_t H, int64_t I, bool bf16_dot, bool gemm1);
+// Words of GEMM1's (gate||up, `gemm1`) or GEMM2's (down) packed buffer,
+// header included, for E experts of hidden size H and intermediate size I,
+// for the kernels in use now (precision="bfloat16": the dot family's blocking).
+int64_t PrepackedBufferWords(int64_t E, int64_t H, int64_t I, bool bf16_dot, bool gemm1);
 
 }  // namespace nbx
 

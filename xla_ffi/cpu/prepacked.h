@@ -31,17 +31,21 @@ struct PackedLayout {
 
   PackedLayout(const KernelTable& kt, bool dot_pairs, bool gemm1, int64_t k, int64_t n)
       : K(k), N(n), vl(kt.vl), kc(kt.kc), nc(kt.nc), first(gemm1), dot(dot_pairs) {}
-  int Width() const { return first ? vl : 2 * vl; }
-  int64_t BlockRows(int64_t rows) const { return dot ? (rows + 1) / 2 : rows; }
-  int64_t Panels(int64_t cols) const { return (cols + Width() - 1) / Width(); }
-  // Words of the K-blocks of a tile of `cols` columns before row k0.
-  int64_t BlocksWords(int64_t cols, int64_t k0) const {
-    return Panels(cols) * (k0 / kc) * PanelStride(BlockRows(kc), vl);
+  // GEMM1's (K = H, N = I) or GEMM2's (K = I, N = H) layout of experts of sizes H, I.
+  static PackedLayout Of(const KernelTable& kt, bool dot_pairs, bool gemm1, int64_t H, int64_t I) {
+    return PackedLayout(kt, dot_pairs, gemm1, gemm1 ? H : I, gemm1 ? I : H);
   }
+  int Width() const { return first ? vl : 2 * vl; }
+  int64_t Panels(int64_t cols) const { return (cols + Width() - 1) / Width(); }
+  // Words of one block of `rows` rows of a tile of `cols` columns.
+  int64_t BlockWords(int64_t cols, int64_t rows) const {
+    return Panels(cols) * PanelStride(dot ? (rows + 1) / 2 : rows, vl);
+  }
+  // Words of the K-blocks of a tile of `cols` columns before row k0.
+  int64_t BlocksWords(int64_t cols, int64_t k0) const { return (k0 / kc) * BlockWords(cols, kc); }
   int64_t TileWords(int64_t cols) const {
-    const int64_t full = K / kc, rest = K - full * kc;
-    return Panels(cols) * (full * PanelStride(BlockRows(kc), vl) +
-                           (rest > 0 ? PanelStride(BlockRows(rest), vl) : 0));
+    const int64_t rest = K % kc;
+    return BlocksWords(cols, K) + (rest > 0 ? BlockWords(cols, rest) : 0);
   }
   // Where block [k0, k0 + kc) of the tile at column n0 starts in an expert's words.
   int64_t Offset(int64_t n0, int64_t k0) const {
@@ -51,6 +55,8 @@ struct PackedLayout {
     const int64_t full = N / nc, rest = N - full * nc;
     return full * TileWords(nc) + (rest > 0 ? TileWords(rest) : 0);
   }
+  // Words of a buffer of E experts, header included.
+  int64_t BufferWords(int64_t E) const { return abi::kPackedHeaderWords + E * ExpertWords(); }
   // The header of a buffer of E experts in this layout.
   void WriteHeader(int64_t E, uint32_t* h) const {
     for (int64_t i = 0; i < abi::kPackedHeaderWords; ++i) h[i] = 0;
@@ -98,9 +104,9 @@ inline xla::ffi::Error CheckPacked(xla::ffi::AnyBuffer buf, const PackedLayout& 
           name + ": packed with " + kFields[f] + " " + std::to_string(h[f]) +
           ", the kernels in use need " + std::to_string(want[f]) +
           " (prepack again after changing the instruction set, precision or experts)");
-  if (n != abi::kPackedHeaderWords + E * l.ExpertWords())
+  if (n != l.BufferWords(E))
     return Error::InvalidArgument(name + ": " + std::to_string(n) + " words; expected " +
-                                  std::to_string(abi::kPackedHeaderWords + E * l.ExpertWords()));
+                                  std::to_string(l.BufferWords(E)));
   *out = PackedWords{h + abi::kPackedHeaderWords, l.ExpertWords()};
   return Error::Success();
 }
