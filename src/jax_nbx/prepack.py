@@ -87,7 +87,9 @@ def prepack(experts: Experts, *, precision: Literal["float32", "bfloat16"] = "fl
 
     Returns:
       A `PackedExperts`.  Works eagerly and under ``jax.jit`` (a jitted
-      function that packs on every call gains nothing: pack once, outside).
+      function that packs on every call gains nothing: pack once, outside;
+      ``jax.jit(prepack)`` also copies the experts into its result, as a
+      jitted function's outputs are new buffers: pack eagerly).
 
     Raises:
       TypeError / ValueError for quantized or malformed experts, an unknown
