@@ -113,7 +113,6 @@ def _weight_bytes(m, fmt, ids) -> float:
     return active * 3 * m.H * m.I * per
 
 
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="olmoe-1b-7b,qwen3-30b-a3b")
@@ -139,11 +138,11 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(0)
     A = rng.random((1024, 1024), dtype=np.float32)
-    trivial = jax.jit(lambda v: v * 2 + 1)
-    small = jnp.ones(1024, jnp.float32)
     B = rng.random((1024, 1024), dtype=np.float32)
     src = np.ones(64 * 2 ** 20, np.float32)
     dst = np.empty_like(src)
+    trivial = jax.jit(lambda v: v * 2 + 1)  # the decode rows' "idle" anchor
+    small = jnp.ones(1024, jnp.float32)
     # (None rows: "float32" explicitly, whatever the default picks for bf16 x on this CPU)
     jitted = {p: jax.jit(lambda *a, p=p: nbx.fused_moe(*a, precision=p or "float32"))
               for p in (None, "bfloat16", "int8")}
@@ -201,12 +200,12 @@ def main(argv=None) -> int:
                         t_cp.append(time_once(lambda: np.copyto(dst, src)))
                         per[i] = time_once(fn)
                     if T <= 8:  # what a trivial jitted call pays after the same copy
-                        trivial(small).block_until_ready()
+                        trivial(small).block_until_ready()  # (compiled, its threads just ran)
                         np.copyto(dst, src)
                         t_idle = time_once(lambda: trivial(small))
-                    if r:
-                        if T <= 8:
+                        if r:
                             idle.append(t_idle)
+                    if r:
                         sg.append(2 * 1024 ** 3 / t_sg)
                         bw.extend(src.nbytes / t for t in t_cp)  # the copy's read rate
                         for i in row_isas:

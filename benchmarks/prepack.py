@@ -37,7 +37,6 @@ ROWS = {"f32": (jnp.float32, "float32"), "bf16": (jnp.bfloat16, "bfloat16"),
         "bf16-f32": (jnp.bfloat16, "float32")}
 
 
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="olmoe-1b-7b,qwen3-30b-a3b")
