@@ -5,7 +5,7 @@
 // activation codes and their constants, weight formats and the order of their
 // buffer groups, the CUDA launch-program encoding and its kernel table.  The
 // nanobind module exports all of it (`jax_nbx._ffi.abi()`, read by
-// src/jax_nbx/contract.py); Python and Triton read it from there, and
+// jax_nbx/contract.py); Python and Triton read it from there, and
 // tests/test_contract.py checks every consumer against it.  Change a value
 // here and nowhere else.
 #pragma once
@@ -31,11 +31,6 @@ inline constexpr const char* kTargetMetalForward = "nbx_fused_moe_fwd_metal";
 // The CPU forward's weights packed once into its kernels' layout
 // ("prepacked weights" below; cpu/prepack.cc).
 inline constexpr const char* kTargetPrepack = "nbx_prepack";
-// Test-only twins (xla_ffi/testing/): the same handlers with one more input
-// per result, aliased to it and NaN-filled, so an unwritten element shows.
-// Registered only by the test suite (jax_nbx._registry.register_testing).
-inline constexpr const char* kTargetForwardPoisoned = "nbx_testing_fused_moe_fwd_poisoned";
-inline constexpr const char* kTargetBackwardPoisoned = "nbx_testing_fused_moe_bwd_poisoned";
 
 // ---------------------------------------------------------------- activations
 // The gated unit glu(gate, up), then @ down.  Decoded as a typed enum
@@ -220,8 +215,7 @@ inline constexpr int32_t kNumBiases = 3;      // gate, up, down
 //   X(key, list macro) -- key: the targets dict's key of the target (see above).
 #define NBX_TARGET_ATTRS(X)                                                        \
   X(forward, NBX_ATTRS_CPU_FORWARD) X(backward, NBX_ATTRS_CPU_BACKWARD)            \
-  X(metal_forward, NBX_ATTRS_CPU_FORWARD) X(forward_poisoned, NBX_ATTRS_CPU_FORWARD) \
-  X(backward_poisoned, NBX_ATTRS_CPU_BACKWARD) X(cuda_forward, NBX_ATTRS_CUDA_PROGRAM) \
+  X(metal_forward, NBX_ATTRS_CPU_FORWARD) X(cuda_forward, NBX_ATTRS_CUDA_PROGRAM)       \
   X(cuda_forward_tables, NBX_ATTRS_CUDA_FORWARD_TABLES) X(cuda_backward, NBX_ATTRS_CUDA_BACKWARD) \
   X(prepack, NBX_ATTRS_CPU_PREPACK)
 

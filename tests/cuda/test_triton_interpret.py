@@ -283,7 +283,7 @@ def test_quantized_experts_dequantized_in_kernel(T, kind, G, sd, lists, xd):
     ex = nbx.Experts(jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down))
     q = nbx.quantize(ex, kind, group_size=G or 128, scale_dtype=jnp.dtype(sd))
     d = nbx.dequantize(q, jnp.float32)
-    from jax_nbx.formats import weight_groups
+    from jax_nbx.backends.handler_calls import weight_groups
 
     if lists:
         q = nbx.Experts(*([jax.tree.map(lambda a: a[e], getattr(q, n)) for e in range(E)]

@@ -1,5 +1,5 @@
 """docs/architecture.md describes the layout as it is: every product source
-(src/jax_nbx, xla_ffi) is named there, and every path it names exists."""
+(jax_nbx, xla_ffi) is named there, and every path it names exists."""
 from __future__ import annotations
 
 import pathlib
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.fast
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "architecture.md"
-SOURCES = [p for base in (ROOT / "src" / "jax_nbx", ROOT / "xla_ffi") for p in base.rglob("*")
+SOURCES = [p for base in (ROOT / "jax_nbx", ROOT / "xla_ffi") for p in base.rglob("*")
            if p.is_file() and p.suffix in (".py", ".cc", ".h", ".mm", ".metal") and "__pycache__" not in p.parts]
 
 
@@ -43,7 +43,7 @@ def test_every_product_source_is_named():
 
 def test_every_named_path_exists():
     files = {p.name for p in SOURCES} | {str(p.relative_to(ROOT)) for p in SOURCES}
-    bases = (ROOT, ROOT / "tests", ROOT / "src" / "jax_nbx", ROOT / "xla_ffi")
+    bases = (ROOT, ROOT / "tests", ROOT / "jax_nbx", ROOT / "xla_ffi")
     gone = [n for n in _named(DOC.read_text()) if "*" not in n and n.rsplit("/", 1)[-1] not in files
             and n not in files and not any((b / n).exists() for b in bases)]
     assert gone == [], f"docs/architecture.md names what does not exist: {gone}"

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import jax_nbx as nbx
-from jax_nbx import _registry, contract, formats, reference
-from jax_nbx.backends.cpu import forward_call
+from jax_nbx import _registry, contract, reference
+from jax_nbx.backends import handler_calls
+from jax_nbx.backends.handler_calls import forward_call
 
 from conftest import TOL, make_problem, np_glu, np_moe, rel_err
 from support import ffi_testing
@@ -26,8 +27,10 @@ pytestmark = pytest.mark.fast
 def test_target_names_are_the_abis():
     assert set(ffi.cpu_handlers()) == {contract.TARGET_FORWARD, contract.TARGET_BACKWARD, contract.TARGET_METAL_FORWARD,
                                        contract.TARGET_PREPACK}
-    assert set(ffi_testing.load().handlers()) == {contract.TARGET_FORWARD_POISONED,
-                                                  contract.TARGET_BACKWARD_POISONED}
+    testing = ffi_testing.load()
+    assert set(testing.handlers()) == {testing.target_forward_poisoned, testing.target_backward_poisoned}
+    names = {v for v in vars(contract).values() if isinstance(v, str)}
+    assert not set(testing.handlers()) & names  # no test name in the contract
     if getattr(ffi, "has_cuda", False):
         assert set(ffi.cuda_handlers()) == {contract.TARGET_CUDA_FORWARD,
                                             contract.TARGET_CUDA_FORWARD_TABLES,
@@ -75,7 +78,7 @@ def test_weight_groups_follow_the_abis_order():
     x, w, ids, ex = make_problem(2, 3, 4, 2, 64, 32)
     for kind in ("int8", "int4"):
         q = nbx.quantize(ex, kind, group_size=32)
-        groups, E, I, fmt, _, _ = formats.weight_groups(q.flat(), lists=False)
+        groups, E, I, fmt, _, _ = handler_calls.weight_groups(q.flat(), lists=False)
         assert len(groups) == len(contract.parts_of(kind)) * len(contract.PROJECTIONS)
         for part, pname in enumerate(contract.parts_of(kind)):
             for proj, jname in enumerate(contract.PROJECTIONS):
@@ -86,7 +89,7 @@ def test_weight_groups_follow_the_abis_order():
 
 def _raw_forward(x, w, ids, ex, operands=None, **overrides):
     """The CPU forward target with the operands and attributes the product
-    builds (`backends.cpu.forward_call`), ``operands`` replaced and some
+    builds (`backends.handler_calls.forward_call`), ``operands`` replaced and some
     attributes overridden as given (raw: the test chooses their types)."""
     E, H, I = ex.num_experts, ex.hidden, ex.intermediate
     problem = nbx.backends.Problem.of(ex, x.dtype, E, H, I, ids.shape[1], nbx.Activation("swiglu"))
@@ -99,13 +102,13 @@ def test_attributes_are_built_from_the_contract_alone():
     """Every target's attribute names come from abi.h (NBX_TARGET_ATTRS); the
     one builder refuses a missing or an unknown name before XLA sees it."""
     assert set(contract.TARGET_ATTRIBUTES) == {
-        "forward", "backward", "metal_forward", "forward_poisoned", "backward_poisoned",
+        "forward", "backward", "metal_forward",
         "cuda_forward", "cuda_forward_tables", "cuda_backward", "prepack"}
     fwd = contract.TARGET_ATTRIBUTES["forward"]
     # the prepack handler decodes the weights with the forward's attributes
     assert set(contract.TARGET_ATTRIBUTES["prepack"]) - set(fwd) == {"hidden"}
     assert fwd["activation"] == "ACT" and fwd["format"] == "FMT" and fwd["views"] == "I64S"
-    assert contract.TARGET_ATTRIBUTES["metal_forward"] == fwd == contract.TARGET_ATTRIBUTES["forward_poisoned"]
+    assert contract.TARGET_ATTRIBUTES["metal_forward"] == fwd
     values = {n: 0 for n in fwd}
     got = contract.attributes("forward", values)
     assert got["activation"].dtype == np.int32 and got["band_tokens"].dtype == np.int64
@@ -140,7 +143,8 @@ def test_weight_buffers_are_checked_against_the_format():
     # int8 experts passed as dense: the decoder names the group count it expected
     q = nbx.quantize(ex, "int8")
     with pytest.raises(jax.errors.JaxRuntimeError, match="expected 3 dense weight buffers"):
-        jax.block_until_ready(_raw_forward(x, w, ids, ex, [g[0] for g in formats.weight_groups(q.flat(), False)[0]]))
+        groups = handler_calls.weight_groups(q.flat(), False)[0]
+        jax.block_until_ready(_raw_forward(x, w, ids, ex, [g[0] for g in groups]))
 
 
 def test_views_and_biases_are_checked_by_the_handler():

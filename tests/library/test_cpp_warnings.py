@@ -1,7 +1,8 @@
 """Our C++ compiles clean under -Wall -Wextra -Werror with GCC and with Clang
-(every source under xla_ffi/ -- the core library's, the product module's and the
-test module's -- each with its own instruction-set flags, as CMakeLists.txt
-builds it; jaxlib's and nanobind's headers are system headers).
+(every source under xla_ffi/ -- the core library's and the product module's --
+and under tests/native/ -- the test module's --, each with its own
+instruction-set flags, as CMakeLists.txt builds it; jaxlib's and nanobind's
+headers are system headers).
 
 Clang is installed by .ci/run; where a compiler is missing its case skips."""
 from __future__ import annotations
@@ -21,14 +22,15 @@ pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SRC = ROOT / "xla_ffi"
+TESTS = ROOT / "tests"  # the test module's includes name their folder: "native/..."
 # per-file flags (CMakeLists.txt's NBX_KERNEL_SOURCES)
 ISA_FLAGS = {
-    "cpu/kernels_avx2.cc": ["-mavx2", "-mfma", "-mf16c"],
-    "cpu/kernels_dot_avx2.cc": ["-mavx2", "-mfma", "-mf16c"],
-    "cpu/kernels_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
-    "cpu/kernels_dot_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
-    "cpu/kernels_dot_avx512bf16.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2",
-                                      "-mfma"],
+    "cpu/kernels/kernels_avx2.cc": ["-mavx2", "-mfma", "-mf16c"],
+    "cpu/kernels/kernels_dot_avx2.cc": ["-mavx2", "-mfma", "-mf16c"],
+    "cpu/kernels/kernels_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
+    "cpu/kernels/kernels_dot_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
+    "cpu/kernels/kernels_dot_avx512bf16.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
+                                              "-mavx2", "-mfma"],
 }
 CUDA_INCLUDE = pathlib.Path("/usr/local/cuda/include")
 
@@ -37,7 +39,7 @@ def _sources() -> list[str]:
     files = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.cc"))
     if not (CUDA_INCLUDE / "cuda.h").exists():
         files = [f for f in files if not f.startswith("cuda/")]
-    return files
+    return files + sorted(str(p.relative_to(ROOT)) for p in (TESTS / "native").rglob("*.cc"))
 
 
 def _nanobind_include() -> str:
@@ -52,8 +54,8 @@ def _compile(compiler: str, source: str, tmp_path: pathlib.Path) -> str:
     """"" when ``source`` compiles clean, else the command and its errors."""
     cmd = [compiler, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
            "-isystem", jax.ffi.include_dir(), "-isystem", _nanobind_include(),
-           "-isystem", sysconfig.get_paths()["include"], "-I", str(SRC),
-           *ISA_FLAGS.get(source, []), str(SRC / source)]
+           "-isystem", sysconfig.get_paths()["include"], "-I", str(SRC), "-I", str(TESTS),
+           *ISA_FLAGS.get(source, []), str(SRC / source if not source.startswith("tests/") else ROOT / source)]
     if source.startswith("cuda/"):
         cmd[1:1] = ["-isystem", str(CUDA_INCLUDE)]
     if source == "metal/library_source.cc":  # CMake generates its include: a stand-in of the same form

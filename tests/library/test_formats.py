@@ -13,7 +13,7 @@ import pytest
 
 import jax_nbx as nbx
 from jax_nbx import contract, formats
-from jax_nbx.backends.cpu import forward_call
+from jax_nbx.backends.handler_calls import forward_call
 
 from conftest import make_problem
 

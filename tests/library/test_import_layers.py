@@ -9,7 +9,7 @@ import pytest
 
 pytestmark = pytest.mark.fast
 
-PKG = pathlib.Path(__file__).resolve().parents[2] / "src" / "jax_nbx"
+PKG = pathlib.Path(__file__).resolve().parents[2] / "jax_nbx"
 
 
 def _module_name(path: pathlib.Path) -> str:

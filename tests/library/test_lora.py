@@ -160,9 +160,9 @@ def test_the_handler_checks_the_adapters_it_is_given():
     x, w, ids, ex = make_problem(1, T, E, k, H, I)
     lora = make_lora(0, E, H, I, 2, projections=("down",))
     bad = nbx.LoRA(down=(lora.down[0], lora.down[1][:, :, :7]), scale=1.0)
-    from jax_nbx.backends import cpu as cpu_backend
+    from jax_nbx.backends import handler_calls
     p = nbx.ops.resolve(x, w, ids, ex, lora=lora)[1]
-    name, operands, attrs, out = cpu_backend.forward_call(p, 0, x, w, ids, ex.flat(), lora=bad)
+    name, operands, attrs, out = handler_calls.forward_call(p, 0, x, w, ids, ex.flat(), lora=bad)
     want = r"the down adapter's B must be float32 \[4, 2, 40\], got \(4, 2, 7\)"
     with pytest.raises(jax.errors.JaxRuntimeError, match=want):
         jax.ffi.ffi_call(name, out)(*operands, **attrs).block_until_ready()

@@ -19,10 +19,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_nbx import backends, formats  # noqa: E402
+from jax_nbx import backends  # noqa: E402
+from jax_nbx.backends import handler_calls  # noqa: E402
 from jax_nbx.backends.base import Backend, Problem  # noqa: E402
-from jax_nbx.backends.cpu import split_arrays  # noqa: E402
 from jax_nbx.backends.cuda import plan as P  # noqa: E402
+from jax_nbx.backends.handler_calls import split_arrays  # noqa: E402
 
 from . import triton_interpret as interpret  # noqa: E402
 
@@ -37,7 +38,7 @@ def _groups(problem: Problem, arrays):
     """(weight groups as numpy arrays or lists of them, biases, strides_ok)."""
     weights, biases = split_arrays(list(arrays), problem.layout)
     if problem.layout.native or problem.quant is not None:  # quantized: plain views, biases or not
-        groups = formats.weight_groups(weights, problem.lists)[0]
+        groups = handler_calls.weight_groups(weights, problem.lists)[0]
     else:
         n = 2 if problem.layout.fused else 3
         per = len(weights) // n if problem.lists else 1

@@ -11,9 +11,11 @@ jax_nbx._ffi, so what it reaches is the product's own state.
 `load()` (once per process) imports it -- which registers the simulated Metal
 device in the product's Metal runtime under "sim" -- and registers its
 poisoned twins with XLA for platform "cpu" (the CPU handlers with one
-NaN-filled aliased input per result: jax_nbx.contract.TARGET_FORWARD_POISONED and
-TARGET_BACKWARD_POISONED, which tests/support/handlers.py (`ffi_forward(..., poison=True)`
-and `_ffi_backward(..., poison=True)` call); it returns the module.  tests/conftest.py calls it before collection.
+NaN-filled aliased input per result: the module's target_forward_poisoned and
+target_backward_poisoned, names of the test module's own, which
+tests/support/handlers.py (`ffi_forward(..., poison=True)` and
+`ffi_backward(..., poison=True)`) calls); it returns the module.
+tests/conftest.py calls it before collection.
 """
 from __future__ import annotations
 

@@ -2,17 +2,19 @@
 (no batching rule, no derivative, bands given), optionally through the
 test-only poisoned twins (one NaN-filled input per result, aliased to it, so
 an element the handler leaves unwritten shows).  Operands and attributes come
-from the product's builders (`jax_nbx.backends.cpu.forward_call` /
+from the product's builders (`jax_nbx.backends.handler_calls.forward_call` /
 `backward_call`), so these call exactly what `fused_moe` calls."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jax_nbx import activations, backends, formats
-from jax_nbx.backends import cpu as cpu_backend
+from jax_nbx import activations, backends
+from jax_nbx.backends import handler_calls
 from jax_nbx.experts import WeightLayout
 from jax_nbx.lora import validate_lora
+
+from . import ffi_testing
 
 
 def _problem(x, ids, arrays, activation, lists, layout, skip_outside, bf16_dot,
@@ -22,11 +24,11 @@ def _problem(x, ids, arrays, activation, lists, layout, skip_outside, bf16_dot,
         g = arrays[0]
         d = arrays[2 * (len(arrays) // 3) if lists else 2]
         layout = WeightLayout.plain(H=int(d.shape[-1]), I=int(g.shape[-1]))
-    weights, _ = cpu_backend.split_arrays(arrays, layout)
+    weights, _ = handler_calls.split_arrays(arrays, layout)
     groups = 2 if layout.fused else 3
     per = len(weights) // groups if lists else 1
     E = per if lists else int(weights[0].shape[0])
-    quant = (formats.weight_groups(weights, lists)[3] if layout.native else None)
+    quant = (handler_calls.weight_groups(weights, lists)[3] if layout.native else None)
     first = weights[0]
     return backends.Problem(E=E, H=int(x.shape[1]), I=int(layout.intermediate), k=int(ids.shape[1]),
                             x_dtype=jnp.dtype(x.dtype), w_dtype=jnp.dtype(first.dtype), quant=quant,
@@ -58,9 +60,9 @@ def ffi_forward(x, w, ids, *arrays, activation="swiglu", band_tokens: int = 0, p
     `jax_nbx.PackedExperts`."""
     p = _with_lora(_problem(x, ids, arrays, activation, lists, layout, skip_outside, bf16_dot, int8_dot),
                    lora)
-    name, operands, attrs, out = cpu_backend.forward_call(
-        p, band_tokens, x, w, ids, arrays, target="forward_poisoned" if poison else "forward", lora=lora,
-        packed=packed)
+    name, operands, attrs, out = handler_calls.forward_call(
+        p, band_tokens, x, w, ids, arrays, lora=lora, packed=packed,
+        name=ffi_testing.load().target_forward_poisoned if poison else None)
     if poison:
         (y,) = poisoned_call(name, [out], operands, attrs)
         return y
@@ -75,9 +77,9 @@ def ffi_backward(dy, x, w, ids, *arrays, activation="swiglu", band_tokens: int =
     ``weight_grads``); with ``lora``, then the adapters' float32 gradients
     (`LoRA.handler_arrays` order)."""
     p = _with_lora(_problem(x, ids, arrays, activation, lists, layout, skip_outside, False), lora)
-    name, operands, attrs, outs = cpu_backend.backward_call(
-        p, band_tokens, dy, x, w, ids, arrays, target="backward_poisoned" if poison else "backward",
-        lora=lora, weight_grads=weight_grads)
+    name, operands, attrs, outs = handler_calls.backward_call(
+        p, band_tokens, dy, x, w, ids, arrays, lora=lora, weight_grads=weight_grads,
+        name=ffi_testing.load().target_backward_poisoned if poison else None)
     if poison:
         dx, dw, *dws = poisoned_call(name, outs, operands, attrs)
     else:

@@ -65,7 +65,7 @@ def f64(a) -> np.ndarray:
 def dense(experts: nbx.Experts) -> nbx.Experts:
     """Stacked plain float experts of any experts (dequantized, transposed,
     split, biases dropped: use `canonical` for those)."""
-    if nbx.formats.is_quantized(experts):
+    if nbx.quantization.is_quantized(experts):
         experts = nbx.dequantize(experts, jnp.float32)
     return experts.canonical()[0]
 

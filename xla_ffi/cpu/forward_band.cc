@@ -3,7 +3,7 @@
 
 #include <algorithm>
 
-#include "cpu/handler_common.h"
+#include "common/handler_common.h"
 
 namespace nbx {
 namespace cpu_forward {

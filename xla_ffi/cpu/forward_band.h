@@ -7,8 +7,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cpu/kernel_table.h"
-#include "cpu/slots.h"
+#include "cpu/kernels/kernel_table.h"
+#include "common/slots.h"
 
 namespace nbx {
 namespace cpu_forward {

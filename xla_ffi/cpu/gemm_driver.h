@@ -15,7 +15,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "cpu/kernel_table.h"
+#include "cpu/kernels/kernel_table.h"
 #include "dtypes.h"
 #include "formats/registry.h"
 

@@ -45,14 +45,14 @@
 
 #include "account.h"
 #include "cpu/gemm_driver.h"
-#include "cpu/handler_common.h"
-#include "cpu/kernel_table.h"
+#include "common/handler_common.h"
+#include "cpu/kernels/kernel_table.h"
 #include "cpu/row_band.h"
 #include "cpu/row_gemm.h"
-#include "cpu/slots.h"
-#include "cpu/weights.h"
+#include "common/slots.h"
+#include "common/weights.h"
 #include "dtypes.h"
-#include "parallel.h"
+#include "common/parallel.h"
 
 namespace ffi = xla::ffi;
 

@@ -11,12 +11,12 @@
 #include <limits>
 #include <string>
 
-#include "cpu/handler_common.h"
-#include "cpu/kernel_table.h"
+#include "common/handler_common.h"
+#include "cpu/kernels/kernel_table.h"
 #include "cpu/moe_forward.h"  // ForwardDotKernels
 #include "cpu/prepacked.h"
-#include "cpu/weights.h"
-#include "parallel.h"
+#include "common/weights.h"
+#include "common/parallel.h"
 
 namespace ffi = xla::ffi;
 

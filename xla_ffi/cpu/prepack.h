@@ -4,7 +4,7 @@
 #include <cstdint>
 
 #include "abi.h"
-#include "attr_types.h"
+#include "common/attr_types.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nbx {

@@ -17,7 +17,7 @@
 
 #include "abi.h"
 #include "cpu/gemm_driver.h"
-#include "cpu/kernel_table.h"
+#include "cpu/kernels/kernel_table.h"
 #include "dtypes.h"
 #include "xla/ffi/api/ffi.h"
 

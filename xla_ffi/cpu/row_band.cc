@@ -57,20 +57,6 @@ ffi::Error AllocateRowBand(int64_t tokens, int64_t k, int64_t E, int64_t H, int6
   return ffi::Error::Success();
 }
 
-ffi::Error DecodeWeightsAndLora(ffi::RemainingArgs args, size_t trailing, int64_t E, int64_t H,
-                                abi::WeightFormat format, bool stacked, int64_t group_size,
-                                const WeightViewAttrs& views, const LoraAttrs& lora_attrs,
-                                ExpertWeights* w, Lora* lora, size_t* nlora) {
-  if (ffi::Error e = LoraBufferCount(lora_attrs.ranks, nlora); e.failure()) return e;
-  if (args.size() < trailing + *nlora)
-    return ffi::Error::InvalidArgument("fewer inputs than the adapters' buffers");
-  const size_t nweights = args.size() - trailing - *nlora;
-  if (ffi::Error e =
-          DecodeWeights(args, 0, nweights, E, H, format, stacked, group_size, views, w);
-      e.failure())
-    return e;
-  return DecodeLora(args, nweights, w->E, H, w->I, lora_attrs.ranks, lora_attrs.scale, lora);
-}
 
 
 }  // namespace nbx

@@ -21,13 +21,13 @@
 #include <utility>
 
 #include "account.h"
-#include "cpu/handler_common.h"
-#include "cpu/kernel_table.h"
+#include "common/handler_common.h"
+#include "cpu/kernels/kernel_table.h"
 #include "cpu/row_gemm.h"
-#include "cpu/slots.h"
-#include "cpu/weights.h"
-#include "lora_args.h"
-#include "parallel.h"
+#include "common/slots.h"
+#include "common/weights.h"
+#include "common/lora_args.h"
+#include "common/parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nbx {
@@ -53,14 +53,6 @@ struct RowBand {
     return CarveTileScratch(scratch + worker * stride, kc, nc, mr, vl, stream_k);
   }
 };
-
-// The weights args[0, size - trailing - adapters) (weights.h DecodeWeights)
-// and the adapters after them (DecodeLora); `nlora`: the adapters' buffers.
-xla::ffi::Error DecodeWeightsAndLora(xla::ffi::RemainingArgs args, size_t trailing, int64_t E,
-                                     int64_t H, abi::WeightFormat format, bool stacked,
-                                     int64_t group_size, const WeightViewAttrs& views,
-                                     const LoraAttrs& lora_attrs, ExpertWeights* w, Lora* lora,
-                                     size_t* nlora);
 
 // Lays a band of S slots out from `base` (nullptr: measures only); returns
 // its bytes.  Per slot, float32: backward H + 3I + 2R, forward H + 3I + R

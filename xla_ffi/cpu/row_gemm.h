@@ -14,9 +14,9 @@
 
 #include "abi.h"
 #include "cpu/gemm_driver.h"
-#include "cpu/handler_common.h"
-#include "cpu/kernel_table.h"
-#include "cpu/weights.h"  // Quantized
+#include "common/handler_common.h"
+#include "cpu/kernels/kernel_table.h"
+#include "common/weights.h"  // Quantized
 #include "dtypes.h"
 #include "xla/ffi/api/ffi.h"
 

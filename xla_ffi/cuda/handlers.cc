@@ -13,9 +13,9 @@
 #include <cuda_runtime_api.h>  // cudaStream_t (XLA's stream type); no runtime calls
 
 #include "abi.h"
-#include "attr_types.h"
+#include "common/attr_types.h"
 #include "formats/registry.h"
-#include "lora_args.h"
+#include "common/lora_args.h"
 #include "cuda/moe_cuda.h"
 #include "cuda/runner.h"
 #include "cuda/weights.h"

@@ -8,11 +8,11 @@
 #include <vector>
 
 #include "abi.h"
-#include "cpu/handler_common.h"
-#include "cpu/moe_forward.h"  // NBX_FORWARD_BINDING: the same inputs and attributes
-#include "cpu/slots.h"
+#include "common/handler_common.h"
+#include "common/bindings.h"  // NBX_FORWARD_BINDING: the CPU forward's inputs and attributes
+#include "common/slots.h"
 #include "formats/registry.h"
-#include "cpu/weights.h"
+#include "common/weights.h"
 #include "metal/kernel_calls.h"
 #include "metal/runtime.h"
 #include "metal/tables.h"

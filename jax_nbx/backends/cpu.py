@@ -1,0 +1,100 @@
+"""The "cpu" backend: jax_nbx's CPU handlers (``xla_ffi/cpu/``), forward and
+fused backward, every weight format and layout, stacked or per-expert lists
+read in place, on XLA's intra-op thread pool; LoRA adapters over every
+format (abi.h "LoRA adapters"); quantized experts frozen in the backward.
+
+The handlers' operands and attributes are built by `handler_calls`, which
+every backend shares; this module is the CPU backend alone.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import contract, memory
+from ..experts import Experts
+from ..lora import LoRA
+from ..planning import plan_band_tokens
+from .base import Backend, Problem
+from .handler_calls import backward_call, forward_call, prepack_call  # noqa: F401  (prepack_call: kept here too)
+
+
+def why_no_bf16_dot(problem: Problem, what: str = "experts") -> str:
+    """Why the bfloat16 dot-product kernels cannot run these experts ("" when
+    they can), worded to follow "precision='bfloat16' "."""
+    if problem.quant is not None or problem.w_dtype != np.dtype(jnp.bfloat16):
+        kind = "quantized" if problem.quant is not None else problem.w_dtype.name
+        return f"needs dense bfloat16 {what}; these are {kind}"
+    if problem.layout_name != "in_out" or problem.fusion == "interleaved":
+        return (f"reads {what} stored by rows (layout='in_out', not interleaved); these have "
+                f"layout={problem.layout_name!r}, fusion={problem.fusion!r}")
+    return ""
+
+
+def why_no_int8_dot(problem: Problem, what: str = "experts") -> str:
+    """Why the int8-arithmetic kernels cannot run these experts ("" when they
+    can), worded to follow "precision='int8' "."""
+    if problem.quant is None or problem.quant[0] not in ("int8", "int4"):
+        kind = problem.quant[0] if problem.quant is not None else f"dense {problem.w_dtype.name}"
+        return f"takes int8 or int4 {what}; these are {kind}"
+    if problem.quant[0] == "int4" and problem.quant[1] % contract.INT8_BLOCK:
+        return (f"takes int4 {what} whose group_size is a multiple of {contract.INT8_BLOCK}; "
+                f"these have group_size={problem.quant[1]}")
+    return ""
+
+
+def _lora_rank(problem: Problem) -> int:
+    return sum(problem.lora.ranks) if problem.lora is not None else 0
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    takes_lora = True
+    takes_prepacked = True
+
+    def why_not(self, problem: Problem) -> str:
+        platform = jax.default_backend()
+        if platform != "cpu":
+            return f"runs under JAX's CPU backend; the default backend is {platform!r}"
+        prec = problem.handler_precision
+        if prec is not None:
+            if problem.lora is not None:
+                return f"LoRA adapters (lora=) run in float32 arithmetic, not precision={prec!r}"
+            why = (why_no_bf16_dot if prec == "bfloat16" else why_no_int8_dot)(problem)
+            if why:
+                return f"precision={prec!r} {why}"
+        return ""
+
+    device = "cpu"
+
+    def workspace_bytes(self, problem: Problem, tokens: int, call_tokens: int | None = None) -> int:
+        return memory.fused_moe_workspace_bytes(tokens, problem.k, problem.E, problem.H, problem.I,
+                                                bf16_dot=problem.bf16_dot, lora_rank=_lora_rank(problem))
+
+    def plan(self, problem: Problem, T: int) -> int:
+        return plan_band_tokens(T, problem.k, problem.E, problem.H, problem.I,
+                                problem.max_workspace_bytes, bf16_dot=problem.bf16_dot,
+                                lora_rank=_lora_rank(problem))
+
+    def forward(self, problem, band_tokens, x, w, ids, experts: Experts, lora: LoRA | None = None,
+                packed=None):
+        name, operands, attrs, out = forward_call(problem, band_tokens, x, w, ids,
+                                                  (*experts.flat(), *experts.handler_biases()),
+                                                  lora=lora, packed=packed)
+        return jax.ffi.ffi_call(name, out, vmap_method="sequential")(*operands, **attrs)
+
+    def backward(self, problem, dy, x, w, ids, experts: Experts, lora: LoRA | None = None,
+                 weight_grads: bool = True):
+        weight_grads = weight_grads and problem.quant is None  # quantized experts are frozen
+        T = x.shape[0]
+        band = plan_band_tokens(T, problem.k, problem.E, problem.H, problem.I,
+                                problem.max_workspace_bytes, backward=True,
+                                lora_rank=_lora_rank(problem))
+        arrays = (*experts.flat(), *experts.handler_biases())
+        name, operands, attrs, outs = backward_call(problem, band, dy, x, w, ids, arrays, lora=lora,
+                                                    weight_grads=weight_grads)
+        dx, dw, *rest = jax.ffi.ffi_call(name, outs, vmap_method="sequential")(*operands, **attrs)
+        n = len(arrays) if weight_grads else 0
+        dws = [d.astype(a.dtype) for d, a in zip(rest[:n], arrays)] if weight_grads else None
+        return dx, dw, dws, (lora.from_handler_grads(rest[n:]) if lora is not None else None)

@@ -1,3 +1,0 @@
-// Portable micro-kernels (baseline instruction set; NEON on arm64).
-#include "cpu/kernels.h"
-NBX_DEFINE_KERNELS(KernelsGeneric, "generic", 4, 6, 128, 256, 16)
