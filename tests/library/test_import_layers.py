@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -108,3 +109,69 @@ def test_environment_read_in_one_place():
     cpp = [p for p in (PKG.parent.parent / "xla_ffi").rglob("*") if p.suffix in (".cc", ".h")
            and "getenv" in p.read_text()]
     assert cpp == [], f"the C++ reads the environment: {cpp}"
+
+
+# The C++ layers (docs/architecture.md "C++ layers"): each folder of xla_ffi/ and
+# the folders whose headers it may include.  The root holds the contract and the
+# process-wide pieces (abi.h, dtypes.h, lru.h, the account); formats/ the weight
+# formats' specs; common/ what every handler shares; cpu/kernels/ the CPU
+# micro-kernels; cpu/, metal/, cuda/ one backend each, none including another's;
+# python/ the product module's bindings, which bind them all.
+_CPP_LAYERS = {
+    "": {""},
+    "formats": {"", "formats"},
+    "common": {"", "formats", "common"},
+    "cpu/kernels": {"", "formats", "common", "cpu/kernels"},
+    "cpu": {"", "formats", "common", "cpu/kernels", "cpu"},
+    "metal": {"", "formats", "common", "metal", "metal/kernels"},
+    "metal/kernels": {"metal/kernels"},
+    "cuda": {"", "formats", "common", "cuda"},
+    "python": {"", "formats", "common", "cpu/kernels", "cpu", "metal", "cuda", "python"},
+}
+
+
+def _cpp_includes(path: pathlib.Path) -> list[str]:
+    return re.findall(r'^\s*#\s*include\s+"([^"]+)"', path.read_text(), re.M)
+
+
+def test_cpp_layers_include_only_what_is_below_them():
+    src = PKG.parent / "xla_ffi"
+    bad, seen = [], set()
+    for p in sorted(src.rglob("*")):
+        if p.suffix not in (".h", ".cc", ".mm", ".metal"):
+            continue
+        layer = str(p.parent.relative_to(src)).replace(".", "")
+        assert layer in _CPP_LAYERS, f"{p.relative_to(src)}: a folder the layer rule does not know"
+        seen.add(layer)
+        for inc in _cpp_includes(p):
+            if inc.startswith("xla/") or inc.endswith(".inc"):
+                continue  # jaxlib's headers; the build's generated Metal library source
+            folder = inc.rsplit("/", 1)[0] if "/" in inc else ""
+            if folder not in _CPP_LAYERS[layer]:
+                bad.append(f"{p.relative_to(src)} includes {inc}")
+    assert seen == set(_CPP_LAYERS), f"layers with no file: {set(_CPP_LAYERS) - seen}"
+    assert bad == [], "includes against the layer rule:\n" + "\n".join(bad)
+
+
+def test_nothing_under_xla_ffi_is_test_only():
+    """Test-only C++ lives under tests/native/; no product source names it."""
+    src = PKG.parent / "xla_ffi"
+    named = [f"{p.relative_to(src)}: {inc}" for p in src.rglob("*") if p.suffix in (".h", ".cc", ".mm")
+             for inc in _cpp_includes(p) if inc.startswith(("native/", "testing/"))]
+    assert named == []
+    cmake = (PKG.parent / "CMakeLists.txt").read_text()
+    core = cmake[cmake.index("add_library(nbx_core"):cmake.index(")", cmake.index("add_library(nbx_core"))]
+    assert "tests/" not in core, "the core library compiles a test source"
+
+
+def test_no_backend_imports_another():
+    g = _graph()
+    backends = {"jax_nbx.backends.cpu", "jax_nbx.backends.metal", "jax_nbx.backends.xla", "jax_nbx.backends.cuda"}
+    for mod, deps in g.items():
+        mine = next((b for b in backends if mod == b or mod.startswith(b + ".")), None)
+        if mine is None:
+            continue
+        others = {d for d in deps for b in backends - {mine} if d == b or d.startswith(b + ".")}
+        assert others == set(), f"{mod} imports another backend: {sorted(others)}"
+    assert not any(d.startswith("jax_nbx.experts") for m, ds in g.items() if m.startswith("jax_nbx.formats")
+                   for d in ds), "jax_nbx.formats imports Experts"
