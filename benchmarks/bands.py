@@ -23,9 +23,9 @@ import time
 
 import jax
 import numpy as np
+from bench_common import DTYPES, format_table, machine, make_layer
 
 import jax_nbx as nbx
-from jax_nbx._bench import DTYPES, format_table, machine, make_layer
 from jax_nbx.planning import plan_band_tokens
 
 SPLITS = [1, 2, 4, 8]

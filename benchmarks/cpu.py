@@ -25,9 +25,9 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_common import DTYPES, format_table, machine, make_layer, median_time
 
 import jax_nbx as nbx
-from jax_nbx._bench import DTYPES, format_table, machine, make_layer, median_time
 
 DEFAULT_MODELS = ["olmoe-1b-7b", "qwen3-30b-a3b", "granite-3.0-1b-a400m", "deepseek-v2-lite",
                   "mixtral-8x7b"]

@@ -41,9 +41,9 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_common import format_table, make_layer, max_rel_error, np_reference
 
 import jax_nbx as nbx
-from jax_nbx import _bench
 from jax_nbx.backends.cuda import calls as _cuda
 from jax_nbx.models import MODELS
 
@@ -64,8 +64,8 @@ def check_case(T, E, k, H, I, xd, wd, activation="swiglu", band=None, seed=0):
     f = jax.jit(lambda x, w, ids, ex: nbx.fused_moe(x, w, ids, ex, activation=activation,
                                                     implementation="ffi", max_workspace_bytes=band))
     y = f(x, w, ids, ex)
-    ref = _bench.np_reference(x, w, ids, ex, activation)
-    err = _bench.max_rel_error(y, ref)
+    ref = np_reference(x, w, ids, ex, activation)
+    err = max_rel_error(y, ref)
     finite = bool(jnp.all(jnp.isfinite(y)))
     tol = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 4e-3}[np.dtype(wd).name]
     return err, finite and err < tol, tol
@@ -100,7 +100,7 @@ def check_grad_case(T, E, k, H, I, wd, seed=0):
     with jax.default_matmul_precision("highest"):
         ref = jax.jit(jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2)))(
             up32(x), w, jax.tree.map(up32, ex))
-    errs = [_bench.max_rel_error(g, np.asarray(r, np.float64))
+    errs = [max_rel_error(g, np.asarray(r, np.float64))
             for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref))]
     tol = {"float32": 1e-4, "bfloat16": 3e-2}[np.dtype(wd).name]
     finite = all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(got))
@@ -351,7 +351,7 @@ def run_bench(models, tokens, rows, budget_s, gemm_n=8192, copy_mib=1024):
             if time.perf_counter() - t_start > budget_s:
                 log("time budget spent; skipping", name, T)
                 continue
-            x, w, ids, ex = _bench.make_layer(m, T, jnp.bfloat16, seed=T)
+            x, w, ids, ex = make_layer(m, T, jnp.bfloat16, seed=T)
             reps = 50 if T <= 16 else (20 if T <= 512 else 5)
             base = norm_time(x, reps)
             res = {}
@@ -414,7 +414,7 @@ def run_train(models, tokens, rows, budget_s, gemm_n=8192):
             if time.perf_counter() - t_start > budget_s:
                 log("training budget spent; skipping", name, T)
                 continue
-            x, w, ids, ex = _bench.make_layer(m, T, jnp.bfloat16, seed=T)
+            x, w, ids, ex = make_layer(m, T, jnp.bfloat16, seed=T)
             reps = 3
             base = norm_time(x, reps)
             res = {}
@@ -438,7 +438,7 @@ def run_quant_decode(models, tokens, rows, copy_mib=1024):
     for name in models:
         m = MODELS[name]
         for T in tokens:
-            x, w, ids, ex = _bench.make_layer(m, T, jnp.bfloat16, seed=T)
+            x, w, ids, ex = make_layer(m, T, jnp.bfloat16, seed=T)
             reps = 50
             base = norm_time(x, reps)
             res = {}
@@ -460,19 +460,19 @@ def run_quant_decode(models, tokens, rows, copy_mib=1024):
 
 
 def _tables(check_rows, bench_rows, quant_rows, train_rows, with_checks=True) -> str:
-    text = "" if not with_checks else "\n== correctness (max |y-ref| / max |ref| vs float64)\n" + _bench.format_table(
+    text = "" if not with_checks else "\n== correctness (max |y-ref| / max |ref| vs float64)\n" + format_table(
         ["case", "err", "tol", "status"], check_rows)
     if bench_rows:
-        text += ("\n== timing, bf16, median of 5 jitted loops (ms per layer call)\n" + _bench.format_table(
+        text += ("\n== timing, bf16, median of 5 jitted loops (ms per layer call)\n" + format_table(
             ["model", "T", "ours ms", "deferred check ms", "graph+deferred ms", "prefill path ms",
              "ragged_dot ms", "dense ms", "ragged/ours", "dense/ours", "TFLOP/s", "GEMM TFLOP/s", "of GEMM",
              "copy TB/s", "t/bw floor", "deferred t/bw floor", "graph t/bw floor"], bench_rows))
     if quant_rows:
-        text += ("\n== quantized decode (ms per layer call; speed relative to bf16)\n" + _bench.format_table(
+        text += ("\n== quantized decode (ms per layer call; speed relative to bf16)\n" + format_table(
             ["model", "T", "bf16 ms", "int8 ms", "int4 ms", "int8 speed", "int4 speed", "bf16 t/bw floor"],
             quant_rows))
     if train_rows:
-        text += ("\n== training step, bf16 (forward + backward of sum(y^2); ms per step)\n" + _bench.format_table(
+        text += ("\n== training step, bf16 (forward + backward of sum(y^2); ms per step)\n" + format_table(
             ["model", "T", "ours ms", "ragged_dot ms", "ragged/ours", "TFLOP/s (3x fwd)", "GEMM TFLOP/s", "of GEMM"],
             train_rows))
     return text

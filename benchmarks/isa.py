@@ -61,9 +61,9 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_common import format_table, machine, make_layer, time_once
 
 import jax_nbx as nbx
-from jax_nbx._bench import format_table, machine, make_layer, time_once
 
 ROWS = {  # name -> (T, weights, x dtype, precision)
     "prefill-f32": (512, "f32", jnp.float32, None),

@@ -13,9 +13,9 @@ import statistics
 import time
 
 import jax
+from bench_common import DTYPES, make_layer
 
 import jax_nbx as nbx
-from jax_nbx._bench import DTYPES, make_layer
 
 
 def main() -> None:

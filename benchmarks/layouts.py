@@ -22,9 +22,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+from bench_common import DTYPES, format_table, machine, make_layer
 
 import jax_nbx as nbx
-from jax_nbx._bench import DTYPES, format_table, machine, make_layer
 
 
 def layouts(ex: nbx.Experts, bias_key) -> dict[str, nbx.Experts]:

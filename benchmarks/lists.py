@@ -18,9 +18,9 @@ import statistics
 import time
 
 import jax
+from bench_common import DTYPES, format_table, machine, make_layer
 
 import jax_nbx as nbx
-from jax_nbx._bench import DTYPES, format_table, machine, make_layer
 
 
 def main(argv=None):

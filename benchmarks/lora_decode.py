@@ -23,9 +23,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_common import format_table, machine, make_layer
 
 import jax_nbx as nbx
-from jax_nbx._bench import format_table, machine, make_layer
 
 BASES = {"f32": (jnp.float32, None), "bf16": (jnp.bfloat16, None), "int4": (jnp.bfloat16, "int4")}
 

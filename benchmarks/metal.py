@@ -26,9 +26,9 @@ import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_common import format_table, machine, make_layer, max_rel_error, median_time, np_reference
 
 import jax_nbx as nbx
-from jax_nbx._bench import format_table, machine, make_layer, max_rel_error, median_time, np_reference
 
 
 def main(argv=None):

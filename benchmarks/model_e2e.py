@@ -31,9 +31,9 @@ import time
 
 import jax.numpy as jnp
 import numpy as np
+from bench_common import DTYPES, format_table, machine
 
 import jax_nbx as nbx
-from jax_nbx._bench import DTYPES, format_table, machine
 
 IMPLS = ("fused", "ragged_dot", "dense")
 

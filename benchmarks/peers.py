@@ -47,9 +47,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads its Op
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_common import format_table, machine, make_layer
 
 import jax_nbx as nbx
-from jax_nbx._bench import format_table, machine, make_layer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peaks import peaks  # noqa: E402

@@ -26,9 +26,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+from bench_common import format_table, machine, make_layer, time_once
 
 import jax_nbx as nbx
-from jax_nbx._bench import format_table, machine, make_layer, time_once
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peaks import peaks  # noqa: E402

@@ -27,9 +27,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+from bench_common import format_table, machine, make_layer
 
 import jax_nbx as nbx
-from jax_nbx._bench import format_table, machine, make_layer
 
 # each format as `jax_nbx.quantize` makes it here: (kind, group_size, scale dtype)
 QUANT = {"int8": ("int8", None, jnp.bfloat16), "int4": ("int4", 128, jnp.bfloat16), "mxfp4": ("mxfp4", None, None),

@@ -18,11 +18,11 @@ import time
 
 import jax
 import jax.numpy as jnp
+from bench_common import DTYPES, format_table, machine, make_layer
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_nbx as nbx
-from jax_nbx._bench import DTYPES, format_table, machine, make_layer
 
 
 def median_ms(fn, repeats=5):

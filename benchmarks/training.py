@@ -41,9 +41,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_common import DTYPES, format_table, machine, make_layer, median_time
 
 import jax_nbx as nbx
-from jax_nbx._bench import DTYPES, format_table, machine, make_layer, median_time
 
 
 def moe_ragged_dot(x, w, ids, experts, lora=None):

@@ -118,9 +118,9 @@ class Job:
 def main(argv=None):
     import jax
     import jax.numpy as jnp
+    from bench_common import make_layer
     from gpu import loop_time, ours
 
-    from jax_nbx import _bench
     from jax_nbx.models import MODELS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -138,7 +138,7 @@ def main(argv=None):
 
     def measure(job, c1, c2):
         if job.label not in layers:
-            layers[job.label] = _bench.make_layer(job.model, job.T, jnp.bfloat16, seed=job.T)
+            layers[job.label] = make_layer(job.model, job.T, jnp.bfloat16, seed=job.T)
         tmp.write_text(json.dumps({job.key: {str(job.M): [c1, c2]}}))
         x, w, ids, ex = layers[job.label]
         return loop_time(ours, x, w, ids, ex, reps=10 if job.T <= 512 else 3)

@@ -9,15 +9,78 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import platform
+import statistics
 import sys
+import time
+from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from . import _registry, contract
-from ._bench import DTYPES, format_table, machine, make_layer, max_rel_error, median_time, np_reference
+from .experts import Experts
 from .models import MODELS
 from .ops import fused_moe
 from .prepack import prepack
+
+# The helpers below are the main job's; benchmarks/bench_common.py reuses them.
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+
+
+def machine() -> str:
+    """CPU model, core count and jax version, for the header of a table."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, jax {jax.__version__}, backend {jax.default_backend()}"
+
+
+def time_once(fn: Callable[[], object]) -> float:
+    """Wall time (s) of one call of fn(), blocking on its result."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
+def _f64(a) -> np.ndarray:
+    return np.asarray(jnp.asarray(a).astype(jnp.float32), dtype=np.float64)
+
+
+def np_reference(x, w, ids, experts: Experts, activation: str = "swiglu") -> np.ndarray:
+    """float64 MoE forward of x [T, H] (one used expert at a time)."""
+    x, w, ids = _f64(x), _f64(w), np.asarray(ids)
+    y = np.zeros(x.shape)
+    for e in np.unique(ids):
+        t_idx, j_idx = np.nonzero(ids == e)
+        a = x[t_idx]
+        g, u = a @ _f64(experts.gate[e]), a @ _f64(experts.up[e])
+        if activation == "swiglu":
+            act = g / (1.0 + np.exp(-g))
+        else:
+            act = 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g ** 3)))
+        np.add.at(y, t_idx, w[t_idx, j_idx][:, None] * ((act * u) @ _f64(experts.down[e])))
+    return y
+
+
+def max_rel_error(y, ref: np.ndarray) -> float:
+    """max |y - ref| / max |ref|."""
+    y = _f64(y)
+    return float(np.max(np.abs(y - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    line = lambda r: "  ".join(str(c).rjust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, rows)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"jax_nbx main job: {m.name} layer (E={m.E} k={m.k} H={m.H} I={m.I}), T={a.tokens}, "
           f"{a.dtype}, {a.activation}")
     print(f"machine: {machine()}")
-    x, w, ids, experts = make_layer(m, a.tokens, dtype)
+    x, w, ids, experts = m.random_layer(a.tokens, dtype)
     n_check = min(a.tokens, a.check_tokens)
     ref = np_reference(x[:n_check], w[:n_check], ids[:n_check], experts, a.activation)
 
@@ -57,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         f = jax.jit(functools.partial(fused_moe, activation=a.activation, implementation=impl))
         y = f(x, w, ids, ex)
         err = max_rel_error(y[:n_check], ref)
-        t = median_time(lambda: f(x, w, ids, ex), repeats=a.repeats, warmup=0)
+        t = statistics.median(time_once(lambda: f(x, w, ids, ex)) for _ in range(a.repeats))
         rows.append([name, f"T={a.tokens} E={m.E} k={m.k} H={m.H} I={m.I}", a.dtype,
                      f"{t * 1e3:.1f}", f"{flops / t / 1e9:.1f}", f"{err:.2e}"])
     print()
