@@ -94,22 +94,24 @@ enum PackedField : int32_t {
 
 // ---------------------------------------------------------------- weight formats
 // The codes of the weight formats (the enum attribute "format", int32), as
-// X(enumerator, code, name).  What each format is -- its parts, their dtypes
-// and shapes, its groups, its scalar reference -- is in formats/<name>.h,
-// listed by formats/registry.h; jax_nbx/formats/ reads the same table
-// (exported with the rest of this contract).
-#define NBX_WEIGHT_FORMATS(X) \
-  X(kDense, 0, "dense")       \
-  X(kInt8, 1, "int8")         \
-  X(kInt4, 2, "int4")         \
-  X(kMxfp4, 3, "mxfp4")       \
-  X(kFp8, 4, "fp8")           \
-  X(kMxfp8, 5, "mxfp8")       \
-  X(kNvfp4, 6, "nvfp4")
-#define NBX_FORMAT_ENUMERATOR(e, code, name) e = code,
+// X(enumerator, code, name, Stem): the one list of formats in C++.  What each
+// format is -- its parts, their dtypes and shapes, its groups, its
+// arithmetic, the backends with kernels for it, its scalar reference -- is in
+// formats/<name>.h as k<Stem>Spec and <Stem>Reference; formats/registry.h
+// makes its table from this list, and jax_nbx/formats/ reads that table
+// (exported with the rest of this contract) and imports the module of each name.
+#define NBX_WEIGHT_FORMATS(X)       \
+  X(kDense, 0, "dense", Dense)      \
+  X(kInt8, 1, "int8", Int8)         \
+  X(kInt4, 2, "int4", Int4)         \
+  X(kMxfp4, 3, "mxfp4", Mxfp4)      \
+  X(kFp8, 4, "fp8", Fp8)            \
+  X(kMxfp8, 5, "mxfp8", Mxfp8)      \
+  X(kNvfp4, 6, "nvfp4", Nvfp4)
+#define NBX_FORMAT_ENUMERATOR(e, code, name, stem) e = code,
 enum class WeightFormat : int32_t { NBX_WEIGHT_FORMATS(NBX_FORMAT_ENUMERATOR) };
 #undef NBX_FORMAT_ENUMERATOR
-#define NBX_FORMAT_NAME(e, code, name) name,
+#define NBX_FORMAT_NAME(e, code, name, stem) name,
 inline constexpr const char* kWeightFormatNames[] = {NBX_WEIGHT_FORMATS(NBX_FORMAT_NAME)};
 #undef NBX_FORMAT_NAME
 inline constexpr int32_t kNumWeightFormats =

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 
+from .. import formats
 from .base import Backend, Problem
 from .cpu import CpuBackend
 from .cuda import CudaBackend
@@ -54,7 +55,22 @@ def get(name: str) -> Backend:
     return _BACKENDS[name]
 
 
+def _why_not_format(backend: Backend, problem: Problem) -> str:
+    """Why the backend's kernels cannot read the experts' format ("" when they can)."""
+    if problem.quant is None or backend.kernels is None:
+        return ""
+    fmt = formats.get(problem.quant[0])
+    if backend.kernels in fmt.kernels:
+        return ""
+    takers = ", ".join(repr(n) for n, b in _BACKENDS.items() if b.kernels is None or b.kernels in fmt.kernels)
+    return (f"its kernels do not read {fmt.name} experts ({fmt.name}'s spec names kernels for "
+            f"{sorted(fmt.kernels) or 'no backend'}; {takers} run them)")
+
+
 def _why_no_lora(backend: Backend, problem: Problem) -> str:
+    why = _why_not_format(backend, problem)
+    if why:
+        return why
     if problem.lora is not None and not backend.takes_lora:
         takers = ", ".join(repr(n) for n, b in _BACKENDS.items() if b.takes_lora)
         return f"LoRA adapters (lora=) run on {takers} only so far (docs/lora.md)"

@@ -104,6 +104,11 @@ class Backend:
     #: whether `forward` takes prepacked experts (``packed=``, `jax_nbx.prepack`);
     #: the registry refuses a ``problem.prepacked`` on a backend that does not
     takes_prepacked: bool = False
+    #: whose kernels run the experts' formats ("cpu", "metal", "cuda": a
+    #: format's `Format.kernels` names them); the registry refuses a format
+    #: those kernels do not read.  None: every registered format (the
+    #: reference dequantizes it)
+    kernels: str | None = None
 
     def why_not(self, problem: Problem) -> str:
         """"" when this backend can run ``problem`` in this process, else why not."""

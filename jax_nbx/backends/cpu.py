@@ -50,6 +50,7 @@ def _lora_rank(problem: Problem) -> int:
 
 class CpuBackend(Backend):
     name = "cpu"
+    kernels = "cpu"
     takes_lora = True
     takes_prepacked = True
 

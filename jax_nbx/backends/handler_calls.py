@@ -67,7 +67,7 @@ def weights_and_attrs(problem: Problem, band_tokens: int, arrays, lora: LoRA | N
     return bufs, dict(
         activation=act.code, act_alpha=act.alpha, act_limit=act.limit, band_tokens=band_tokens,
         max_workers=cpu.planned_workers(), skip_outside=problem.skip_outside, num_experts=E,
-        format=contract.FORMAT_CODES[quant[0] if quant else None], stacked=not problem.lists,
+        format=get(quant[0] if quant else "dense").code, stacked=not problem.lists,
         group_size=quant[1] if quant else 0, views=layout.views, intermediate=layout.intermediate,
         fused_gate_up=layout.fused, has_bias=layout.bias, tensor_scales=bool(scales),
         **lora_attrs(problem.lora if lora is not None else None))

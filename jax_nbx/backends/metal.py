@@ -22,6 +22,7 @@ from .handler_calls import forward_call
 
 class MetalBackend(Backend):
     name = "metal"
+    kernels = "metal"
     takes_lora = True  # moe_lora.metal's kernels around the GEMMs; gradients: the reference's VJP
 
     def why_not(self, problem: Problem) -> str:

@@ -1,30 +1,33 @@
-"""Weight formats: the registry, quantization and the handlers' view.
+"""Weight formats: the registry and each format's math on one matrix.
 
-Each format is one module here (``dense``, ``int8``, ``int4``, ``mxfp4``, ``fp8``,
-``mxfp8``, ``nvfp4``; shared element encodings in ``minifloat``) with its math,
-over a spec read from the contract (``xla_ffi/formats/<name>.h``: parts,
-dtypes, shapes, packing, groups); ``registry`` holds them by name.  Adding a
-format is its code in ``xla_ffi/abi.h``, its C++ header in
-``xla_ffi/formats/`` (listed in ``registry.h``), its module here, then its
-kernels: the CPU kernels' cases (``xla_ffi/cpu/kernels_quant.h``), a branch
-of the Triton kernels' ``_wtile`` (``backends/cuda/kernels.py``, named in
-``plan.kernels_formats``) and the Metal handler's switch.
+Each format is one module here, named as the contract names it (the formats
+of ``xla_ffi/abi.h``'s NBX_WEIGHT_FORMATS, imported below from that list;
+shared element encodings in ``minifloat``), with its math over a spec read
+from the contract (``xla_ffi/formats/<name>.h``: parts, dtypes, shapes,
+packing, groups, arithmetic, the backends whose kernels read it);
+``registry`` holds them by name.  docs/development.md lists the files adding
+a format takes.  Quantizing whole experts is `jax_nbx.quantization`'s; the
+handlers' view of the weights is `jax_nbx.backends.handler_calls`'s.
 
-Public: `quantize`, `dequantize`, `QuantizedWeight`, `get`, `names`.
+Public: `QuantizedWeight`, `Format`, `get`, `names`, `quantized_names`.
 """
 from __future__ import annotations
 
 import importlib
 import warnings
 
-from . import dense, fp8, int4, int8, mxfp4, mxfp8, nvfp4  # noqa: F401  (each registers its format)
+from .. import contract
 from .registry import get, names, quantized_names
 from .spec import Format
 from .weight import QuantizedWeight
 
+for _name in contract.WEIGHT_FORMATS:  # each module registers its format
+    importlib.import_module(f"{__name__}.{_name}")
+del _name
+
 __all__ = ["QuantizedWeight", "Format", "get", "names", "quantized_names", "GROUP_SIZES"]
 
-GROUP_SIZES = int4.INT4.group_sizes  # int4's (the loaders' GPTQ/AWQ/MLX affine imports)
+GROUP_SIZES = get("int4").group_sizes  # int4's (the loaders' GPTQ/AWQ/MLX affine imports)
 
 
 # Names that moved out of this package (formats know nothing of `Experts` or

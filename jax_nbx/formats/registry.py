@@ -1,8 +1,9 @@
 """The weight formats by name: each format module registers one `Format`.
 
 Nothing here knows a format: `register` is called by each format's module
-(``formats/dense.py``, ``int8.py``, ``int4.py``) when ``jax_nbx.formats`` is
-imported, and `get` refuses a name it does not hold by name.
+(``formats/<name>.py``, imported by ``jax_nbx.formats`` for every name of the
+contract's list) and `get` refuses a name it does not hold by name.  A format
+outside the contract (`Format.spec`) may be registered and `unregister`-ed.
 """
 from __future__ import annotations
 
@@ -20,6 +21,22 @@ def register(fmt: Format) -> Format:
         raise ValueError(f"weight format {fmt.name!r} is registered twice")
     _FORMATS[fmt.name] = fmt
     return fmt
+
+
+def unregister(name: str) -> None:
+    """Removes a format outside the contract (one registered with its own
+    ``spec``); the contract's formats stay."""
+    fmt = _FORMATS.get(name)
+    if fmt is None:
+        raise ValueError(f"unknown weight format {name!r}; jax_nbx knows {names()}")
+    if fmt.spec is None:
+        raise ValueError(f"weight format {name!r} is the contract's: it cannot be unregistered")
+    del _FORMATS[name]
+
+
+def next_code() -> int:
+    """The code a format outside the contract gets: one past every code taken."""
+    return max((f.code for f in _FORMATS.values()), default=-1) + 1
 
 
 def get(name: str) -> Format:

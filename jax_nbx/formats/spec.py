@@ -3,9 +3,16 @@
 `Format` holds one format's spec, read from the compiled module's registry
 (`jax_nbx.contract.FORMAT_SPECS`): its parts (the arrays a projection's
 weights are passed as, in the handlers' group order), each part's dtypes and
-per-expert shape, the packing of values along K and the group sizes.  Shape
-and dtype checks are generic over the spec; each format's module adds its
-math (`quantize_matrix`, `dequantize`).
+per-expert shape, the packing of values along K, the group sizes, its
+arithmetic and the backends whose kernels read it.  Shape and dtype checks
+are generic over the spec; each format's module adds its math
+(`quantize_matrix`, `dequantize`).
+
+A format outside the compiled contract (an experiment, the tests' toy) gives
+its spec as the class attribute ``spec`` (the contract's keys but ``name``
+and ``code``); it gets a code after the contract's, and with no ``kernels``
+only the ``"xla"`` reference runs it (by `dequantize`): every handler
+backend refuses it by name.
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import jax
 import numpy as np
 
 from .. import contract
+from . import registry
 
 if TYPE_CHECKING:
     from .weight import QuantizedWeight
@@ -31,13 +39,22 @@ class Format:
     # byte parts that may also be given in their element dtype (e.g. q as
     # jnp.float8_e4m3fn), taken bit for bit as the uint8 the spec names
     element_dtypes: dict[str, Any] = {}
+    #: the spec of a format outside the compiled contract (None: the contract's)
+    spec: dict[str, Any] | None = None
 
-    def __init__(self) -> None:
-        if self.name not in contract.FORMAT_CODES:
-            raise ValueError(f"weight format {self.name!r} is not in the contract (xla_ffi/abi.h "
-                             f"NBX_WEIGHT_FORMATS: {contract.WEIGHT_FORMATS})")
-        self.code: int = contract.FORMAT_CODES[self.name]
-        spec = contract.FORMAT_SPECS[self.code]
+    def __init__(self, code: int | None = None) -> None:
+        if self.spec is None:
+            if self.name not in contract.FORMAT_CODES:
+                raise ValueError(f"weight format {self.name!r} is not in the contract (xla_ffi/abi.h "
+                                 f"NBX_WEIGHT_FORMATS: {contract.WEIGHT_FORMATS}) and gives no spec")
+            self.code: int = contract.FORMAT_CODES[self.name]
+            spec = contract.FORMAT_SPECS[self.code]
+        else:
+            if self.name in contract.FORMAT_CODES:
+                raise ValueError(f"weight format {self.name!r} is the contract's: it takes no spec of its own")
+            self.code = code if code is not None else max(registry.next_code(), len(contract.WEIGHT_FORMATS))
+            spec = dict({"summary": self.name, "tensor_scale": False, "column_scaled": False, "kernels": ()},
+                        **self.spec)
         self.summary: str = spec["summary"]
         self.parts: tuple[str, ...] = tuple(p["name"] for p in spec["parts"])
         self.part_dtypes: dict[str, tuple[np.dtype, ...]] = {
@@ -53,6 +70,11 @@ class Format:
         self.compute_part: str | None = self.parts[cp] if cp >= 0 else None
         # whether a matrix may carry a float32 tensor scale (QuantizedWeight.tensor_scale)
         self.takes_tensor_scale: bool = bool(spec["tensor_scale"])
+        # its arithmetic: sums of a * q, each column's sum times its scale (int8)
+        self.column_scaled: bool = bool(spec["column_scaled"])
+        # the backends whose kernels read it ("cpu", "metal", "cuda"); the
+        # "xla" reference reads every format through `dequantize`
+        self.kernels: frozenset[str] = frozenset(spec["kernels"])
 
     @property
     def grouped(self) -> bool:

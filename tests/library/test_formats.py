@@ -97,3 +97,82 @@ def test_an_unknown_format_is_refused_by_name_on_every_path():
         from jax_nbx.backends.cuda import kernels
 
         assert "static_assert(QUANT == QUANT_INT4" in open(kernels.__file__).read()
+
+
+class _Toy(formats.Format):
+    """A format outside the contract, registered by the Python registry
+    alone: 4-bit codes in a byte, W[k, n] = (q[k, n] - 8) * scale[n]."""
+
+    name = "toy_offset8"
+    spec = {"summary": "a test's toy: (q - 8) * scale[n]",
+            "parts": ({"name": "q", "dtypes": ("uint8",), "rows": "K", "same_dtype_as": -1},
+                      {"name": "scale", "dtypes": ("float32",), "rows": "none", "same_dtype_as": -1}),
+            "values_per_byte": 1, "group_sizes": (), "compute_dtype_part": 1}
+
+    def quantize_matrix(self, w, group_size, scale_dtype):
+        self.check_group_size(group_size)
+        scale = jnp.maximum(jnp.max(jnp.abs(w), axis=-2) / 7.0, 1e-30)
+        q = (jnp.clip(jnp.round(w / scale[..., None, :]), -8, 7) + 8).astype(jnp.uint8)
+        return nbx.QuantizedWeight(q, scale.astype(jnp.float32), kind=self.name)
+
+    def dequantize(self, w):
+        return (w.q.astype(jnp.float32) - 8.0) * w.scale.astype(jnp.float32)[..., None, :]
+
+
+def _np_toy_moe(x, w, ids, q: nbx.Experts) -> np.ndarray:
+    """float64 forward of toy experts from the toy's definition (not its dequantize)."""
+    def dense(m):
+        return (np.asarray(m.q, np.float64) - 8.0) * np.asarray(m.scale, np.float64)[:, None, :]
+
+    g, u, d = dense(q.gate), dense(q.up), dense(q.down)
+    x64, w64, ids = np.asarray(x, np.float64), np.asarray(w, np.float64), np.asarray(ids)
+    y = np.zeros_like(x64)
+    for t in range(x64.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            a, b = x64[t] @ g[e], x64[t] @ u[e]
+            y[t] += w64[t, j] * ((a / (1.0 + np.exp(-a)) * b) @ d[e])
+    return y
+
+
+def test_a_toy_format_through_the_registry_alone():
+    """A format added by its Python module alone (no C++ spec, no kernels):
+    quantize makes it, the reference runs it against float64 (named, and by
+    default), and every handler backend refuses it by name -- the registry's
+    check, before any backend's own."""
+    from jax_nbx.backends.cuda import plan
+    from jax_nbx.formats import registry
+
+    toy = registry.register(_Toy())
+    try:
+        assert toy.code >= len(contract.WEIGHT_FORMATS) and toy.kernels == frozenset()
+        assert "toy_offset8" in formats.quantized_names() and toy.code not in plan.kernels_formats()
+        x, w, ids, ex = make_problem(3, 9, 5, 2, 24, 20)  # odd sizes
+        q = nbx.quantize(ex, "toy_offset8")
+        ref = _np_toy_moe(x, w, ids, q)
+        for impl in ("xla", None):
+            y = jax.jit(lambda x, w, ids, q, impl=impl: nbx.fused_moe(x, w, ids, q, implementation=impl))(
+                x, w, ids, q)
+            err = float(np.max(np.abs(np.asarray(y, np.float64) - ref)) / np.max(np.abs(ref)))
+            assert err < 1e-5, (impl, err)
+        for impl in ("cpu", "ffi", "metal", "cuda"):
+            with pytest.raises(ValueError, match=rf"implementation='{impl}'.*its kernels do not read "
+                                                 r"toy_offset8 experts .*'xla' run them"):
+                nbx.fused_moe(x, w, ids, q, implementation=impl)
+        assert "toy_offset8" in plan.kernels_refusal(("toy_offset8", 0), True, False)
+        with pytest.raises(ValueError, match="is the contract's"):
+            registry.unregister("int8")
+    finally:
+        registry.unregister("toy_offset8")
+    with pytest.raises(ValueError, match="unknown weight format 'toy_offset8'"):
+        formats.get("toy_offset8")
+
+
+def test_each_contract_format_names_its_kernels():
+    """The spec says which backends' kernels read a format (xla_ffi/formats/<name>.h
+    FormatSpec::kernels); today every format of the contract has all three,
+    and int8 alone sums a * q before its column scale."""
+    for name in formats.names():
+        fmt = formats.get(name)
+        assert fmt.kernels == {"cpu", "metal", "cuda"}, name
+        assert fmt.column_scaled == (name == "int8"), name

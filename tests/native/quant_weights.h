@@ -28,8 +28,8 @@ struct QuantFormat {
   }
   const formats::FormatSpec& Spec() const { return formats::SpecOf(code); }
   bool FloatScales() const { return Spec().parts[1].dtypes & formats::kF32; }
-  // int8: sums of q, each column's times its scale once (QuantArith::kColumnScaled)
-  bool ColumnScaled() const { return QuantArithOf(code) == QuantArith::kColumnScaled; }
+  // int8: sums of q, each column's times its scale once (FormatSpec::column_scaled)
+  bool ColumnScaled() const { return Spec().column_scaled; }
   abi::WeightFormat code;
   int group;
   bool bf16_scales = false;

@@ -63,6 +63,7 @@ def _bad_slot(ids: np.ndarray, err: int, E: int) -> str:
 class InterpretedCuda(Backend):
     name = NAME
     takes_lora = True  # as the CUDA backend: fused forward, the reference's VJP
+    kernels = "cuda"
 
     def why_not(self, problem: Problem) -> str:
         return P.kernels_refusal(problem.quant, problem.layout.plain_views, problem.bf16_dot,

@@ -314,4 +314,11 @@ ffi::Error DecodeWeightsAndLora(ffi::RemainingArgs args, size_t trailing, int64_
   return DecodeLora(args, nweights, w->E, H, w->I, lora_attrs.ranks, lora_attrs.scale, lora);
 }
 
+ffi::Error CheckKernelsRead(abi::WeightFormat format, uint32_t backend, const char* who) {
+  const formats::FormatEntry* entry = formats::FindFormat(static_cast<int32_t>(format));
+  if (entry == nullptr || (entry->spec->kernels & backend) != 0) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(who) + " kernels do not read " + entry->spec->name +
+                                     " experts (formats/" + entry->spec->name + ".h)");
+}
+
 }  // namespace nbx

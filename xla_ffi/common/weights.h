@@ -85,6 +85,12 @@ void ForWeightType(xla::ffi::DataType t, F&& f) {
     ForFloatType(t, f);
 }
 
+// InvalidArgument naming the format unless `backend`'s kernels read it
+// (formats/<name>.h FormatSpec::kernels: a KernelBit; `who` names the backend
+// in the message); a code the registry does not know passes (DecodeWeights
+// names it).
+xla::ffi::Error CheckKernelsRead(abi::WeightFormat format, uint32_t backend, const char* who);
+
 // Decodes the weight buffers args[first, first + count): the groups of
 // `format` in abi.h's order (group = part * 3 + projection), each one stacked
 // [E, ...] buffer (`stacked`) or E per-expert buffers.  H is x's hidden size;

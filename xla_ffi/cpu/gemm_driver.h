@@ -21,6 +21,19 @@
 
 namespace nbx {
 
+// How a quantized format's products are formed by the kernels.
+enum class QuantArith {
+  kColumnScaled,  // sums of a * q; each column's sum times its scale once (int8)
+  kDequantized,   // each weight dequantized before its product (int4, fp8, mxfp4, mxfp8, nvfp4)
+};
+
+// The format's arithmetic (formats/<name>.h FormatSpec::column_scaled).
+inline QuantArith QuantArithOf(abi::WeightFormat f) {
+  if (f == abi::WeightFormat::kDense) FormatHasNoKernel("QuantArithOf", f);
+  return formats::SpecOf(f).column_scaled ? QuantArith::kColumnScaled : QuantArith::kDequantized;
+}
+
+
 // Software prefetch of `runs` runs of `run_bytes` contiguous bytes, `stride`
 // bytes apart, in up to two matrices (each run of m0, then the same run of m1),
 // issued a few cache lines at a time between micro-kernel calls: the reads

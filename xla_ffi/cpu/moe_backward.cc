@@ -292,6 +292,7 @@ ffi::Error FusedMoeBackward(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
       dw->element_count() != topk_w.element_count())
     return ffi::Error::InvalidArgument("dx must be like x and dw like topk_weights");
   if (ffi::Error e = CheckActivation(a.activation, a.act_alpha, a.act_limit); e.failure()) return e;
+  if (ffi::Error e = CheckKernelsRead(a.format, formats::kCpuKernels, "the CPU"); e.failure()) return e;
   // Weights, adapters and their gradient buffers: E addresses per projection.
   ExpertWeights w;
   Lora lora;

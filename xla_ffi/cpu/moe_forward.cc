@@ -481,6 +481,7 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
                                       a.act_limit, &T, &H, &k);
       e.failure())
     return e;
+  if (ffi::Error e = CheckKernelsRead(a.format, formats::kCpuKernels, "the CPU"); e.failure()) return e;
   const size_t packed_bufs = a.prepacked ? 2 : 0;  // after the weights
   if (weights.size() < trailing + packed_bufs)
     return ffi::Error::InvalidArgument("fewer inputs than the prepacked words and aliased outputs");

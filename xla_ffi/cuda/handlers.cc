@@ -16,6 +16,7 @@
 #include "common/attr_types.h"
 #include "formats/registry.h"
 #include "common/lora_args.h"
+#include "common/weights.h"  // CheckKernelsRead
 #include "cuda/moe_cuda.h"
 #include "cuda/runner.h"
 #include "cuda/weights.h"
@@ -74,6 +75,7 @@ ffi::Error FusedMoeCudaTablesImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
   if (entry == nullptr)
     return ffi::Error::InvalidArgument("unknown weight format code " +
                                        std::to_string(static_cast<int32_t>(format)));
+  if (ffi::Error e = CheckKernelsRead(format, formats::kCudaKernels, "the CUDA"); e.failure()) return e;
   const bool quantized = format != abi::WeightFormat::kDense;
   const bool groups_ok =
       fused_gate_up ? G == 2 : G == entry->spec->num_parts * int64_t{abi::kNumProjections};

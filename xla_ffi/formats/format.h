@@ -37,6 +37,17 @@ enum class PartRows : int32_t {
 inline constexpr int32_t kNumPartRows = 4;
 inline constexpr const char* kPartRowsNames[kNumPartRows] = {"K", "packed_K", "groups", "none"};
 
+// The backends with kernels of their own (the "kernels" of a FormatSpec), as
+// a bit set (the exporter names them: "cpu", "metal", "cuda").
+enum KernelBit : uint32_t {
+  kCpuKernels = 1u << 0,
+  kMetalKernels = 1u << 1,
+  kCudaKernels = 1u << 2,
+};
+inline constexpr int kNumKernelBits = 3;
+inline constexpr const char* kKernelBitNames[kNumKernelBits] = {"cpu", "metal", "cuda"};
+inline constexpr uint32_t kAllKernels = kCpuKernels | kMetalKernels | kCudaKernels;
+
 struct PartSpec {
   const char* name;   // abi::kPartNames[i] for part i
   uint32_t dtypes;    // DTypeBit set
@@ -66,6 +77,14 @@ struct FormatSpec {
   // the reference's value times it.  The kernels multiply each column's sum
   // by it once, as int8's column scales (nvfp4's second-level scale).
   bool tensor_scale = false;
+  // The format's arithmetic: true, the sums of a * q, each column's sum times
+  // its scale once (int8); false, each weight dequantized before its product.
+  // Every kernel of every backend does the format's arithmetic.
+  bool column_scaled = false;
+  // The backends whose kernels read the format (KernelBit set); a handler
+  // refuses the others by name, and so does Python before tracing
+  // (jax_nbx.formats.Format.kernels).
+  uint32_t kernels = kAllKernels;
 };
 
 // One expert's parts as the scalar reference reads them: each part's base

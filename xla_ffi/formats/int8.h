@@ -15,6 +15,8 @@ inline constexpr FormatSpec kInt8Spec = {
     1,
     0, {},
     1,
+    /*tensor_scale=*/false,
+    /*column_scaled=*/true,
 };
 
 // q[k, n] * scale[n], one float32 product.

@@ -1,8 +1,9 @@
 // The weight-format registry: every format of abi.h's NBX_WEIGHT_FORMATS, its
-// spec (formats/<name>.h) and scalar reference, by code.  Adding a format: its
-// code in abi.h's list, its header here (spec + reference), a line in
-// NBX_FORMAT_ENTRIES, then its kernels -- every switch over WeightFormat names
-// each code, and the compiler (-Wswitch) finds the ones a new code misses.
+// spec (formats/<name>.h) and scalar reference, by code, made from that list.
+// Adding a format: its line in abi.h's list, its header (spec + reference)
+// included here, then its kernels -- the spec says which backends have them
+// (FormatSpec::kernels); a kernel dispatch over WeightFormat names each code,
+// and the compiler (-Wswitch) finds the ones a new code misses.
 #pragma once
 
 #include <cstdint>
@@ -27,15 +28,9 @@ struct FormatEntry {
 };
 
 // In code order (checked below).
-inline constexpr FormatEntry kFormats[abi::kNumWeightFormats] = {
-    {&kDenseSpec, &DenseReference},
-    {&kInt8Spec, &Int8Reference},
-    {&kInt4Spec, &Int4Reference},
-    {&kMxfp4Spec, &Mxfp4Reference},
-    {&kFp8Spec, &Fp8Reference},
-    {&kMxfp8Spec, &Mxfp8Reference},
-    {&kNvfp4Spec, &Nvfp4Reference},
-};
+#define NBX_FORMAT_ENTRY(e, code, name, stem) {&k##stem##Spec, &stem##Reference},
+inline constexpr FormatEntry kFormats[abi::kNumWeightFormats] = {NBX_WEIGHT_FORMATS(NBX_FORMAT_ENTRY)};
+#undef NBX_FORMAT_ENTRY
 
 constexpr bool CodesInOrder() {
   for (int32_t i = 0; i < abi::kNumWeightFormats; ++i)
@@ -44,12 +39,29 @@ constexpr bool CodesInOrder() {
 }
 static_assert(CodesInOrder(), "kFormats must list every format in abi.h's code order");
 
+// Whether a spec's name is abi.h's for its code.
+constexpr bool SameName(const char* a, const char* b) {
+  return *a == *b && (*a == '\0' || SameName(a + 1, b + 1));
+}
+constexpr bool NamesMatch() {
+  for (int32_t i = 0; i < abi::kNumWeightFormats; ++i)
+    if (!SameName(kFormats[i].spec->name, abi::kWeightFormatNames[i])) return false;
+  return true;
+}
+static_assert(NamesMatch(), "each format's spec must carry abi.h's name for its code");
+
+
 // The entry of a code, or nullptr for a code the registry does not know
 // (callers refuse it by name: "unknown weight format code N").
 inline const FormatEntry* FindFormat(int32_t code) {
   return code >= 0 && code < abi::kNumWeightFormats ? &kFormats[code] : nullptr;
 }
 inline const FormatSpec& SpecOf(abi::WeightFormat f) { return *FindFormat(static_cast<int32_t>(f))->spec; }
+
+// Whether `backend` (a KernelBit) has kernels for format f.
+inline bool HasKernels(abi::WeightFormat f, KernelBit backend) {
+  return (SpecOf(f).kernels & backend) != 0;
+}
 
 // Whether `group` is one of the format's group sizes (0 for formats without groups).
 inline bool GroupSizeOk(const FormatSpec& s, int64_t group) {

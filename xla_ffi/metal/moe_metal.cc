@@ -98,29 +98,23 @@ bool WeightTypeOf(ffi::DataType t, metal::WeightType* w) {
 ffi::Error KindOf(const ExpertWeights& w, metal::WeightKind* kind) {
   kind->format = w.format;
   kind->type = metal::WeightType::kF32;
-  switch (w.format) {  // every format named (-Wswitch): a new one must say what Metal reads
-    case abi::WeightFormat::kDense:
-      if (!WeightTypeOf(w.dtype, &kind->type))
-        return Fail("the Metal path takes float32, bfloat16 or float16 weights");
-      return ffi::Error::Success();
-    case abi::WeightFormat::kInt8:
-    case abi::WeightFormat::kInt4:
-    case abi::WeightFormat::kFp8: {  // float32 or bfloat16 scales (and int4's zeros)
-      const bool bf16 = w.quant.front().bf16_scales;
-      for (const QuantMatrix& m : w.quant)
-        if (m.bf16_scales != bf16)
-          return Fail(std::string("the Metal path takes one scale dtype for every projection and "
-                                  "expert of ") + abi::kWeightFormatNames[static_cast<int32_t>(w.format)] +
-                      " experts; these mix float32 and bfloat16 scales");
-      kind->type = bf16 ? metal::WeightType::kBF16 : metal::WeightType::kF32;
-      return ffi::Error::Success();
-    }
-    case abi::WeightFormat::kMxfp4:
-    case abi::WeightFormat::kMxfp8:
-    case abi::WeightFormat::kNvfp4:  // byte scales: no type
-      return ffi::Error::Success();
+  const formats::FormatSpec& spec = formats::SpecOf(w.format);
+  if (!formats::HasKernels(w.format, formats::kMetalKernels))
+    return Fail(std::string("the Metal kernels do not read ") + spec.name + " experts");
+  if (w.format == abi::WeightFormat::kDense) {
+    if (!WeightTypeOf(w.dtype, &kind->type))
+      return Fail("the Metal path takes float32, bfloat16 or float16 weights");
+    return ffi::Error::Success();
   }
-  return Fail("unknown weight format code " + std::to_string(static_cast<int32_t>(w.format)));
+  if (spec.compute_dtype_part < 0) return ffi::Error::Success();  // byte scales: no type
+  // float32 or bfloat16 scales (and int4's zeros), one dtype for the whole call
+  const bool bf16 = w.quant.front().bf16_scales;
+  for (const QuantMatrix& m : w.quant)
+    if (m.bf16_scales != bf16)
+      return Fail(std::string("the Metal path takes one scale dtype for every projection and expert of ") +
+                  spec.name + " experts; these mix float32 and bfloat16 scales");
+  kind->type = bf16 ? metal::WeightType::kBF16 : metal::WeightType::kF32;
+  return ffi::Error::Success();
 }
 
 // One expert's part `part` of its [K, N] projection `proj` as a host range:

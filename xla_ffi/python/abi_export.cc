@@ -20,7 +20,8 @@ nb::tuple Names(const char* const (&names)[N]) {
 
 // The format registry (formats/registry.h), one dict per format in code
 // order: name, code, summary, parts [{name, dtypes, rows, same_dtype_as}],
-// values_per_byte, group_sizes, compute_dtype_part, tensor_scale.
+// values_per_byte, group_sizes, compute_dtype_part, tensor_scale,
+// column_scaled, kernels (the backends whose kernels read it: "cpu", ...).
 nb::list FormatTable() {
   nb::list out;
   for (const formats::FormatEntry& entry : formats::kFormats) {
@@ -49,6 +50,11 @@ nb::list FormatTable() {
     d["group_sizes"] = nb::tuple(groups);
     d["compute_dtype_part"] = f.compute_dtype_part;
     d["tensor_scale"] = f.tensor_scale;
+    d["column_scaled"] = f.column_scaled;
+    nb::list kernels;
+    for (int b = 0; b < formats::kNumKernelBits; ++b)
+      if (f.kernels & (1u << b)) kernels.append(nb::str(formats::kKernelBitNames[b]));
+    d["kernels"] = nb::tuple(kernels);
     out.append(d);
   }
   return out;

@@ -19,6 +19,7 @@ from . import plan
 
 class CudaBackend(Backend):
     name = "cuda"
+    kernels = "cuda"
     takes_lora = True  # the forward fuses the adapters; their gradients: the reference's VJP
 
     def why_not(self, problem: Problem) -> str:

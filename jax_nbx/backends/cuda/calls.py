@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from ... import _env, _registry, contract, memory
+from ... import _env, _registry, contract, formats, memory
 from ...experts import WeightLayout
 from ...formats import QuantizedWeight
 from ...planning import plan_bands
@@ -198,7 +198,7 @@ def forward(x, w, ids, *arrays, activation, band_tokens: int, lists: bool = Fals
     bufs += lora.handler_arrays() if lora is not None else []
     call = jax.ffi.ffi_call(contract.TARGET_CUDA_FORWARD_TABLES, outs, vmap_method="sequential")
     y, _ = call(x, w, ids, *bufs, **contract.attributes(
-        "cuda_forward_tables", dict(attrs, format=contract.FORMAT_CODES[quant[0] if quant else None],
+        "cuda_forward_tables", dict(attrs, format=formats.get(quant[0] if quant else "dense").code,
                                     groups=len(groups), stacked=not lists, **layout.attrs(),
                                     **lora_attrs(lora_spec if lora is not None else None))))
     return y

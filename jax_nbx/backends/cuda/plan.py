@@ -53,8 +53,9 @@ COMBINE_BLOCK = 1024
 
 def kernels_formats() -> dict[int, str]:
     """The formats the Triton kernels dequantize in registers (code -> name):
-    kernels.py's `_wtile` has one branch each."""
-    return {QUANT_CODES[n]: n for n in ("dense", "int8", "int4", "mxfp4", "fp8", "mxfp8", "nvfp4")}
+    those whose spec names "cuda" among its kernels (xla_ffi/formats/<name>.h),
+    each a branch of kernels.py's `_wtile`."""
+    return {formats.get(n).code: n for n in formats.names() if "cuda" in formats.get(n).kernels}
 
 
 def products_dtype(xdtype, wdtype, quant=None) -> np.dtype:

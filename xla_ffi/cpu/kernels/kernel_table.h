@@ -65,12 +65,6 @@ inline int64_t PackedBlockFloats(int64_t rows, int64_t cols, int vl) {
 // Unit row weights for a streaming kernel's epilogue (its sums, exact).
 inline constexpr float kStreamUnitWeights[kMaxStreamRows] = {1, 1, 1, 1, 1, 1};
 
-// How a quantized format's products are formed by the kernels.
-enum class QuantArith {
-  kColumnScaled,  // sums of a * q; each column's sum times its scale once (int8)
-  kDequantized,   // each weight dequantized before its product (int4, fp8, mxfp4, mxfp8, nvfp4)
-};
-
 // A format code that reached a kernel it has no case in: a bug (the decoder
 // refuses unknown codes by name first); never a silent fallback.
 [[noreturn]] inline void FormatHasNoKernel(const char* where, abi::WeightFormat f) {
@@ -79,18 +73,6 @@ enum class QuantArith {
   std::abort();
 }
 
-inline QuantArith QuantArithOf(abi::WeightFormat f) {
-  switch (f) {
-    case abi::WeightFormat::kInt8: return QuantArith::kColumnScaled;
-    case abi::WeightFormat::kInt4: return QuantArith::kDequantized;
-    case abi::WeightFormat::kMxfp4:
-    case abi::WeightFormat::kFp8:
-    case abi::WeightFormat::kMxfp8:
-    case abi::WeightFormat::kNvfp4: return QuantArith::kDequantized;
-    case abi::WeightFormat::kDense: break;
-  }
-  FormatHasNoKernel("QuantArithOf", f);
-}
 
 struct KernelTable {
   const char* isa;  // "avx512", "avx2", "generic"
