@@ -5,7 +5,9 @@
     w, ids = nbx.route(logits, k=2)
     y = nbx.fused_moe(x, w, ids, experts)
 """
-from . import _registry, activations, backends, cpu, formats, memory, metal, nn, quantization, tables  # noqa: F401  (_registry registers the handlers)
+# _built first: the compiled module, or an error naming a source tree without it;
+# _registry registers the handlers
+from . import _built, _registry, activations, backends, cpu, formats, memory, metal, nn, quantization, tables  # noqa: F401
 from .activations import Activation
 from .experts import Experts, SharedExperts
 from .formats import QuantizedWeight

@@ -11,7 +11,6 @@ on which module was imported first.
 from __future__ import annotations
 
 import importlib.util
-import pathlib
 
 import jax
 
@@ -25,29 +24,9 @@ CUDA_FORWARD_TABLES_TARGET = contract.TARGET_CUDA_FORWARD_TABLES
 
 _PLATFORMS: list[str] = []
 
-
-
-def _source_tree() -> pathlib.Path | None:
-    """The repository this package was imported from, when it is a source
-    tree (``pyproject.toml`` and ``xla_ffi/`` beside ``jax_nbx/``), else None."""
-    root = pathlib.Path(__file__).resolve().parent.parent
-    return root if (root / "pyproject.toml").is_file() and (root / "xla_ffi").is_dir() else None
-
-
 try:
     from . import _ffi
-except ImportError as e:
-    tree = _source_tree()
-    if tree is not None:
-        # As numpy and jax do: a source tree without its built module shadows
-        # the installed package (python run from the repository's root puts
-        # it first on sys.path); say what to do instead of failing later.
-        raise ImportError(
-            f"jax_nbx was imported from its source tree ({tree / 'jax_nbx'}), where its compiled "
-            "module (jax_nbx._ffi) is not built. Either install it in place, `pip install -e .` "
-            "in that folder, or run Python from outside the source tree (or with `python -P`, "
-            "which leaves the working directory off sys.path) so that the installed jax_nbx is "
-            f"imported. ({e})") from e
+except ImportError as e:  # pragma: no cover - a broken install (a source tree is named by __init__)
     _ffi = None  # a broken install: ffi_module() says why
     _IMPORT_ERROR: ImportError | None = e
 else:

@@ -93,6 +93,7 @@ def test_the_loading_layer_imports_nothing_above_it():
     assert g["jax_nbx._registry"] <= {"jax_nbx.contract", "jax_nbx._env", "jax_nbx._ffi"}
     assert g["jax_nbx.contract"] <= {"jax_nbx._ffi"}
     assert g["jax_nbx._env"] == set()
+    assert g["jax_nbx._built"] <= {"jax_nbx._ffi"}
 
 
 def test_environment_read_in_one_place():

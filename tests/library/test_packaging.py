@@ -5,6 +5,7 @@ core library, so what the test module reaches is the product's own state."""
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -100,3 +101,33 @@ def test_both_modules_reach_one_account_and_one_metal_runtime():
         assert nbx.memory.budget("metal") == 3 * 2**20
     finally:
         nbx.metal.use("none")
+
+
+def test_a_source_tree_without_its_module_says_what_to_do(tmp_path):
+    """jax_nbx/ sits at the repository's top level: python started there
+    imports the source tree, which has no compiled module unless installed
+    in place.  As numpy and jax do, the import then fails saying what to do
+    (here a source tree is made in tmp_path and the editable install's finder
+    taken off, as where the package is installed elsewhere)."""
+    import shutil
+
+    root = pathlib.Path(nbx.__file__).resolve().parents[1]
+    shutil.copytree(root / "jax_nbx", tmp_path / "jax_nbx",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copy(root / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "xla_ffi").mkdir()
+    code = """
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if "ScikitBuild" not in type(f).__name__]
+try:
+    import jax_nbx
+except ImportError as e:
+    print(e)
+else:
+    print("imported", jax_nbx.__file__)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_ENV, cwd=tmp_path,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"jax_nbx was imported from its source tree ({tmp_path / 'jax_nbx'})" in out.stdout, out.stdout
+    assert "pip install -e ." in out.stdout and "python -P" in out.stdout
