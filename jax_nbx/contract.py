@@ -5,7 +5,7 @@ from here, and here from the header through ``jax_nbx._ffi.abi()``: FFI
 target names and each target's attributes, activation codes and constants,
 the weight-format registry (``xla_ffi/formats/``) and the order of the
 buffer groups, the CUDA launch-program encoding.  Nothing here is written by
-hand; ``tests/test_contract.py`` checks every consumer.  `attributes` is the
+hand; ``tests/library/test_contract.py`` checks every consumer.  `attributes` is the
 one place that builds a call's FFI attributes.
 """
 from __future__ import annotations

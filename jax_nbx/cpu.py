@@ -3,7 +3,7 @@
 The wheel carries one build of the micro-kernels per instruction set
 ("avx512", "avx2", "generic" on x86-64; "generic" = NEON on arm64).  Their
 entries fall into six *families*, each of which may come from a different
-instruction set (`FAMILIES`; xla_ffi/cpu/isa.cc):
+instruction set (`FAMILIES`; xla_ffi/cpu/kernels/isa.cc):
 
 * ``packed``: the K-block GEMMs, packing and blocking (prefill, and any
   expert with more than 6 rows in a call);

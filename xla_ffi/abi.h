@@ -6,7 +6,7 @@
 // buffer groups, the CUDA launch-program encoding and its kernel table.  The
 // nanobind module exports all of it (`jax_nbx._ffi.abi()`, read by
 // jax_nbx/contract.py); Python and Triton read it from there, and
-// tests/test_contract.py checks every consumer against it.  Change a value
+// tests/library/test_contract.py checks every consumer against it.  Change a value
 // here and nowhere else.
 #pragma once
 
@@ -17,7 +17,7 @@ namespace nbx::abi {
 // ---------------------------------------------------------------- targets
 // FFI target names (registered by jax_nbx/_registry.py).
 // The CPU handlers take every weight format and layout (WeightFormat,
-// stacked or per-expert buffers) through one decoder (cpu/weights.h).
+// stacked or per-expert buffers) through one decoder (common/weights.h).
 inline constexpr const char* kTargetForward = "nbx_fused_moe_fwd";
 inline constexpr const char* kTargetBackward = "nbx_fused_moe_bwd";
 inline constexpr const char* kTargetCudaForward = "nbx_fused_moe_fwd_cuda";
@@ -62,7 +62,7 @@ inline constexpr double kClampedSwiGLULimit = 7.0;
 // q = rint(v * (127 / amax)) in float32 (ties to even; q = 0 and d = 0 where
 // amax is 0; d = NaN where the block holds a NaN or an infinity).  The sums
 // are exact integer sums of q times the weights' codes per block, scaled in
-// float32 (cpu/kernels_qdot.h has the order); the result is the product of
+// float32 (cpu/kernels/kernels_qdot.h has the order); the result is the product of
 // the dequantized rows q * d with the dequantized weights, up to float32
 // rounding.  int4 group sizes are multiples of kInt8Block.
 inline constexpr int64_t kInt8Block = 32;

@@ -16,7 +16,7 @@ scales and integers ``q - z`` in ``-16..15``.  Here ``scale`` becomes float32
 product is exact, as is ``q * scale``; their sum is ``scale * (q - z)``, itself
 representable, so the float32 addition (fused or not) is exact too: our
 ``q * scale + zero`` equals the format's ``scale * (q - z)`` computed in float32
-bit for bit (tests/test_quant_import.py checks it).  The scales stay float32:
+bit for bit (tests/library/test_quant_import.py checks it).  The scales stay float32:
 bfloat16 (our other scale dtype) would round fp16 scales (8 significand bits
 against 11).  MLX's affine format is already ``q * scale + bias``: its scales
 and biases convert to float32 exactly and the formula is the same.

@@ -1,4 +1,4 @@
-"""The CPU micro-kernels' choice per kernel family (xla_ffi/cpu/isa.cc,
+"""The CPU micro-kernels' choice per kernel family (xla_ffi/cpu/kernels/isa.cc,
 jax_nbx.cpu, jax_nbx.isa_calibration): compositions, the default rule,
 errors, and that a composed table gives each family's results bit for bit
 as its instruction set alone."""

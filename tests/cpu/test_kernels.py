@@ -1,6 +1,6 @@
 """The CPU micro-kernels of every instruction set this CPU runs, one at a time.
 
-The testers are C++ (xla_ffi/testing/kernel_tests.cc): each sweeps one entry
+The testers are C++ (tests/native/kernel_tests.cc): each sweeps one entry
 of an instruction set's kernel table over its parameter space (rows, ragged
 columns, K, partial-sum modes, activations, weight formats) with fresh random
 inputs, checks it against a float64 reference and the bit-for-bit claims of
@@ -45,7 +45,7 @@ def test_unknown_names_raise():
         T.run_kernel_tests(jax_nbx.cpu.supported_isas()[-1], "gemm3", 0)
 
 
-# The bfloat16 dot-product kernels (xla_ffi/cpu/kernels_dot.h): the emulated
+# The bfloat16 dot-product kernels (xla_ffi/cpu/kernels/kernels_dot.h): the emulated
 # tables everywhere, the fma ones on x86-64 with AVX2 (8x6) or AVX-512 (16x12),
 # the avx512_bf16 ones where the CPU has the instruction.  "semantics" checks
 # the documented bits: the emulation's and the fma tables' (the instruction's

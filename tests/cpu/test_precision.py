@@ -1,5 +1,5 @@
 """fused_moe(..., precision="bfloat16") on the CPU handler: the bfloat16
-dot-product kernels (xla_ffi/cpu/kernels_dot.h) through the op.
+dot-product kernels (xla_ffi/cpu/kernels/kernels_dot.h) through the op.
 
 The float64 reference follows Hugging Face transformers' bfloat16 experts
 (e.g. `modeling_mixtral.py` MixtralBlockSparseTop2MLP / `modeling_qwen3_moe.py`

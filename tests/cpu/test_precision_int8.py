@@ -1,6 +1,6 @@
 """fused_moe(..., precision="int8") on the CPU handler: int8 and int4 experts
 with x and the intermediate quantized to int8 in blocks of 32 along K and
-integer sums (xla_ffi/abi.h "int8 arithmetic"; xla_ffi/cpu/kernels_qdot.h).
+integer sums (xla_ffi/abi.h "int8 arithmetic"; xla_ffi/cpu/kernels/kernels_qdot.h).
 
 The float64 reference (tests/support/int8_ref.py) quantizes x exactly as the
 definition says (float32 codes and scales), takes the float64 products with

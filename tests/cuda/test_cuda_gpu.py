@@ -1,7 +1,7 @@
 """The CUDA handler on a real GPU (skipped where JAX has no CUDA device or
 jax_nbx was built without the CUDA handler).  benchmarks/gpu_check.sh runs
 these on a GPU machine; the kernels themselves are also checked on the CPU
-by tests/test_triton_interpret.py."""
+by tests/cuda/test_triton_interpret.py."""
 from __future__ import annotations
 
 import jax
@@ -129,7 +129,7 @@ def test_cuda_quantized_matches_dequantized(kind, G, T):
                                   "interleaved_out_in"])
 def test_cuda_reads_every_layout_with_biases(name, bias, lists, T):
     """Checkpoint layouts read in place through the views, with biases
-    (tests/test_layouts.py's arrays, built with numpy), against float64."""
+    (tests/support/layouts.py's arrays, built with numpy), against float64."""
     from support.layouts import canonical, np_block, stored
 
     rng = np.random.default_rng(T * 13 + len(name) + 2 * bias + lists)

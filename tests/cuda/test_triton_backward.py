@@ -367,7 +367,7 @@ LAYOUT_NAMES = ("plain", "out_in", "concat", "interleaved", "concat_out_in", "in
 @pytest.mark.parametrize("lists", [False, True], ids=["stacked", "lists"])
 @pytest.mark.parametrize("name", LAYOUT_NAMES)
 def test_every_layout_read_and_written_in_place(name, lists, bias):
-    """Every checkpoint layout (tests/test_layouts.py's), with and without
+    """Every checkpoint layout (tests/support/layouts.py's), with and without
     biases, stacked and per-expert: the weights read through their views,
     the float32 gradients written through the same views into buffers shaped
     like the weights (fused gate_up: one gradient buffer), the bias gradients

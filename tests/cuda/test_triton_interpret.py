@@ -378,7 +378,7 @@ LAYOUT_NAMES = ("plain", "out_in", "concat", "interleaved", "concat_out_in", "in
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("name", LAYOUT_NAMES)
 def test_program_reads_every_layout_in_place(name, bias, lists, T):
-    """Every checkpoint layout (tests/test_layouts.py's, built with numpy from
+    """Every checkpoint layout (tests/support/layouts.py's, built with numpy from
     canonical G, U, D), read in place through the views, with and without
     biases, stacked and per-expert, on the decode (T=1) and prefill kernels,
     against float64 on the canonical weights."""

@@ -1,5 +1,5 @@
 """jax_nbx.loaders.load_moe: every family's block written as a Hugging Face
-safetensors checkpoint (the names and layouts of tests/test_families.py's
+safetensors checkpoint (the names and layouts of tests/library/test_families.py's
 builders, which follow transformers 5.24.0; the config.json transformers
 5.24.0 writes for each, from tests/data), loaded back, run through the
 NNX and Equinox layers and compared with the family's float64 block; the
@@ -223,7 +223,7 @@ QE, QK, QH, QI = 4, 2, 128, 64
 
 def _quant_checkpoint(folder, method, act_order_down=False, act_order_gate=False):
     """A Qwen3-MoE-named block whose experts are stored quantized by ``method``
-    (the packers of tests/test_quant_import.py, written from the formats'
+    (the packers of tests/library/test_quant_import.py, written from the formats'
     specs); returns the format's own dequantized weights [in, out] per expert."""
     from test_quant_import import awq_pack, gptq_pack, mlx_pack
     rng = np.random.default_rng(11)

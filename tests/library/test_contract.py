@@ -1,6 +1,6 @@
 """The cross-language contract (xla_ffi/abi.h, read through jax_nbx.contract):
 every consumer on the CPU side agrees with it.  (The CUDA launch program and
-the Triton kernels: tests/test_program_decoder.py.)"""
+the Triton kernels: tests/cuda/test_program_decoder.py.)"""
 from __future__ import annotations
 
 import pathlib

@@ -12,7 +12,7 @@ the router weight, an expert array, a bias or gate where the block has one,
 against central differences of the float64 reference along random
 directions.
 
-The routing rules' references are shared with tests/test_routing.py
+The routing rules' references are shared with tests/library/test_routing.py
 (tests/support/hf_ref.py); the gated units (swiglu, geglu, geglu_erf,
 swiglu_clamped) come from conftest.np_glu."""
 from __future__ import annotations

@@ -399,7 +399,7 @@ def test_from_hf_llama4():
 
 
 def test_llama4_checkpoint_block_matches_transformers(tmp_path):
-    """A Llama-4 block (tests/test_families.py's builder, under
+    """A Llama-4 block (tests/library/test_families.py's builder, under
     model.layers.1.feed_forward.) with transformers' config.json: load_moe,
     from_hf, moe_block, jitted, against the float64 Llama4TextMoe."""
     rng = np.random.default_rng(41)

@@ -1,4 +1,4 @@
-"""Invariants of the CPU handlers' slot planner (xla_ffi/cpu/slots.cc), on its
+"""Invariants of the CPU handlers' slot planner (xla_ffi/common/slots.cc), on its
 own: random routings with ids out of range, bands, paddings and expert-major
 groups; checked against a plain Python statement of what the plan must be."""
 from __future__ import annotations

@@ -4,7 +4,7 @@ reference names the file and the commit read (repository huggingface/transformer
 unless said otherwise). Exact ids (ties: lower index first, as jax.lax.top_k),
 weights to float32 tolerance, jit and vmap, gradients against float64 finite
 differences, errors that name the argument. The rules' references are in
-tests/support/hf_ref.py; whole MoE blocks through fused_moe: tests/test_families.py."""
+tests/support/hf_ref.py; whole MoE blocks through fused_moe: tests/library/test_families.py."""
 from __future__ import annotations
 
 import functools

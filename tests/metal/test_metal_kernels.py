@@ -1,5 +1,5 @@
 """The Metal kernels (xla_ffi/metal/kernels/*.metal) executed on Linux: the
-same source compiled as C++ through the MSL emulation (metal/msl_emulation.h)
+same source compiled as C++ through the MSL emulation (tests/native/metal/msl_emulation.h)
 and launched on the simulated device, each threadgroup's 128 threads real
 and concurrent (issue #16, first kernel: the expert GEMMs).  Checked against
 a float64 reference; outputs NaN-poisoned so that unwritten rows show.
@@ -23,6 +23,7 @@ from support import ffi_testing
 F = ffi_testing.load()  # jax_nbx._ffi_testing: the kernels through the MSL emulation
 BM = 32
 KERNELS = pathlib.Path(__file__).resolve().parents[2] / "xla_ffi" / "metal" / "kernels"
+EMULATION = pathlib.Path(__file__).resolve().parents[1] / "native" / "metal"  # the MSL emulation (test-only)
 
 
 pytestmark = [pytest.mark.usefixtures("metal_sim"), pytest.mark.sanitize]  # conftest.py: the simulated device
@@ -338,7 +339,7 @@ def test_weights_not_made_resident_fail_the_launch():
                                    pytest.param(66, 4, 2, marks=pytest.mark.arm64), (300, 8, 3), (1000, 5, 8)])
 def test_ordering_kernels_match_the_cpu_planner(S, E, k):
     """moe_order.metal (count, offsets, scatter: no atomics) gives exactly the
-    CPU planner's order (cpu/slots.h OrderSlots): by expert, stable in slot,
+    CPU planner's order (common/slots.h OrderSlots): by expert, stable in slot,
     each expert padded to 32 rows; ids outside [0, E) left out.  Then
     nbx_prepare_rows, over the bound on the rows (the host never reads P):
     each row's token, itself and weight, and each tile's expert, -1 / 0 past
@@ -410,7 +411,7 @@ def test_the_emulated_library_is_the_metal_sources():
     order = re.search(r"CMake embeds\s+//\s*(.*?) in that order", (KERNELS / "prelude.metal").read_text(), re.S)
     listed = re.findall(r"[\w.]+\.(?:metal|h)", order.group(1))
     emulated = re.findall(r'#include "metal/kernels/([\w.]+)"',
-                          (KERNELS.parent / "emulated_kernels.cc").read_text().split("kernels_drop_barrier")[0])
+                          (EMULATION / "emulated_kernels.cc").read_text().split("kernels_drop_barrier")[0])
     assert listed == ["params.h"] + [f for f in emulated if f.endswith(".metal")]
     assert set(listed) == {"params.h"} | {p.name for p in KERNELS.glob("*.metal")}
 

@@ -1,5 +1,5 @@
 // The account (account.h) exposed for tests: a workspace held from Python,
-// as a concurrent call would hold it (tests/test_memory.py, test_soak.py).
+// as a concurrent call would hold it (tests/library/test_memory.py, test_soak.py).
 #pragma once
 
 #include <nanobind/nanobind.h>

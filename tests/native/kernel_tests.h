@@ -1,5 +1,5 @@
-// Testers for the CPU micro-kernels (cpu/kernel_table.h), exported to Python
-// for tests/test_kernels.py:
+// Testers for the CPU micro-kernels (cpu/kernels/kernel_table.h), exported to Python
+// for tests/cpu/test_kernels.py:
 //   kernel_names() -> list[str]
 //   run_kernel_tests(isa, kernel, seed) -> list[str]  (one line per failing case)
 // and of the bfloat16 dot-product kernels (dot_kernel_tests.cc):

@@ -1,7 +1,7 @@
 // The Metal layer (xla_ffi/metal/) exposed for tests, against the simulated
 // device: its controls, pinned scopes, account-counted buffers, command
 // buffers that read through GPU addresses, and the table cache
-// (tests/test_metal.py).
+// (tests/metal/test_metal_device.py).
 #pragma once
 
 #include <nanobind/nanobind.h>

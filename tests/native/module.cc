@@ -26,7 +26,7 @@
 namespace nb = nanobind;
 
 NB_MODULE(_ffi_testing, m) {
-  m.doc() = "jax_nbx's test-only bindings (xla_ffi/testing/): never loaded by the product";
+  m.doc() = "jax_nbx's test-only bindings (tests/native/): never loaded by the product";
   m.def("handlers", &nbx::TestingHandlers,
         "The poisoned twins' handler capsules for platform 'cpu', keyed by FFI target name.");
   m.attr("target_forward_poisoned") = nbx::kTargetForwardPoisoned;

@@ -1,5 +1,5 @@
-// The CPU handlers' slot planner (cpu/slots.h) exposed for tests, which check
-// its invariants on random routings (tests/test_planner.py).
+// The CPU handlers' slot planner (common/slots.h) exposed for tests, which check
+// its invariants on random routings (tests/library/test_planner.py).
 #include "native/planner_tests.h"
 
 #include <cstdint>

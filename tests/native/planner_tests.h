@@ -1,4 +1,4 @@
-// The CPU handlers' slot planner (cpu/slots.h), exposed for tests.
+// The CPU handlers' slot planner (common/slots.h), exposed for tests.
 #pragma once
 
 #include <nanobind/nanobind.h>

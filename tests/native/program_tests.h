@@ -1,5 +1,5 @@
 // Test hooks for the CUDA launch-program decoder (cuda/program.h), bound in
-// every build, GPU or not: tests/test_program_decoder.py feeds it the
+// every build, GPU or not: tests/cuda/test_program_decoder.py feeds it the
 // programs jax_nbx/backends/cuda/plan.py encodes.
 #pragma once
 

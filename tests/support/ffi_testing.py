@@ -2,7 +2,7 @@
 
 `import jax_nbx` never loads it: it is built only with CMake's NBX_TESTING=ON
 (the README's test command, `pip install -e ".[test]" --config-settings=cmake.define.NBX_TESTING=ON`)
-and holds what only the tests use (xla_ffi/testing/): the kernel and planner
+and holds what only the tests use (tests/native/): the kernel and planner
 testers, the account holds, the CUDA program decoder, the Metal layer's test
 bindings with the simulated device and the MSL emulation, and the poisoned
 twins of the CPU handlers.  It links the same core library (libnbx_core) as

@@ -1,5 +1,5 @@
 """float64 NumPy references of transformers' routing rules, shared by
-tests/test_routing.py (the rules alone) and tests/test_families.py (whole MoE
+tests/library/test_routing.py (the rules alone) and tests/library/test_families.py (whole MoE
 blocks). Each names the modeling file and the commit or release read
 (huggingface/transformers; "5.24.0" is the PyPI wheel transformers-5.24.0).
 Ties: lower index first (as jax.lax.top_k; torch.topk leaves them unspecified)."""

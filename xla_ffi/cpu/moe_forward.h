@@ -15,7 +15,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardCpu);
 
 // The forward on x [T, H], topk_weights/topk_ids [T, k] and the weight
 // buffers weights[0, size - trailing) (abi.h's groups); the last `trailing`
-// inputs are ignored (the tests' output twins, xla_ffi/testing/).
+// inputs are ignored (the tests' output twins, tests/native/).
 xla::ffi::Error FusedMoeForward(xla::ffi::ThreadPool pool, xla::ffi::AnyBuffer x,
                                 xla::ffi::Buffer<xla::ffi::F32> topk_w,
                                 xla::ffi::Buffer<xla::ffi::S32> topk_ids,

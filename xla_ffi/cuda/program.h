@@ -1,7 +1,7 @@
 // The decoder of the CUDA handler's launch program and kernel table.
 //
 // Pure C++17 (no CUDA headers), so it is compiled in every build and tested
-// from Python without a GPU (xla_ffi/testing/program_tests.cc binds it as
+// from Python without a GPU (tests/native/program_tests.cc binds it as
 // `_ffi.decode_program`).  The encoding is abi.h's: per launch
 // [kernel, gx, gy, gz, nargs] then nargs x [kind, index, offset], built by
 // jax_nbx/backends/cuda/plan.py (`Program.encode`); the kernel table holds

@@ -22,7 +22,7 @@ std::string GroupName(int64_t p, int64_t G, bool fused);
 // handler (H from x, I = `intermediate`): the views' length, gate and up
 // sharing strides, quantized groups with the plain views only, every view
 // inside each expert's array (`elems[g]` elements of its group g; the same
-// bounds as the CPU decoder's, cpu/weights.cc).  Returns "" or what is wrong.
+// bounds as the CPU decoder's, common/weights.cc).  Returns "" or what is wrong.
 std::string CheckViews(xla::ffi::Span<const int64_t> views, int64_t H, int64_t I, bool fused,
                        bool quantized, const std::vector<int64_t>& elems);
 

@@ -103,7 +103,7 @@ std::string Activate(const std::string& which) {
     next = f->second(&err);
     if (next == nullptr) return err;
   } else if (which == "sim") {
-    // registered by the test-only module (xla_ffi/testing/module.cc), which `import jax_nbx` never loads
+    // registered by the test-only module (tests/native/module.cc), which `import jax_nbx` never loads
     return "the simulated Metal device is test-only: it lives in jax_nbx._ffi_testing (registered "
            "when that module is imported), built only with NBX_TESTING=ON (the README's test "
            "command: pip install -e \".[test]\" --config-settings=cmake.define.NBX_TESTING=ON)";

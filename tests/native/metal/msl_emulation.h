@@ -1,10 +1,10 @@
 // Runs Metal Shading Language kernels, unchanged, as C++ on the CPU (the
 // simulated device's kernels; issue #16).  Included only by
-// metal/emulated_kernels.cc, before the .metal sources: its macros (`kernel`,
+// tests/native/metal/emulated_kernels.cc, before the .metal sources: its macros (`kernel`,
 // `device`, `threadgroup`, `constant`, `thread`) must not leak elsewhere.
 //
 // The kernels keep to a subset of MSL that Apple's compiler and this header
-// both accept (checked by tests/test_metal_kernels.py's subset lint):
+// both accept (checked by tests/metal/test_metal_kernels.py's subset lint):
 //   - parameters: buffers (`device`/`constant` pointers or references) with
 //     [[buffer(n)]], threadgroup memory only as `threadgroup T*` parameters
 //     marked NBX_THREADGROUP(n) (the .metal file defines it as

@@ -20,7 +20,7 @@
 // stream_f32=avx2,qdot=avx512") takes
 // each family's entries from its instruction set's own table, so each
 // family's results are those of that instruction set alone, bit for bit
-// (tests/test_isa_choice.py).
+// (tests/cpu/test_isa_choice.py).
 #include <algorithm>
 #include <atomic>
 #include <cstdio>

@@ -167,7 +167,7 @@ struct KernelTable {
 constexpr int kMaxDotAWords = 2;
 
 // The bfloat16 dot-product kernels (kernels_dot.h: VDPBF16PS's arithmetic on
-// operands packed as bfloat16 pairs, testing/dot_pack.h): packed GEMM1 / GEMM2 of
+// operands packed as bfloat16 pairs, tests/native/dot_pack.h): packed GEMM1 / GEMM2 of
 // one m-panel and one K-block of P pairs of rows, as gemm1 / gemm2 above
 // (PartialFlags, the same epilogues; no column scales).
 struct DotKernelTable {
@@ -175,7 +175,7 @@ struct DotKernelTable {
   int vl;            // float32 lanes per accumulator (columns per half micro-panel)
   int mr;            // rows per packed m-panel
   int kc;            // rows per K-block (even)
-  int a_words;       // packed A's words per (pair, row): PackDotPanel (testing/dot_pack.h)
+  int a_words;       // packed A's words per (pair, row): PackDotPanel (tests/native/dot_pack.h)
   void (*gemm1)(const uint32_t* a, const uint32_t* b, int64_t P, const Glu& act, int rows,
                 int cols, float* out, int64_t rs, int64_t cs, float* c, int flags);
   void (*gemm2)(const uint32_t* a, const uint32_t* b, int64_t P, const float* w, int rows,
@@ -192,14 +192,14 @@ struct DotKernelTable {
   void (*stream2)(const float* a, int64_t as, int rows, const void* wd, int64_t ld, int64_t K,
                   int ncols, const float* w, float* acc, float* out, int64_t rs);
   // Packed A: rows [k0, k0+kc) of one float32 m-panel (mr rows) as
-  // ceil(kc/2) * mr * a_words words -- testing/dot_pack.h's PackDotPanel, the same
+  // ceil(kc/2) * mr * a_words words -- tests/native/dot_pack.h's PackDotPanel, the same
   // bits, compiled for the table's instruction set.  dst may be a + k0*mr
   // (in place; with a_words = 2 only for an even kc): the forward turns
   // each packing expert's panels into pairs once per GEMM so.
   void (*pack_a)(const float* a, int64_t k0, int kc, uint32_t* dst);
   // Packed B, pack_b[ns - 1]: rows [k0, k0+kc) of columns [n0, n0+nc) of ns
   // bfloat16 row-major matrices m[s] (leading dimension ld) as micro-panels
-  // 2vl words wide -- testing/dot_pack.h's PackRowsPairs<ns>, the same words,
+  // 2vl words wide -- tests/native/dot_pack.h's PackRowsPairs<ns>, the same words,
   // compiled for the table's instruction set.
   void (*pack_b[2])(const void* const* m, int64_t ld, int64_t k0, int kc, int64_t n0, int nc,
                     uint32_t* dst);

@@ -28,7 +28,7 @@
 //
 // Layouts (uint32 words, each two bfloat16: the low half row 2p, the high
 // half row 2p+1; a missing row 2p+1 of an odd K is 0), built by each table's pack_a / pack_b
-// (PackAPanel, PackBPairs below; the reference packers: testing/dot_pack.h):
+// (PackAPanel, PackBPairs below; the reference packers: tests/native/dot_pack.h):
 //   packed A  one m-panel of MR rows: a[p*MR + r] (a policy's kAWords = 1),
 //             or two words a[(p*MR + r)*2 + {0, 1}], the float32 bits of
 //             the odd row's bfloat16 value, then the even row's (kAWords =
@@ -128,7 +128,7 @@ struct DotEmulated {
 // extensions; each a*b + acc one fused multiply-add, MulAdd: explicit,
 // so that the bits hold at any optimisation level) under MXCSR DAZ|FTZ.  B's pairs split into their two
 // float32 (the high half masked, the low half shifted up); A comes split by
-// its packer (pack_a; PackPanelSplit in testing/dot_pack.h; kAWords = 2), a float32 per row of the pair,
+// its packer (pack_a; PackPanelSplit in tests/native/dot_pack.h; kAWords = 2), a float32 per row of the pair,
 // broadcast.
 template <int VL>
 struct DotFma {
@@ -297,7 +297,7 @@ constexpr decltype(DotKernelTable::stream2) DotStream2Of() {
 }
 
 // DotKernelTable::pack_a: rows [k0, k0+kc) of one float32 m-panel (MR rows)
-// as the table's packed A -- testing/dot_pack.h's PackDotPanel, the same words --
+// as the table's packed A -- tests/native/dot_pack.h's PackDotPanel, the same words --
 // compiled for the table's instruction set: each run of up to 32 rows is
 // rounded in one vectorized pass (kernels_base.h's RoundToBf16), then its
 // pairs are interleaved.  In place too (dst = a + k0*MR, as the forward
@@ -332,7 +332,7 @@ void PackAPanel(const float* a, int64_t k0, int kc, uint32_t* dst) {
   }
 }
 
-// DotKernelTable::pack_b: testing/dot_pack.h's PackRowsPairs<NS> (VL the table's
+// DotKernelTable::pack_b: tests/native/dot_pack.h's PackRowsPairs<NS> (VL the table's
 // lanes), the same words, compiled for the table's instruction set: a whole
 // micro-panel's run of a matrix (2VL/NS columns of rows 2p and 2p+1) is
 // interleaved in one vectorized loop; a short run at nc and a missing odd

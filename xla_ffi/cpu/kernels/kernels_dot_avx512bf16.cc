@@ -7,8 +7,8 @@
 // Zen 4); K-blocks of 128 rows.  Their streaming (decode) kernels are the fma
 // ones of the same width (DotFma: the documented arithmetic on float32 FMAs
 // under DAZ|FTZ): a token's bits are the same streamed or packed exactly when
-// the instruction does what Intel documents, which tests/test_kernels.py's
-// stream-vs-packed testers and tests/test_precision.py check where it runs.
+// the instruction does what Intel documents, which tests/cpu/test_kernels.py's
+// stream-vs-packed testers and tests/cpu/test_precision.py check where it runs.
 #include <immintrin.h>
 
 #include "cpu/kernels/kernels_dot.h"

@@ -1,7 +1,7 @@
 // The fused MoE block's expert GEMMs in Metal Shading Language (issue #16).
 // Shipped as source (compiled at run time on Apple by newLibraryWithSource,
 // after kernels/params.h), and compiled unchanged as C++ on Linux through
-// metal/msl_emulation.h, which runs it on the simulated device.  Keeps to the
+// tests/native/metal/msl_emulation.h, which runs it on the simulated device.  Keeps to the
 // subset that header documents.
 //
 // One threadgroup (128 threads = 4 simdgroups in 2x2) computes a 32x32 tile

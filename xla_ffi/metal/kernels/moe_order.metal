@@ -13,7 +13,7 @@
 //                      over the bound on the rows, so that the host never
 //                      waits for the ordering: tiles past off[E] do nothing.
 // slot_row of a slot whose id is outside [0, E) is left to the caller's -1.
-// Keeps to the subset of metal/msl_emulation.h.
+// Keeps to the subset of tests/native/metal/msl_emulation.h.
 
 kernel void nbx_count_experts(device const int* ids [[buffer(0)]],
                               device int* count [[buffer(1)]],

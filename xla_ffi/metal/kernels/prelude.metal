@@ -1,10 +1,10 @@
 // The first part of the Metal kernels' library after params.h (CMake embeds
 // params.h, prelude.metal, weights.metal, moe_gemm.metal, moe_gemv.metal,
 // moe_lora.metal, moe_order.metal, moe_combine.metal, in that order, as the one source
-// newLibraryWithSource compiles; metal/emulated_kernels.cc includes them in
+// newLibraryWithSource compiles; tests/native/metal/emulated_kernels.cc includes them in
 // the same order).
 // Apple's compiler gets Metal's own headers and the two spellings the MSL
-// emulation (metal/msl_emulation.h) defines for C++; both get the helpers.
+// emulation (tests/native/metal/msl_emulation.h) defines for C++; both get the helpers.
 #ifndef NBX_MSL_EMULATION
 #include <metal_stdlib>
 using namespace metal;
@@ -23,7 +23,7 @@ inline device T* nbx_device_ptr(ulong address, long count) {
 // erfc(|x|) = t exp(-x^2 + P(t)), t = 1 / (1 + |x| / 2), P a degree-9
 // polynomial (the Chebyshev fit of Press et al., Numerical Recipes §6.2,
 // erfcc; |relative error of erfc| < 1.2e-7).  The absolute error, measured
-// through the emulation: tests/test_metal_kernels.py.
+// through the emulation: tests/metal/test_metal_kernels.py.
 inline float nbx_erf(float x) {
   const float z = fabs(x);
   if (z < 0.5f) {
@@ -41,7 +41,7 @@ inline float nbx_erf(float x) {
 }
 
 // glu(g, u), the gated unit (abi.h Activation; its constants are abi.h's,
-// checked by tests/test_contract.py):
+// checked by tests/library/test_contract.py):
 //   0 SwiGLU  1 GeGLU (tanh)  2 clamped SwiGLU (gpt-oss)  3 GeGLU (erf)
 inline float nbx_glu(float g, float u, constant GemmParams& p) {
   if (p.act == 1) {

@@ -6,7 +6,7 @@
 // Apple's compiler cannot include those (no standard library), so this is
 // their MSL decoding, and every function here is checked against them, every
 // code and every format, bit for bit (tests/metal/test_metal_kernels.py
-// through testing/metal_tests.cc), and through the kernels against float64.
+// through tests/native/metal_tests.cc), and through the kernels against float64.
 //
 // The pointer table holds the parts' GPU addresses in abi.h's buffer-group
 // order: table[(part * 3 + projection) * E + e] (part 0 q, 1 scale, 2 zero;
