@@ -8,6 +8,9 @@ every backend shares; this module is the CPU backend alone.
 """
 from __future__ import annotations
 
+import importlib
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +20,7 @@ from ..experts import Experts
 from ..lora import LoRA
 from ..planning import plan_band_tokens
 from .base import Backend, Problem
-from .handler_calls import backward_call, forward_call, prepack_call  # noqa: F401  (prepack_call: kept here too)
+from .handler_calls import backward_call, forward_call
 
 
 def why_no_bf16_dot(problem: Problem, what: str = "experts") -> str:
@@ -99,3 +102,16 @@ class CpuBackend(Backend):
         n = len(arrays) if weight_grads else 0
         dws = [d.astype(a.dtype) for d, a in zip(rest[:n], arrays)] if weight_grads else None
         return dx, dw, dws, (lora.from_handler_grads(rest[n:]) if lora is not None else None)
+
+
+# The call builders every backend shares moved to `handler_calls` (the CPU
+# backend's own file held them): importable from here still, with a warning.
+_MOVED = ("split_arrays", "lora_attrs", "prepack_call")
+
+
+def __getattr__(name: str):
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"jax_nbx.backends.cpu.{name} moved to jax_nbx.backends.handler_calls.{name}; the old "
+                  "name will be removed", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module("jax_nbx.backends.handler_calls"), name)

@@ -176,3 +176,19 @@ def test_no_backend_imports_another():
         assert others == set(), f"{mod} imports another backend: {sorted(others)}"
     assert not any(d.startswith("jax_nbx.experts") for m, ds in g.items() if m.startswith("jax_nbx.formats")
                    for d in ds), "jax_nbx.formats imports Experts"
+
+
+def test_moved_names_still_import_with_a_deprecation_warning():
+    import jax_nbx as nbx
+    from jax_nbx.backends import cpu as cpu_backend
+    from jax_nbx.backends import handler_calls
+
+    for module, name, new in [(nbx.formats, "quantize", nbx.quantization.quantize),
+                              (nbx.formats, "is_quantized", nbx.quantization.is_quantized),
+                              (nbx.formats, "weight_groups", handler_calls.weight_groups),
+                              (cpu_backend, "split_arrays", handler_calls.split_arrays),
+                              (cpu_backend, "prepack_call", handler_calls.prepack_call)]:
+        with pytest.warns(DeprecationWarning, match=f"{name} moved to"):
+            assert getattr(module, name) is new
+    with pytest.raises(AttributeError):
+        nbx.formats.no_such_name  # noqa: B018
