@@ -6,8 +6,8 @@
     y = nbx.fused_moe(x, w, ids, experts)
 """
 # _built first: the compiled module, or an error naming a source tree without it;
-# _registry registers the handlers
-from . import _built, _registry, activations, backends, cpu, formats, memory, metal, nn, quantization, tables  # noqa: F401
+# _moved: old module names importable with a warning; _registry registers the handlers
+from . import _built, _moved, _registry, activations, backends, cpu, formats, memory, metal, nn, quantization, tables  # noqa: F401
 from .activations import Activation
 from .experts import Experts, SharedExperts
 from .formats import QuantizedWeight

@@ -192,3 +192,28 @@ def test_moved_names_still_import_with_a_deprecation_warning():
             assert getattr(module, name) is new
     with pytest.raises(AttributeError):
         nbx.formats.no_such_name  # noqa: B018
+
+
+def test_moved_modules_import_from_their_old_names_with_a_warning():
+    import subprocess
+    import sys
+
+    from jax_nbx import _moved
+
+    code = """
+import warnings
+import jax_nbx
+for old, new in jax_nbx._moved.MOVED.items():
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        mod = __import__(old, fromlist=["_"])
+    assert mod is __import__(new, fromlist=["_"]), old
+    assert [(x.category, x.filename) for x in w] == [(DeprecationWarning, "<string>")], (old, w)
+    assert f"{old} moved to {new}" in str(w[0].message)
+from jax_nbx.checkpoint import CheckpointError, load_moe
+assert load_moe is jax_nbx.load_moe
+print("ok")
+"""
+    assert set(_moved.MOVED) >= {"jax_nbx.checkpoint", "jax_nbx.quant_import"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stdout + out.stderr[-3000:]
