@@ -8,6 +8,7 @@ experts; this module applies a format to every projection of them.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -28,11 +29,14 @@ def quantize(experts: Experts, kind: str = "int8", *, group_size: int | None = N
     layout (``layout="out_in"``, fused gate_up) are quantized from their
     plain ``[E, K, N]`` copies (stacked).  ``group_size``: the
     group along K of grouped formats (int4 and fp8: 32, 64 or 128, default
-    128; mxfp4, mxfp8: 32; nvfp4: 16; ignored by int8).  ``scale_dtype``:
-    int8's, int4's and fp8's scales (float32 or bfloat16; the mx formats'
-    are E8M0 bytes, nvfp4's E4M3 bytes).  Raises ValueError
+    128; mxfp4, mxfp8: 32; nvfp4: 16; int8 takes none: None or 0).
+    ``scale_dtype``: int8's, int4's and fp8's scales (float32 or bfloat16;
+    the mx formats' are E8M0 bytes, nvfp4's E4M3 bytes).  Raises ValueError
     for an unknown format, a group size the format does not take or that does
-    not divide K, TypeError for a scale dtype other than float32/bfloat16."""
+    not divide K, a NaN or infinite weight (naming its projection, expert and
+    position: no format's codes hold one, so it would come out finite and
+    wrong; checked on concrete arrays, not under ``jax.jit``), TypeError for
+    a scale dtype other than float32/bfloat16."""
     if kind not in quantized_names():
         raise ValueError(f"kind must be one of {quantized_names()}; got {kind!r}")
     fmt = get(kind)
@@ -48,7 +52,10 @@ def quantize(experts: Experts, kind: str = "int8", *, group_size: int | None = N
                          "down_bias=...); every format but int8 takes them)")
     if not experts.is_plain:  # a checkpoint layout: quantize its plain [E, K, N] copies (stacked)
         experts = experts.canonical()[0]
+    if not fmt.grouped:
+        fmt.check_group_size(group_size, what="quantize: ")
     gs = (fmt.default_group_size if group_size is None else group_size) if fmt.grouped else None
+    _check_finite(experts)
 
     def one(a):
         return fmt.quantize_matrix(jnp.asarray(a).astype(jnp.float32), gs, scale_dtype)
@@ -56,6 +63,23 @@ def quantize(experts: Experts, kind: str = "int8", *, group_size: int | None = N
     if experts.is_list:
         return Experts(*([one(a) for a in getattr(experts, n)] for n in ("gate", "up", "down")))
     return Experts(one(experts.gate), one(experts.up), one(experts.down))
+
+
+def _check_finite(experts: Experts) -> None:
+    """ValueError naming the first NaN or infinite weight of plain experts
+    (projection, expert, [k, n]); arrays being traced are not checked."""
+    for name in ("gate", "up", "down"):
+        arrays = getattr(experts, name)
+        for e, a in (enumerate(arrays) if experts.is_list else [(None, arrays)]):
+            if isinstance(a, jax.core.Tracer) or bool(jnp.all(jnp.isfinite(a))):
+                continue
+            bad = np.argwhere(~np.isfinite(np.asarray(jnp.asarray(a, jnp.float32))))[0]
+            if e is None:
+                e, bad = int(bad[0]), bad[1:]
+            value = float(np.asarray(jnp.asarray(getattr(experts, name)[e], jnp.float32))[tuple(bad)])
+            raise ValueError(f"quantize: experts.{name} of expert {e} holds {value} at [{int(bad[0])}, "
+                             f"{int(bad[1])}] ([k, n] of its [K, N] matrix): no weight format holds a "
+                             "non-finite weight; fix or drop it before quantizing")
 
 
 def dequantize(experts: Experts, dtype=None) -> Experts:

@@ -176,3 +176,36 @@ def test_each_contract_format_names_its_kernels():
         fmt = formats.get(name)
         assert fmt.kernels == {"cpu", "metal", "cuda"}, name
         assert fmt.column_scaled == (name == "int8"), name
+
+
+@pytest.mark.parametrize("kind", [n for n in contract.WEIGHT_FORMATS if n != "dense"])
+def test_quantize_refuses_a_non_finite_weight_by_name(kind):
+    """No format's codes hold NaN or Inf faithfully (the scales absorb them):
+    quantize names the projection, expert and position instead of making
+    finite, wrong weights; stacked and lists alike."""
+    rng = np.random.default_rng(abs(hash(kind)) % 2**32)
+    E, H, I = 3, 128, 128  # K a multiple of every format's default group
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in ((E, H, I), (E, H, I), (E, I, H))]
+    proj = int(rng.integers(3))
+    e, k, n = int(rng.integers(E)), int(rng.integers(arrays[proj].shape[1])), int(rng.integers(arrays[proj].shape[2]))
+    for bad in (np.nan, np.inf, -np.inf):
+        a = [x.copy() for x in arrays]
+        a[proj][e, k, n] = bad
+        name = ("gate", "up", "down")[proj]
+        want = rf"experts\.{name} of expert {e} holds {bad} at \[{k}, {n}\]"
+        with pytest.raises(ValueError, match=want):
+            nbx.quantize(nbx.Experts(*map(jnp.asarray, a)), kind)
+        with pytest.raises(ValueError, match=want):
+            nbx.quantize(nbx.Experts(*([jnp.asarray(m) for m in x] for x in a)), kind)
+    nbx.quantize(nbx.Experts(*map(jnp.asarray, arrays)), kind)  # the finite weights quantize
+
+
+def test_a_group_size_a_format_does_not_take_is_refused():
+    _, _, _, ex = make_problem(1, 2, 4, 2, 64, 32)
+    for gs in (32, 7):
+        with pytest.raises(ValueError, match=f"quantize: int8 weights take no group_size; got {gs}"):
+            nbx.quantize(ex, "int8", group_size=gs)
+    for gs in (None, 0):
+        assert nbx.quantize(ex, "int8", group_size=gs).gate.group_size is None
+    with pytest.raises(ValueError, match=r"group_size must be one of \(32,\) for mxfp4; got 64"):
+        nbx.quantize(ex, "mxfp4", group_size=64)
