@@ -39,7 +39,7 @@ def test_quantization_error_is_bounded(kind, G):
     (tests/suite for every backend) and stays within the format's error of the
     original float weights."""
     x, w, ids, ex = make_problem(7, 33, 5, 3, 256, 128)
-    q = nbx.quantize(ex, kind, group_size=G or 128)
+    q = nbx.quantize(ex, kind, group_size=G)
     y = jax.jit(lambda *a: nbx.fused_moe(*a, implementation="cpu"))(x, w, ids, q)
     assert rel_err(y, np_moe(x, w, ids, nbx.dequantize(q))) < TOL["f32"]
     assert rel_err(y, np_moe(x, w, ids, ex)) < QUANT_ERR[(kind, G)]
@@ -94,7 +94,7 @@ def test_quant_stream_and_pack_match_float64(kind, G, scale, lists, T, isa):
     x, w, ids, ex = make_problem(T * 7 + (G or 0), T, 5, 2, H, I)
     if lists:
         ex = nbx.Experts(*([a[e] for e in range(5)] for a in (ex.gate, ex.up, ex.down)))
-    q = nbx.quantize(ex, kind, group_size=G or 128, scale_dtype=SCALES[scale])
+    q = nbx.quantize(ex, kind, group_size=G, scale_dtype=SCALES[scale])
     d = nbx.dequantize(q, jnp.float32)
     ref = np_moe(x, w, ids, d.stacked() if lists else d)
     y = run_quant_poisoned(x, w, ids, q)
@@ -109,7 +109,7 @@ def test_quant_stream_past_one_item(kind, G, T, isa):
     """N past kMaxStreamCols (1024): several streamed items per projection."""
     H, I = _shape(kind, G, wide=True)
     x, w, ids, ex = make_problem(5, T, 3, 1, H, I)
-    q = nbx.quantize(ex, kind, group_size=G or 128, scale_dtype=jnp.bfloat16)
+    q = nbx.quantize(ex, kind, group_size=G, scale_dtype=jnp.bfloat16)
     ref = np_moe(x, w, ids, nbx.dequantize(q, jnp.float32))
     y = run_quant_poisoned(x, w, ids, q)
     assert bool(jnp.all(jnp.isfinite(y))), "unwritten (poisoned) rows in the output"
@@ -126,7 +126,7 @@ def test_quant_bands_are_bit_identical(kind, G, band, xd, isa):
     H, I = _shape(kind, G)
     xdt = {"f32": jnp.float32, "bf16": jnp.bfloat16}[xd]
     x, w, ids, ex = make_problem(19, 60, 5, 2, H, I, x_dtype=xdt)
-    q = nbx.quantize(ex, kind, group_size=G or 128, scale_dtype=jnp.bfloat16)
+    q = nbx.quantize(ex, kind, group_size=G, scale_dtype=jnp.bfloat16)
     whole = run_quant_poisoned(x, w, ids, q, band_tokens=0)
     banded = run_quant_poisoned(x, w, ids, q, band_tokens=band)
     assert bool(jnp.all(jnp.isfinite(banded.astype(jnp.float32))))

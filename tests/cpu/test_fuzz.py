@@ -99,7 +99,7 @@ def run_case(c: dict) -> None:
         weights = nbx.Experts(*([a[e] for e in range(E)] for a in (ex.gate, ex.up, ex.down)))
     ref_ex = ex
     if c["fmt"] != "dense":
-        weights = nbx.quantize(weights, c["fmt"], group_size=c["G"] or 128)
+        weights = nbx.quantize(weights, c["fmt"], group_size=c["G"])
         ref_ex = nbx.dequantize(weights, jnp.float32)
         ref_ex = ref_ex.stacked() if c["lists"] else ref_ex
     ids64 = ids.astype(np.int64)

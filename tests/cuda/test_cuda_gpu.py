@@ -117,7 +117,7 @@ def test_cuda_lists_equal_stacked():
 @pytest.mark.parametrize("T", [2, 300])
 def test_cuda_quantized_matches_dequantized(kind, G, T):
     x, w, ids, ex = make_problem(9, T, 8, 2, 256, 128, jnp.bfloat16, jnp.float32)
-    q = nbx.quantize(ex, kind, group_size=G or 128, scale_dtype=jnp.bfloat16)
+    q = nbx.quantize(ex, kind, group_size=G, scale_dtype=jnp.bfloat16)
     y = nbx.fused_moe(x, w, ids, q, implementation="ffi")
     assert rel_err(y, np_moe(x, w, ids, nbx.dequantize(q, jnp.float32))) < 3e-2
 

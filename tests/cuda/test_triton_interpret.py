@@ -281,7 +281,7 @@ def test_quantized_experts_dequantized_in_kernel(T, kind, G, sd, lists, xd):
     E, k, H, I = 5, 2, 128, 256 if G != 128 else 128
     x, w, ids, gate, up, down = problem(11, T, E, k, H, I, xd, F32)
     ex = nbx.Experts(jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down))
-    q = nbx.quantize(ex, kind, group_size=G or 128, scale_dtype=jnp.dtype(sd))
+    q = nbx.quantize(ex, kind, group_size=G, scale_dtype=jnp.dtype(sd))
     d = nbx.dequantize(q, jnp.float32)
     from jax_nbx.backends.handler_calls import weight_groups
 
