@@ -260,6 +260,11 @@ def _resolve(x, topk_weights, topk_ids, experts, activation, implementation, max
     if shared_experts is not None and not isinstance(shared_experts, SharedExperts):
         raise TypeError("shared_experts must be a jax_nbx.SharedExperts or None; got "
                         f"{type(shared_experts).__name__}")
+    if max_workspace_bytes is not None:  # read once, for every backend (the reference has no workspace)
+        try:
+            max_workspace_bytes = memory.parse_bytes(max_workspace_bytes)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"max_workspace_bytes: {e}") from None
     E, H, I, k = validate(x, topk_weights, topk_ids, experts, activation, ids_outside == "skip")
     lora_spec = None if lora is None else validate_lora(lora, E, H, I)
     activation = as_activation(activation)

@@ -101,6 +101,9 @@ def validate_experts(experts: Experts) -> tuple[int, int, int]:
                         f"{', '.join(map(str, dtypes))}")
     first = getattr(experts, names[0])
     E = len(first) if lists else int(first.shape[0])
+    if E == 0:
+        raise ValueError(f"experts.{names[0]} holds no expert (E=0, shape {tuple(first.shape)}); fused_moe "
+                         "needs at least one")
     rows, cols = (int(d) for d in (first[0] if lists else first).shape[-2:])
     if experts.layout == "out_in":
         rows, cols = cols, rows  # [H, I] or [H, 2I] as x @ W

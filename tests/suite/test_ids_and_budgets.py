@@ -100,3 +100,27 @@ def test_a_budget_too_small_for_one_token_is_refused_with_advice(backend, prob):
     # a cap of three tokens: bands of three, the whole result
     y = backend(x, w, ids, ex, max_workspace_bytes=b.workspace_bytes(p, 3, T))
     assert rel_err(y, np_moe(x, w, ids, ex)) < backend.tol(x.dtype)
+
+
+@pytest.mark.parametrize("budget,error,match", [
+    ("lots", ValueError, r"max_workspace_bytes: cannot read 'lots' as a byte count"),
+    (-5, ValueError, r"max_workspace_bytes: a byte count must be finite and >= 0; got -5"),
+    (float("nan"), ValueError, r"max_workspace_bytes: a byte count must be finite and >= 0; got nan"),
+    (float("inf"), ValueError, r"max_workspace_bytes: a byte count must be finite and >= 0; got inf"),
+    (True, TypeError, r"max_workspace_bytes: budget must be a byte count"),
+    ([1], TypeError, r"max_workspace_bytes: budget must be a byte count"),
+])
+def test_an_unreadable_budget_is_refused_the_same_on_every_backend(backend, prob, budget, error, match):
+    """Read once for every backend, the reference included (it has no
+    workspace, and once took any value)."""
+    x, w, ids, ex = prob
+    with pytest.raises(error, match=match):
+        backend(x, w, ids, ex, max_workspace_bytes=budget)
+
+
+def test_zero_experts_are_refused_the_same_on_every_backend(backend, prob):
+    x, w, ids, _ = prob
+    ex0 = nbx.Experts(jnp.ones((0, H, I)), jnp.ones((0, H, I)), jnp.ones((0, I, H)))
+    for outside in ("error", "skip"):
+        with pytest.raises(ValueError, match=r"experts.gate holds no expert \(E=0"):
+            backend(x, w, ids, ex0, ids_outside=outside)
