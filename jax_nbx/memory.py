@@ -23,9 +23,11 @@ __all__ = ["DeviceOOMError", "fused_moe_workspace_bytes", "fused_moe_backward_wo
 _ffi = _registry.ffi_module
 
 
-def format_bytes(n: float) -> str:
-    """Decimal units, as in refusal messages: ``'300.0 MB'``."""
-    return _ffi().format_bytes(float(n))
+def format_bytes(n: float, round: str = "nearest") -> str:
+    """Decimal units, as in refusal messages: ``'300.0 MB'``; ``round``: to
+    the printed digits "nearest", "up" (an amount that must be enough) or
+    "down" (an amount that is at most what there is)."""
+    return _ffi().format_bytes(float(n), round)
 
 
 def set_budget(nbytes: int | float | str, platform: str = "cpu", device: int = 0) -> int:
@@ -156,7 +158,7 @@ class DeviceOOMError(MemoryError):
                      shape: tuple[int, int] | None = None, fixed_bytes: int = 0,
                      device: str = "cpu:0") -> DeviceOOMError:
         advice = what_would_have_fit(requested, free, total, shape, fixed_bytes)
-        msg = (f"{what}: {format_bytes(requested)} needed, {format_bytes(free)} free of a "
+        msg = (f"{what}: {format_bytes(requested, 'up')} needed, {format_bytes(free, 'down')} free of a "
                f"{format_bytes(total)} budget on {device}; {advice}")
         return cls(msg, requested=requested, free=free, total=total, shape=shape, device=device)
 

@@ -46,12 +46,21 @@ std::string ShapeText(const WorkShape& s) {
 
 }  // namespace
 
-std::string FormatBytes(double b) {
+std::string FormatBytes(double b, Round round) {
+  // the unit and the printed step (one decimal of kB or MB, two of GB)
+  const double unit = b < 1e3 ? 1.0 : b < 1e6 ? 1e3 : b < 1e9 ? 1e6 : 1e9;
+  const double step = b < 1e3 ? 1.0 : b < 1e9 ? unit / 10 : unit / 100;
+  const double q = b / step;
+  // (q - nearbyint(q)) guards against a value one rounding error above a whole step
+  const double steps = round == Round::kUp     ? std::ceil(q - 1e-9)
+                       : round == Round::kDown ? std::floor(q + 1e-9)
+                                               : std::nearbyint(q);
+  const double v = steps * step;
   char buf[64];
-  if (b < 1e3) std::snprintf(buf, sizeof buf, "%.0f bytes", b);
-  else if (b < 1e6) std::snprintf(buf, sizeof buf, "%.1f kB", b / 1e3);
-  else if (b < 1e9) std::snprintf(buf, sizeof buf, "%.1f MB", b / 1e6);
-  else std::snprintf(buf, sizeof buf, "%.2f GB", b / 1e9);
+  if (unit == 1.0) std::snprintf(buf, sizeof buf, "%.0f bytes", v);
+  else if (unit == 1e3) std::snprintf(buf, sizeof buf, "%.1f kB", v / 1e3);
+  else if (unit == 1e6) std::snprintf(buf, sizeof buf, "%.1f MB", v / 1e6);
+  else std::snprintf(buf, sizeof buf, "%.2f GB", v / 1e9);
   return buf;
 }
 
@@ -59,7 +68,8 @@ std::string WhatWouldHaveFit(int64_t requested, int64_t free, int64_t total,
                              const WorkShape& shape) {
   if (requested <= free) return "";
   free = std::max<int64_t>(free, 0);
-  std::string s = "short by " + FormatBytes(static_cast<double>(requested - free));
+  // Every amount of the advice is rounded up (enough to follow it), "free" down.
+  std::string s = "short by " + FormatBytes(static_cast<double>(requested - free), Round::kUp);
   if (shape.known()) {
     const double per_row =
         static_cast<double>(requested - shape.fixed_bytes) / shape.rows;
@@ -71,19 +81,19 @@ std::string WhatWouldHaveFit(int64_t requested, int64_t free, int64_t total,
       const int64_t n = (shape.rows + rows_fit - 1) / rows_fit;
       const int64_t rows = (shape.rows + n - 1) / n;
       s += "; it would fit in " + std::to_string(n) + " bands of about " +
-           FormatBytes(shape.fixed_bytes + per_row * rows) +
+           FormatBytes(shape.fixed_bytes + per_row * rows, Round::kUp) +
            "; cutting the leading axis of " + ShapeText(shape) + " from " +
            std::to_string(shape.rows) + " to " + std::to_string(rows) +
            " per band";
     } else {
       s += "; no band split alone reaches it: one row of the leading axis of " +
            ShapeText(shape) + " already needs " +
-           FormatBytes(shape.fixed_bytes + per_row) + " with " +
-           FormatBytes(static_cast<double>(free)) + " free";
+           FormatBytes(shape.fixed_bytes + per_row, Round::kUp) + " with " +
+           FormatBytes(static_cast<double>(free), Round::kDown) + " free";
     }
   }
   const int64_t used = std::max<int64_t>(total - free, 0);
-  s += "; a budget of " + FormatBytes(static_cast<double>(used + requested)) +
+  s += "; a budget of " + FormatBytes(static_cast<double>(used + requested), Round::kUp) +
        " would have taken it whole";
   if (requested > total) s += " (the request alone exceeds the whole budget of " +
                               FormatBytes(static_cast<double>(total)) + ")";
@@ -181,11 +191,11 @@ bool Account::Reserve(const Device& d, int64_t bytes, const char* tag,
     r.shortfall = bytes - r.free;
     r.shape = shape;
     r.message = "jax_nbx account (" + d.Name() + ") refused " +
-                FormatBytes(static_cast<double>(bytes)) + " of " + tag + ": " +
-                FormatBytes(static_cast<double>(r.free)) + " free of a " +
+                FormatBytes(static_cast<double>(bytes), Round::kUp) + " of " + tag + ": " +
+                FormatBytes(static_cast<double>(r.free), Round::kDown) + " free of a " +
                 FormatBytes(static_cast<double>(s.budget)) + " budget; ";
     if (contended && bytes <= s.budget)  // (the budget may have been lowered meanwhile)
-      r.message += "short by " + FormatBytes(static_cast<double>(r.shortfall)) +
+      r.message += "short by " + FormatBytes(static_cast<double>(r.shortfall), Round::kUp) +
                    "; the request fits the budget alone, but concurrent calls held " +
                    FormatBytes(static_cast<double>(s.live)) + " for the " +
                    std::to_string(l.wait_ms) +

@@ -64,8 +64,13 @@ inline int64_t SaturatedBytes(size_t bytes) {
   return bytes > static_cast<size_t>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(bytes);
 }
 
+// How FormatBytes rounds to its printed digits: to the nearest (a figure),
+// up (an amount that must be enough: needed, short by, a budget to set) or
+// down (an amount that is at most what there is: free).
+enum class Round { kNearest, kUp, kDown };
+
 // "1.5 GB", "300.0 MB", "12.0 kB", "512 bytes" (decimal units).
-std::string FormatBytes(double bytes);
+std::string FormatBytes(double bytes, Round round = Round::kNearest);
 
 // The advice that ends every refusal; empty when requested fits in free.
 std::string WhatWouldHaveFit(int64_t requested, int64_t free, int64_t total,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -399,3 +400,60 @@ def test_fused_moe_refuses_calls_past_the_slot_limit_at_trace_time():
         jax.eval_shape(jax.vmap(lambda x, w, i: nbx.fused_moe(x, w, i, nbx.Experts(
             *(np.zeros(s, np.float32) for s in ((8, 16, 8), (8, 16, 8), (8, 8, 16)))),
             implementation="ffi")), *bargs)
+
+
+def _advice(msg: str, pattern: str) -> int:
+    """The byte count of an advice's amount ("192.8 kB"), as a user would type it."""
+    m = re.search(pattern, msg)
+    assert m, msg
+    value, unit = m.group(1).split()
+    return nbx.memory.parse_bytes(value + ("" if unit == "bytes" else unit))
+
+
+def test_the_advice_is_enough_to_follow(monkeypatch):
+    """Every amount of a refusal's advice is rounded up: the budget it names
+    takes the call whole, the band size it names takes it in bands -- for
+    random shapes, worker counts and formats (the CPU backend's plan, the
+    refusal every call of that backend makes at trace time)."""
+    rng = np.random.default_rng(53)
+    cpu_backend = nbx.backends.get("cpu")
+    refused = 0
+    for case in range(150):
+        workers = int(rng.integers(1, 65))
+        monkeypatch.setattr(nbx.cpu, "planned_workers", lambda w=workers: w)
+        E = int(rng.integers(1, 65))
+        k, T = int(rng.integers(1, min(E, 8) + 1)), int(rng.integers(1, 3000))
+        H, I = 32 * int(rng.integers(1, 40)), 32 * int(rng.integers(1, 40))
+        bf16 = bool(rng.integers(2))
+        p = nbx.backends.Problem(E=E, H=H, I=I, k=k, x_dtype=np.dtype("float32"), w_dtype=np.dtype("float32"),
+                                 quant=None, lists=False, layout=nbx.experts.WeightLayout.plain(H=H, I=I),
+                                 layout_name="in_out", fusion=None, activation=nbx.activations.as_activation("swiglu"),
+                                 bf16_dot=bf16)
+        whole = cpu_backend.workspace_bytes(p, T)
+        one = cpu_backend.workspace_bytes(p, 1)
+        for cap in {int(rng.integers(0, one)), one - 1, (one + whole) // 2}:
+            if cap < 0 or cap >= whole:
+                continue
+            try:
+                cpu_backend.plan(p.replace(max_workspace_bytes=cap), T)
+                continue  # it fits in bands: no refusal to follow
+            except nbx.DeviceOOMError as e:
+                msg = str(e)
+            refused += 1
+            budget = _advice(msg, r"a budget of ([0-9.]+ (?:bytes|kB|MB|GB)) would have taken it whole")
+            assert budget >= whole, (case, msg)
+            assert cpu_backend.plan(p.replace(max_workspace_bytes=budget), T) == T, (case, msg)
+            needed = _advice(msg, r": ([0-9.]+ (?:bytes|kB|MB|GB)) needed")
+            assert needed >= whole, (case, msg)
+            free = _advice(msg, r"needed, ([0-9.]+ (?:bytes|kB|MB|GB)) free")
+            assert free <= cap, (case, msg)
+    assert refused > 100  # the cases above do reach refusals
+
+
+def test_format_bytes_rounds_as_asked():
+    f = nbx.memory.format_bytes
+    assert (f(192_704), f(192_704, "up"), f(192_704, "down")) == ("192.7 kB", "192.8 kB", "192.7 kB")
+    assert (f(192_700, "up"), f(999, "up"), f(999_951, "up")) == ("192.7 kB", "999 bytes", "1000.0 kB")
+    assert (f(1_234_567_891, "up"), f(1_234_567_891, "down")) == ("1.24 GB", "1.23 GB")
+    with pytest.raises(ValueError, match="round must be 'nearest', 'up' or 'down'; got 'sideways'"):
+        f(1, "sideways")

@@ -67,7 +67,13 @@ void BindAccount(nb::module_& m) {
     return nbx::WhatWouldHaveFit(requested, free, total, nbx::WorkShape{rows, cols, fixed_bytes});
   }, nb::arg("requested"), nb::arg("free"), nb::arg("total"), nb::arg("rows") = 0,
      nb::arg("cols") = 0, nb::arg("fixed_bytes") = 0);
-  m.def("format_bytes", [](double b) { return nbx::FormatBytes(b); });
+  m.def("format_bytes", [](double b, const std::string& round) {
+    if (round != "nearest" && round != "up" && round != "down")
+      throw nb::value_error(("round must be 'nearest', 'up' or 'down'; got '" + round + "'").c_str());
+    return nbx::FormatBytes(b, round == "up"     ? nbx::Round::kUp
+                               : round == "down" ? nbx::Round::kDown
+                                                 : nbx::Round::kNearest);
+  }, nb::arg("bytes"), nb::arg("round") = "nearest");
 }
 
 }  // namespace nbx::python
