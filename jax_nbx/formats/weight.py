@@ -86,6 +86,50 @@ class QuantizedWeight:
             w = w * jnp.asarray(self.tensor_scale, jnp.float32)[..., None, None]
         return w.astype(dtype or self.dtype)
 
+    def __bool__(self) -> bool:  # a weight is a value, whatever its length
+        return True
+
+    def __len__(self) -> int:
+        if self.ndim != 3:
+            raise TypeError(f"len() of one expert's {self.kind} weights {list(self.shape)}: only stacked "
+                            "[E, K, N] weights have experts")
+        return int(self.q.shape[0])
+
+    def __getitem__(self, experts) -> QuantizedWeight:
+        """Experts of stacked ``[E, K, N]`` weights, in the same format: an int
+        gives that expert's ``[K, N]`` weights; a slice, a sequence or an array
+        of ids gives stacked ``[E', K, N]`` ones (every part, and the tensor
+        scales, indexed alike).  Ids are checked against E (negative ones
+        count from the end, as numpy's); anything else is refused by name."""
+        if self.ndim != 3:
+            raise TypeError(f"one expert's {self.kind} weights {list(self.shape)} cannot be indexed by "
+                            "expert: only stacked [E, K, N] weights can")
+        E = len(self)
+        if isinstance(experts, (bool, np.bool_)) or experts is None or experts is Ellipsis or \
+                isinstance(experts, tuple):
+            raise TypeError(f"index the experts of {self.kind} weights with an int, a slice or a sequence of "
+                            f"ids; got {experts!r}")
+        if isinstance(experts, (int, np.integer)):
+            if not -E <= int(experts) < E:
+                raise IndexError(f"expert {int(experts)} is outside the {E} experts of these {self.kind} weights")
+            index = int(experts)
+        elif isinstance(experts, slice):
+            index = experts
+        else:
+            index = np.asarray(experts)
+            if index.ndim != 1 or not np.issubdtype(index.dtype, np.integer):
+                raise TypeError(f"expert ids of {self.kind} weights must be an int, a slice or a 1-D sequence of "
+                                f"ints; got {experts!r}")
+            bad = index[(index < -E) | (index >= E)]
+            if bad.size:
+                raise IndexError(f"expert {int(bad[0])} is outside the {E} experts of these {self.kind} weights")
+
+        def take(a):
+            return None if a is None else a[index]
+
+        return QuantizedWeight(take(self.q), take(self.scale), take(self.zero), take(self.tensor_scale),
+                               kind=self.kind, group_size=self.group_size)
+
     def __repr__(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
         t = ", tensor_scale" if self.tensor_scale is not None else ""

@@ -209,3 +209,30 @@ def test_a_group_size_a_format_does_not_take_is_refused():
         assert nbx.quantize(ex, "int8", group_size=gs).gate.group_size is None
     with pytest.raises(ValueError, match=r"group_size must be one of \(32,\) for mxfp4; got 64"):
         nbx.quantize(ex, "mxfp4", group_size=64)
+
+
+@pytest.mark.parametrize("kind", [n for n in contract.WEIGHT_FORMATS if n != "dense"])
+def test_stacked_quantized_weights_index_by_expert(kind):
+    """q.gate[e], [a:b] and a list of ids give the same format's weights of
+    those experts (every part and tensor scale alike): their values are the
+    stacked weights' experts bit for bit, and stacked experts become lists."""
+    x, w, ids, ex = make_problem(5, 7, 5, 2, 128, 128)  # K a multiple of every default group
+    q = nbx.quantize(ex, kind)
+    if kind == "nvfp4":  # a tensor scale per expert, indexed with the rest
+        q = nbx.Experts(*(nbx.QuantizedWeight(m.q, m.scale, m.zero, jnp.linspace(0.5, 2.0, 5, dtype=jnp.float32),
+                                              kind=m.kind, group_size=m.group_size) for m in (q.gate, q.up, q.down)))
+    dense = np.asarray(q.gate.dequantize(jnp.float32))
+    assert len(q.gate) == 5 and bool(q.gate[0])
+    for index, want in ((3, dense[3]), (-1, dense[4]), (slice(1, 4), dense[1:4]), ([4, 0, 4], dense[[4, 0, 4]]),
+                        (np.array([2]), dense[[2]])):
+        got = q.gate[index]
+        assert got.kind == kind and got.group_size == q.gate.group_size
+        np.testing.assert_array_equal(np.asarray(got.dequantize(jnp.float32)), want)
+    lists = nbx.Experts(*([m[e] for e in range(len(m))] for m in (q.gate, q.up, q.down)))
+    np.testing.assert_array_equal(np.asarray(nbx.fused_moe(x, w, ids, lists)), np.asarray(nbx.fused_moe(x, w, ids, q)))
+    for bad, err in ((5, IndexError), (-6, IndexError), ([0, 9], IndexError), (1.5, TypeError), ((0, 1), TypeError),
+                     (None, TypeError)):
+        with pytest.raises(err, match=kind):
+            q.gate[bad]
+    with pytest.raises(TypeError, match="only stacked"):
+        q.gate[0][0]
