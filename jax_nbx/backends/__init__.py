@@ -67,7 +67,9 @@ def _why_not_format(backend: Backend, problem: Problem) -> str:
             f"{sorted(fmt.kernels) or 'no backend'}; {takers} run them)")
 
 
-def _why_no_lora(backend: Backend, problem: Problem) -> str:
+def _why_not_shared(backend: Backend, problem: Problem) -> str:
+    """The registry's checks before a backend's own: the experts' format, then
+    the adapters and prepacked experts against what the backend takes."""
     why = _why_not_format(backend, problem)
     if why:
         return why
@@ -90,14 +92,14 @@ def choose(implementation: str | None, problem: Problem) -> Backend:
             raise ValueError(f"implementation must be one of {names() + ('ffi',)} or None; "
                              f"got {implementation!r}")
         backend = get(implementation)
-        why = _why_no_lora(backend, problem) or backend.why_not(problem)
+        why = _why_not_shared(backend, problem) or backend.why_not(problem)
         if why:
             alias = f" (the {jax.default_backend()!r} handler)" if implementation == "ffi" else ""
             raise ValueError(f"implementation={implementation!r}{alias} cannot run this call: {why}")
         return backend
     reasons = []
     for name in DEFAULT_ORDER + tuple(n for n in _BACKENDS if n not in DEFAULT_ORDER):
-        why = _why_no_lora(_BACKENDS[name], problem) or _BACKENDS[name].why_not_by_default(problem)
+        why = _why_not_shared(_BACKENDS[name], problem) or _BACKENDS[name].why_not_by_default(problem)
         if not why:
             return _BACKENDS[name]
         reasons.append(f"{name}: {why}")
