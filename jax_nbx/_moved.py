@@ -1,8 +1,10 @@
-"""Public modules that moved, importable from their old names for a release
-with a `DeprecationWarning` (the old name is the new module itself).
+"""Public names that moved, importable from their old places for a release
+with a `DeprecationWarning`.
 
-One table, `MOVED`; a finder at the end of ``sys.meta_path`` answers only
-those names (no file holds them any more), so nothing else is affected.
+Modules: one table, `MOVED` (the old name is the new module itself); a finder
+at the end of ``sys.meta_path`` answers only those names (no file holds them
+any more), so nothing else is affected.  Names inside a module: that module's
+``__getattr__ = moved_attributes(__name__, {name: new module})``.
 """
 from __future__ import annotations
 
@@ -18,6 +20,21 @@ MOVED: dict[str, str] = {
     "jax_nbx.quant_import": "jax_nbx.loaders.quant_import",
     "jax_nbx.nn.qwen3_moe": "jax_nbx.models.qwen3_moe",
 }
+
+
+def moved_attributes(module: str, moved: dict[str, str]):
+    """A module ``__getattr__`` that gives each name of ``moved`` from the
+    module it moved to, with a `DeprecationWarning`; other names are an
+    AttributeError, as without it."""
+    def __getattr__(name: str):
+        where = moved.get(name)
+        if where is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(f"{module}.{name} moved to {where}.{name}; the old name will be removed",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(where), name)
+
+    return __getattr__
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

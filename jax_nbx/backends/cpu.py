@@ -8,14 +8,12 @@ every backend shares; this module is the CPU backend alone.
 """
 from __future__ import annotations
 
-import importlib
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import contract, memory
+from .._moved import moved_attributes
 from ..experts import Experts
 from ..lora import LoRA
 from ..planning import plan_band_tokens
@@ -106,12 +104,5 @@ class CpuBackend(Backend):
 
 # The call builders every backend shares moved to `handler_calls` (the CPU
 # backend's own file held them): importable from here still, with a warning.
-_MOVED = ("split_arrays", "lora_attrs", "prepack_call")
-
-
-def __getattr__(name: str):
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"jax_nbx.backends.cpu.{name} moved to jax_nbx.backends.handler_calls.{name}; the old "
-                  "name will be removed", DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module("jax_nbx.backends.handler_calls"), name)
+__getattr__ = moved_attributes(__name__, dict.fromkeys(("split_arrays", "lora_attrs", "prepack_call"),
+                                                      "jax_nbx.backends.handler_calls"))

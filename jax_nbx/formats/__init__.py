@@ -14,9 +14,9 @@ Public: `QuantizedWeight`, `Format`, `get`, `names`, `quantized_names`.
 from __future__ import annotations
 
 import importlib
-import warnings
 
 from .. import contract
+from .._moved import moved_attributes
 from .registry import get, names, quantized_names
 from .spec import Format
 from .weight import QuantizedWeight
@@ -40,10 +40,4 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str):
-    where = _MOVED.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"jax_nbx.formats.{name} moved to {where}.{name} (the top-level jax_nbx.{name} "
-                  "where there is one); the old name will be removed", DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(where), name)
+__getattr__ = moved_attributes(__name__, _MOVED)

@@ -42,7 +42,7 @@ class Format:
     #: the spec of a format outside the compiled contract (None: the contract's)
     spec: dict[str, Any] | None = None
 
-    def __init__(self, code: int | None = None) -> None:
+    def __init__(self) -> None:
         if self.spec is None:
             if self.name not in contract.FORMAT_CODES:
                 raise ValueError(f"weight format {self.name!r} is not in the contract (xla_ffi/abi.h "
@@ -52,7 +52,7 @@ class Format:
         else:
             if self.name in contract.FORMAT_CODES:
                 raise ValueError(f"weight format {self.name!r} is the contract's: it takes no spec of its own")
-            self.code = code if code is not None else max(registry.next_code(), len(contract.WEIGHT_FORMATS))
+            self.code = max(registry.next_code(), len(contract.WEIGHT_FORMATS))
             spec = dict({"summary": self.name, "tensor_scale": False, "column_scaled": False, "kernels": ()},
                         **self.spec)
         self.summary: str = spec["summary"]
