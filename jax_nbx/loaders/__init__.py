@@ -6,7 +6,9 @@ GPTQ v1, AWQ GEMM, MLX affine into int4, MLX's float modes into mxfp4 / nvfp4
 / mxfp8; `dequantize_mlx` for an MLX matrix kept in float, e.g. mlx-lm's
 quantized router; `fp8_import`: FP8 E4M3 block / per-channel into fp8; `nvfp4_import`: NVFP4 with its
 global scale into nvfp4 with a tensor scale), and PEFT's LoRA adapters of
-the routed experts into a `jax_nbx.LoRA` (`peft_import.from_peft`).  Safetensors is an extra
+the routed experts into a `jax_nbx.LoRA` (`peft_import.from_peft`).  Every file is read through
+`files` (JSON, config values, safetensors headers checked against the file's size): whatever is
+malformed raises `CheckpointError` naming the file.  Safetensors is an extra
 (``pip install 'jax_nbx[hf]'``), imported when a file is read."""
 from __future__ import annotations
 

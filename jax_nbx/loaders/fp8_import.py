@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from ..formats import QuantizedWeight
+from .files import CheckpointError, check_value, config_value
 
 __all__ = ["from_fp8", "checkpoint_block"]
 
@@ -71,7 +72,7 @@ def from_fp8(weight: Any, scale: Any, *, block: tuple[int, int] | None = None) -
         if s.shape != want:
             raise ValueError(f"scale has shape {s.shape}; expected {want} ([ceil(out/{bn}), ceil(in/{bk})] "
                              f"block scales for weight {q.shape})")
-        cols = np.repeat(s, bn, axis=-2)[..., :N, :]                     # [..., N, ceil(K/bk)]
+        cols = s[..., np.arange(N) // bn, :]                            # [..., N, ceil(K/bk)]
         per = cols[..., (np.arange(K // G) * G) // bk]                   # [..., N, K/G]
     else:
         if s.shape in (lead + (N, 1), lead + (N,)):
@@ -89,39 +90,53 @@ def from_fp8(weight: Any, scale: Any, *, block: tuple[int, int] | None = None) -
     return out
 
 
-def _compressed_tensors_block(qc: dict) -> tuple[int, int] | None:
+def _block(b, label: str, where: str) -> tuple[int, int]:
+    """A block ``[bn, bk]`` of a config (``label``): two positive integers, else CheckpointError."""
+    if not (isinstance(b, (list, tuple)) and len(b) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) and 1 <= v < 2 ** 31 for v in b)):
+        raise CheckpointError(f"{where}: {label}={b!r} is not [rows, columns]: two positive integers (below 2**31)")
+    return int(b[0]), int(b[1])
+
+
+def _compressed_tensors_block(qc: dict, where: str) -> tuple[int, int] | None:
     """The weights' block (bn, bk) of a compressed-tensors FP8 quantization_config (None:
     per-channel or per-tensor); anything but 8-bit float weights in the float-quantized format is
-    refused naming the key (ValueError)."""
-    fmt = qc.get("format")
+    refused naming the key (CheckpointError)."""
+    s = "quantization_config"
+    fmt = config_value(qc, "format", where, "str", None, section=s, nullable=True)
     if fmt not in (None, "float-quantized"):
-        raise ValueError(f"quantization_config.format={fmt!r} (compressed-tensors) is not read; only "
-                         "'float-quantized' (FP8 E4M3 weights) converts")
+        raise CheckpointError(f"{where}: quantization_config.format={fmt!r} (compressed-tensors) is not read; only "
+                              "'float-quantized' (FP8 E4M3 weights) converts")
     blocks = set()
-    for name, group in (qc.get("config_groups") or {}).items():
-        w = (group or {}).get("weights") or {}
+    for name, group in config_value(qc, "config_groups", where, "dict", {}, section=s, nullable=True).items():
+        gs = f"{s}.config_groups.{name}"
+        group = check_value({} if group is None else group, gs, where, "dict")
+        w = config_value(group, "weights", where, "dict", {}, section=gs, nullable=True)
         if w.get("num_bits") != 8 or w.get("type") != "float":
-            raise ValueError(f"quantization_config.config_groups.{name}.weights has num_bits="
-                             f"{w.get('num_bits')!r}, type={w.get('type')!r}; only 8-bit float (FP8) reads")
+            raise CheckpointError(f"{where}: {gs}.weights has num_bits={w.get('num_bits')!r}, type="
+                                  f"{w.get('type')!r}; only 8-bit float (FP8) reads")
         strategy = w.get("strategy")
         if strategy == "block":
-            blocks.add(tuple(w.get("block_structure") or (128, 128)))
+            b = config_value(w, "block_structure", where, "list", [128, 128], section=gs + ".weights", nullable=True)
+            blocks.add(_block(b, gs + ".weights.block_structure", where))
         elif strategy not in ("channel", "tensor"):
-            raise ValueError(f"quantization_config.config_groups.{name}.weights.strategy={strategy!r} is not "
-                             "read (channel, tensor or block)")
+            raise CheckpointError(f"{where}: {gs}.weights.strategy={strategy!r} is not read (channel, tensor or "
+                                  "block)")
     if len(blocks) > 1:
-        raise ValueError(f"compressed-tensors groups with different blocks {sorted(blocks)}")
+        raise CheckpointError(f"{where}: compressed-tensors groups with different blocks {sorted(blocks)}")
     return next(iter(blocks), None)
 
 
-def checkpoint_block(qc: dict, scale_inv: bool) -> tuple[int, int] | None:
+def checkpoint_block(qc: dict, scale_inv: bool, where: str = "checkpoint") -> tuple[int, int] | None:
     """The block (bn, bk) of a checkpoint's FP8 weights from its ``quantization_config`` ``qc``:
     transformers' ``weight_block_size`` (FineGrainedFP8Config's default [128, 128]) for
     ``weight_scale_inv``; compressed-tensors' block (None: per-channel / per-tensor) for
-    ``weight_scale``.  ValueError for a compressed-tensors config that is not FP8."""
+    ``weight_scale``.  CheckpointError (``where``: the config file) for a block that is not two
+    positive integers or a compressed-tensors config that is not FP8."""
     if scale_inv:
-        b = qc.get("weight_block_size") or (128, 128)
-        return (int(b[0]), int(b[1]))
-    if str(qc.get("quant_method", "")).lower() == "compressed-tensors":
-        return _compressed_tensors_block(qc)
+        b = config_value(qc, "weight_block_size", where, "list", [128, 128], section="quantization_config")
+        return _block(b, "quantization_config.weight_block_size", where)
+    method = config_value(qc, "quant_method", where, "str", "", section="quantization_config", nullable=True)
+    if method.lower() == "compressed-tensors":
+        return _compressed_tensors_block(qc, where)
     return None

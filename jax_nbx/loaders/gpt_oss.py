@@ -54,6 +54,9 @@ def from_gpt_oss_mxfp4(gate_up_blocks: Any, gate_up_scales: Any, down_blocks: An
     db, ds = np.asarray(down_blocks), np.asarray(down_scales)
     if gub.ndim != 4 or gub.shape[1] % 2:
         raise ValueError(f"gate_up_proj_blocks has shape {gub.shape}; expected [E, 2I, H/32, 16]")
+    if gus.shape != gub.shape[:-1]:
+        raise ValueError(f"gate_up_proj_scales has shape {gus.shape}; expected {gub.shape[:-1]} (gate_up_proj_blocks "
+                         f"{gub.shape} without its last axis)")
     gate = _mxfp4(gub[:, 0::2], gus[:, 0::2], "gate_up_proj (gate rows)")
     up = _mxfp4(gub[:, 1::2], gus[:, 1::2], "gate_up_proj (up rows)")
     down = _mxfp4(db, ds, "down_proj")

@@ -30,6 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from ..formats import QuantizedWeight
+from .files import CheckpointError, check_value, config_value
 
 __all__ = ["from_nvfp4", "is_compressed_tensors_nvfp4"]
 
@@ -66,18 +67,24 @@ def from_nvfp4(packed: Any, scale: Any, *, global_scale: Any = None, tensor_scal
                            None if ts is None else jnp.asarray(ts, jnp.float32), kind="nvfp4", group_size=16)
 
 
-def is_compressed_tensors_nvfp4(qc: dict) -> bool:
+def is_compressed_tensors_nvfp4(qc: dict, where: str = "checkpoint") -> bool:
     """Whether a compressed-tensors ``quantization_config`` is NVFP4 weights
-    (``nvfp4-pack-quantized``: 4-bit float weights, groups of 16); ValueError
-    for an nvfp4-pack-quantized config whose weights are anything else."""
-    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
-    formats = {qc.get("format")} | {g.get("format") for g in groups}
+    (``nvfp4-pack-quantized``: 4-bit float weights, groups of 16);
+    CheckpointError (``where``: the config file) for a value of the wrong type or
+    an nvfp4-pack-quantized config whose weights are anything else."""
+    s = "quantization_config"
+    groups = {f"{s}.config_groups.{name}": g for name, g in
+              config_value(qc, "config_groups", where, "dict", {}, section=s, nullable=True).items()}
+    groups = {label: check_value({} if g is None else g, label, where, "dict") for label, g in groups.items()}
+    formats = {config_value(qc, "format", where, "str", None, section=s, nullable=True)}
+    formats |= {config_value(g, "format", where, "str", None, section=label, nullable=True)
+                for label, g in groups.items()}
     if "nvfp4-pack-quantized" not in formats:
         return False
-    for g in groups:
-        w = g.get("weights") or {}
+    for label, g in groups.items():
+        w = config_value(g, "weights", where, "dict", {}, section=label, nullable=True)
         if (w.get("num_bits"), w.get("type"), w.get("group_size")) != (4, "float", 16):
-            raise ValueError(f"compressed-tensors nvfp4-pack-quantized weights with num_bits={w.get('num_bits')}, "
-                             f"type={w.get('type')!r}, group_size={w.get('group_size')} are not read; NVFP4 is "
-                             "4-bit float weights in groups of 16")
+            raise CheckpointError(f"{where}: compressed-tensors nvfp4-pack-quantized weights with num_bits="
+                                  f"{w.get('num_bits')}, type={w.get('type')!r}, group_size={w.get('group_size')} "
+                                  "are not read; NVFP4 is 4-bit float weights in groups of 16")
     return True

@@ -45,7 +45,9 @@ resolves them (``peft/utils/other.py`` ``get_pattern_key``: the first pattern
 name, or ``<experts module>.gate_up_proj`` for a targeted parameter); the rank
 of the stored tensors must be the resolved r.
 
-Refused by name (ValueError naming the field or tensor and its value): another
+Refused by name (`CheckpointError`, a ValueError, naming the file and the field
+or tensor and its value; a malformed file likewise: not JSON, a value of the
+wrong type, a bad safetensors header, a tensor that is not float): another
 ``peft_type``; DoRA and PEFT's other LoRA variants (the config fields PEFT
 marks ``is_lora_variant``: ``use_dora``, ``alora_invocation_tokens``,
 ``arrow_config``, ``velora_config``, ``kasa_config``, ``monteclora_config``,
@@ -61,7 +63,6 @@ within one projection; a layer without adapters; an adapter of gpt-oss (by its
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -72,6 +73,7 @@ import numpy as np
 
 from ..experts import FLOAT_DTYPES
 from ..lora import LoRA
+from .files import CheckpointError, SafetensorsFile, check_value, config_value, read_json
 
 __all__ = ["from_peft"]
 
@@ -87,7 +89,7 @@ _FUSED_PARAMS = ("gate_up_proj", "down_proj")
 
 
 def _fail(msg: str):
-    raise ValueError(f"from_peft: {msg}")
+    raise CheckpointError(f"from_peft: {msg}")
 
 
 def _check_config(c: dict, where: str) -> None:
@@ -114,14 +116,17 @@ def _check_config(c: dict, where: str) -> None:
         _fail(f"{where}: init_lora_weights={init!r} is not read: that initialisation rewrites the base weights, so "
               "the adapter applies to a residual base, not the checkpoint's (save it with PEFT's "
               "path_initial_model_for_weight_conversion to get a plain LoRA)")
-    r = c.get("r")
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-        _fail(f"{where}: r={r!r} must be a positive int")
-    if not isinstance(c.get("lora_alpha"), (int, float)) or isinstance(c.get("lora_alpha"), bool):
-        _fail(f"{where}: lora_alpha={c.get('lora_alpha')!r} must be a number")
-    for f in ("rank_pattern", "alpha_pattern"):
-        if not isinstance(c.get(f) or {}, dict):
-            _fail(f"{where}: {f}={c.get(f)!r} must be a mapping")
+    at = f"from_peft: {where}"
+    config_value(c, "r", at, "int", minimum=1)
+    config_value(c, "lora_alpha", at, "number")
+    config_value(c, "target_parameters", at, "list", [], nullable=True)
+    for f, kind in (("rank_pattern", "int"), ("alpha_pattern", "number")):
+        for p, v in config_value(c, f, at, "dict", {}, nullable=True).items():
+            check_value(v, f"{f}[{p!r}]", at, kind, minimum=1 if kind == "int" else None)
+            try:
+                re.compile(p)
+            except re.error as err:
+                raise CheckpointError(f"{at}: {f} key {p!r} is not a regular expression: {err}") from err
 
 
 def _pattern(patterns: dict, key: str, default):
@@ -144,16 +149,6 @@ def _scale_for(c: dict, module_key: str, stored_r: int, what: str, where: str) -
     return float(alpha) / (math.sqrt(r) if c.get("use_rslora") else r)
 
 
-def _open(path: str):
-    """safetensors' numpy reader of ``path`` (names first; tensors read when asked)."""
-    try:
-        import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy for safetensors' numpy reader)
-        from safetensors import safe_open
-    except ModuleNotFoundError as err:
-        raise ImportError("jax_nbx.loaders.from_peft needs safetensors: pip install 'jax_nbx[hf]'") from err
-    return safe_open(path, framework="numpy")
-
-
 def _block_prefix(names, layer: int, prefix: str | None) -> str:
     """The block's name prefix in the adapter's tensor names (``base_model.model.<...>.mlp.``)."""
     if prefix is not None:
@@ -174,9 +169,11 @@ def _block_prefix(names, layer: int, prefix: str | None) -> str:
 
 
 def _as(a: np.ndarray, name: str, dtype) -> jnp.ndarray:
+    if not np.issubdtype(a.dtype, np.floating) and np.dtype(a.dtype) not in FLOAT_DTYPES:
+        _fail(f"tensor {name!r} has dtype {a.dtype}; expected one of {', '.join(map(str, FLOAT_DTYPES))}")
     if dtype is None and np.dtype(a.dtype) not in FLOAT_DTYPES:
-        raise TypeError(f"from_peft: tensor {name!r} has dtype {a.dtype}; expected one of "
-                        f"{', '.join(map(str, FLOAT_DTYPES))} (or pass dtype=)")
+        _fail(f"tensor {name!r} has dtype {a.dtype}; expected one of {', '.join(map(str, FLOAT_DTYPES))} "
+              "(or pass dtype=)")
     return jnp.asarray(a if dtype is None else a.astype(np.dtype(dtype)))
 
 
@@ -310,9 +307,10 @@ def from_peft(path: str | os.PathLike, *, layer: int, num_experts: int, hidden_s
       block's base experts (`load_moe`).
 
     Raises:
-      ValueError naming the config field and its value, or the tensor, for
-      what is not read (the module docstring lists it); FileNotFoundError for
-      a folder without the two files.
+      `CheckpointError` (a ValueError) naming the file and the config field
+      and its value, or the tensor, for what is not read (the module
+      docstring lists it) or is malformed; FileNotFoundError for a folder
+      without the two files.
     """
     folder = os.fspath(path)
     cfg_path = os.path.join(folder, "adapter_config.json")
@@ -321,19 +319,23 @@ def from_peft(path: str | os.PathLike, *, layer: int, num_experts: int, hidden_s
         if not os.path.exists(p):
             raise FileNotFoundError(f"from_peft: {p} does not exist (a PEFT adapter folder holds "
                                     "adapter_config.json and adapter_model.safetensors)")
-    with open(cfg_path) as f:
-        try:
-            c = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"from_peft: {cfg_path} is not JSON: {err}") from err
-    if not isinstance(c, dict):
-        _fail(f"{cfg_path} holds {type(c).__name__}, not a config mapping")
+    c = read_json(cfg_path)
     E, H, I = int(num_experts), int(hidden_size), int(intermediate_size)
-    _check_config(c, "adapter_config.json")
-    with _open(st_path) as fh:  # only the block's tensors are read
-        names = list(fh.keys())
-        pfx = _block_prefix(names, layer, prefix)
-        block = {n: fh.get_tensor(n) for n in names if n.startswith(pfx)}
+    _check_config(c, cfg_path)
+    try:
+        return _read(SafetensorsFile(st_path), c, cfg_path, layer, prefix, E, H, I, dtype)
+    except CheckpointError as err:
+        if st_path in str(err):
+            raise
+        raise CheckpointError(f"from_peft: {st_path}: {str(err).removeprefix('from_peft: ')}") from err
+
+
+def _read(fh: SafetensorsFile, c: dict, cfg_path: str, layer: int, prefix: str | None, E: int, H: int, I: int,
+          dtype) -> LoRA:
+    """The block's adapters of file ``fh`` (only the block's tensors are read)."""
+    names = fh.keys()
+    pfx = _block_prefix(names, layer, prefix)
+    block = {n: fh.get(n) for n in names if n.startswith(pfx)}
     if not block:
         _fail(f"layer={layer} has no LoRA adapters under {pfx!r}")
     outside = sorted(n for n in block if not n.startswith(pfx + "experts."))
@@ -345,5 +347,5 @@ def from_peft(path: str | os.PathLike, *, layer: int, num_experts: int, hidden_s
         other = next(n for n in block if n not in fused)
         _fail(f"the adapter holds both fused-experts tensors ({next(iter(fused))!r}) and others ({other!r})")
     read = _fused if fused else _per_expert
-    pairs, scales = read(block, pfx, c, E, H, I, dtype, "adapter_config.json")
+    pairs, scales = read(block, pfx, c, E, H, I, dtype, cfg_path)
     return LoRA(**pairs, scale=scales)

@@ -42,7 +42,8 @@ import numpy as np
 from flax import nnx
 
 from ..loaders import CheckpointError, load_moe, safetensors_files
-from ..nn.block import MoEConfig, read_hf_config
+from ..loaders.files import CheckpointFiles, check_value, config_value
+from ..nn.block import MoEConfig, hf_config_path, read_hf_config
 from ..nn.nnx_moe import NNXMoE
 from .moe_baselines import BASELINES, _stacked_in_out, moe_dense, moe_ragged_dot  # noqa: F401  (q3.moe_dense ...)
 
@@ -104,12 +105,27 @@ class Qwen3MoeConfig:
     @classmethod
     def from_hf(cls, config: dict | str | os.PathLike) -> Qwen3MoeConfig:
         """From a ``config.json`` (a dict, the file or its folder); refuses,
-        naming the field, what this model does not implement."""
+        naming the field, what this model does not implement.  Raises
+        `jax_nbx.loaders.CheckpointError` (a ValueError) naming the file (when
+        given one) and the field whose value cannot be read (a string or a
+        negative number for a size, ...)."""
+        where = "Qwen3MoeConfig.from_hf" + ("" if isinstance(config, dict) else f": {hf_config_path(config)}")
         config = read_hf_config(config)
         if config.get("model_type") != "qwen3_moe":
-            raise ValueError(f"Qwen3MoeConfig.from_hf: model_type is {config.get('model_type')!r}, "
-                             "not 'qwen3_moe'")
+            raise CheckpointError(f"{where}: model_type is {config.get('model_type')!r}, not 'qwen3_moe'")
+        # transformers 5.24 writes num_local_experts (its attribute_map's name for num_experts) and
+        # rope_theta inside rope_parameters: the field -> the key it is read from
+        config, names = dict(config), {}
+        if "num_local_experts" in config:
+            if config.setdefault("num_experts", config["num_local_experts"]) != config["num_local_experts"]:
+                raise CheckpointError(f"{where}: num_experts={config['num_experts']!r} and num_local_experts="
+                                      f"{config['num_local_experts']!r} disagree")
+            names["num_experts"] = "num_local_experts"
+        rope = config_value(config, "rope_parameters", where, "dict", {}, nullable=True)
+        if "rope_theta" in rope and "rope_theta" not in config:
+            config["rope_theta"], names["rope_theta"] = rope["rope_theta"], "rope_parameters.rope_theta"
         unsupported = {
+            "rope_parameters": rope.get("rope_type", "default") != "default",
             "mlp_only_layers": bool(config.get("mlp_only_layers")),
             "decoder_sparse_step": config.get("decoder_sparse_step", 1) != 1,
             "use_sliding_window": bool(config.get("use_sliding_window")),
@@ -120,12 +136,20 @@ class Qwen3MoeConfig:
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             what = ", ".join(f"{k}={config[k]!r}" for k in bad)
-            raise ValueError(f"Qwen3MoeConfig.from_hf: unsupported setting(s) {what} (implemented: every layer "
-                             "sparse, SwiGLU, plain RoPE, no bias, no sliding window)")
-        kw = {f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config}
-        if "head_dim" not in config:
-            kw["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
-        return cls(**kw)
+            raise CheckpointError(f"{where}: unsupported setting(s) {what} (implemented: every layer sparse, "
+                                  "SwiGLU, plain RoPE, no bias, no sliding window)")
+        kw = {}
+        for f in dataclasses.fields(cls):
+            if f.name in config and not (f.name == "head_dim" and config[f.name] is None):
+                kind, checks = _FIELD_KINDS.get(f.name, ("int", {"minimum": 1}))
+                kw[f.name] = check_value(config[f.name], names.get(f.name, f.name), where, kind, **checks)
+        if "head_dim" not in kw:  # transformers' Qwen3MoeConfig: hidden_size // num_attention_heads
+            kw["head_dim"] = (kw.get("hidden_size", cls.hidden_size)
+                              // kw.get("num_attention_heads", cls.num_attention_heads))
+        try:
+            return cls(**kw)
+        except ValueError as err:
+            raise CheckpointError(f"{where}: {err}") from err
 
     def moe_config(self, implementation: str | None = None) -> MoEConfig:
         """The `MoEConfig` of every MoE block."""
@@ -133,6 +157,12 @@ class Qwen3MoeConfig:
                          num_experts=self.num_experts, top_k=self.num_experts_per_tok, routing="softmax",
                          norm_topk_prob=self.norm_topk_prob, initializer_range=self.initializer_range,
                          implementation=implementation)
+
+
+# config.json's fields other than the positive integer sizes: (check_value kind, checks)
+_FIELD_KINDS = {"norm_topk_prob": ("bool", {}), "tie_word_embeddings": ("bool", {}),
+                "rms_norm_eps": ("number", {"positive": True}), "rope_theta": ("number", {"positive": True}),
+                "initializer_range": ("number", {})}
 
 
 # --- layers ---------------------------------------------------------------------------------
@@ -492,34 +522,35 @@ def load_hf(folder: str | os.PathLike, *, moe: str = "fused", implementation: st
     `jax_nbx.loaders.load_moe` (router ``[E, H]`` and per-expert
     ``[out, in]`` lists, read in place).  ``dtype`` casts every weight
     (default: as stored).  Raises `jax_nbx.loaders.CheckpointError`
-    naming a missing or mis-shaped tensor."""
-    from safetensors import safe_open
+    naming the file and a missing, mis-shaped or non-float tensor, or what
+    is malformed in config.json, the index or a safetensors header (every
+    tensor is checked against the config before the model is built)."""
     folder = os.fspath(folder)
     c = Qwen3MoeConfig.from_hf(folder)
     files, wmap, _ = safetensors_files(folder)
-    if wmap is None:
-        wmap = {}
-        for f in files:
-            with safe_open(f, framework="flax") as h:
-                wmap.update({k: f for k in h.keys()})
-    handles: dict[str, Any] = {}
+    source = os.path.join(folder, "model.safetensors.index.json") if wmap is not None else folder
+    reader = CheckpointFiles(files, wmap, source, framework="flax")
 
-    def get(name, shape):
-        if name not in wmap:
-            raise CheckpointError(f"checkpoint: tensor {name!r} is missing (looked in {len(files)} file(s) "
-                                  f"of {folder})")
-        f = wmap[name]
-        if f not in handles:
-            handles[f] = safe_open(f, framework="flax")
-        t = handles[f].get_tensor(name)
-        if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"checkpoint: tensor {name!r} has shape {tuple(t.shape)}; expected {tuple(shape)}")
+    def get(name, shape):  # shape and dtype checked from the header before the tensor is read
+        t = reader.get(name, float_only=True, shape=shape)
         return t if dtype is None else t.astype(dtype)
 
     H, D = c.hidden_size, c.head_dim
     qd, kvd = c.num_attention_heads * D, c.num_key_value_heads * D
-    weights = {"embed_tokens": get("model.embed_tokens.weight", (c.vocab_size, H)),
-               "lm_head": None if c.tie_word_embeddings else get("lm_head.weight", (c.vocab_size, H))}
+    try:  # every tensor read (and checked against the config) before the model is built
+        weights = {"embed_tokens": get("model.embed_tokens.weight", (c.vocab_size, H)),
+                   "lm_head": None if c.tie_word_embeddings else get("lm_head.weight", (c.vocab_size, H)),
+                   "norm": get("model.norm.weight", (H,))}
+        layers = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            t = {n: get(p + n + ".weight", (H,)) for n in ("input_layernorm", "post_attention_layernorm")}
+            for n, shape in (("q_proj", (qd, H)), ("k_proj", (kvd, H)), ("v_proj", (kvd, H)), ("o_proj", (H, qd)),
+                             ("q_norm", (D,)), ("k_norm", (D,))):
+                t[n] = get(f"{p}self_attn.{n}.weight", shape)
+            layers.append(t)
+    finally:
+        reader.close()
     mcfg = c.moe_config(implementation)
     mlps = []
     for i in range(c.num_hidden_layers):
@@ -529,15 +560,11 @@ def load_hf(folder: str | os.PathLike, *, moe: str = "fused", implementation: st
         mlps.append(NNXMoE(mcfg, params=p))
     model = Qwen3MoeForCausalLM(c, moe="fused", dtype=dtype or weights["embed_tokens"].dtype,
                                 _weights=weights, _mlps=mlps, rngs=None)
-    model.norm.weight = nnx.Param(get("model.norm.weight", (H,)))
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
+    model.norm.weight = nnx.Param(weights["norm"])
+    for layer, t in zip(model.layers, layers):
         at = layer.self_attn
-        layer.input_layernorm.weight = nnx.Param(get(p + "input_layernorm.weight", (H,)))
-        layer.post_attention_layernorm.weight = nnx.Param(get(p + "post_attention_layernorm.weight", (H,)))
-        for n, shape in (("q_proj", (qd, H)), ("k_proj", (kvd, H)), ("v_proj", (kvd, H)), ("o_proj", (H, qd))):
-            getattr(at, n).weight = nnx.Param(get(f"{p}self_attn.{n}.weight", shape))
-        at.q_norm.weight = nnx.Param(get(p + "self_attn.q_norm.weight", (D,)))
-        at.k_norm.weight = nnx.Param(get(p + "self_attn.k_norm.weight", (D,)))
-    handles.clear()
+        layer.input_layernorm.weight = nnx.Param(t["input_layernorm"])
+        layer.post_attention_layernorm.weight = nnx.Param(t["post_attention_layernorm"])
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            getattr(at, n).weight = nnx.Param(t[n])
     return model if moe == "fused" else with_moe(model, moe, implementation)

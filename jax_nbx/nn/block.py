@@ -145,17 +145,22 @@ class MoEConfig:
         ``swiglu_limit``).  ``overrides`` replace fields (e.g.
         ``implementation=``).
 
-        Raises ValueError naming the key whose value cannot be read (a
+        Raises `jax_nbx.loaders.CheckpointError` (a ValueError) naming the
+        file (when given one) and the key whose value cannot be read (a
         missing count, a string for a number, an activation or
-        ``topk_method`` jax_nbx does not have) or the model_type it does not
-        know."""
+        ``topk_method`` jax_nbx does not have, a ``text_config`` that is not
+        an object), the model_type it does not know, or a file that is not a
+        JSON object."""
+        files = _files()
+        path = None if isinstance(config, dict) else hf_config_path(config)
+        where = f"MoEConfig.from_hf: {path or 'config.json'}"
         config = read_hf_config(config)
-        c = config.get("text_config") or config
-        mt = c.get("model_type", "")
+        c = files.config_value(config, "text_config", where, "dict", None, nullable=True) or config
+        mt = files.config_value(c, "model_type", where, "str", "")
         if mt not in HF_DEFAULTS:
-            raise ValueError(f"MoEConfig.from_hf: model_type {mt!r} is not one of {', '.join(HF_DEFAULTS)}; "
-                             "build MoEConfig directly")
-        r = _HFReader(c, mt)
+            raise files.CheckpointError(f"MoEConfig.from_hf: {path + ': ' if path else ''}model_type {mt!r} is not "
+                                        f"one of {', '.join(HF_DEFAULTS)}; build MoEConfig directly")
+        r = _HFReader(c, mt, f"{where} ({mt})" if path else f"MoEConfig.from_hf: {mt} config.json")
         kw: dict[str, Any] = dict(hidden_size=r.int("hidden_size"), top_k=r.int("num_experts_per_tok"),
                                   initializer_range=r.float("initializer_range"))
         if mt != "gpt_oss":  # GptOssExperts' gate ignores hidden_act
@@ -185,8 +190,7 @@ class MoEConfig:
                 if method == "group_limited_greedy":
                     kw.update(n_group=r.int("n_group"), topk_group=r.int("topk_group"))
                 elif method != "greedy":
-                    raise ValueError(f"MoEConfig.from_hf: deepseek_v2 config.json: topk_method={method!r} is not "
-                                     "one DeepseekV2TopkRouter takes ('greedy', 'group_limited_greedy')")
+                    r.fail("topk_method", method, "one DeepseekV2TopkRouter takes ('greedy', 'group_limited_greedy')")
         elif mt == "granitemoe":
             kw.update(routing="softmax_topk", fusion="concat")
         elif mt == "gpt_oss":
@@ -200,7 +204,7 @@ class MoEConfig:
         try:
             return cls(**kw)
         except ValueError as err:
-            raise ValueError(f"MoEConfig.from_hf: {mt} config.json: {err}") from err
+            raise files.CheckpointError(f"{r.where}: {err}") from err
 
 
 # transformers 5.24.0's config classes (models/<family>/configuration_<family>.py): the default of
@@ -249,46 +253,37 @@ HF_ACTIVATIONS: dict[str, str] = {
 
 class _HFReader:
     """The keys of one family's config.json: its class's default where absent, its attribute_map's
-    names read too, each value checked (ValueError naming the key)."""
+    names read too, each value checked (`jax_nbx.loaders.files.check_value`: a CheckpointError
+    naming the key; ``where``: the file)."""
 
-    def __init__(self, c: dict, mt: str):
-        self.c, self.mt = c, mt
+    def __init__(self, c: dict, mt: str, where: str):
+        self.c, self.mt, self.where = c, mt, where
 
-    def _fail(self, key: str, v, what: str):
-        raise ValueError(f"MoEConfig.from_hf: {self.mt} config.json: {key}={v!r} {what}")
+    def fail(self, key: str, v, what: str):
+        raise _files().CheckpointError(f"{self.where}: {key}={v!r} is not {what}")
 
     def get(self, key: str):
         names = [key] + [a for a, k in HF_ALIASES.get(self.mt, {}).items() if k == key]
         present = [n for n in names if n in self.c]
         if len(present) > 1 and len({json.dumps(self.c[n]) for n in present}) > 1:
-            raise ValueError(f"MoEConfig.from_hf: {self.mt} config.json: "
-                             + " and ".join(f"{n}={self.c[n]!r}" for n in present)
-                             + " disagree (the same attribute of its config class)")
+            raise _files().CheckpointError(f"{self.where}: " + " and ".join(f"{n}={self.c[n]!r}" for n in present)
+                                           + " disagree (the same attribute of its config class)")
         return self.c[present[0]] if present else HF_DEFAULTS[self.mt][key]
 
     def int(self, key: str, allow_zero: bool = False) -> int:
-        v = self.get(key)
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < (0 if allow_zero else 1):
-            self._fail(key, v, f"is not a {'non-negative' if allow_zero else 'positive'} integer")
-        return int(v)
+        return int(_files().check_value(self.get(key), key, self.where, "int", minimum=0 if allow_zero else 1))
 
     def float(self, key: str) -> float:
-        v = self.get(key)
-        if not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, bool) or not np.isfinite(v):
-            self._fail(key, v, "is not a finite number")
-        return float(v)
+        return float(_files().check_value(self.get(key), key, self.where, "number"))
 
     def bool(self, key: str) -> bool:
-        v = self.get(key)
-        if not isinstance(v, (bool, np.bool_)):
-            self._fail(key, v, "is not a boolean")
-        return bool(v)
+        return bool(_files().check_value(self.get(key), key, self.where, "bool"))
 
     def activation(self) -> str:
         v = self.get("hidden_act")
-        if v not in HF_ACTIVATIONS:
-            self._fail("hidden_act", v, f"is not one jax_nbx's gated units compute (transformers' names "
-                                        f"{', '.join(HF_ACTIVATIONS)})")
+        if not isinstance(v, str) or v not in HF_ACTIVATIONS:
+            self.fail("hidden_act", v, f"one jax_nbx's gated units compute (transformers' names "
+                                       f"{', '.join(HF_ACTIVATIONS)})")
         return HF_ACTIVATIONS[v]
 
 
@@ -320,15 +315,26 @@ class RouterAux(NamedTuple):
     expert_counts: jax.Array
 
 
+def _files():
+    """`jax_nbx.loaders.files`, where every loader reads its files (imported when first used:
+    `jax_nbx.loaders` imports this module)."""
+    from ..loaders import files
+    return files
+
+
+def hf_config_path(config: str | os.PathLike) -> str:
+    """The ``config.json`` a path names: the file, or the one in the folder."""
+    path = os.fspath(config)
+    return os.path.join(path, "config.json") if os.path.isdir(path) else path
+
+
 def read_hf_config(config: dict | str | os.PathLike) -> dict:
-    """A Hugging Face ``config.json`` as a dict: given as one, as the file, or as its folder."""
+    """A Hugging Face ``config.json`` as a dict: given as one, as the file, or as its folder
+    (`jax_nbx.loaders.files.read_json`: CheckpointError naming the file when it is not a JSON
+    object, FileNotFoundError when it is not there)."""
     if isinstance(config, dict):
         return config
-    path = os.fspath(config)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    with open(path) as f:
-        return json.load(f)
+    return _files().read_json(hf_config_path(config))
 
 
 def _normal(key, shape, std, dtype):
