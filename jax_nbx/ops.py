@@ -276,7 +276,7 @@ def _resolve(x, topk_weights, topk_ids, experts, activation, implementation, max
     backend = backends.choose(implementation, problem)
     shared = _shared_pass(shared_experts, implementation, x.dtype, H, activation, precision, options)
     passes = [(backend, problem)] + ([shared] if shared is not None else [])
-    if precision is None and lora_spec is None and _bf16_dot_by_default(x.dtype, passes):
+    if precision is None and _bf16_dot_by_default(x.dtype, passes):
         problem = problem.replace(bf16_dot=True)
         if shared is not None:
             shared = (shared[0], shared[1].replace(bf16_dot=True))

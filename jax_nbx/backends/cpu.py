@@ -61,8 +61,8 @@ class CpuBackend(Backend):
             return f"runs under JAX's CPU backend; the default backend is {platform!r}"
         prec = problem.handler_precision
         if prec is not None:
-            if problem.lora is not None:
-                return f"LoRA adapters (lora=) run in float32 arithmetic, not precision={prec!r}"
+            if problem.lora is not None and prec == "int8":
+                return f"LoRA adapters (lora=) run in float32 or bfloat16 arithmetic, not precision={prec!r}"
             why = (why_no_bf16_dot if prec == "bfloat16" else why_no_int8_dot)(problem)
             if why:
                 return f"precision={prec!r} {why}"

@@ -81,8 +81,10 @@ def test_vmap_and_weights_on_input():
 
 
 def test_backends_that_take_adapters_and_the_refusals():
-    """The CPU handler takes adapters over every format; precision='bfloat16'
-    it refuses by name (None runs float32 arithmetic); every built-in backend
+    """The CPU handler takes adapters over every format, in the arithmetic the
+    call would run without them (precision='bfloat16', or None where that
+    takes the dot kernels: the adapters add to the base's sums); 'int8' it
+    refuses by name; every built-in backend
     takes them (a backend of one's own that does not is refused by name:
     test_backends.py); CUDA refuses ranks above 64."""
     E, k, H, I, T = 4, 2, 40, 24, 3
@@ -93,12 +95,14 @@ def test_backends_that_take_adapters_and_the_refusals():
         (("gate", 2, 0.5), ("up", 2, 0.8), ("down", 2, 1.3)), False)
     assert problem.lora.ranks == (2, 2, 2) and not problem.bf16_dot
     assert nbx.ops.resolve(x, w, ids, nbx.quantize(ex, "int8"), lora=lora)[0].name == "cpu"
+    with pytest.raises(ValueError, match="float32 or bfloat16 arithmetic, not precision='int8'"):
+        nbx.fused_moe(x, w, ids, nbx.quantize(ex, "int8"), lora=lora, implementation="cpu", precision="int8")
     xb = x.astype(jnp.bfloat16)
-    with pytest.raises(ValueError, match="float32 arithmetic, not precision='bfloat16'"):
-        nbx.fused_moe(xb, w, ids, ex, lora=lora, implementation="cpu", precision="bfloat16")
     exb = jax.tree.map(lambda a: a.astype(jnp.bfloat16), ex)
+    y = nbx.fused_moe(xb, w, ids, exb, lora=lora, implementation="cpu", precision="bfloat16")
+    assert rel_err(y, np_moe(xb, w, ids, exb, lora=lora)) < 1e-2
     backend, problem = nbx.ops.resolve(xb, w, ids, exb, lora=lora)
-    assert backend.name == "cpu" and not problem.bf16_dot  # precision=None: float32 with adapters
+    assert backend.name == "cpu" and problem.bf16_dot == nbx.cpu.bf16_dot_by_default()
     assert all(nbx.backends.get(n).takes_lora for n in ("metal", "cuda", "cpu", "xla"))
     from support import cuda_interpret
 

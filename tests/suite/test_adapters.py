@@ -87,3 +87,36 @@ def test_lora_over_a_checkpoint_layout_with_biases(backend, name, T):
     ref = np_moe(x, w, ids, plain, biases=(bg, bu, bd), lora=lora)
     assert rel_err(y, ref) < backend.tol(x.dtype)
     assert rel_err(y, np_moe(x, w, ids, plain, biases=(bg, bu, bd))) > 10 * backend.tol(x.dtype)
+
+
+# (T, x dtype, weight format, H, I): decode and prefill, 32-bit and 16-bit x, dense and quantized
+ZERO_CASES = [
+    pytest.param(1, "f32", "dense", 40, 24, marks=CORE, id="T1-f32"),
+    pytest.param(33, "f32", "dense", 40, 24, marks=CORE, id="T33-f32"),
+    pytest.param(1, "bf16", "dense", 40, 24, id="T1-bf16"),
+    pytest.param(33, "bf16", "dense", 40, 24, id="T33-bf16"),
+    pytest.param(5, "f32", "int4", 64, 32, id="T5-f32-int4"),
+    pytest.param(33, "bf16", "mxfp4", 64, 32, id="T33-bf16-mxfp4"),
+]
+
+
+@pytest.mark.parametrize("T, xd, fmt, H, I", ZERO_CASES)
+def test_zero_adapters_give_the_base_bits(backend, T, xd, fmt, H, I):
+    """Adapters with B = 0 (`LoRA.init`, as PEFT starts them) are an addition
+    of zero to what the base path computes: the output equals the call
+    without adapters bit for bit, in every dtype (docs/lora.md), and the
+    adapters' B still gets its gradient."""
+    backend.require(LORA)
+    backend.require_format(fmt)
+    E, k = 5, 2
+    x, w, ids, ex = make_problem(71 + T, T, E, k, H, I, x_dtype=DTYPES[xd], w_dtype=DTYPES[xd])
+    if fmt != "dense":
+        ex = nbx.quantize(ex, fmt, group_size=32 if fmt in ("int4", "fp8") else None)
+    lora = nbx.LoRA.init(jax.random.PRNGKey(T), E, H, I, rank=4)
+    base = np.asarray(backend(x, w, ids, ex))
+    got = np.asarray(backend(x, w, ids, ex, lora=lora))
+    assert got.dtype == base.dtype
+    np.testing.assert_array_equal(got.view(np.uint8), base.view(np.uint8))
+    ct = jnp.asarray(np.random.default_rng(2).standard_normal((T, H)), jnp.float32)
+    _, (_, _, glora, _) = loss_and_grads(x, w, ids, ex, lora, ct, implementation=backend.implementation)
+    assert np.any(np.asarray(glora.pair("down")[1])), "B's gradient reaches the adapters"

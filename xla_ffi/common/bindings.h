@@ -34,7 +34,7 @@ struct ForwardAttrs {
   // precision="int8": int8 and int4 experts only, every expert streamed
   // through the int8-arithmetic kernels (abi.h "int8 arithmetic").
   bool int8_dot;
-  LoraAttrs lora;  // abi.h "LoRA adapters": any rank > 0 runs FusedMoeLoraForward
+  LoraAttrs lora;  // abi.h "LoRA adapters": any rank > 0 adds the adapters (cpu/forward_lora.h)
   // abi.h "prepacked weights": the last two weight buffers are GEMM1's and
   // GEMM2's packed words (cpu/prepacked.h), read instead of packing
   bool prepacked;

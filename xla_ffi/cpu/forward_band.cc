@@ -41,7 +41,7 @@ ScratchLayout LayOutScratch(int64_t H, int64_t I, const KernelTable& kt, bool do
 }
 
 size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int workers,
-                 const KernelTable& kt, bool dot, Band* b) {
+                 const KernelTable& kt, bool dot, int64_t R, Band* b) {
   const int64_t P = MaxPaddedRows(S, E, kt.mr);
   const int64_t C = MaxChunks(P, E, int64_t{kt.mr} * kt.chunk_panels);
   Carver cv(base);
@@ -58,15 +58,16 @@ size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int wor
   b->chunks.end = cv.Take<int64_t>(C);
   b->XO = cv.Take<float>(P, H);
   b->A2 = cv.Take<float>(P, I);
+  b->LR = R > 0 ? cv.Take<float>(P, R) : nullptr;
   b->scratch_layout = LayOutScratch(H, I, kt, dot);
   b->scratch = cv.Take<float>(workers, b->scratch_layout.stride);
   return cv.used();
 }
 
 size_t BandBytes(int64_t S, int64_t E, int64_t H, int64_t I, int workers, const KernelTable& kt,
-                 bool dot) {
+                 bool dot, int64_t R) {
   Band unused;
-  return CarveBand(nullptr, S, E, H, I, workers, kt, dot, &unused);
+  return CarveBand(nullptr, S, E, H, I, workers, kt, dot, R, &unused);
 }
 
 }  // namespace cpu_forward

@@ -44,17 +44,19 @@ struct Band {
   Chunks chunks;          // [C] work items
   float* XO;              // [P/MR][H][MR] packed x; later O [P][H]
   float* A2;              // [P/MR][I][MR] packed activations
+  float* LR;              // [P][R] LoRA adapters: each row's rank projections (forward_lora.h)
   float* scratch;         // [workers][scratch_layout.stride]
   ScratchLayout scratch_layout;
 };
 
 // Lays a band of S slots out from `base`; returns the bytes it takes.  With
 // base == nullptr it only measures: the one layout both sizes the
-// allocation (and the Python plan) and carves it.
+// allocation (and the Python plan) and carves it.  R: the LoRA adapters'
+// ranks summed (0: none).
 size_t CarveBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int workers,
-                 const KernelTable& kt, bool dot, Band* b);
+                 const KernelTable& kt, bool dot, int64_t R, Band* b);
 size_t BandBytes(int64_t S, int64_t E, int64_t H, int64_t I, int workers, const KernelTable& kt,
-                 bool dot);
+                 bool dot, int64_t R);
 
 }  // namespace cpu_forward
 }  // namespace nbx

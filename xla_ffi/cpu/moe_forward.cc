@@ -12,6 +12,8 @@
 // The weights are decoded once (weights.h: every format and layout, read in
 // place); the GEMMs run through the shared driver (gemm_driver.h) on the
 // micro-kernels of the instruction set chosen at run time (kernel_table.h).
+// LoRA adapters add their terms to the sums of GEMM1 and GEMM2
+// (forward_lora.h), so adapters with B = 0 change no bit of the output.
 // Experts with few rows in the band (decode) skip packing: their weights
 // (float32, bfloat16 or quantized) are streamed once, in place.  Every
 // output element is the same kk-ordered sum whatever the kernel, band, tile
@@ -30,6 +32,8 @@
 
 #include "account.h"
 #include "cpu/forward_band.h"
+#include "cpu/forward_lora.h"
+#include "cpu/forward_rows.h"
 #include "cpu/gemm_driver.h"
 #include "common/handler_common.h"
 #include "cpu/kernels/kernel_table.h"
@@ -67,6 +71,8 @@ struct Problem {
   bool int8 = false;
   // jax_nbx.prepack's words of GEMM1 and GEMM2 (cpu/prepacked.h), or null bases.
   PackedWords packed[2] = {};
+  // LoRA adapters (forward_lora.h), or null.
+  const Lora* lora = nullptr;
 };
 
 template <typename W>
@@ -83,29 +89,6 @@ struct WeightSource<Quantized> {
     return static_cast<const QuantMatrix*>(table[e]);
   }
 };
-
-template <typename XT>
-void GatherPanel(const XT* x, int64_t H, const int32_t* row_token, int mr, float* dst) {
-  for (int r = 0; r < mr; ++r) {
-    if (row_token[r] < 0) {
-      for (int64_t h = 0; h < H; ++h) dst[h * mr + r] = 0.0f;
-    } else {
-      const XT* src = x + static_cast<int64_t>(row_token[r]) * H;
-      for (int64_t h = 0; h < H; ++h) dst[h * mr + r] = ToFloat(src[h]);
-    }
-  }
-}
-
-// GEMM2's down bias, weighted like the rows: O[m, n0+c] += w[m] * bd[n0+c]
-// for rows [m0, m1) (padding rows have weight 0), c < cols.
-inline void AddDownBias(const float* bd, const float* row_weight, int64_t m0, int64_t m1,
-                        int64_t n0, int cols, float* O, int64_t H) {
-  for (int64_t m = m0; m < m1; ++m) {
-    const float w = row_weight[m];
-    float* o = O + m * H + n0;
-    for (int c = 0; c < cols; ++c) o[c] += w * bd[n0 + c];
-  }
-}
 
 // Plans the rows of `window` among slots [s0, s1) (slots.h) and the per-row
 // token and weight; returns (rows P, chunks).
@@ -154,7 +137,25 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
   bool interleaved = false;
   if constexpr (first && !WS::kQuant)
     interleaved = sn == 2 && p.w->off[1] == p.w->off[0] + 1 && p.w->fused;
-  const bool raw_glu = first && (bias_g != nullptr || interleaved);
+  // LoRA: gate/up terms added to GEMM1's stored sums; GEMM2's sums stored,
+  // the down term added, then weighted (forward_lora.h)
+  const Lora* const lora = p.lora;
+  const bool lora_gu = first && lora != nullptr && (lora->p[0].r > 0 || lora->p[1].r > 0);
+  const bool lora_d = !first && lora != nullptr && lora->p[2].r > 0;
+  const auto add_gu = [&](int64_t e, int64_t m, int rows, int64_t n, int cols, float* g, float* u,
+                          int64_t gs, int64_t gcs) {
+    if (!lora_gu) return;
+    AddLoraTerm(lora->p[0], lora->R, b.LR, e, m, rows, n, cols, g, gs, gcs);
+    AddLoraTerm(lora->p[1], lora->R, b.LR, e, m, rows, n, cols, u, gs, gcs);
+  };
+  // O[m + r, n + c] = w[m + r] * (sums[r * rs + c] + the down term), r < rows, c < cols
+  const auto weigh_down = [&](int64_t e, int64_t m, int rows, int64_t n, int cols, float* sums,
+                              int64_t rs) {
+    AddLoraTerm(lora->p[2], lora->R, b.LR, e, m, rows, n, cols, sums, rs, 1);
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols; ++c) b.XO[(m + r) * H + n + c] = b.row_weight[m + r] * sums[r * rs + c];
+  };
+  const bool raw_glu = first && (bias_g != nullptr || interleaved || lora_gu);
   // stored by columns (out x in): the column-streaming kernels, column n at n*sn
   const bool by_columns = !WS::kQuant && sk == 1 && sn != 1;
   // (precision="bfloat16" streams only with dot kernels that stream: their
@@ -218,33 +219,36 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
           float* raw = scratch + b.scratch_layout.raw_offset;
           const float* bg = bias_g ? bias_g + e * I + n0 : nullptr;
           const float* bu = bias_u ? bias_u + e * I + n0 : nullptr;
+          // gate sums at raw[r * 2cols + c * gcs], up sums `up` after them
+          int64_t gcs = 1, up = cols;
           if constexpr (WS::kQuant) {
             qstream2(a, mr, rows, mats[0], n0, K, cols, ones, scratch, raw, 2 * cols);
             qstream2(a, mr, rows, mats[1], n0, K, cols, ones, scratch, raw + cols, 2 * cols);
-            kt.glu(raw, raw + cols, 2 * cols, 1, rows, cols, bg, bu, p.act, out, 1, mr);
           } else if (interleaved) {  // gate||up pairs: one run of 2*cols, its two halves in one pass
             kt.stream_pair[w_index](a, mr, rows, mats[0] + 2 * n0, mats[0] + 2 * n0 + cols, sk,
                                     K, cols, scratch, raw);
-            kt.glu(raw, raw + 1, 2 * cols, 2, rows, cols, bg, bu, p.act, out, 1, mr);
+            gcs = 2, up = 1;
           } else if (!by_columns && dot == nullptr && mats[1] == mats[0] + cols) {  // concatenated
             kt.stream_pair[w_index](a, mr, rows, mats[0] + n0, mats[1] + n0, sk, K, cols,
                                     scratch, raw);
-            kt.glu(raw, raw + cols, 2 * cols, 1, rows, cols, bg, bu, p.act, out, 1, mr);
           } else {
             stream2(a, mr, rows, mats[0] + n0 * col_step, ldw, K, cols, ones, scratch, raw,
                     2 * cols);
             stream2(a, mr, rows, mats[1] + n0 * col_step, ldw, K, cols, ones, scratch,
                     raw + cols, 2 * cols);
-            kt.glu(raw, raw + cols, 2 * cols, 1, rows, cols, bg, bu, p.act, out, 1, mr);
           }
+          add_gu(e, r0, rows, n0, cols, raw, raw + up, 2 * cols, gcs);
+          kt.glu(raw, raw + up, 2 * cols, gcs, rows, cols, bg, bu, p.act, out, 1, mr);
         }
       } else {
         float* out = O + r0 * H + n0;
+        // (LoRA: the sums into O, then the down term added and weighted in place)
+        const float* wr = lora_d ? ones : b.row_weight + r0;
         if constexpr (WS::kQuant)
-          qstream2(a, mr, rows, mats[0], n0, K, cols, b.row_weight + r0, scratch, out, H);
+          qstream2(a, mr, rows, mats[0], n0, K, cols, wr, scratch, out, H);
         else
-          stream2(a, mr, rows, mats[0] + n0 * col_step, ldw, K, cols, b.row_weight + r0, scratch,
-                  out, H);
+          stream2(a, mr, rows, mats[0] + n0 * col_step, ldw, K, cols, wr, scratch, out, H);
+        if (lora_d) weigh_down(e, r0, rows, n0, cols, out, H);
         if (bias_d) AddDownBias(bias_d + e * H, b.row_weight, r0, r1, n0, cols, O, H);
       }
     };
@@ -320,7 +324,7 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
           const int64_t per_call = pf.PerCall(nsub * panels);
           int flags = BlockFlags(k0, kc, K);
           const bool last = k0 + kc >= K;
-          if (raw_glu) flags |= kStorePartial;  // the epilogue runs below, on the stored sums
+          if (raw_glu || lora_d) flags |= kStorePartial;  // the epilogue runs below, on the stored sums
           const int64_t pairs = (kc + 1) / 2;
           const auto* a_pairs =
               reinterpret_cast<const uint32_t*>(scratch + b.scratch_layout.dot_a_offset);
@@ -349,6 +353,7 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
                 if (raw_glu && last) {
                   const int64_t col = e * I + n0 + q * vl;
                   if (sq != nullptr) ScaleStoredSums(pp, sq, rows, 2 * vl);  // int8
+                  add_gu(e, m, rows, n0 + q * vl, cols, pp, pp + vl, 2 * vl, 1);
                   kt.glu(pp, pp + vl, 2 * vl, 1, rows, cols, bias_g ? bias_g + col : nullptr,
                          bias_u ? bias_u + col : nullptr, p.act, out1, 1, mr);
                 }
@@ -359,6 +364,10 @@ void RunGemm(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
               else
                 kt.gemm2(a, bq, kc, b.row_weight + m, rows, cols, O + m * H + n0 + q * 2 * vl, H,
                          pp, flags, sq);
+              if (lora_d && last) {
+                if (sq != nullptr) ScaleStoredSums(pp, sq, rows, 2 * vl);  // int8
+                weigh_down(e, m, rows, n0 + q * 2 * vl, cols, pp, 2 * vl);
+              }
               pf.Step(per_call);
             }
           }
@@ -384,8 +393,19 @@ void RunRows(const Problem& p, const KernelTable& kt, ffi::ThreadPool& pool, int
     }
   });
   st.Mark("gather");
+  // LoRA: each row's rank projections, from the float32 panels (before GEMM1
+  // and GEMM2 turn them into pairs)
+  const auto ranks = [&](int first, int last, const float* panels, int64_t K) {
+    ParallelFor(pool, workers, chunks, [&](int64_t c, int) {
+      for (int j = first; j <= last; ++j)
+        LoraRanks(p.lora->p[j], p.lora->R, panels, K, mr, b.chunks.expert[c], b.chunks.begin[c],
+                  b.chunks.end[c], b.LR);
+    });
+  };
+  if (p.lora != nullptr) ranks(0, 1, b.XO, p.H);
   RunGemm<W, /*first=*/true>(p, kt, pool, workers, chunks, b);
   st.Mark("gemm1");
+  if (p.lora != nullptr) ranks(2, 2, b.A2, p.I);
   RunGemm<W, /*first=*/false>(p, kt, pool, workers, chunks, b);
   st.Mark("gemm2");
 }
@@ -450,12 +470,13 @@ void RunExpertGroups(const Problem& p, const KernelTable& kt, ffi::ThreadPool& p
 ffi::Error AllocateBand(int64_t S, int64_t tokens, const Problem& p, int workers,
                         const KernelTable& kt, Workspace* ws, Band* b) {
   const bool dot = p.dot != nullptr;
-  if (ffi::Error e = AllocateWorkspace(BandBytes(S, p.E, p.H, p.I, workers, kt, dot),
-                                       BandBytes(0, p.E, p.H, p.I, workers, kt, dot), tokens, p.H,
-                                       "workspace", ws);
+  const int64_t R = p.lora != nullptr ? p.lora->R : 0;
+  if (ffi::Error e = AllocateWorkspace(BandBytes(S, p.E, p.H, p.I, workers, kt, dot, R),
+                                       BandBytes(0, p.E, p.H, p.I, workers, kt, dot, R), tokens,
+                                       p.H, "workspace", ws);
       e.failure())
     return e;
-  CarveBand(ws->data(), S, p.E, p.H, p.I, workers, kt, dot, b);
+  CarveBand(ws->data(), S, p.E, p.H, p.I, workers, kt, dot, R, b);
   return ffi::Error::Success();
 }
 
@@ -471,11 +492,13 @@ ffi::Error FusedMoeForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
 ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> topk_w,
                            ffi::Buffer<ffi::S32> topk_ids, ffi::RemainingArgs weights,
                            size_t trailing, ffi::Result<ffi::AnyBuffer> y, const ForwardAttrs& a) {
-  if (!NoLora(a.lora)) {
-    if (a.prepacked)
-      return ffi::Error::InvalidArgument("prepacked experts take no LoRA adapters");
-    return FusedMoeLoraForward(pool, x, topk_w, topk_ids, weights, trailing, y, a);
-  }
+  const bool with_lora = !NoLora(a.lora);
+  if (with_lora && a.prepacked)
+    return ffi::Error::InvalidArgument("prepacked experts take no LoRA adapters");
+  if (with_lora && a.int8_dot)
+    return ffi::Error::InvalidArgument(
+        "LoRA adapters in the CPU handler run in float32 or bfloat16 arithmetic, not "
+        "precision='int8'");
   int64_t T, H, k;
   if (ffi::Error e = CheckForwardCall(x, topk_w, topk_ids, y, a.activation, a.act_alpha,
                                       a.act_limit, &T, &H, &k);
@@ -487,8 +510,13 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
     return ffi::Error::InvalidArgument("fewer inputs than the prepacked words and aliased outputs");
   const size_t nw = weights.size() - trailing - packed_bufs;
   ExpertWeights w;
-  if (ffi::Error e = DecodeWeights(weights, 0, nw, a.num_experts, H,
-                                   a.format, a.stacked, a.group_size, a.views, &w);
+  Lora lora;
+  size_t nlora = 0;
+  if (ffi::Error e = with_lora ? DecodeWeightsAndLora(weights, trailing, a.num_experts, H, a.format,
+                                                      a.stacked, a.group_size, a.views, a.lora,
+                                                      &w, &lora, &nlora)
+                               : DecodeWeights(weights, 0, nw, a.num_experts, H, a.format,
+                                               a.stacked, a.group_size, a.views, &w);
       e.failure())
     return e;
   const int32_t* ids = topk_ids.typed_data();
@@ -500,26 +528,13 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
     std::memset(y->untyped_data(), 0, y->size_bytes());
     return ffi::Error::Success();
   }
-  if (a.int8_dot) {
-    if (a.bf16_dot)
-      return ffi::Error::InvalidArgument("precision is either 'int8' or 'bfloat16', not both");
-    if (w.format != abi::WeightFormat::kInt8 && w.format != abi::WeightFormat::kInt4)
-      return ffi::Error::InvalidArgument(
-          std::string("precision='int8' takes int8 or int4 experts; these are ") +
-          abi::kWeightFormatNames[static_cast<int>(w.format)]);
-    for (const QuantMatrix& m : w.quant)
-      if (w.format == abi::WeightFormat::kInt4 && m.group % abi::kInt8Block != 0)
-        return ffi::Error::InvalidArgument(
-            "precision='int8' takes int4 group sizes that are multiples of " +
-            std::to_string(abi::kInt8Block) + "; got " + std::to_string(m.group));
-  }
   const DotKernelTable* dot = nullptr;
-  if (a.bf16_dot)
-    if (ffi::Error e = ForwardDotKernels(w, kt, &dot); e.failure()) return e;
+  if (ffi::Error e = ForwardPrecision(a, w, kt, &dot); e.failure()) return e;
   Problem p{T, H, w.I, w.E, k, x.untyped_data(), x.element_type(), topk_w.typed_data(),
             ids, &w, y->untyped_data(),
             Glu{static_cast<int>(a.activation), a.act_alpha, a.act_limit}, dot,
             a.int8_dot};
+  if (with_lora) p.lora = &lora;
   if (a.prepacked) {
     if (w.quantized())
       return ffi::Error::InvalidArgument("prepacked experts are dense; these are quantized");
@@ -561,27 +576,9 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
-ffi::Error ForwardDotKernels(const ExpertWeights& w, const KernelTable& kt,
-                             const DotKernelTable** dot) {
-  if (w.quantized() || w.dtype != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument(
-        "precision='bfloat16' needs dense bfloat16 weights; these are " +
-        std::string(w.quantized() ? "quantized" : "not bfloat16"));
-  if (w.sn[0] != 1 || w.sn[2] != 1)
-    return ffi::Error::InvalidArgument(
-        "precision='bfloat16' reads weights stored by rows (layout 'in_out', gate and up "
-        "not interleaved); these are stored with column stride " +
-        std::to_string(w.sn[0] != 1 ? w.sn[0] : w.sn[2]));
-  *dot = ActiveDotKernels(kt);
-  if (*dot == nullptr || (*dot)->kc != kt.kc)
-    return ffi::Error::Internal(std::string("no bfloat16 dot kernels for the ") + kt.isa +
-                                " packed kernels' blocking");
-  return ffi::Error::Success();
-}
-
 size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
-                             int workers, bool bf16_dot) {
-  return BandBytes(tokens * k, E, H, I, workers, *ActiveKernels(bf16_dot), bf16_dot);
+                             int workers, bool bf16_dot, int64_t lora_rank) {
+  return BandBytes(tokens * k, E, H, I, workers, *ActiveKernels(bf16_dot), bf16_dot, lora_rank);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeForwardCpu, FusedMoeForwardImpl, NBX_FORWARD_BINDING);

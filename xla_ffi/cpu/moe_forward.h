@@ -15,26 +15,19 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FusedMoeForwardCpu);
 
 // The forward on x [T, H], topk_weights/topk_ids [T, k] and the weight
 // buffers weights[0, size - trailing) (abi.h's groups); the last `trailing`
-// inputs are ignored (the tests' output twins, tests/native/).
+// inputs are ignored (the tests' output twins, tests/native/).  LoRA
+// adapters (any rank > 0) follow the weights (abi.h) and add their terms to
+// the base path's sums (forward_lora.h).
 xla::ffi::Error FusedMoeForward(xla::ffi::ThreadPool pool, xla::ffi::AnyBuffer x,
                                 xla::ffi::Buffer<xla::ffi::F32> topk_w,
                                 xla::ffi::Buffer<xla::ffi::S32> topk_ids,
                                 xla::ffi::RemainingArgs weights, size_t trailing,
                                 xla::ffi::Result<xla::ffi::AnyBuffer> y, const ForwardAttrs& a);
 
-// The forward with LoRA adapters, experts of every format (moe_lora.cc): the same
-// inputs with the adapters after the weights (abi.h), through the row band
-// (row_band.h) instead of the packed kernels; FusedMoeForward calls it when
-// a rank is > 0.
-xla::ffi::Error FusedMoeLoraForward(xla::ffi::ThreadPool pool, xla::ffi::AnyBuffer x,
-                                    xla::ffi::Buffer<xla::ffi::F32> topk_w,
-                                    xla::ffi::Buffer<xla::ffi::S32> topk_ids,
-                                    xla::ffi::RemainingArgs weights, size_t trailing,
-                                    xla::ffi::Result<xla::ffi::AnyBuffer> y,
-                                    const ForwardAttrs& a);
-// Bytes of workspace of one band of the forward with adapters of total rank R.
-size_t LoraForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
-                                 int64_t R, int workers);
+// The call's precision= checked against the experts (forward_precision.cc):
+// *dot, the bfloat16 dot kernels for precision="bfloat16", else null.
+xla::ffi::Error ForwardPrecision(const ForwardAttrs& a, const ExpertWeights& w,
+                                 const KernelTable& kt, const DotKernelTable** dot);
 // precision="bfloat16": the dot kernels in use for the packed table kt, or
 // why these experts cannot take them (dense bfloat16, stored by rows).  The
 // prepack handler packs for the same kernels.
@@ -43,8 +36,9 @@ xla::ffi::Error ForwardDotKernels(const ExpertWeights& w, const KernelTable& kt,
 // Bytes of workspace the CPU forward allocates for one band of `tokens`
 // tokens (0 gives the part that does not shrink with the band: the
 // per-expert arrays and the per-worker scratch, sized to H and I);
-// `bf16_dot`: with precision="bfloat16"'s scratch.
+// `bf16_dot`: with precision="bfloat16"'s scratch; `lora_rank`: LoRA
+// adapters of these ranks summed.
 size_t ForwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
-                             int workers, bool bf16_dot = false);
+                             int workers, bool bf16_dot = false, int64_t lora_rank = 0);
 
 }  // namespace nbx

@@ -32,8 +32,7 @@ void BindCpu(nb::module_& m) {
     CheckFormulaArgs(tokens, k, E, H, I, workers);
     if (lora_rank < 0) throw nb::value_error(("lora_rank must be >= 0, got " + std::to_string(lora_rank)).c_str());
     return nbx::SaturatedBytes(
-        lora_rank > 0 ? nbx::LoraForwardWorkspaceBytes(tokens, k, E, H, I, lora_rank, workers)
-                      : nbx::ForwardWorkspaceBytes(tokens, k, E, H, I, workers, bf16_dot));
+        nbx::ForwardWorkspaceBytes(tokens, k, E, H, I, workers, bf16_dot, lora_rank));
   }, nb::arg("tokens"), nb::arg("k"), nb::arg("E"), nb::arg("H"), nb::arg("I"),
      nb::arg("workers"), nb::arg("bf16_dot") = false, nb::arg("lora_rank") = 0,
      "Workspace bytes of one CPU forward band of `tokens` tokens (`bf16_dot`: precision='bfloat16'; "
