@@ -42,12 +42,25 @@ def ffi_module():
 
 def cuda_unavailable_reason() -> str:
     """Empty when this build can run the CUDA path, else why not (no CUDA
-    handler compiled in, or no Triton to compile the kernels)."""
-    if _ffi is None or not getattr(_ffi, "has_cuda", False):
-        return "this build of jax_nbx has no CUDA handler (built without nvcc; see README)"
+    handler compiled in -- built without nvcc, with NBX_CUDA=OFF, or its
+    sources failed to compile: the module's ``cuda_not_built``, written by
+    the build -- or no Triton to compile the kernels)."""
+    if _ffi is None:
+        return f"jax_nbx's compiled module failed to import: {_IMPORT_ERROR}"
+    if not _ffi.has_cuda:
+        return _not_built("cuda", "CUDA handler")
     if importlib.util.find_spec("triton") is None:
         return "the CUDA path needs Triton (pip install 'jax_nbx[gpu]')"
     return ""
+
+
+def _not_built(backend: str, what: str) -> str:
+    """Why this build has no such optional backend: the build's own words
+    (``<backend>_not_built``, written by cmake/optional_backend.cmake: built
+    with NBX_<BACKEND>=OFF, no compiler, not this platform, or its sources
+    failed to compile, with the compiler's first error)."""
+    # (a module built before the build wrote them -- an editable install not yet rebuilt -- has none)
+    return getattr(_ffi, f"{backend}_not_built", "") or f"this build of jax_nbx has no {what}"
 
 
 def platform_is_cuda() -> bool:
@@ -124,9 +137,8 @@ def _activate_metal(which: str | None, budget: int | None) -> None:
         raise ValueError(f"JAX_NBX_METAL={which}: {why}")
     if which == "none" or why:
         METAL_UNAVAILABLE = why or ("JAX_NBX_METAL=none" if requested else
-                                    "this build of jax_nbx has no Metal implementation (it is "
-                                    "compiled only on Apple; JAX_NBX_METAL=sim runs the simulated device "
-                                    "of a test build, NBX_TESTING=ON)")
+                                    f"{_not_built('metal', 'Metal implementation')} (JAX_NBX_METAL=sim "
+                                    "runs the simulated device of a test build, NBX_TESTING=ON)")
         return
     METAL_UNAVAILABLE = ""
     if budget is not None:

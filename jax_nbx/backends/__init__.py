@@ -6,9 +6,13 @@ CUDA handlers with Triton kernels), ``"metal"`` (the Metal handler), or
 ``"ffi"``: the handler of ``jax.default_backend()`` ("cuda" on a CUDA GPU,
 else "cpu").  ``None`` takes the first of `DEFAULT_ORDER` that can run the
 problem; when none can, or a named one cannot, the error gives every
-backend's reason.
+backend's reason.  The backend chosen is readied for its first call
+(`Backend.initialise`: the Metal kernels' library compiled); when that fails,
+a named backend is an error, and ``None`` warns and goes on to the next.
 """
 from __future__ import annotations
+
+import warnings
 
 import jax
 
@@ -84,23 +88,34 @@ def _why_not_shared(backend: Backend, problem: Problem) -> str:
 
 def choose(implementation: str | None, problem: Problem) -> Backend:
     """The backend that runs ``problem``: the one named, or with None the
-    first of `DEFAULT_ORDER` whose `why_not_by_default` is empty.  ValueError
-    saying why when the named one cannot run it, or listing every backend's
-    reason when none can."""
+    first of `DEFAULT_ORDER` whose `why_not_by_default` is empty and that
+    initialises (`Backend.initialise`; one that fails is skipped with a
+    RuntimeWarning saying why).  ValueError saying why when the named one
+    cannot run it (RuntimeError when it fails to initialise), or listing
+    every backend's reason when none can."""
     if implementation is not None:
         if not isinstance(implementation, str):
             raise ValueError(f"implementation must be one of {names() + ('ffi',)} or None; "
                              f"got {implementation!r}")
         backend = get(implementation)
         why = _why_not_shared(backend, problem) or backend.why_not(problem)
+        alias = f" (the {jax.default_backend()!r} handler)" if implementation == "ffi" else ""
         if why:
-            alias = f" (the {jax.default_backend()!r} handler)" if implementation == "ffi" else ""
             raise ValueError(f"implementation={implementation!r}{alias} cannot run this call: {why}")
+        failed = backend.initialise()
+        if failed:
+            raise RuntimeError(f"implementation={implementation!r}{alias} failed to initialise: {failed}")
         return backend
     reasons = []
     for name in DEFAULT_ORDER + tuple(n for n in _BACKENDS if n not in DEFAULT_ORDER):
-        why = _why_not_shared(_BACKENDS[name], problem) or _BACKENDS[name].why_not_by_default(problem)
+        backend = _BACKENDS[name]
+        why = _why_not_shared(backend, problem) or backend.why_not_by_default(problem)
         if not why:
-            return _BACKENDS[name]
+            failed = backend.initialise()
+            if not failed:
+                return backend
+            warnings.warn(f"jax_nbx: the {name!r} backend failed to initialise, so implementation=None goes on "
+                          f"to the next backend: {failed}", RuntimeWarning, stacklevel=2)
+            why = f"failed to initialise: {failed}"
         reasons.append(f"{name}: {why}")
     raise ValueError("no jax_nbx backend can run this call:\n  " + "\n  ".join(reasons))

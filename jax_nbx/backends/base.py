@@ -4,7 +4,8 @@ A `Problem` is the static description of one pass of the op (everything but
 the arrays and the token count, which vmap may change): sizes, dtypes, the
 experts' format and layout, the activation and the options.  A `Backend`
 says whether it can run a problem (`why_not`: "" or the reason, worded to
-follow "cannot run this call: "), plans its bands for T tokens (`plan`),
+follow "cannot run this call: "), gets ready for its first call
+(`initialise`: "" or why it failed), plans its bands for T tokens (`plan`),
 and runs the raw forward (`forward`) and, where it has one, the fused
 backward (`backward`; None: the reference's VJP is used).  The registry
 (`jax_nbx.backends`) chooses among them; `jax_nbx.transforms` wraps a
@@ -117,6 +118,13 @@ class Backend:
     def why_not_by_default(self, problem: Problem) -> str:
         """Why ``implementation=None`` does not take this backend ("" when it may)."""
         return self.why_not(problem)
+
+    def initialise(self) -> str:
+        """Readies the backend for its first call (Metal: compiles its kernels'
+        library, once): "" when it is ready, else why it failed.  The registry
+        calls it on the backend it chooses: a named backend's failure is an
+        error, ``implementation=None`` warns and goes on to the next backend."""
+        return ""
 
     #: the account's platform its workspace is counted on ("cpu", "cuda",
     #: "metal"); None: no workspace of its own (the reference)

@@ -47,6 +47,12 @@ class MetalBackend(Backend):
             return "not the default here (macOS on Apple silicon with Metal itself active)"
         return self.why_not(problem)
 
+    def initialise(self) -> str:
+        # the kernels' library, compiled by the device once (a library Metal's compiler rejects: the
+        # error names the kernel file, xla_ffi/metal/library_source.h LibraryCompileError)
+        prepare = getattr(_registry.ffi_module(), "metal_prepare", None)  # (None: a module built before it)
+        return prepare() if prepare is not None else ""
+
     device = "metal"
 
     def workspace_bytes(self, problem: Problem, tokens: int, call_tokens: int | None = None) -> int:

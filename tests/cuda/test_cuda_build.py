@@ -15,10 +15,21 @@ ffi = _registry.ffi_module()
 def test_cuda_handler_built_where_nvcc_is():
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc on this machine: the CUDA handler is not built (NBX_CUDA=AUTO)")
-    assert ffi.has_cuda, "nvcc is on PATH but the CUDA handler was not built"
+    assert ffi.has_cuda, f"nvcc is on PATH but the CUDA handler was not built: {ffi.cuda_not_built}"
     assert contract.TARGET_CUDA_FORWARD in ffi.cuda_handlers()
     assert contract.TARGET_CUDA_FORWARD_TABLES in ffi.cuda_handlers()
     assert contract.TARGET_CUDA_BACKWARD in ffi.cuda_handlers()
+
+
+def test_the_build_says_why_it_has_no_cuda_handler():
+    """cmake/optional_backend.cmake writes the reason into the module: "" where
+    the handler is built, else why not (NBX_CUDA=OFF, no nvcc, or the sources
+    failed to compile), which the CUDA path gives as its own."""
+    assert (ffi.cuda_not_built == "") == ffi.has_cuda
+    if not ffi.has_cuda:
+        assert ffi.cuda_not_built.startswith(("this build of jax_nbx has no CUDA handler: ",
+                                              "the CUDA handler failed to compile when jax_nbx was built: "))
+        assert _registry.cuda_unavailable_reason() == ffi.cuda_not_built
 
 
 def test_no_gpu_means_no_gpu_platform():

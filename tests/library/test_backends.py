@@ -77,14 +77,61 @@ def test_every_backend_takes_every_format_and_one_without_kernels_is_refused_by_
 def test_the_default_takes_metal_only_where_it_is_the_platforms_own(monkeypatch):
     """None picks "metal" only on macOS arm64 with Metal itself active (never
     the simulated device), and only for what it takes."""
+    from jax_nbx.backends.metal import MetalBackend
+
     x, w, ids, ex = make_problem(12, 4, 4, 2, 16, 24)
     assert not nbx.metal.is_default() and _chosen(x, w, ids, ex) == "cpu"
     monkeypatch.setattr(nbx.metal, "is_default", lambda: True)  # as on a Mac with Metal
     monkeypatch.setattr(nbx.metal, "available", lambda: True)
+    monkeypatch.setattr(MetalBackend, "initialise", lambda self: "")  # (its kernels' library compiled)
     assert _chosen(x, w, ids, ex) == "metal"
     assert _chosen(x, w, ids, nbx.quantize(ex, "int8")) == "metal"
     biased = nbx.Experts(ex.gate, ex.up, ex.down, down_bias=jnp.zeros((4, 16)))
     assert _chosen(x, w, ids, biased) == "cpu"  # layouts, biases: not on Metal yet
+
+
+def test_a_backend_that_fails_to_initialise_is_an_error_by_name_and_skipped_with_a_warning_by_default(
+        monkeypatch):
+    """`Backend.initialise` readies the chosen backend (Metal: its kernels'
+    library compiled, which Apple's compiler may reject).  Named, its failure
+    is an error; ``implementation=None`` warns, saying why, and goes on to the
+    next backend (tests/metal/test_metal_handler.py: the same through the
+    simulated device rejecting the library)."""
+    from jax_nbx.backends.metal import MetalBackend
+
+    why = "the Metal compiler rejected the kernels' library in xla_ffi/metal/kernels/moe_gemm.metal: ..."
+    monkeypatch.setattr(nbx.metal, "is_default", lambda: True)  # as on a Mac with Metal
+    monkeypatch.setattr(nbx.metal, "available", lambda: True)
+    monkeypatch.setattr(MetalBackend, "initialise", lambda self: why)
+    x, w, ids, ex = make_problem(14, 4, 4, 2, 16, 24)
+    with pytest.raises(RuntimeError, match=r"implementation='metal' failed to initialise: the Metal compiler "
+                                           r"rejected the kernels' library in xla_ffi/metal/kernels/moe_gemm\.metal"):
+        nbx.ops.resolve(x, w, ids, ex, implementation="metal")
+    with pytest.warns(RuntimeWarning, match=r"the 'metal' backend failed to initialise, so implementation=None goes "
+                                            r"on to the next backend: the Metal compiler rejected"):
+        assert _chosen(x, w, ids, ex) == "cpu"
+    # when no other backend can run the call, the failure is among the reasons
+    for name in ("cpu", "xla"):
+        monkeypatch.setattr(type(backends.get(name)), "why_not_by_default", lambda self, problem: "refused here")
+    with pytest.warns(RuntimeWarning), pytest.raises(ValueError, match=r"(?s)no jax_nbx backend can run this call:"
+                                                                      r"\n  metal: failed to initialise: the Metal "
+                                                                      r"compiler rejected.*cpu: refused here"):
+        nbx.ops.resolve(x, w, ids, ex)
+
+
+def test_a_build_without_the_cuda_handler_says_why(monkeypatch):
+    """The CUDA path's reason is the build's own (cmake/optional_backend.cmake
+    writes it into the module: built with NBX_CUDA=OFF, no nvcc, or its
+    sources failed to compile, with the compiler's first error)."""
+    from jax_nbx import _registry
+
+    class _Built:  # a module whose CUDA handler failed to compile
+        has_cuda = False
+        cuda_not_built = ("the CUDA handler failed to compile when jax_nbx was built: xla_ffi/cuda/runner.cc(12): "
+                          "error: identifier \"CUstream\" is undefined; the build's CMake output has the first errors")
+
+    monkeypatch.setattr(_registry, "_ffi", _Built)
+    assert _registry.cuda_unavailable_reason() == _Built.cuda_not_built
 
 
 class _Doubling(backends.Backend):

@@ -50,18 +50,24 @@ def _nanobind_include() -> str:
     return nanobind.include_dir()
 
 
-def _compile(compiler: str, source: str, tmp_path: pathlib.Path) -> str:
+def _generated_stand_ins(folder: pathlib.Path) -> None:
+    """What CMake generates into build/.../generated/, stand-ins of the same form: the Metal
+    library source (metal/library_source.inc) and the optional backends' header (a build without
+    them: cmake/optional_backend.cmake)."""
+    (folder / "metal").mkdir(exist_ok=True)
+    (folder / "metal" / "library_source.inc").write_text('R"NBX_MSL(// kernels)NBX_MSL"')
+    (folder / "optional_backends.h").write_text('#pragma once\n#define NBX_CUDA_NOT_BUILT "stand-in"\n'
+                                                '#define NBX_METAL_NOT_BUILT "stand-in"\n')
+
+
+def _compile(compiler: str, source: str, generated: pathlib.Path) -> str:
     """"" when ``source`` compiles clean, else the command and its errors."""
     cmd = [compiler, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
            "-isystem", jax.ffi.include_dir(), "-isystem", _nanobind_include(),
-           "-isystem", sysconfig.get_paths()["include"], "-I", str(SRC), "-I", str(TESTS),
+           "-isystem", sysconfig.get_paths()["include"], "-I", str(SRC), "-I", str(TESTS), "-I", str(generated),
            *ISA_FLAGS.get(source, []), str(SRC / source if not source.startswith("tests/") else ROOT / source)]
     if source.startswith("cuda/"):
         cmd[1:1] = ["-isystem", str(CUDA_INCLUDE)]
-    if source == "metal/library_source.cc":  # CMake generates its include: a stand-in of the same form
-        (tmp_path / "metal").mkdir(exist_ok=True)
-        (tmp_path / "metal" / "library_source.inc").write_text('R"NBX_MSL(// kernels)NBX_MSL"')
-        cmd[1:1] = ["-I", str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     return "" if out.returncode == 0 else f"{' '.join(cmd)}\n{out.stderr[-4000:]}"
 
@@ -74,6 +80,7 @@ def test_compiles_without_warnings(compiler, tmp_path):
     if sys.platform != "linux":
         pytest.skip("checked on Linux")
     sources = _sources()
+    _generated_stand_ins(tmp_path)
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         errors = [e for e in pool.map(lambda src: _compile(compiler, src, tmp_path), sources) if e]
     assert not errors, f"{len(errors)} of {len(sources)} sources:\n" + "\n".join(errors)

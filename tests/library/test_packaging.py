@@ -1,11 +1,14 @@
 """The product apart from its tests: `import jax_nbx` loads the product's module
 jax_nbx._ffi and never the test-only jax_nbx._ffi_testing (NBX_TESTING=ON
 builds), whose bindings the product's module does not have; both link one
-core library, so what the test module reaches is the product's own state."""
+core library, so what the test module reaches is the product's own state.
+And an optional backend that fails to compile never breaks the build."""
 from __future__ import annotations
 
 import os
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
 
@@ -131,3 +134,33 @@ else:
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"jax_nbx was imported from its source tree ({tmp_path / 'jax_nbx'})" in out.stdout, out.stdout
     assert "pip install -e ." in out.stdout and "python -P" in out.stdout
+
+
+def test_an_optional_backend_that_fails_to_compile_is_left_out_saying_why(tmp_path):
+    """NBX_BREAK_OPTIONAL=cuda (cmake/optional_backend.cmake's test switch)
+    breaks the CUDA handler's sources.  With NBX_CUDA=AUTO the configure goes
+    on without the handler, warning with the compiler's first error, and writes
+    the reason the module reports at run time (generated/optional_backends.h:
+    `jax_nbx._ffi.cuda_not_built`); with NBX_CUDA=ON it stops there.  Configure
+    only: .ci/sanitize builds such a module and runs the tests on it."""
+    cmake, ninja = shutil.which("cmake"), shutil.which("ninja")
+    if cmake is None or shutil.which("nvcc") is None:
+        pytest.skip("needs cmake and nvcc (without nvcc, AUTO leaves the CUDA handler out before compiling it)")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    args = [cmake, "-S", str(root), "-B", str(tmp_path), f"-DPython_EXECUTABLE={sys.executable}",
+            "-DNBX_BREAK_OPTIONAL=cuda", *(["-G", "Ninja"] if ninja else [])]
+    auto = subprocess.run([*args, "-DNBX_CUDA=AUTO"], capture_output=True, text=True, timeout=600)
+    said = " ".join(auto.stderr.split())
+    assert auto.returncode == 0, auto.stdout[-3000:] + auto.stderr[-3000:]
+    assert "jax_nbx: building without the CUDA handler (NBX_CUDA=AUTO): the CUDA handler failed to compile" in said
+    assert re.search(r"break_optional\.h:\d+:\d+: error: #error \"NBX_BREAK_OPTIONAL", said), said
+    header = (tmp_path / "generated" / "optional_backends.h").read_text()
+    assert "NBX_WITH_CUDA" not in header
+    assert re.search(r'#define NBX_CUDA_NOT_BUILT "the CUDA handler failed to compile when jax_nbx was built: '
+                     r'cmake/break_optional\.h:\d+:\d+: error: #error \\"NBX_BREAK_OPTIONAL: .*\\"; the '
+                     r"build's CMake output has the first errors, and NBX_CUDA=ON makes the failure fatal",
+                     header), header
+    on = subprocess.run([*args, "-DNBX_CUDA=ON"], capture_output=True, text=True, timeout=600)
+    said = " ".join(on.stderr.split())
+    assert on.returncode != 0 and "NBX_CUDA=ON: the CUDA handler failed to compile" in said, said[-3000:]
+    assert re.search(r"break_optional\.h:\d+:\d+: error: #error", said)

@@ -6,6 +6,8 @@ pins.  Nothing here runs Metal itself (xla_ffi/metal/apple_device.mm is
 compiled only on Apple)."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -57,6 +59,11 @@ def test_unknown_device_and_switching_while_bytes_are_held_are_refused():
         nbx.metal.use("cuda")
     with pytest.raises(ValueError, match="has no Metal implementation"):
         nbx.metal.use("apple")  # this build (Linux) has no Metal
+    # why not: the build's words (cmake/optional_backend.cmake), "" where it has Metal
+    P = nbx._registry.ffi_module()
+    assert (P.metal_not_built == "") == P.has_metal_apple
+    if sys.platform != "darwin":
+        assert P.metal_not_built == "this build of jax_nbx has no Metal implementation: it is compiled only on Apple"
     b = F.metal_buffer(1000)
     with pytest.raises(ValueError, match=r"cannot switch the Metal device while the account holds 1.0 kB on metal:0"):
         nbx.metal.use("sim")

@@ -7,6 +7,8 @@ staging, the pooled workspace.  On the simulated Metal device; nothing here
 ran on Apple hardware."""
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -192,3 +194,38 @@ def test_the_workspace_buffer_is_pooled_and_gives_way():
     memory.set_budget(live + ws - 1, "metal", 0)  # the idle block no longer fits: freed
     assert memory.stats()["metal:0"]["cached"] == 0
     assert F.metal_sim_state()["live_buffers"] == buffers - 1
+
+
+@pytest.mark.sanitize  # (library_source.cc's line arithmetic under ASan + UBSan)
+def test_a_library_the_metal_compiler_rejects_is_named_by_kernel_file(monkeypatch):
+    """On Apple, newLibraryWithSource's error names lines of the embedded
+    library (``program_source:LINE:COL``); the device's error names the kernel
+    file and its own line (library_source.h LibraryCompileError).  The
+    simulated device rejects the library as Metal would (its test hook): named,
+    the call fails saying so at trace time; ``implementation=None`` where Metal
+    is the default warns and runs on the next backend, the CPU handler."""
+    lines = F.metal_library_source().split("\n")
+    marker = lines.index("// ---- moe_gemm.metal") + 1  # its line in the library (1-based)
+    F.metal_sim_reject_library("Compilation failed: \n\nprogram_source:5:3: warning: unused variable 'n'\n"
+                               f"program_source:{marker + 12}:7: error: use of undeclared identifier 'flaot'\n")
+    named = (r"the Metal compiler rejected the kernels' library in xla_ffi/metal/kernels/moe_gemm\.metal: "
+             r"Compilation failed: \n\nxla_ffi/metal/kernels/params\.h:4:3: warning: unused variable 'n'\n"
+             r"xla_ffi/metal/kernels/moe_gemm\.metal:12:7: error: use of undeclared identifier 'flaot'")
+    assert re.fullmatch(named + r"\n", P.metal_prepare())
+    x, w, ids, ex = make_problem(31, 6, 4, 2, 16, 24)
+    with pytest.raises(RuntimeError, match="implementation='metal' failed to initialise: " + named):
+        metal(x, w, ids, ex)
+    monkeypatch.setattr(nbx.metal, "is_default", lambda: True)  # as on a Mac with Metal
+    with pytest.warns(RuntimeWarning, match=r"the 'metal' backend failed to initialise, so implementation=None "
+                                            r"goes on to the next backend: " + named):
+        assert nbx.ops.resolve(x, w, ids, ex)[0].name == "cpu"
+        y = nbx.fused_moe(x, w, ids, ex)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(nbx.fused_moe(x, w, ids, ex, implementation="cpu")))
+    # a message without library lines names the library; and once it compiles, Metal runs again
+    F.metal_sim_reject_library("Compilation failed: internal error")
+    assert P.metal_prepare() == ("the Metal compiler rejected the kernels' library (xla_ffi/metal/kernels/: "
+                                 "params.h then the .metal files, in prelude.metal's order): Compilation failed: "
+                                 "internal error")
+    F.metal_sim_reject_library("")
+    assert P.metal_prepare() == "" and nbx.ops.resolve(x, w, ids, ex)[0].name == "metal"
+    assert rel_err(metal(x, w, ids, ex), np_moe(x, w, ids, ex)) < 1e-5

@@ -190,6 +190,9 @@ void BindMetalTests(nb::module_& m) {
     Sim().ForgetHost(reinterpret_cast<const void*>(static_cast<uintptr_t>(p)));
   });
   m.def("metal_sim_hold_completions", [](bool hold) { Sim().HoldCompletions(hold); });
+  m.def("metal_sim_reject_library", [](const std::string& compiler_message) {
+    Sim().RejectLibrary(compiler_message);
+  }, "Makes the kernels' library one the Metal compiler rejects with that message (\"\": compiles).");
   m.def("metal_sim_state", []() {
     nb::dict d;
     d["pending_commands"] = Sim().pending_commands();

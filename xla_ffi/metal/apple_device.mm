@@ -120,6 +120,11 @@ class AppleDevice final : public Device {
     [cb waitUntilCompleted];
   }
 
+  bool Prepare(std::string* error) override {
+    std::lock_guard<std::mutex> lock(lib_mu_);
+    return Library(error) != nil;
+  }
+
   bool Commit(const std::vector<Buffer>& resources, const std::vector<Dispatch>& dispatches,
               std::string* error) override {
     // everything that can be refused is looked up before encoding starts
@@ -222,30 +227,36 @@ class AppleDevice final : public Device {
   }
 
  private:
-  // The pipeline of a kernel of the library (LibrarySource(), compiled once at first use).
+  // The kernels' library (LibrarySource()), compiled at the first call; a
+  // failure is kept and given again.  lib_mu_ held.
+  id<MTLLibrary> Library(std::string* error) {
+    if (lib_ != nil) return lib_;
+    if (lib_error_.empty()) {
+      MTLCompileOptions* opts = [MTLCompileOptions new];
+      if (@available(macOS 14.0, *)) {
+        opts.languageVersion = MTLLanguageVersion3_1;  // bfloat
+        opts.fastMathEnabled = NO;  // exp and tanh as the emulation computes them
+        NSError* err = nil;
+        lib_ = [dev_ newLibraryWithSource:[NSString stringWithUTF8String:LibrarySource()]
+                                  options:opts
+                                    error:&err];
+        if (lib_ == nil)  // the compiler's message, its lines named in the kernel files
+          lib_error_ = LibraryCompileError(
+              err != nil ? std::string([[err localizedDescription] UTF8String]) : "unknown error");
+      } else {
+        lib_error_ = "the Metal kernels need macOS 14 or later (Metal Shading Language 3.1)";
+      }
+    }
+    if (lib_ == nil) *error = lib_error_;
+    return lib_;
+  }
+
+  // The pipeline of a kernel of the library.
   id<MTLComputePipelineState> Pipeline(const std::string& name, std::string* error) {
     std::lock_guard<std::mutex> lock(lib_mu_);
     auto it = pipes_.find(name);
     if (it != pipes_.end()) return it->second;
-    if (lib_ == nil) {
-      MTLCompileOptions* opts = [MTLCompileOptions new];
-      if (@available(macOS 14.0, *)) {
-        opts.languageVersion = MTLLanguageVersion3_1;  // bfloat
-      } else {
-        *error = "the Metal kernels need macOS 14 or later (Metal Shading Language 3.1)";
-        return nil;
-      }
-      opts.fastMathEnabled = NO;  // exp and tanh as the emulation computes them
-      NSError* err = nil;
-      lib_ = [dev_ newLibraryWithSource:[NSString stringWithUTF8String:LibrarySource()]
-                                options:opts
-                                  error:&err];
-      if (lib_ == nil) {
-        *error = std::string("compiling the Metal kernels failed: ") +
-                 (err != nil ? [[err localizedDescription] UTF8String] : "unknown error");
-        return nil;
-      }
-    }
+    if (Library(error) == nil) return nil;
     id<MTLFunction> f = [lib_ newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]];
     if (f == nil) {
       *error = "the Metal library has no kernel '" + name + "'";
@@ -283,6 +294,7 @@ class AppleDevice final : public Device {
   std::map<std::thread::id, std::vector<id<MTLCommandBuffer>>> pending_;  // by committing thread
   std::mutex lib_mu_;
   id<MTLLibrary> lib_ = nil;
+  std::string lib_error_;  // why the library did not compile ("" until it failed)
   std::map<std::string, id<MTLComputePipelineState>> pipes_;
 };
 

@@ -87,6 +87,13 @@ class Device {
   // Waits for every committed command buffer to complete.
   virtual void Synchronize() = 0;
 
+  // Readies what the kernels need before the first command buffer (Metal: the
+  // kernels' library, LibrarySource(), compiled once); false and why when it
+  // cannot (a library the compiler rejects: LibraryCompileError's message,
+  // naming the kernel file).  Cheap after the first call, which the Metal
+  // backend makes when it is chosen (python/metal.cc metal_prepare).
+  virtual bool Prepare(std::string* error) = 0;
+
   // One command buffer running `dispatches` in order (each sees the writes of
   // the ones before it), `resources` resident for all of them.  False when it
   // cannot be encoded (a kernel the library lacks, arguments that do not fit

@@ -9,6 +9,8 @@
 #include <mutex>
 #include <utility>
 
+#include "optional_backends.h"  // NBX_WITH_METAL, NBX_METAL_NOT_BUILT (CMake: cmake/optional_backend.cmake)
+
 namespace nbx::metal {
 
 #ifdef NBX_WITH_METAL
@@ -113,7 +115,7 @@ std::string Activate(const std::string& which) {
     next = NewAppleDevice(&err);
     if (next == nullptr) return err;
 #else
-    return "this build of jax_nbx has no Metal implementation (it is compiled only on Apple)";
+    return NBX_METAL_NOT_BUILT;  // e.g. "this build of jax_nbx has no Metal implementation: it is compiled only on Apple"
 #endif
   } else if (which != "none") {
     return "unknown Metal device '" + which + "' (expected 'apple', 'sim' or 'none')";

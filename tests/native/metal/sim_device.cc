@@ -2,6 +2,7 @@
 #include "native/metal/sim_device.h"
 
 #include "metal/dispatch.h"
+#include "metal/library_source.h"
 #include "native/metal/emulated_kernels.h"
 #include "metal/runtime.h"
 
@@ -254,8 +255,21 @@ void SimDevice::Submit(const std::vector<Buffer>& resources, Work work) {
   resident_.clear();
 }
 
+void SimDevice::RejectLibrary(const std::string& compiler_message) {
+  std::lock_guard<std::mutex> lock(mu_);
+  library_rejected_ = compiler_message;
+}
+
+bool SimDevice::Prepare(std::string* error) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (library_rejected_.empty()) return true;
+  *error = LibraryCompileError(library_rejected_);
+  return false;
+}
+
 bool SimDevice::Commit(const std::vector<Buffer>& resources, const std::vector<Dispatch>& dispatches,
                        std::string* error) {
+  if (!Prepare(error)) return false;  // the Apple device's pipelines need the library
   for (const Dispatch& d : dispatches)
     if (!CheckEmulated(d, error)) return false;  // what encoding would refuse
   {

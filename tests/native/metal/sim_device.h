@@ -53,6 +53,8 @@ class SimDevice final : public Device {
   void Memcpy(const Buffer& dst, int64_t dst_off, const void* src, int64_t bytes) override;
   void Submit(const std::vector<Buffer>& resources, Work work) override;
   void Synchronize() override;
+  // False, with Metal's error, once a test made the library "rejected" (RejectLibrary).
+  bool Prepare(std::string* error) override;
   // Runs the dispatches through the MSL emulation (emulated_kernels.h); a
   // failure while running is kept for the committing thread's next Wait.
   bool Commit(const std::vector<Buffer>& resources, const std::vector<Dispatch>& dispatches,
@@ -75,6 +77,11 @@ class SimDevice final : public Device {
   // The tracked allocation that holds p: its base and length.
   bool AllocationOf(const void* p, const char** base, int64_t* bytes) const override;
   void HoldCompletions(bool hold);  // false completes everything held
+  // A kernels' library the Metal compiler rejects: `compiler_message` as
+  // newLibraryWithSource's error would give it ("program_source:LINE:COL:
+  // error: ..."); Prepare and Commit then fail as the Apple device does
+  // (LibraryCompileError's message).  "": the library compiles again.
+  void RejectLibrary(const std::string& compiler_message);
   int64_t pending_commands() const;
   int64_t pending_releases() const;
   int64_t live_buffers() const;
@@ -115,6 +122,7 @@ class SimDevice final : public Device {
   std::vector<std::string> violations_;
   int64_t command_buffers_ = 0;
   std::map<std::thread::id, std::vector<std::string>> failures_;  // by committing thread
+  std::string library_rejected_;  // RejectLibrary's message ("": the library compiles)
 };
 
 // A simulated device of the default limits: the factory the test module
