@@ -50,7 +50,8 @@ PROJECTIONS: tuple[str, ...] = tuple(_d["projections"])  # gate, up, down
 PARTS: tuple[str, ...] = tuple(_d["parts"])  # q, scale, zero (QuantizedWeight attributes)
 # The registry (xla_ffi/formats/): per format in code order, a dict of name,
 # code, summary, parts ({name, dtypes, rows, same_dtype_as}), values_per_byte,
-# group_sizes, compute_dtype_part.  jax_nbx.formats reads it.
+# group_sizes, compute_dtype_part, tensor_scale, column_scaled, kernels,
+# partial_groups (K need not be a multiple of the group).  jax_nbx.formats reads it.
 FORMAT_SPECS: tuple[dict, ...] = tuple(dict(f) for f in _d["formats"])
 
 

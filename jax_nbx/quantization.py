@@ -32,8 +32,10 @@ def quantize(experts: Experts, kind: str = "int8", *, group_size: int | None = N
     128; mxfp4, mxfp8: 32; nvfp4: 16; int8 takes none: None or 0).
     ``scale_dtype``: int8's, int4's and fp8's scales (float32 or bfloat16;
     the mx formats' are E8M0 bytes, nvfp4's E4M3 bytes).  Raises ValueError
-    for an unknown format, a group size the format does not take or that does
-    not divide K, a NaN or infinite weight (naming its projection, expert and
+    for an unknown format, a group size the format does not take, a K the
+    group does not divide for formats that take whole groups only (int4,
+    nvfp4: fp8, mxfp4 and mxfp8 take a partial last group, ``ceil(K / group)``
+    scales), a K that does not pack (4-bit codes: odd), a NaN or infinite weight (naming its projection, expert and
     position: no format's codes hold one, so it would come out finite and
     wrong; checked on concrete arrays, not under ``jax.jit``), TypeError for
     a scale dtype other than float32/bfloat16."""

@@ -3,13 +3,18 @@
 
 One matrix ``W [K, N]``: ``W[k, n] = E4M3(q[k, n]) * scale[k // group_size,
 n]``, ``q`` uint8 ``[K, N]`` (float8_e4m3fn bits; ``jnp.float8_e4m3fn``
-arrays are taken too), ``scale`` float32 or bfloat16 ``[K/group_size, N]``,
-``group_size`` 32, 64 or 128 (default 128, the block of DeepSeek-V3's and
-Qwen3's "-FP8" checkpoints, whose 128x128 block scales the loaders repeat
+arrays are taken too), ``scale`` float32 or bfloat16 ``[ceil(K/group_size),
+N]``, ``group_size`` 32, 64 or 128 (default 128, the block of DeepSeek-V3's
+and Qwen3's "-FP8" checkpoints, whose 128x128 block scales the loaders repeat
 over each block's 128 columns; per-channel scales repeat over the groups).
+K need not be a multiple of the group: the last group covers the remaining
+``K % group_size`` rows, as the producers' block grids are sized by a
+ceiling division (DeepSeek-V3 ``inference/kernel.py weight_dequant``, vLLM's
+block FP8, compressed-tensors' block strategy).
 
 `quantize` (this library's producer) scales each group of one column by
-``amax / 448`` (1 for a group of zeros; in the scale dtype, the division by
+``amax / 448`` over its rows (a partial last group: its real rows alone; 1
+for a group of zeros; in the scale dtype, the division by
 the rounded scale), as transformers' ``integrations/finegrained_fp8.py``
 does per block, and rounds ``W / scale`` to E4M3, ties to even (XLA's
 conversion, as ml_dtypes').
@@ -31,17 +36,17 @@ class Fp8(Format):
     element_dtypes = {"q": jnp.float8_e4m3fn}
 
     def quantize_matrix(self, w: jax.Array, group_size, scale_dtype) -> QuantizedWeight:
-        K, N = w.shape[-2:]
+        K = w.shape[-2]
         self.check_group_size(group_size, K, f"fp8 weights {tuple(w.shape)}: ")
-        g = w.reshape(w.shape[:-2] + (K // group_size, group_size, N))
+        g = self.grouped_rows(w, group_size)
         amax = jnp.max(jnp.abs(g), axis=-2)
         scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(scale_dtype)
-        q = e4m3_codes(g / scale.astype(jnp.float32)[..., None, :]).reshape(w.shape)
+        q = e4m3_codes(w / self.group_rows(scale.astype(jnp.float32), group_size, K))
         return QuantizedWeight(q, scale, None, kind=self.name, group_size=group_size)
 
     def dequantize(self, w: QuantizedWeight) -> jax.Array:
-        s = jnp.repeat(w.scale.astype(jnp.float32), w.group_size, axis=-2)
-        return e4m3_values(w.q) * s
+        q = e4m3_values(w.q)
+        return q * self.group_rows(w.scale.astype(jnp.float32), w.group_size, q.shape[-2])
 
 
 FP8 = registry.register(Fp8())

@@ -32,13 +32,13 @@ def pack_nibbles(codes: jax.Array) -> jax.Array:
 class Int4(Format):
     name = "int4"
     default_group_size = 128
+    whole_groups_rule = ("its producers quantize whole groups (AWQ's WQLinear asserts in_features % "
+                         "group_size == 0; MLX's affine mx.quantize and compressed-tensors' group strategy "
+                         "refuse a K the group does not divide)")
 
     def quantize_matrix(self, w: jax.Array, group_size, scale_dtype) -> QuantizedWeight:
         K, N = w.shape[-2:]
-        self.check_group_size(group_size)
-        if K % group_size:
-            raise ValueError(f"K={K} (the input axis of a {tuple(w.shape)} weight) is not divisible by "
-                             f"group_size={group_size}")
+        self.check_group_size(group_size, K, f"int4 weights {tuple(w.shape)}: ")
         g = w.reshape(w.shape[:-2] + (K // group_size, group_size, N))
         mn, mx = jnp.min(g, axis=-2), jnp.max(g, axis=-2)
         scale = (mx - mn) / 15.0

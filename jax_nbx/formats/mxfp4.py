@@ -5,9 +5,13 @@ E2M1(code[k, n]) * 2^(scale[k // 32, n] - 127)``.  ``q`` uint8 ``[K/2, N]``
 holds the 4-bit E2M1 codes two per byte along K, the even row in the low
 nibble -- the byte order of gpt-oss's checkpoints (transformers
 ``integrations/mxfp4.py``) and of MLX's ``mx.quantize(mode="mxfp4")``, whose
-``[N, K]`` matrices the loaders transpose; ``scale`` uint8 ``[K/32, N]`` holds
-E8M0 exponents (bias 127, 255 = NaN; ``jnp.float8_e8m0fnu`` arrays are taken
-too).  The weights compute in float32.
+``[N, K]`` matrices the loaders transpose; ``scale`` uint8 ``[ceil(K/32),
+N]`` holds E8M0 exponents (bias 127, 255 = NaN; ``jnp.float8_e8m0fnu`` arrays
+are taken too).  K (even) need not be a multiple of 32: the last block covers
+the remaining ``K % 32`` rows, its scale from them alone, as the MX reference
+emulation (microsoft/microxcaling) and OpenAI's triton_kernels
+``downcast_to_mxfp_torch`` (transformers' gpt-oss quantizer) make them; MLX
+refuses such K.  The weights compute in float32.
 
 `quantize` (this library's producer) takes each block's scale as the
 smallest power of two that keeps the block's largest magnitude within E2M1's
@@ -37,16 +41,15 @@ class Mxfp4(Format):
     element_dtypes = {"scale": jnp.float8_e8m0fnu}
 
     def quantize_matrix(self, w: jax.Array, group_size, scale_dtype) -> QuantizedWeight:
-        K, N = w.shape[-2:]
+        K = w.shape[-2]
         self.check_group_size(group_size, K, f"mxfp4 weights {tuple(w.shape)}: ")
-        g = w.reshape(w.shape[:-2] + (K // BLOCK, BLOCK, N))
-        scale = pow2_scale_bytes(jnp.max(jnp.abs(g), axis=-2), E2M1_MAX)
-        codes = e2m1_codes(g / e8m0_values(scale)[..., None, :]).reshape(w.shape)
+        scale = pow2_scale_bytes(jnp.max(jnp.abs(self.grouped_rows(w, BLOCK)), axis=-2), E2M1_MAX)
+        codes = e2m1_codes(w / self.group_rows(e8m0_values(scale), BLOCK, K))
         return QuantizedWeight(pack_nibbles(codes), scale, None, kind=self.name, group_size=BLOCK)
 
     def dequantize(self, w: QuantizedWeight) -> jax.Array:
         values = e2m1_values(unpack_nibbles(w.q))
-        return values * jnp.repeat(e8m0_values(w.scale), w.group_size, axis=-2)
+        return values * self.group_rows(e8m0_values(w.scale), w.group_size, values.shape[-2])
 
 
 MXFP4 = registry.register(Mxfp4())

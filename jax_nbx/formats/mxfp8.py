@@ -3,10 +3,12 @@
 
 One matrix ``W [K, N]`` in blocks of 32 rows of K: ``W[k, n] = E4M3(q[k, n])
 * 2^(scale[k // 32, n] - 127)``; ``q`` uint8 ``[K, N]`` (float8_e4m3fn bits),
-``scale`` uint8 ``[K/32, N]`` (E8M0; ``jnp.float8_e4m3fn`` /
+``scale`` uint8 ``[ceil(K/32), N]`` (E8M0; ``jnp.float8_e4m3fn`` /
 ``jnp.float8_e8m0fnu`` arrays are taken too), as MLX's
 ``mx.quantize(mode="mxfp8")`` stores an ``[N, K]`` matrix's (the loaders
-transpose).  The weights compute in float32.
+transpose).  K need not be a multiple of 32: the last block covers the
+remaining ``K % 32`` rows, its scale from them alone (as mxfp4's, whose
+module names the producers).  The weights compute in float32.
 
 `quantize` (this library's producer) takes each block's scale as
 ``2^ceil(log2(amax / 448))`` and rounds ``W / scale`` to E4M3, ties to even:
@@ -32,15 +34,15 @@ class Mxfp8(Format):
     element_dtypes = {"q": jnp.float8_e4m3fn, "scale": jnp.float8_e8m0fnu}
 
     def quantize_matrix(self, w: jax.Array, group_size, scale_dtype) -> QuantizedWeight:
-        K, N = w.shape[-2:]
+        K = w.shape[-2]
         self.check_group_size(group_size, K, f"mxfp8 weights {tuple(w.shape)}: ")
-        g = w.reshape(w.shape[:-2] + (K // BLOCK, BLOCK, N))
-        scale = pow2_scale_bytes(jnp.max(jnp.abs(g), axis=-2), E4M3_MAX)
-        q = e4m3_codes(g / e8m0_values(scale)[..., None, :]).reshape(w.shape)
+        scale = pow2_scale_bytes(jnp.max(jnp.abs(self.grouped_rows(w, BLOCK)), axis=-2), E4M3_MAX)
+        q = e4m3_codes(w / self.group_rows(e8m0_values(scale), BLOCK, K))
         return QuantizedWeight(q, scale, None, kind=self.name, group_size=BLOCK)
 
     def dequantize(self, w: QuantizedWeight) -> jax.Array:
-        return e4m3_values(w.q) * jnp.repeat(e8m0_values(w.scale), w.group_size, axis=-2)
+        q = e4m3_values(w.q)
+        return q * self.group_rows(e8m0_values(w.scale), w.group_size, q.shape[-2])
 
 
 MXFP8 = registry.register(Mxfp8())

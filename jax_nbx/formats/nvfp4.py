@@ -32,6 +32,8 @@ class Nvfp4(Format):
     name = "nvfp4"
     default_group_size = BLOCK
     element_dtypes = {"scale": jnp.float8_e4m3fn}
+    whole_groups_rule = ("NVFP4's producers quantize whole blocks of 16 (MLX's mx.quantize(mode='nvfp4') "
+                         "and compressed-tensors' group strategy refuse a K that is not a multiple of 16)")
 
     def quantize_matrix(self, w: jax.Array, group_size, scale_dtype) -> QuantizedWeight:
         K, N = w.shape[-2:]

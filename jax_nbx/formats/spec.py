@@ -3,8 +3,9 @@
 `Format` holds one format's spec, read from the compiled module's registry
 (`jax_nbx.contract.FORMAT_SPECS`): its parts (the arrays a projection's
 weights are passed as, in the handlers' group order), each part's dtypes and
-per-expert shape, the packing of values along K, the group sizes, its
-arithmetic and the backends whose kernels read it.  Shape and dtype checks
+per-expert shape, the packing of values along K, the group sizes and
+whether the last group along K may be partial, its arithmetic and the
+backends whose kernels read it.  Shape and dtype checks
 are generic over the spec; each format's module adds its math
 (`quantize_matrix`, `dequantize`).
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .. import contract
@@ -41,6 +43,9 @@ class Format:
     element_dtypes: dict[str, Any] = {}
     #: the spec of a format outside the compiled contract (None: the contract's)
     spec: dict[str, Any] | None = None
+    #: formats that take whole groups only: the producers' rule a K that is
+    #: not a multiple of the group breaks (named by the refusal)
+    whole_groups_rule: str = ""
 
     def __init__(self) -> None:
         if self.spec is None:
@@ -53,8 +58,8 @@ class Format:
             if self.name in contract.FORMAT_CODES:
                 raise ValueError(f"weight format {self.name!r} is the contract's: it takes no spec of its own")
             self.code = max(registry.next_code(), len(contract.WEIGHT_FORMATS))
-            spec = dict({"summary": self.name, "tensor_scale": False, "column_scaled": False, "kernels": ()},
-                        **self.spec)
+            spec = dict({"summary": self.name, "tensor_scale": False, "column_scaled": False, "kernels": (),
+                         "partial_groups": False}, **self.spec)
         self.summary: str = spec["summary"]
         self.parts: tuple[str, ...] = tuple(p["name"] for p in spec["parts"])
         self.part_dtypes: dict[str, tuple[np.dtype, ...]] = {
@@ -64,6 +69,10 @@ class Format:
                       for p in spec["parts"] if p["same_dtype_as"] >= 0}
         self.values_per_byte: int = spec["values_per_byte"]
         self.group_sizes: tuple[int, ...] = tuple(spec["group_sizes"])
+        # whether K need not be a multiple of the group: the last group then
+        # covers the remaining K % group rows, the per-group parts have
+        # ceil(K / group) rows (xla_ffi/formats/format.h partial_groups)
+        self.partial_groups: bool = bool(spec["partial_groups"])
         # the part whose dtype the weights compute in; None: float32 (scales
         # that are no float type, e.g. mxfp4's E8M0 bytes)
         cp = spec["compute_dtype_part"]
@@ -87,7 +96,30 @@ class Format:
         if rows == "none":
             return (N,)
         return ({"K": K, "packed_K": K // self.values_per_byte,
-                 "groups": K // group if group else 0}[rows], N)
+                 "groups": self.num_groups(K, group)}[rows], N)
+
+    @staticmethod
+    def num_groups(K: int, group: int | None) -> int:
+        """Groups along a K of ``group`` rows: one per started group,
+        ``ceil(K / group)`` (0 without groups)."""
+        return -(-K // group) if group else 0
+
+    def grouped_rows(self, w: jax.Array, group: int) -> jax.Array:
+        """``w [..., K, N]`` as ``[..., ceil(K/group), group, N]``: a partial
+        last group padded with copies of its last real row, so its every
+        statistic (largest magnitude, minimum, maximum) is the one of its real
+        rows alone; the quantizers drop the padding's codes."""
+        K, N = w.shape[-2:]
+        G = self.num_groups(K, group)
+        if G * group != K:
+            w = jnp.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, G * group - K), (0, 0)], mode="edge")
+        return w.reshape(w.shape[:-2] + (G, group, N))
+
+    @staticmethod
+    def group_rows(part: jax.Array, group: int, K: int) -> jax.Array:
+        """A per-group part ``[..., ceil(K/group), N]`` repeated over each
+        group's rows: ``[..., K, N]`` (row k holds group k // group's)."""
+        return jnp.repeat(part, group, axis=-2)[..., :K, :]
 
     def logical_shape(self, q_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The dense matrix's shape (leading axes kept) from its q part's."""
@@ -95,7 +127,9 @@ class Format:
         return q_shape[:-2] + (q_shape[-2] * self.values_per_byte, q_shape[-1])
 
     def check_group_size(self, group_size: int | None, K: int | None = None, what: str = "") -> None:
-        """ValueError unless ``group_size`` fits the format (and divides K)."""
+        """ValueError unless ``group_size`` fits the format and K: a multiple
+        of it (any K for formats with partial groups), and of the values
+        packed per byte."""
         if not self.grouped:
             if group_size not in (None, 0):
                 raise ValueError(f"{what}{self.name} weights take no group_size; got {group_size}")
@@ -103,8 +137,15 @@ class Format:
         if group_size not in self.group_sizes:
             raise ValueError(f"{what}group_size must be one of {self.group_sizes} for {self.name}; "
                              f"got {group_size}")
-        if K is not None and K % group_size:
-            raise ValueError(f"{what}K={K} is not divisible by group_size={group_size}")
+        if K is None:
+            return
+        if K % self.values_per_byte:
+            raise ValueError(f"{what}{self.name} packs {self.values_per_byte} values per byte along K: "
+                             f"K={K} must be a multiple of {self.values_per_byte}")
+        if K % group_size and not self.partial_groups:
+            rule = f": {self.whole_groups_rule}" if self.whole_groups_rule else ""
+            raise ValueError(f"{what}{self.name} takes whole groups along K: K={K} is not divisible by "
+                             f"group_size={group_size}{rule}")
 
     def validate(self, w: QuantizedWeight, where: str) -> None:
         """TypeError/ValueError naming ``where`` unless ``w``'s arrays fit the

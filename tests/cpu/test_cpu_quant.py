@@ -296,3 +296,24 @@ def test_tensor_scales_are_checked_and_refused_by_name():
         with ffi_testing.metal_sim():
             assert "no tensor scale yet" in nbx.backends.get("metal").why_not(problem)
     assert nbx.ops.resolve(x, w, ids, scaled)[0].name == "cpu"
+
+
+# H or I not a multiple of the group: the last group of K partial (fp8, mxfp4,
+# mxfp8 take them: FormatSpec::partial_groups), odd K for the byte formats
+PARTIAL = [("fp8", 128, 200, 96), ("fp8", 32, 97, 45), ("mxfp4", 32, 70, 200), ("mxfp8", 32, 97, 40)]
+
+
+@pytest.mark.parametrize("kind,G,H,I", PARTIAL, ids=[f"{k}-g{g}-H{h}-I{i}" for k, g, h, i in PARTIAL])
+def test_quant_partial_groups_stream_and_pack_alike(kind, G, H, I, isa):
+    """Unbanded, each expert has ~24 rows (the dequantizing packer's K-blocks);
+    in bands of one token each has <= 2 (the streaming kernels, a lone last
+    row where K is odd): both write every row of a poisoned output, match
+    float64 on the dequantized weights, and give the same bits."""
+    x, w, ids, ex = make_problem(H + I, 60, 5, 2, H, I)
+    q = nbx.quantize(ex, kind, group_size=G, scale_dtype=jnp.bfloat16)
+    assert q.gate.scale.shape[1] == -(-H // G) and q.down.scale.shape[1] == -(-I // G)
+    whole = run_quant_poisoned(x, w, ids, q, band_tokens=0)
+    streamed = run_quant_poisoned(x, w, ids, q, band_tokens=1)
+    assert bool(jnp.all(jnp.isfinite(whole))) and bool(jnp.all(jnp.isfinite(streamed)))
+    assert rel_err(whole, np_moe(x, w, ids, nbx.dequantize(q, jnp.float32))) < TOL["f32"]
+    np.testing.assert_array_equal(np.asarray(streamed), np.asarray(whole))

@@ -4,6 +4,7 @@ checks, and a format code or name the registry does not know is refused by
 name on every path."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import jax
@@ -236,3 +237,141 @@ def test_stacked_quantized_weights_index_by_expert(kind):
             q.gate[bad]
     with pytest.raises(TypeError, match="only stacked"):
         q.gate[0][0]
+
+
+# ---- partial groups: a K the group does not divide (issue #53)
+
+def _np_blocks(K: int, G: int):
+    """The producers' grid of a K: ceil(K / G) blocks of rows, the last one
+    the remaining K % G (DeepSeek-V3's weight_dequant, triton_kernels'
+    downcast_to_mxfp_torch, microxcaling's zero-padded blocks)."""
+    return [(a, min(a + G, K)) for a in range(0, K, G)]
+
+
+def _np_quantize(kind: str, w: np.ndarray, G: int, fp8_scale=None):
+    """float32 ``w [E, K, N]`` quantized by the producers' rule, in numpy:
+    each block's scale from the largest magnitude of its real rows (fp8:
+    amax / 448, 1 for zeros -- or ``fp8_scale`` given; mxfp4 / mxfp8: the
+    E8M0 byte of the smallest power of two >= amax / 6 or / 448), each value
+    w / scale rounded to the nearest element, ties to even (ml_dtypes).
+    (q bytes [E, K, N] unpacked, scale [E, ceil(K/G), N].)"""
+    import ml_dtypes
+
+    E, K, N = w.shape
+    blocks = _np_blocks(K, G)
+    q = np.empty((E, K, N), np.uint8)
+    scale = np.empty((E, len(blocks), N), np.float32 if kind == "fp8" else np.uint8)
+    for g, (a, b) in enumerate(blocks):
+        amax = np.abs(w[:, a:b]).max(axis=1)
+        if kind == "fp8":
+            s = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
+            s = s if fp8_scale is None else fp8_scale[:, g]
+            scale[:, g] = s
+        else:
+            elem_max = np.float32(6 if kind == "mxfp4" else 448)
+            bits = (amax / elem_max).astype(np.float32).view(np.uint32).astype(np.uint64)
+            byte = ((bits + 0x7FFFFF) & 0x7F800000) >> 23                       # round up to 2^e
+            scale[:, g] = np.where(amax > 0, byte, 127).astype(np.uint8)
+            s = (scale[:, g].astype(np.uint32) << 23).view(np.float32)
+        v = w[:, a:b] / s[:, None, :]
+        q[:, a:b] = (v.astype(ml_dtypes.float4_e2m1fn) if kind == "mxfp4"
+                     else np.clip(v, -448, 448).astype(ml_dtypes.float8_e4m3fn)).view(np.uint8)
+    return q, scale
+
+
+def _np_dequantize(kind: str, q: np.ndarray, scale: np.ndarray, G: int) -> np.ndarray:
+    """float64 W[k, n] = element(q[k, n]) * scale[k // G, n] over unpacked codes."""
+    import ml_dtypes
+
+    K = q.shape[-2]
+    elem = q.view(ml_dtypes.float4_e2m1fn if kind == "mxfp4" else ml_dtypes.float8_e4m3fn).astype(np.float64)
+    s = (scale.astype(np.float64) if kind == "fp8"
+         else np.exp2(scale.astype(np.float64) - 127.0))
+    return elem * s[:, np.arange(K) // G, :]
+
+
+# (kind, group, K): K = 96 and 200 (not multiples of 128 or 64), odd K for the byte formats, an
+# even K that is no multiple of 32 for mxfp4, one partial group only (K < group), whole groups
+PARTIAL = [("fp8", 128, 96), ("fp8", 128, 200), ("fp8", 64, 200), ("fp8", 32, 97), ("fp8", 128, 127),
+           ("fp8", 128, 256), ("mxfp4", 32, 200), ("mxfp4", 32, 70), ("mxfp4", 32, 14), ("mxfp8", 32, 97),
+           ("mxfp8", 32, 200)]
+
+
+@pytest.mark.parametrize("kind,G,K", PARTIAL, ids=[f"{k}-g{g}-K{K}" for k, g, K in PARTIAL])
+def test_partial_last_group_quantizes_as_the_producers(kind, G, K):
+    """quantize / dequantize of a K the group does not divide: ceil(K / G)
+    scales, the last group's from its real rows alone, every code and scale
+    the numpy producer's bit for bit, and the dequantized weights the float64
+    E(q) * scale[k // G] of those (rounded once to float32)."""
+    rng = np.random.default_rng(K * 1000 + G)
+    E, N = 2, 24
+    w = rng.standard_normal((E, K, N)).astype(np.float32)
+    w[1, -1, :] *= 50.0  # the last row dominates its group: a scale taken over padding would show
+    q = nbx.quantize(nbx.Experts(w, w, np.swapaxes(w, 1, 2).copy()), kind, group_size=G).gate
+    fmt = formats.get(kind)
+    assert fmt.partial_groups and q.scale.shape == (E, -(-K // G), N) and q.group_size == G
+    want_q, want_s = _np_quantize(kind, w, G)
+    if kind == "fp8":  # XLA divides by 448 as a product by float32(1 / 448): the scale within an ulp
+        np.testing.assert_array_max_ulp(np.asarray(q.scale), want_s, maxulp=1)
+        want_q, want_s = _np_quantize(kind, w, G, fp8_scale=np.asarray(q.scale))  # the codes of that scale
+    got_q = np.asarray(q.q)
+    if fmt.values_per_byte == 2:
+        got_q = np.stack([got_q & 15, got_q >> 4], axis=-2).reshape(E, K, N)
+    np.testing.assert_array_equal(got_q, want_q)
+    np.testing.assert_array_equal(np.asarray(q.scale), want_s)
+    ref = _np_dequantize(kind, want_q, want_s, G)
+    got = np.asarray(q.dequantize(jnp.float32))
+    np.testing.assert_array_equal(got, ref.astype(np.float32))
+    assert np.max(np.abs(ref - w)) <= np.max(np.abs(w)) * (0.26 if kind == "mxfp4" else 0.07)
+    q.validate("w")  # the shapes the spec gives (ceil(K / G) scale rows)
+    with pytest.raises(ValueError, match=rf"w.scale has shape \({E}, {K // G}, {N}\); expected "
+                                         rf"\({E}, {-(-K // G)}, {N}\)") if K % G else contextlib.nullcontext():
+        nbx.QuantizedWeight(q.q, q.scale[:, :K // G], kind=kind, group_size=G).validate("w")
+
+
+@pytest.mark.parametrize("kind,G,K,rule", [
+    ("int4", 64, 96, r"int4 takes whole groups along K: K=96 is not divisible by group_size=64: .*AWQ"),
+    ("int4", 128, 200, r"int4 takes whole groups along K: K=200 is not divisible by group_size=128: .*MLX"),
+    ("nvfp4", 16, 200, r"nvfp4 takes whole groups along K: K=200 is not divisible by group_size=16: "
+                       r"NVFP4's producers .*MLX.*compressed-tensors"),
+    ("mxfp4", 32, 97, r"mxfp4 packs 2 values per byte along K: K=97 must be a multiple of 2"),
+    ("nvfp4", 16, 97, r"nvfp4 packs 2 values per byte along K: K=97"),
+])
+def test_whole_group_formats_refuse_a_partial_group_naming_the_rule(kind, G, K, rule):
+    """The formats whose producers quantize whole groups only (int4: AWQ,
+    MLX affine, compressed-tensors groups; nvfp4: MLX, compressed-tensors)
+    refuse a K the group does not divide, naming the format, K and the
+    producers' rule; 4-bit codes refuse an odd K (two per byte)."""
+    w = np.random.default_rng(K).standard_normal((2, K, 32)).astype(np.float32)
+    ex = nbx.Experts(w, w, np.swapaxes(w, 1, 2).copy())
+    with pytest.raises(ValueError, match=rule):
+        nbx.quantize(ex, kind, group_size=G)
+    assert not formats.get(kind).partial_groups or K % 2
+
+
+def test_partial_groups_is_the_specs_field():
+    """FormatSpec::partial_groups, exported: the formats whose producers make
+    a partial last block (fp8, mxfp4, mxfp8) and those that do not."""
+    got = {s["name"]: s["partial_groups"] for s in contract.FORMAT_SPECS}
+    assert got == {"dense": False, "int8": False, "int4": False, "mxfp4": True, "fp8": True, "mxfp8": True,
+                   "nvfp4": False}
+    assert all(formats.get(n).partial_groups == got[n] for n in formats.names())
+    assert formats.get("fp8").part_shape("scale", 200, 5, 128) == (2, 5)
+    assert formats.get("mxfp4").part_shape("scale", 70, 5, 32) == (3, 5)
+    assert formats.get("int4").part_shape("scale", 256, 5, 128) == (2, 5)
+
+
+def test_the_handlers_refuse_a_partial_group_of_a_whole_group_format():
+    """The C++ weight decoder (every handler's): mxfp4's parts read as nvfp4
+    (the same parts; groups of 16, whole only) with H = 200 are refused,
+    naming the format, the group and K; as mxfp4 they run."""
+    x, w, ids, ex = make_problem(3, 4, 4, 2, 200, 70)
+    q = nbx.quantize(ex, "mxfp4")
+    jax.block_until_ready(_raw_cpu(x, w, ids, q))
+    for target in ("forward", "metal_forward"):
+        with pytest.raises(jax.errors.JaxRuntimeError,
+                           match=r"nvfp4 group size 16 must divide H=200 and I=70 \(nvfp4 takes whole groups "
+                                 r"along K; got K=200\)"):
+            jax.block_until_ready(_raw_cpu(x, w, ids, q, target=target,
+                                           format=np.int32(contract.FORMAT_CODES["nvfp4"]),
+                                           group_size=np.int64(16)))

@@ -135,7 +135,10 @@ std::tuple<int64_t, std::vector<std::string>> CheckWeightReaders(uint64_t seed) 
       if (cp >= 0 ? !(spec.parts[cp].dtypes & bit) : bit != formats::kF32) continue;
       for (int gi = 0; gi < ngroups; ++gi) {
         const uint32_t group = spec.num_group_sizes ? static_cast<uint32_t>(spec.group_sizes[gi]) : 0;
-        const uint32_t K = group > 0 ? 2 * group : 35, N = 9;  // K a multiple of the group
+        // K a multiple of the group, or past it by a partial last group
+        // (FormatSpec::partial_groups; odd where a byte holds one value)
+        const uint32_t tail = !spec.partial_groups ? 0 : spec.values_per_byte == 1 ? 7 : 6;
+        const uint32_t K = group > 0 ? 2 * group + tail : 35, N = 9;
         std::vector<std::vector<unsigned char>> data(static_cast<size_t>(spec.num_parts));
         std::vector<metal::HostPart> parts;
         formats::PartsView v{};

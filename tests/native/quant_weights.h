@@ -49,10 +49,16 @@ std::vector<QuantFormat> QuantFormats() {
   return v;
 }
 
-// K of a quantized case: grouped formats a multiple of the group.
+// K of a quantized case: grouped formats a multiple of the group, and for
+// formats with partial groups (FormatSpec::partial_groups) a partial last
+// group too (even: packable), and an odd K where a byte holds one value.
 std::vector<int64_t> QuantKs(const QuantFormat& f) {
   if (!f.group) return std::vector<int64_t>(std::begin(kKs), std::end(kKs));
   std::vector<int64_t> v = {0, f.group, 2 * f.group, 256};
+  if (f.Spec().partial_groups) {
+    v.push_back(f.group + 6);
+    if (f.Spec().values_per_byte == 1) v.push_back(2 * f.group + 7);
+  }
   std::sort(v.begin(), v.end());
   v.erase(std::unique(v.begin(), v.end()), v.end());
   return v;

@@ -101,6 +101,45 @@ def test_quantized_experts_with_biases(backend, fmt, G, T):
     assert rel_err(run(backend, x, w, ids, qb, activation=act), ref) < backend.tol(x.dtype, jnp.float32)
 
 
+def _np_dequantized(w: nbx.QuantizedWeight) -> np.ndarray:
+    """float32 [E, K, N] of fp8 / mxfp4 / mxfp8 weights, computed in float64
+    from the formats' definition (rounded once): E4M3 / E2M1 element (ml_dtypes)
+    times the scale of row k's group, k // G, over ceil(K / G) scale rows."""
+    import ml_dtypes
+
+    q = np.asarray(w.q)
+    if w.kind == "mxfp4":
+        q = np.stack([q & 15, q >> 4], axis=-2).reshape(q.shape[0], -1, q.shape[-1])
+    elem = q.view(ml_dtypes.float4_e2m1fn if w.kind == "mxfp4" else ml_dtypes.float8_e4m3fn).astype(np.float64)
+    s = np.asarray(jnp.asarray(w.scale).astype(jnp.float32), np.float64) if w.kind == "fp8" else \
+        np.exp2(np.asarray(w.scale, np.float64) - 127.0)
+    K = elem.shape[-2]
+    assert s.shape[-2] == -(-K // w.group_size)
+    return (elem * s[:, np.arange(K) // w.group_size, :]).astype(np.float32)
+
+
+# (format, group, H, I): H or I not a multiple of the group -- the last group
+# of K partial (issue #53); odd K for the byte formats (a lone last row)
+PARTIAL_GROUPS = [("fp8", 128, 200, 96), ("mxfp4", 32, 200, 70), ("mxfp8", 32, 97, 40)]
+
+
+@pytest.mark.parametrize("fmt,G,H,I", PARTIAL_GROUPS, ids=[f"{f}-g{g}-H{h}-I{i}" for f, g, h, i in PARTIAL_GROUPS])
+@pytest.mark.parametrize("T", [1, 33])  # decode (streamed on the CPU) and prefill (packed K-blocks)
+def test_partial_groups_match_float64(backend, fmt, G, H, I, T):
+    """Block-scaled experts whose H or I the block does not divide (a
+    128x128-block checkpoint of such a model): ceil(K / G) scale rows, the
+    last group covering K % G rows, against the float64 op on the weights
+    dequantized from the format's definition; every output row written."""
+    backend.require_format(fmt)
+    x, w, ids, ex = make_problem(T + 11, T, 6, 2, H, I)
+    q = nbx.quantize(ex, fmt, group_size=G)
+    assert q.gate.scale.shape[1] == -(-H // G) and q.down.scale.shape[1] == -(-I // G)
+    y = run(backend, x, w, ids, q)
+    assert y.shape == x.shape and bool(jnp.all(jnp.isfinite(y))), "unwritten rows"
+    ref = np_moe(x, w, ids, nbx.Experts(*(jnp.asarray(_np_dequantized(m)) for m in (q.gate, q.up, q.down))))
+    assert rel_err(y, ref) < backend.tol(x.dtype, jnp.float32)
+
+
 def test_leading_axes_and_no_tokens(backend):
     x, w, ids, ex = make_problem(5, 24, 8, 2, 33, 20)
     y = backend(x.reshape(2, 3, 4, 33), w.reshape(2, 3, 4, 2), ids.reshape(2, 3, 4, 2), ex)

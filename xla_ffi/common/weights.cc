@@ -112,13 +112,24 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
     return ffi::Error::InvalidArgument("quantized weights take the plain views only");
   if (view[0][1] != view[1][1] || view[0][2] != view[1][2])
     return ffi::Error::InvalidArgument("gate and up views must share their strides");
-  if (!formats::GroupSizeOk(spec, group_size) ||
-      (group_size > 0 && (H % group_size || I % group_size)))
+  if (!formats::GroupSizeOk(spec, group_size))
     return ffi::Error::InvalidArgument(
         std::string(spec.name) + " group size " + std::to_string(group_size) +
-        (spec.num_group_sizes ? " must be one of the format's group sizes and divide H=" +
-                                    std::to_string(H) + " and I=" + std::to_string(I)
+        (spec.num_group_sizes ? " must be one of the format's group sizes"
                               : " must be 0 (the format has no groups)"));
+  // each projection's K (gate and up: H; down: I) against the group and the packing
+  for (const int64_t K : {H, I}) {
+    if (!formats::GroupFitsK(spec, group_size, K))
+      return ffi::Error::InvalidArgument(
+          std::string(spec.name) + " group size " + std::to_string(group_size) +
+          " must divide H=" + std::to_string(H) + " and I=" + std::to_string(I) + " (" +
+          spec.name + " takes whole groups along K; got K=" + std::to_string(K) + ")");
+    if (K % spec.values_per_byte)
+      return ffi::Error::InvalidArgument(
+          std::string(spec.name) + " packs " + std::to_string(spec.values_per_byte) +
+          " values per byte along K: H=" + std::to_string(H) + " and I=" + std::to_string(I) +
+          " must be multiples of " + std::to_string(spec.values_per_byte));
+  }
   out->E = E;
   out->H = H;
   out->I = I;

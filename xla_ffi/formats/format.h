@@ -31,7 +31,7 @@ inline constexpr const char* kDTypeBitNames[kNumDTypeBits] = {"float32", "bfloat
 enum class PartRows : int32_t {
   kK = 0,       // K rows (values unpacked)
   kPackedK = 1,  // K / values_per_byte rows (packed values)
-  kGroups = 2,   // K / group rows (one per group along K)
+  kGroups = 2,   // ceil(K / group) rows (one per group along K; FormatSpec::partial_groups)
   kNone = 3,     // no K axis: [N] (one per output column)
 };
 inline constexpr int32_t kNumPartRows = 4;
@@ -85,6 +85,13 @@ struct FormatSpec {
   // refuses the others by name, and so does Python before tracing
   // (jax_nbx.formats.Format.kernels).
   uint32_t kernels = kAllKernels;
+  // Whether K need not be a multiple of the group: the last group then covers
+  // the remaining K % group rows (its scale is of those rows alone), and the
+  // per-group parts have ceil(K / group) rows -- as the format's producers
+  // make block-scaled checkpoints of a dimension the block does not divide.
+  // false: K must be a multiple of the group (the handlers and Python refuse
+  // any other K, naming the format).
+  bool partial_groups = false;
 };
 
 // One expert's parts as the scalar reference reads them: each part's base

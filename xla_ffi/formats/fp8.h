@@ -1,11 +1,15 @@
 // fp8: E4M3 ("fn") values, one byte per weight, each group of rows along K
 // scaled by a float32 or bfloat16 scale per output column.  q uint8 [K, N]
-// (float8_e4m3fn bits), scale [K/group, N]: W[k, n] = E4M3(q[k, n]) *
+// (float8_e4m3fn bits), scale [ceil(K/group), N]: W[k, n] = E4M3(q[k, n]) *
 // scale[k/group, n].  The checkpoints' layouts map onto it exactly:
 // DeepSeek-V3's and Qwen3's "-FP8" 128x128 blocks (`weight_scale_inv`, one
 // float32 per block; transformers integrations/finegrained_fp8.py) repeat each
 // block's scale over its 128 columns, and compressed-tensors' per-channel
-// scales repeat over the groups of K (jax_nbx/loaders).
+// scales repeat over the groups of K (jax_nbx/loaders).  Partial groups: K
+// need not be a multiple of the group, the last group covering K % group rows
+// -- the producers size the block-scale grid by a ceiling division
+// (DeepSeek-V3 inference/kernel.py weight_dequant, vLLM's block FP8,
+// compressed-tensors' block strategy pads the last block).
 #pragma once
 
 #include <cstdint>
@@ -24,6 +28,10 @@ inline constexpr FormatSpec kFp8Spec = {
     1,
     3, {32, 64, 128},
     1,
+    /*tensor_scale=*/false,
+    /*column_scaled=*/false,
+    kAllKernels,
+    /*partial_groups=*/true,
 };
 
 // E4M3(q) * scale, one float32 product.

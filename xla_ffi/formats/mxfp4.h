@@ -4,8 +4,13 @@
 // code[2j, n] | code[2j+1, n] << 4), as gpt-oss's checkpoints
 // (transformers integrations/mxfp4.py, _convert_moe_packed_tensors) and MLX's
 // mx.quantize(mode="mxfp4") store them (there along the rows of an [N, K]
-// matrix; the loaders transpose).  scale uint8 [K/32, N], E8M0 bits (bias
-// 127; 255 is NaN): W[k, n] = E2M1(code[k, n]) * 2^(scale[k/32, n] - 127).
+// matrix; the loaders transpose).  scale uint8 [ceil(K/32), N], E8M0 bits
+// (bias 127; 255 is NaN): W[k, n] = E2M1(code[k, n]) * 2^(scale[k/32, n] - 127).
+// Partial blocks: K (even) need not be a multiple of 32, the last block
+// covering K % 32 rows, as the MX reference emulation (microsoft/microxcaling,
+// zero-padded blocks) and OpenAI's triton_kernels downcast_to_mxfp_torch
+// (what transformers' gpt-oss integration quantizes with: ceil(K/32) scales)
+// make them; MLX's mx.quantize refuses such K, producing whole blocks only.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +29,10 @@ inline constexpr FormatSpec kMxfp4Spec = {
     2,
     1, {32},
     -1,
+    /*tensor_scale=*/false,
+    /*column_scaled=*/false,
+    kAllKernels,
+    /*partial_groups=*/true,
 };
 
 // The code's value times the block's scale: one exact product (a power of two

@@ -1,9 +1,10 @@
 // mxfp8 (OCP Microscaling Formats v1.0, MXFP8 with E4M3 elements): E4M3
 // values, one byte per weight, in blocks of 32 along K, each scaled by one
 // E8M0 power of two.  q uint8 [K, N] (float8_e4m3fn bits), scale uint8
-// [K/32, N] (E8M0 bits): W[k, n] = E4M3(q[k, n]) * 2^(scale[k/32, n] - 127),
-// as MLX's mx.quantize(mode="mxfp8") stores it along the rows of an [N, K]
-// matrix (the loaders transpose).
+// [ceil(K/32), N] (E8M0 bits): W[k, n] = E4M3(q[k, n]) * 2^(scale[k/32, n] -
+// 127), as MLX's mx.quantize(mode="mxfp8") stores it along the rows of an
+// [N, K] matrix (the loaders transpose).  Partial blocks as mxfp4's (the last
+// block covers K % 32 rows; formats/mxfp4.h names the producers).
 #pragma once
 
 #include <cstdint>
@@ -21,6 +22,10 @@ inline constexpr FormatSpec kMxfp8Spec = {
     1,
     1, {32},
     -1,
+    /*tensor_scale=*/false,
+    /*column_scaled=*/false,
+    kAllKernels,
+    /*partial_groups=*/true,
 };
 
 // E4M3(q) * 2^(s - 127): exact (four significant bits times a power of two).

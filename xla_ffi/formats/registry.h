@@ -71,12 +71,21 @@ inline bool GroupSizeOk(const FormatSpec& s, int64_t group) {
   return false;
 }
 
-// Rows of a part of one expert's [K, N] projection ([N]: -1).
+// Whether a projection's K fits the format's group: a multiple of it, or any
+// K for formats with partial groups (FormatSpec::partial_groups); group 0 (no
+// groups) takes any K.  (Packing, K a multiple of values_per_byte, is checked
+// on its own.)
+inline bool GroupFitsK(const FormatSpec& s, int64_t group, int64_t K) {
+  return group <= 0 || K % group == 0 || s.partial_groups;
+}
+
+// Rows of a part of one expert's [K, N] projection ([N]: -1); groups: one per
+// started group, ceil(K / group) (K / group when the group divides K).
 inline int64_t PartRowCount(const FormatSpec& s, int part, int64_t K, int64_t group) {
   switch (s.parts[part].rows) {
     case PartRows::kK: return K;
     case PartRows::kPackedK: return K / s.values_per_byte;
-    case PartRows::kGroups: return group > 0 ? K / group : 0;
+    case PartRows::kGroups: return group > 0 ? (K + group - 1) / group : 0;
     case PartRows::kNone: return -1;
   }
   return -1;

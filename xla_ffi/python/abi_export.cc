@@ -21,7 +21,8 @@ nb::tuple Names(const char* const (&names)[N]) {
 // The format registry (formats/registry.h), one dict per format in code
 // order: name, code, summary, parts [{name, dtypes, rows, same_dtype_as}],
 // values_per_byte, group_sizes, compute_dtype_part, tensor_scale,
-// column_scaled, kernels (the backends whose kernels read it: "cpu", ...).
+// column_scaled, kernels (the backends whose kernels read it: "cpu", ...),
+// partial_groups (whether K need not be a multiple of the group).
 nb::list FormatTable() {
   nb::list out;
   for (const formats::FormatEntry& entry : formats::kFormats) {
@@ -55,6 +56,7 @@ nb::list FormatTable() {
     for (int b = 0; b < formats::kNumKernelBits; ++b)
       if (f.kernels & (1u << b)) kernels.append(nb::str(formats::kKernelBitNames[b]));
     d["kernels"] = nb::tuple(kernels);
+    d["partial_groups"] = f.partial_groups;
     out.append(d);
   }
   return out;

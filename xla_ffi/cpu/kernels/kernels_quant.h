@@ -97,10 +97,12 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < ncols; ++c) acc[r * ncols + c] *= sc[c];
   } else if constexpr (!kNibbles(kQ)) {
-    // fp8, mxfp8: a byte per weight; K is a multiple of the (even) group, so
-    // rows come in pairs inside one group
+    // fp8, mxfp8: a byte per weight.  Groups are even (32, 64, 128), so a
+    // pair of rows never straddles two groups; K may be any size (partial
+    // groups: FormatSpec::partial_groups), so a lone last row when K is odd
     const uint8_t* q = static_cast<const uint8_t*>(m.q) + n0;
     for (int64_t kk = 0; kk < K; kk += 2) {
+      const bool two = kk + 1 < K;
       const uint8_t* qr0 = q + kk * N;
       const uint8_t* qr1 = qr0 + N;
       if (kk + ahead + 1 < K) {
@@ -110,20 +112,37 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
       if (kk % m.group == 0) ScalesToFloat<VL, kQ, kB>(m.scale, (kk / m.group) * N + n0, ncols, sc);
       float a0[R], a1[R];
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) a0[r] = a[kk * as + r], a1[r] = a[(kk + 1) * as + r];
-      for (int c = 0; c < nv; c += VL) {
-        const V s = Load<VL>(sc + c);
-        const V w0 = ByteValues<VL>(qr0 + c) * s;
-        const V w1 = ByteValues<VL>(qr1 + c) * s;
-        AddTwoRows<R>(acc + c, ncols, a0, a1, w0, w1);
-      }
-      for (int c = nv; c < ncols; ++c) {
-        const float w0 = ByteValue(qr0[c]) * sc[c];
-        const float w1 = ByteValue(qr1[c]) * sc[c];
-        AddTwoRows<R>(acc + c, ncols, a0, a1, w0, w1);
+      for (int r = 0; r < R; ++r) a0[r] = a[kk * as + r], a1[r] = two ? a[(kk + 1) * as + r] : 0.0f;
+      if (two) {
+        for (int c = 0; c < nv; c += VL) {
+          const V s = Load<VL>(sc + c);
+          const V w0 = ByteValues<VL>(qr0 + c) * s;
+          const V w1 = ByteValues<VL>(qr1 + c) * s;
+          AddTwoRows<R>(acc + c, ncols, a0, a1, w0, w1);
+        }
+        for (int c = nv; c < ncols; ++c) {
+          const float w0 = ByteValue(qr0[c]) * sc[c];
+          const float w1 = ByteValue(qr1[c]) * sc[c];
+          AddTwoRows<R>(acc + c, ncols, a0, a1, w0, w1);
+        }
+      } else {
+        for (int c = 0; c < nv; c += VL) {
+          const V w0 = ByteValues<VL>(qr0 + c) * Load<VL>(sc + c);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            V v;
+            memcpy(&v, acc + r * ncols + c, sizeof v);
+            v = MulAdd(a0[r], w0, v);
+            memcpy(acc + r * ncols + c, &v, sizeof v);
+          }
+        }
+        for (int c = nv; c < ncols; ++c) {
+          const float w0 = ByteValue(qr0[c]) * sc[c];
+          for (int r = 0; r < R; ++r) acc[r * ncols + c] = MulAdd(a0[r], w0, acc[r * ncols + c]);
+        }
       }
     }
-  } else {  // 4-bit codes; K is a multiple of the (even) group: rows come in pairs, one byte
+  } else {  // 4-bit codes; K and groups even: rows come in pairs (one byte, one group)
     const uint8_t* q = static_cast<const uint8_t*>(m.q) + n0;
     for (int64_t kk = 0; kk < K; kk += 2) {
       const uint8_t* qr = q + (kk / 2) * N;

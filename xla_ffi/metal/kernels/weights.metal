@@ -14,7 +14,8 @@
 // `load` takes its parts' addresses through nbx_device_ptr with the part's
 // extent (the emulation checks it against the pins); `at(k, n)` decodes.
 // A reader per kernel variant: the format is a compile-time choice (the
-// kernel's name), the group size along K a parameter (GemmParams::group).
+// kernel's name), the group size along K a parameter (GemmParams::group; the
+// last group may be partial, k / G its index all the same).
 
 // ---- element encodings (formats/minifloat.h): E2M1, E4M3 ("fn"), E8M0
 
@@ -46,6 +47,10 @@ inline uint nbx_nibble(device const uchar* q, uint k, uint n, uint N) {
   const uint b = q[(ulong)(k / 2u) * N + n];
   return (k & 1u) != 0u ? b >> 4 : b & 15u;
 }
+
+// Rows of a per-group part along K: one per started group, ceil(K / group)
+// (formats whose last group may be partial: FormatSpec::partial_groups).
+inline uint nbx_groups(constant GemmParams& p) { return (p.K + p.group - 1u) / p.group; }
 
 // The GPU address of part `part` of projection `proj` (0 gate, 1 up, 2 down), expert e.
 inline ulong nbx_part(device const ulong* table, uint part, uint proj, int e, constant GemmParams& p) {
@@ -94,8 +99,8 @@ struct nbx_int4 {
   static nbx_int4 load(device const ulong* table, uint proj, int e, constant GemmParams& p) {
     nbx_int4 r;
     r.q = nbx_device_ptr<const uchar>(nbx_part(table, 0u, proj, e, p), (long)(p.K / 2u) * p.N);
-    r.s = nbx_device_ptr<const ST>(nbx_part(table, 1u, proj, e, p), (long)(p.K / p.group) * p.N);
-    r.z = nbx_device_ptr<const ST>(nbx_part(table, 2u, proj, e, p), (long)(p.K / p.group) * p.N);
+    r.s = nbx_device_ptr<const ST>(nbx_part(table, 1u, proj, e, p), (long)nbx_groups(p) * p.N);
+    r.z = nbx_device_ptr<const ST>(nbx_part(table, 2u, proj, e, p), (long)nbx_groups(p) * p.N);
     r.N = p.N;
     r.G = p.group;
     return r;
@@ -115,7 +120,7 @@ struct nbx_fp8 {
   static nbx_fp8 load(device const ulong* table, uint proj, int e, constant GemmParams& p) {
     nbx_fp8 r;
     r.q = nbx_device_ptr<const uchar>(nbx_part(table, 0u, proj, e, p), (long)p.K * p.N);
-    r.s = nbx_device_ptr<const ST>(nbx_part(table, 1u, proj, e, p), (long)(p.K / p.group) * p.N);
+    r.s = nbx_device_ptr<const ST>(nbx_part(table, 1u, proj, e, p), (long)nbx_groups(p) * p.N);
     r.N = p.N;
     r.G = p.group;
     return r;
@@ -135,7 +140,7 @@ struct nbx_mxfp4 {
   static nbx_mxfp4 load(device const ulong* table, uint proj, int e, constant GemmParams& p) {
     nbx_mxfp4 r;
     r.q = nbx_device_ptr<const uchar>(nbx_part(table, 0u, proj, e, p), (long)(p.K / 2u) * p.N);
-    r.s = nbx_device_ptr<const uchar>(nbx_part(table, 1u, proj, e, p), (long)(p.K / p.group) * p.N);
+    r.s = nbx_device_ptr<const uchar>(nbx_part(table, 1u, proj, e, p), (long)nbx_groups(p) * p.N);
     r.N = p.N;
     r.G = p.group;
     return r;
@@ -152,7 +157,7 @@ struct nbx_mxfp8 {
   static nbx_mxfp8 load(device const ulong* table, uint proj, int e, constant GemmParams& p) {
     nbx_mxfp8 r;
     r.q = nbx_device_ptr<const uchar>(nbx_part(table, 0u, proj, e, p), (long)p.K * p.N);
-    r.s = nbx_device_ptr<const uchar>(nbx_part(table, 1u, proj, e, p), (long)(p.K / p.group) * p.N);
+    r.s = nbx_device_ptr<const uchar>(nbx_part(table, 1u, proj, e, p), (long)nbx_groups(p) * p.N);
     r.N = p.N;
     r.G = p.group;
     return r;
@@ -169,7 +174,7 @@ struct nbx_nvfp4 {
   static nbx_nvfp4 load(device const ulong* table, uint proj, int e, constant GemmParams& p) {
     nbx_nvfp4 r;
     r.q = nbx_device_ptr<const uchar>(nbx_part(table, 0u, proj, e, p), (long)(p.K / 2u) * p.N);
-    r.s = nbx_device_ptr<const uchar>(nbx_part(table, 1u, proj, e, p), (long)(p.K / p.group) * p.N);
+    r.s = nbx_device_ptr<const uchar>(nbx_part(table, 1u, proj, e, p), (long)nbx_groups(p) * p.N);
     r.N = p.N;
     r.G = p.group;
     return r;
