@@ -35,6 +35,18 @@ __all__ = ["LoRA", "LoRASpec", "PROJECTIONS", "validate_lora", "merge_lora"]
 PROJECTIONS = ("gate", "up", "down")
 
 
+def _scale(name: str, s) -> float:
+    """A projection's scale as a finite float; ValueError naming it otherwise
+    (a bool or a string is no scale)."""
+    try:
+        v = float(s) if not isinstance(s, (bool, str, bytes)) else math.nan
+    except (TypeError, ValueError):
+        v = math.nan
+    if not math.isfinite(v):
+        raise ValueError(f"LoRA: the scale of {name} must be a finite number; got {s!r}")
+    return v
+
+
 class LoRASpec(NamedTuple):
     """The static description of a `LoRA` (hashable: part of a call's static
     key): per adapted projection ``(name, rank, scale)``, and whether the
@@ -103,12 +115,9 @@ class LoRA:
             if set(scale) != adapted:
                 raise ValueError(f"LoRA: scale must give the scale of each adapted projection and no other: "
                                  f"it names {sorted(scale)}, the adapters are on {sorted(adapted)}")
-            scales = tuple(float(scale.get(n, 1.0)) for n in PROJECTIONS)
+            scales = tuple(_scale(n, scale.get(n, 1.0)) for n in PROJECTIONS)
         else:
-            scales = (float(scale),) * 3
-        for n, s in zip(PROJECTIONS, scales):
-            if not math.isfinite(s):
-                raise ValueError(f"LoRA: the scale of {n} must be finite; got {s}")
+            scales = tuple(_scale(n, scale) for n in PROJECTIONS)
         self.gate, self.up, self.down = (None if p is None else tuple(p) for p in (gate, up, down))
         self.scales = scales
 

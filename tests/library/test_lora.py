@@ -200,8 +200,11 @@ def test_bad_adapters_are_refused_by_name():
         nbx.LoRA(gate=(A, B), scale={"proj": 1.0})
     with pytest.raises(ValueError, match=r"it names \['gate'\], the adapters are on \['up'\]"):
         nbx.LoRA(up=(A, B), scale={"gate": 2.0})
-    with pytest.raises(ValueError, match="scale of gate must be finite"):
-        nbx.LoRA(gate=(A, B), scale=float("nan"))
+    for bad in (float("nan"), float("inf"), "2", True, None, [1.0]):
+        with pytest.raises(ValueError, match="scale of gate must be a finite number"):
+            nbx.LoRA(gate=(A, B), scale=bad)
+    with pytest.raises(ValueError, match="scale of down must be a finite number; got 'x'"):
+        nbx.LoRA(gate=(A, B), down=(A, B), scale={"gate": 1.0, "down": "x"})
     with pytest.raises(TypeError, match=r"up must be an \(A, B\) pair"):
         nbx.LoRA(up=A)
     with pytest.raises(ValueError, match="rank must be a positive int"):
