@@ -20,6 +20,7 @@ the previous one ends), as the ``safetensors`` library (0.8) requires.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -46,23 +47,38 @@ def _show(v: Any, limit: int = 80) -> str:
 
 # ------------------------------------------------------------------------------------------ JSON
 
+@contextlib.contextmanager
+def _reading(path: str):
+    """Opening and reading ``path``: FileNotFoundError naming it when there
+    is no such file, CheckpointError for any other OSError."""
+    try:
+        yield
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"checkpoint: {path} does not exist") from err
+    except OSError as err:
+        raise CheckpointError(f"checkpoint: {path} cannot be read: {err}") from err
+
+
+def _parse(raw: bytes, path: str, offset: int, what: str):
+    """The JSON value of ``raw``, bytes ``offset``.. of file ``path``
+    (``what``: "the file", "the header"); CheckpointError naming the byte
+    when it is not UTF-8 or not JSON."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"checkpoint: {path}: {what} is not UTF-8 (byte {offset + err.start})") from err
+    return _loads(text, path, offset)
+
+
 def read_json(path: str | os.PathLike) -> dict:
     """The JSON object of file ``path``.  FileNotFoundError when there is no
     such file; CheckpointError naming the file when it cannot be read, is not
     UTF-8 or JSON (the byte offset), or its top level is not an object."""
     path = os.fspath(path)
-    try:
+    with _reading(path):
         with open(path, "rb") as f:
             raw = f.read()
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"checkpoint: {path} does not exist") from err
-    except OSError as err:
-        raise CheckpointError(f"checkpoint: {path} cannot be read: {err}") from err
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise CheckpointError(f"checkpoint: {path} is not UTF-8 (byte {err.start})") from err
-    value = _loads(text, path, 0)
+    value = _parse(raw, path, 0, "the file")
     if not isinstance(value, dict):
         raise CheckpointError(f"checkpoint: {path}: the top level is a JSON {_json_type(value)}, not an object")
     return value
@@ -173,7 +189,7 @@ def safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     def bad(msg):
         raise CheckpointError(f"checkpoint: {path}: {msg}")
 
-    try:
+    with _reading(path):
         size = os.stat(path).st_size
         with open(path, "rb") as fh:
             head = fh.read(8)
@@ -187,17 +203,9 @@ def safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
             if n > MAX_HEADER:
                 bad(f"the header length {n} (bytes 0..8) exceeds safetensors' limit of {MAX_HEADER} bytes")
             raw = fh.read(n)
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"checkpoint: {path} does not exist") from err
-    except OSError as err:
-        raise CheckpointError(f"checkpoint: {path} cannot be read: {err}") from err
     if len(raw) != n:
         bad(f"the header (bytes 8..{8 + n}) ends at byte {8 + len(raw)}: the file changed while being read")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise CheckpointError(f"checkpoint: {path}: the header is not UTF-8 (byte {8 + err.start})") from err
-    header = _loads(text, path, 8)
+    header = _parse(raw, path, 8, "the header")
     if not isinstance(header, dict):
         bad(f"the header (bytes 8..{8 + n}) is a JSON {_json_type(header)}, not an object")
     data_len = size - 8 - n

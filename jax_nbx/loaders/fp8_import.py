@@ -16,11 +16,15 @@ scales that multiply it:
   ``[1]``: ``W[n, k] = q[n, k] * weight_scale[n]``.
 
 Converted: the E4M3 bytes unchanged, transposed to ``[K, N]``; each group of
-``G`` rows of K (the largest of 128, 64, 32 that divides K and the block's
-``bk``) gets its block's or column's scale, so every weight is the same
-product of the same two numbers: exact.  Activations are not quantized here
-(the checkpoints' dynamic activation scales are a runtime choice of their
-kernels; jax_nbx multiplies in the input's dtype).
+``G`` rows of K gets its block's or column's scale, so every weight is the same
+product of the same two numbers: exact.  ``G`` is the largest of 128, 64, 32
+that divides the block's ``bk`` (any K: the fp8 format takes a partial last
+group, ``ceil(K / G)`` scale rows, as the checkpoints' ``ceil(K / bk)`` block
+columns do; a group never crosses a block's edge, since ``G`` divides ``bk``);
+128 for per-channel and per-tensor scales.  A block no group divides is
+refused.  Activations are not quantized here (the checkpoints' dynamic
+activation scales are a runtime choice of their kernels; jax_nbx multiplies
+in the input's dtype).
 """
 from __future__ import annotations
 
@@ -48,6 +52,8 @@ def from_fp8(weight: Any, scale: Any, *, block: tuple[int, int] | None = None) -
     transformers' ``weight_scale_inv``); None for per-channel
     (``[..., N, 1]`` or ``[..., N]``) or per-tensor (``[..., 1]``) scales.
     Scales float32, bfloat16 or float16 (float16 widened to float32, exact).
+    Any K: the group is the largest of 128, 64, 32 dividing ``bk`` (128
+    without a block), the last group partial where it does not divide K.
     Raises TypeError/ValueError naming the argument."""
     w = np.asarray(weight)
     if w.dtype not in _E4M3:
@@ -61,20 +67,25 @@ def from_fp8(weight: Any, scale: Any, *, block: tuple[int, int] | None = None) -
     if s.dtype == np.float16:
         s = s.astype(np.float32)
     lead, N, K = q.shape[:-2], q.shape[-2], q.shape[-1]
-    bk = block[1] if block is not None else None
-    G = next((g for g in _GROUPS if K % g == 0 and (bk is None or bk % g == 0)), None)
-    if G is None:
-        raise ValueError(f"weight has K={K} (in_features): the fp8 format's groups (32, 64, 128) must divide it"
-                         + (f" and the block's {bk}" if bk is not None else ""))
     if block is not None:
         bn, bk = (int(b) for b in block)
+        if bn < 1 or bk < 1:
+            raise ValueError(f"block=({bn}, {bk}): expected two positive integers [rows, columns]")
+        # G divides bk: each group lies inside one block column, so its one scale is exact (any K:
+        # the last group, like the last block, may be partial)
+        G = next((g for g in _GROUPS if bk % g == 0), None)
+        if G is None:
+            raise ValueError(f"block=({bn}, {bk}): none of the fp8 format's groups (128, 64, 32) divides the "
+                             f"block's {bk} columns of K (in_features), so a group would straddle two block "
+                             "scales")
         want = lead + (-(-N // bn), -(-K // bk))
         if s.shape != want:
             raise ValueError(f"scale has shape {s.shape}; expected {want} ([ceil(out/{bn}), ceil(in/{bk})] "
                              f"block scales for weight {q.shape})")
         cols = s[..., np.arange(N) // bn, :]                            # [..., N, ceil(K/bk)]
-        per = cols[..., (np.arange(K // G) * G) // bk]                   # [..., N, K/G]
+        per = cols[..., (np.arange(-(-K // G)) * G) // bk]              # [..., N, ceil(K/G)]
     else:
+        G = _GROUPS[0]  # one scale per column: any group fits it
         if s.shape in (lead + (N, 1), lead + (N,)):
             col = s.reshape(lead + (N,))
         elif s.shape in (lead + (1,), lead + (1, 1), ()):
@@ -82,7 +93,7 @@ def from_fp8(weight: Any, scale: Any, *, block: tuple[int, int] | None = None) -
         else:
             raise ValueError(f"scale has shape {s.shape}; expected per-channel {lead + (N, 1)} or per-tensor "
                              f"{lead + (1,)} for weight {q.shape} (block scales: pass block=)")
-        per = np.broadcast_to(col[..., :, None], lead + (N, K // G))
+        per = np.broadcast_to(col[..., :, None], lead + (N, -(-K // G)))
     qt = np.ascontiguousarray(np.swapaxes(q, -1, -2))
     st = np.ascontiguousarray(np.swapaxes(per, -1, -2))
     out = QuantizedWeight(jnp.asarray(qt), jnp.asarray(st), None, kind="fp8", group_size=G)
@@ -91,10 +102,15 @@ def from_fp8(weight: Any, scale: Any, *, block: tuple[int, int] | None = None) -
 
 
 def _block(b, label: str, where: str) -> tuple[int, int]:
-    """A block ``[bn, bk]`` of a config (``label``): two positive integers, else CheckpointError."""
+    """A block ``[bn, bk]`` of a config (``label``): two positive integers, ``bk`` a multiple of one
+    of the fp8 format's groups (`from_fp8`), else CheckpointError."""
     if not (isinstance(b, (list, tuple)) and len(b) == 2 and all(
             isinstance(v, int) and not isinstance(v, bool) and 1 <= v < 2 ** 31 for v in b)):
         raise CheckpointError(f"{where}: {label}={b!r} is not [rows, columns]: two positive integers (below 2**31)")
+    if all(b[1] % g for g in _GROUPS):
+        raise CheckpointError(f"{where}: {label}={b!r}: none of the fp8 format's groups (128, 64, 32) divides the "
+                              f"block's {b[1]} columns of K (in_features), so a group would straddle two block "
+                              "scales; not read")
     return int(b[0]), int(b[1])
 
 

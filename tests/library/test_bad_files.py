@@ -310,7 +310,7 @@ case("gptq-inferred-1d", fixture("gptq", config=setting(QC, "quant_method", DROP
     f"'{PFX}experts.0.gate_proj.qweight' has shape (1024,); expected 2 axes")
 
 # FP8 (transformers' block, compressed-tensors'), NVFP4
-for bad in ([0, 128], 128, [128], ["128", 128], [True, 128], [128, 128, 128], None, "128x128"):
+for bad in ([0, 128], 128, [128], ["128", 128], [True, 128], [128, 128, 128], None, "128x128", [128, 48]):
     case(f"fp8-weight_block_size-{bad!r}", fixture("fp8", config=setting(QC, "weight_block_size", bad)), "load_moe",
          CFG, f"quantization_config.weight_block_size={bad!r}")
 for path, bad, named in ((("config_groups",), "group_0", "quantization_config.config_groups='group_0'"),

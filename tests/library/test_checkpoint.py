@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -319,4 +320,111 @@ def test_unsupported_quantized_formats_are_refused_by_name(tmp_path):
     cfg["quantization_config"]["checkpoint_format"] = "gptq_v2"
     (tmp_path / "b" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="checkpoint_format='gptq_v2'"):
+        load_moe(tmp_path / "b", layer=0)
+
+
+# --- FP8 128x128 block checkpoints of dimensions 128 does not divide (DeepSeek-V3 / Qwen3 "-FP8") -----
+
+FE, FK, FH, FI, FB = 4, 2, 200, 96, 128
+
+
+def _save_safetensors(tensors: dict, path: pathlib.Path) -> None:
+    """safetensors.numpy (0.8) cannot write float8: the file from the format's spec (the header's
+    8-byte little-endian length, the JSON header padded with spaces to 8 bytes, each tensor's
+    bytes in turn)."""
+    import ml_dtypes
+    codes = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3"}
+    header, data, off = {}, [], 0
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        header[name] = {"dtype": codes[a.dtype], "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+        data.append(a.tobytes())
+        off += a.nbytes
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(data))
+
+
+def _fp8_block_checkpoint(folder: pathlib.Path, edit=None):
+    """A Qwen3-MoE block (H=200, I=96) stored as transformers' fine-grained FP8 writes DeepSeek-V3's
+    and Qwen3's "-FP8" checkpoints: per expert and projection ``weight`` float8_e4m3fn [out, in]
+    and ``weight_scale_inv`` float32 [ceil(out/128), ceil(in/128)], each 128x128 block (the edge
+    ones partial) scaled by its amax / 448 (transformers' ``Fp8Quantize``).  ``edit``: a change to
+    the tensors before they are written.  Returns the router and, per projection, each expert's
+    weight as DeepSeek-V3's ``weight_dequant`` gives it, W[i, j] = fp8(q[i, j]) * s[i // 128,
+    j // 128], in float64, transposed to [in, out]."""
+    import ml_dtypes
+    rng = np.random.default_rng(21)
+    pfx = "model.layers.0.mlp."
+    t = {pfx + "gate.weight": (rng.standard_normal((FE, FH)) * FH ** -0.5).astype(np.float32)}
+    ref = [[], [], []]
+    for e in range(FE):
+        for j, (n, K, N) in enumerate((("gate_proj", FH, FI), ("up_proj", FH, FI), ("down_proj", FI, FH))):
+            # blocks of different magnitudes, so a block's scale read for another's shows
+            W = rng.standard_normal((N, K)) * K ** -0.5 * rng.uniform(0.25, 4.0, (N // 8 + 1, 1)).repeat(8, 0)[:N]
+            rows, cols = np.arange(N)[:, None] // FB, np.arange(K)[None, :] // FB
+            s = np.zeros((-(-N // FB), -(-K // FB)), np.float32)
+            for a in range(s.shape[0]):
+                for b in range(s.shape[1]):
+                    s[a, b] = np.abs(W[a * FB:(a + 1) * FB, b * FB:(b + 1) * FB]).max() / 448
+            q = (W / s.astype(np.float64)[rows, cols]).astype(ml_dtypes.float8_e4m3fn)
+            base = f"{pfx}experts.{e}.{n}."
+            t.update({base + "weight": q, base + "weight_scale_inv": s})
+            ref[j].append((q.astype(np.float64) * s.astype(np.float64)[rows, cols]).T)
+    if edit is not None:
+        edit(t)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = dict(model_type="qwen3_moe", hidden_size=FH, moe_intermediate_size=FI, num_experts=FE,
+               num_experts_per_tok=FK, norm_topk_prob=True,
+               quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic",
+                                    "weight_block_size": [FB, FB]})
+    (folder / "config.json").write_text(json.dumps(cfg))
+    _save_safetensors(t, folder / "model.safetensors")
+    return t[pfx + "gate.weight"], ref
+
+
+def test_fp8_block_checkpoint_of_partial_blocks_is_exact(tmp_path):
+    """H=200, I=96 (128 divides neither): the 128x128-block FP8 experts load as fp8 lists with
+    groups of 128, the last one partial (ceil(K/128) scale rows); (a) every weight is
+    weight_dequant's (float64) product, exactly, in float32; (b) the op on the CPU handler
+    (streamed, T=1, and packed, T=33) gives float64 on those weights to 1e-5 relative."""
+    import jax_nbx as nbx
+
+    from conftest import np_moe, rel_err
+
+    _, ref = _fp8_block_checkpoint(tmp_path)
+    ex = load_moe(tmp_path, layer=0).experts
+    assert ex.is_list and len(ex.gate) == FE
+    for j, (proj, K, N) in enumerate(((ex.gate, FH, FI), (ex.up, FH, FI), (ex.down, FI, FH))):
+        for e in range(FE):
+            w = proj[e]
+            assert w.kind == "fp8" and w.group_size == 128 and w.shape == (K, N)
+            assert w.scale.shape == (-(-K // 128), N)
+            np.testing.assert_array_equal(np.asarray(w.dequantize(jnp.float32)), ref[j][e].astype(np.float32),
+                                          err_msg=f"projection {j}, expert {e}")
+    dense = nbx.Experts(*(np.stack(r) for r in ref))
+    rng = np.random.default_rng(22)
+    for T in (1, 33):
+        x = jnp.asarray(rng.standard_normal((T, FH)), jnp.float32)
+        w, ids = nbx.route(jnp.asarray(rng.standard_normal((T, FE)), jnp.float32), FK)
+        y = nbx.fused_moe(x, w, ids, ex, implementation="cpu")
+        assert rel_err(y, np_moe(x, w, ids, dense)) < 1e-5, (T, rel_err(y, np_moe(x, w, ids, dense)))
+
+
+def test_fp8_block_checkpoint_lying_scale_shape_is_named(tmp_path):
+    """A weight_scale_inv whose shape is not [ceil(out/128), ceil(in/128)] of its weight (a column of
+    blocks too many for I=96), and a weight_block_size whose columns no fp8 group divides: a
+    CheckpointError naming the file and the key."""
+    key = "model.layers.0.mlp.experts.1.down_proj."
+    _fp8_block_checkpoint(tmp_path / "a", edit=lambda t: t.update(
+        {key + "weight_scale_inv": np.ones((2, 2), np.float32)}))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*experts\.1\.down_proj\.\*: scale has shape "
+                                              r"\(2, 2\); expected \(2, 1\)"):
+        load_moe(tmp_path / "a", layer=0)
+    _fp8_block_checkpoint(tmp_path / "b")
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = [128, 48]
+    (tmp_path / "b" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json.*weight_block_size=\[128, 48\]: none of the fp8 "
+                                              r"format's groups"):
         load_moe(tmp_path / "b", layer=0)

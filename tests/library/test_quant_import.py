@@ -335,8 +335,10 @@ def test_errors_name_the_argument():
 def test_from_fp8_block_and_channel_scales_are_exact():
     """from_fp8 against the checkpoints' formula W[n, k] = E4M3(q[n, k]) *
     scale[n // bn, k // bk] (float64): partial blocks along both axes (N=200,
-    K=192: groups of 64, the largest of the format's that divides K and 128),
-    per-channel [N, 1] and per-tensor [1] scales; stacked experts kept."""
+    K=192: groups of 128, the largest of the format's that divides the block's
+    128, the last one partial; K=100: one partial group; blocks of 64 columns:
+    groups of 64), per-channel [N, 1] and per-tensor [1] scales (groups of
+    128 over any K); stacked experts kept."""
     import ml_dtypes
 
     from jax_nbx.loaders import from_fp8
@@ -348,11 +350,23 @@ def test_from_fp8_block_and_channel_scales_are_exact():
     vals = f8.astype(np.float64)
     s = rng.uniform(0.5, 2.0, (3, 2, 2)).astype(np.float32)
     w = from_fp8(f8, s, block=(128, 128))
-    assert w.kind == "fp8" and w.group_size == 64 and w.shape == (3, 192, 200)
+    assert w.kind == "fp8" and w.group_size == 128 and w.shape == (3, 192, 200) and w.scale.shape == (3, 2, 200)
     want = vals * np.repeat(np.repeat(s.astype(np.float64), 128, 1), 128, 2)[:, :200, :192]
     np.testing.assert_array_equal(np.swapaxes(np.asarray(w.dequantize(jnp.float32)), -1, -2), want.astype(np.float32))
+    w100 = from_fp8(f8[..., :100], s[..., :1], block=(128, 128))
+    assert w100.group_size == 128 and w100.scale.shape == (3, 1, 200)
+    np.testing.assert_array_equal(np.swapaxes(np.asarray(w100.dequantize(jnp.float32)), -1, -2),
+                                  want[..., :100].astype(np.float32))
+    s64 = rng.uniform(0.5, 2.0, (3, 4, 3)).astype(np.float32)  # [ceil(200/64), ceil(192/64)]
+    w64 = from_fp8(f8, s64, block=(64, 64))
+    assert w64.group_size == 64 and w64.scale.shape == (3, 3, 200)
+    np.testing.assert_array_equal(np.swapaxes(np.asarray(w64.dequantize(jnp.float32)), -1, -2),
+                                  (vals * np.repeat(np.repeat(s64.astype(np.float64), 64, 1), 64, 2)[:, :200, :192]
+                                   ).astype(np.float32))
     ch = rng.uniform(0.5, 2.0, (3, 200, 1)).astype(np.float32)
-    np.testing.assert_array_equal(np.swapaxes(np.asarray(from_fp8(q, ch).dequantize(jnp.float32)), -1, -2),
+    wch = from_fp8(q, ch)
+    assert wch.group_size == 128 and wch.scale.shape == (3, 2, 200)
+    np.testing.assert_array_equal(np.swapaxes(np.asarray(wch.dequantize(jnp.float32)), -1, -2),
                                   (vals * ch).astype(np.float32))
     t = np.array([0.25], np.float32)
     np.testing.assert_array_equal(np.asarray(from_fp8(f8[0], t).dequantize(jnp.float32)).T,
@@ -361,7 +375,10 @@ def test_from_fp8_block_and_channel_scales_are_exact():
         from_fp8(q.view(np.int8), s, block=(128, 128))
     with pytest.raises(ValueError, match=r"scale has shape \(3, 2, 1\); expected \(3, 2, 2\)"):
         from_fp8(q, s[..., :1], block=(128, 128))
-    with pytest.raises(ValueError, match=r"K=100 \(in_features\): the fp8 format's groups"):
+    with pytest.raises(ValueError, match=r"scale has shape \(3, 2, 2\); expected \(3, 2, 1\)"):
         from_fp8(q[..., :100], s, block=(128, 128))
+    with pytest.raises(ValueError, match=r"block=\(128, 48\): none of the fp8 format's groups \(128, 64, 32\) "
+                                         r"divides the block's 48 columns"):
+        from_fp8(q, s, block=(128, 48))
     with pytest.raises(ValueError, match=r"expected per-channel \(3, 200, 1\)"):
         from_fp8(q, s)
