@@ -37,8 +37,11 @@ def quantize(experts: Experts, kind: str = "int8", *, group_size: int | None = N
     nvfp4: fp8, mxfp4 and mxfp8 take a partial last group, ``ceil(K / group)``
     scales), a K that does not pack (4-bit codes: odd), a NaN or infinite weight (naming its projection, expert and
     position: no format's codes hold one, so it would come out finite and
-    wrong; checked on concrete arrays, not under ``jax.jit``), TypeError for
-    a scale dtype other than float32/bfloat16."""
+    wrong; checked on concrete arrays; under ``jax.jit``, which sees no
+    values, it is carried as NaN: the group (int8: column) holding it gets a
+    NaN scale -- float NaN, E8M0 255, E4M3 0x7F -- and dequantizes to all
+    NaN, so the tokens routed there come out NaN), TypeError for a scale
+    dtype other than float32/bfloat16."""
     if kind not in quantized_names():
         raise ValueError(f"kind must be one of {quantized_names()}; got {kind!r}")
     fmt = get(kind)
@@ -69,7 +72,8 @@ def quantize(experts: Experts, kind: str = "int8", *, group_size: int | None = N
 
 def _check_finite(experts: Experts) -> None:
     """ValueError naming the first NaN or infinite weight of plain experts
-    (projection, expert, [k, n]); arrays being traced are not checked."""
+    (projection, expert, [k, n]); arrays being traced are not checked (the
+    formats carry their non-finite weights as NaN groups)."""
     for name in ("gate", "up", "down"):
         arrays = getattr(experts, name)
         for e, a in (enumerate(arrays) if experts.is_list else [(None, arrays)]):

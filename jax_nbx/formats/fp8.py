@@ -17,7 +17,9 @@ block FP8, compressed-tensors' block strategy).
 for a group of zeros; in the scale dtype, the division by
 the rounded scale), as transformers' ``integrations/finegrained_fp8.py``
 does per block, and rounds ``W / scale`` to E4M3, ties to even (XLA's
-conversion, as ml_dtypes').
+conversion, as ml_dtypes').  A group holding a NaN or infinity (only under
+``jax.jit``: `jax_nbx.quantize` refuses one on concrete arrays) gets scale NaN
+and codes 0: all NaN.
 """
 from __future__ import annotations
 
@@ -39,9 +41,11 @@ class Fp8(Format):
         K = w.shape[-2]
         self.check_group_size(group_size, K, f"fp8 weights {tuple(w.shape)}: ")
         g = self.grouped_rows(w, group_size)
+        bad = self.non_finite(g)  # a group holding NaN/Inf: scale NaN, codes 0 (all NaN)
         amax = jnp.max(jnp.abs(g), axis=-2)
-        scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(scale_dtype)
+        scale = jnp.where(bad, jnp.nan, jnp.where(amax > 0, amax / E4M3_MAX, 1.0)).astype(scale_dtype)
         q = e4m3_codes(w / self.group_rows(scale.astype(jnp.float32), group_size, K))
+        q = jnp.where(self.group_rows(bad, group_size, K), jnp.uint8(0), q)
         return QuantizedWeight(q, scale, None, kind=self.name, group_size=group_size)
 
     def dequantize(self, w: QuantizedWeight) -> jax.Array:

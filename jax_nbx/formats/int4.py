@@ -5,7 +5,9 @@ One matrix ``W [K, N]`` in groups of ``group_size`` rows of K (32, 64 or
 group_size``, ``zero`` the group's minimum, ``scale = (max - min) / 15`` (1
 where a group is constant) and ``q`` in ``0..15``, packed two per byte along
 K, low nibble first: ``packed[j, n] = q[2j, n] | q[2j + 1, n] << 4`` (uint8
-``[K/2, N]``).  Scales and zeros float32 or bfloat16 (one dtype).
+``[K/2, N]``).  Scales and zeros float32 or bfloat16 (one dtype).  A group
+holding a NaN or infinity (only under ``jax.jit``: `jax_nbx.quantize` refuses
+one on concrete arrays) gets scale and zero NaN and codes 0: all NaN.
 """
 from __future__ import annotations
 
@@ -40,12 +42,14 @@ class Int4(Format):
         K, N = w.shape[-2:]
         self.check_group_size(group_size, K, f"int4 weights {tuple(w.shape)}: ")
         g = w.reshape(w.shape[:-2] + (K // group_size, group_size, N))
+        bad = self.non_finite(g)  # a group holding NaN/Inf: scale and zero NaN, codes 0 (all NaN)
         mn, mx = jnp.min(g, axis=-2), jnp.max(g, axis=-2)
         scale = (mx - mn) / 15.0
-        scale = jnp.where(scale > 0, scale, 1.0).astype(scale_dtype)
-        zero = mn.astype(scale_dtype)
+        scale = jnp.where(bad, jnp.nan, jnp.where(scale > 0, scale, 1.0)).astype(scale_dtype)
+        zero = jnp.where(bad, jnp.nan, mn).astype(scale_dtype)
         s32, z32 = scale.astype(jnp.float32)[..., None, :], zero.astype(jnp.float32)[..., None, :]
-        q = jnp.clip(jnp.round((g - z32) / s32), 0, 15).astype(jnp.uint8).reshape(w.shape)
+        q = jnp.clip(jnp.round((g - z32) / s32), 0, 15)
+        q = jnp.where(bad[..., None, :], 0.0, q).astype(jnp.uint8).reshape(w.shape)
         return QuantizedWeight(pack_nibbles(q), scale, zero, kind=self.name, group_size=group_size)
 
     def dequantize(self, w: QuantizedWeight) -> jax.Array:

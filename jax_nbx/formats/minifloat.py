@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 E4M3_MAX = 448.0  # the largest E4M3 ("fn") magnitude
+E4M3_NAN = 0x7F  # S.1111.111 with the sign clear: E4M3's NaN byte (no infinity)
+E8M0_NAN = 0xFF  # E8M0's NaN byte (OCP MX v1.0 section 5.4.1; ml_dtypes float8_e8m0fnu)
 E2M1_MAX = 6.0
 # E2M1's values by code (sign bit 3): OCP MX v1.0 section 5.3.3
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,

@@ -19,7 +19,9 @@ smallest power of two that keeps the block's largest magnitude within E2M1's
 value clips; a block of zeros gets 2^0), then rounds ``W / scale`` to the
 nearest E2M1 value, ties to the even code (as ``ml_dtypes.float4_e2m1fn``
 and NVIDIA's quantizers do; MLX 0.32's CPU quantizer breaks ties toward
-zero, so its codes can differ from ours at exact ties only).
+zero, so its codes can differ from ours at exact ties only).  A block holding
+a NaN or infinity (only under ``jax.jit``: `jax_nbx.quantize` refuses one on
+concrete arrays) gets scale 255 (E8M0's NaN) and codes 0: all NaN.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 
 from . import registry
 from .int4 import pack_nibbles, unpack_nibbles
-from .minifloat import E2M1_MAX, e2m1_codes, e2m1_values, e8m0_values, pow2_scale_bytes
+from .minifloat import E2M1_MAX, E8M0_NAN, e2m1_codes, e2m1_values, e8m0_values, pow2_scale_bytes
 from .spec import Format
 from .weight import QuantizedWeight
 
@@ -43,8 +45,11 @@ class Mxfp4(Format):
     def quantize_matrix(self, w: jax.Array, group_size, scale_dtype) -> QuantizedWeight:
         K = w.shape[-2]
         self.check_group_size(group_size, K, f"mxfp4 weights {tuple(w.shape)}: ")
-        scale = pow2_scale_bytes(jnp.max(jnp.abs(self.grouped_rows(w, BLOCK)), axis=-2), E2M1_MAX)
+        g = self.grouped_rows(w, BLOCK)
+        bad = self.non_finite(g)  # a block holding NaN/Inf: scale 255 (E8M0 NaN), codes 0 (all NaN)
+        scale = jnp.where(bad, jnp.uint8(E8M0_NAN), pow2_scale_bytes(jnp.max(jnp.abs(g), axis=-2), E2M1_MAX))
         codes = e2m1_codes(w / self.group_rows(e8m0_values(scale), BLOCK, K))
+        codes = jnp.where(self.group_rows(bad, BLOCK, K), jnp.uint8(0), codes)
         return QuantizedWeight(pack_nibbles(codes), scale, None, kind=self.name, group_size=BLOCK)
 
     def dequantize(self, w: QuantizedWeight) -> jax.Array:

@@ -13,7 +13,9 @@ module names the producers).  The weights compute in float32.
 `quantize` (this library's producer) takes each block's scale as
 ``2^ceil(log2(amax / 448))`` and rounds ``W / scale`` to E4M3, ties to even:
 MLX 0.32's rule, whose codes and scales ours equal
-(tests/library/test_format_producers.py).
+(tests/library/test_format_producers.py).  A block holding a NaN or infinity
+(only under ``jax.jit``: `jax_nbx.quantize` refuses one on concrete arrays)
+gets scale 255 (E8M0's NaN) and codes 0: all NaN.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from . import registry
-from .minifloat import E4M3_MAX, e4m3_codes, e4m3_values, e8m0_values, pow2_scale_bytes
+from .minifloat import E4M3_MAX, E8M0_NAN, e4m3_codes, e4m3_values, e8m0_values, pow2_scale_bytes
 from .spec import Format
 from .weight import QuantizedWeight
 
@@ -36,8 +38,11 @@ class Mxfp8(Format):
     def quantize_matrix(self, w: jax.Array, group_size, scale_dtype) -> QuantizedWeight:
         K = w.shape[-2]
         self.check_group_size(group_size, K, f"mxfp8 weights {tuple(w.shape)}: ")
-        scale = pow2_scale_bytes(jnp.max(jnp.abs(self.grouped_rows(w, BLOCK)), axis=-2), E4M3_MAX)
+        g = self.grouped_rows(w, BLOCK)
+        bad = self.non_finite(g)  # a block holding NaN/Inf: scale 255 (E8M0 NaN), codes 0 (all NaN)
+        scale = jnp.where(bad, jnp.uint8(E8M0_NAN), pow2_scale_bytes(jnp.max(jnp.abs(g), axis=-2), E4M3_MAX))
         q = e4m3_codes(w / self.group_rows(e8m0_values(scale), BLOCK, K))
+        q = jnp.where(self.group_rows(bad, BLOCK, K), jnp.uint8(0), q)
         return QuantizedWeight(q, scale, None, kind=self.name, group_size=BLOCK)
 
     def dequantize(self, w: QuantizedWeight) -> jax.Array:

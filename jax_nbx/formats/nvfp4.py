@@ -12,7 +12,9 @@ are refused by the loaders, naming it.  The weights compute in float32.
 `quantize` (this library's producer) takes each block's scale as
 ``E4M3(amax / 6)`` (rounded to nearest, as MLX 0.32 does) and rounds ``W /
 scale`` to the nearest E2M1 value, ties to even, saturating at ±6; a block
-whose scale rounds to 0 gets codes 0.
+whose scale rounds to 0 gets codes 0.  A block holding a NaN or infinity (only
+under ``jax.jit``: `jax_nbx.quantize` refuses one on concrete arrays) gets
+scale 0x7F (E4M3's NaN) and codes 0: all NaN.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 
 from . import registry
 from .int4 import pack_nibbles, unpack_nibbles
-from .minifloat import E2M1_MAX, e2m1_codes, e2m1_values, e4m3_codes, e4m3_values
+from .minifloat import E2M1_MAX, E4M3_NAN, e2m1_codes, e2m1_values, e4m3_codes, e4m3_values
 from .spec import Format
 from .weight import QuantizedWeight
 
@@ -39,8 +41,9 @@ class Nvfp4(Format):
         K, N = w.shape[-2:]
         self.check_group_size(group_size, K, f"nvfp4 weights {tuple(w.shape)}: ")
         g = w.reshape(w.shape[:-2] + (K // BLOCK, BLOCK, N))
-        scale = e4m3_codes(jnp.max(jnp.abs(g), axis=-2) / E2M1_MAX)
-        s = e4m3_values(scale)[..., None, :]
+        bad = self.non_finite(g)  # a block holding NaN/Inf: scale 0x7F (E4M3 NaN), codes 0 (all NaN)
+        scale = jnp.where(bad, jnp.uint8(E4M3_NAN), e4m3_codes(jnp.max(jnp.abs(g), axis=-2) / E2M1_MAX))
+        s = e4m3_values(scale)[..., None, :]  # NaN > 0 is false: a NaN block's codes are 0
         codes = e2m1_codes(jnp.where(s > 0, g / jnp.where(s > 0, s, 1.0), 0.0)).reshape(w.shape)
         return QuantizedWeight(pack_nibbles(codes), scale, None, kind=self.name, group_size=BLOCK)
 

@@ -116,6 +116,16 @@ class Format:
         return w.reshape(w.shape[:-2] + (G, group, N))
 
     @staticmethod
+    def non_finite(groups: jax.Array) -> jax.Array:
+        """Whether each group of rows holds a NaN or infinity: ``[..., G,
+        group, N]`` -> ``[..., G, N]`` (a matrix ``[..., K, N]``: its columns,
+        ``[..., N]``).  The quantizers give such a group a NaN scale (float
+        NaN, E8M0 255, E4M3 0x7F) and codes 0, so that every weight of it
+        dequantizes to NaN: `jax_nbx.quantize` refuses non-finite weights on
+        concrete arrays, and under ``jax.jit`` carries them through this way."""
+        return ~jnp.all(jnp.isfinite(groups), axis=-2)
+
+    @staticmethod
     def group_rows(part: jax.Array, group: int, K: int) -> jax.Array:
         """A per-group part ``[..., ceil(K/group), N]`` repeated over each
         group's rows: ``[..., K, N]`` (row k holds group k // group's)."""

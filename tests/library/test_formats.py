@@ -15,6 +15,7 @@ import pytest
 import jax_nbx as nbx
 from jax_nbx import contract, formats
 from jax_nbx.backends.handler_calls import forward_call
+from jax_nbx.formats import minifloat
 
 from conftest import make_problem
 
@@ -199,6 +200,54 @@ def test_quantize_refuses_a_non_finite_weight_by_name(kind):
         with pytest.raises(ValueError, match=want):
             nbx.quantize(nbx.Experts(*([jnp.asarray(m) for m in x] for x in a)), kind)
     nbx.quantize(nbx.Experts(*map(jnp.asarray, arrays)), kind)  # the finite weights quantize
+
+
+NON_FINITE = [(kind, bad) for kind in contract.WEIGHT_FORMATS if kind != "dense" for bad in ("nan", "inf", "-inf")]
+
+
+@pytest.mark.parametrize("kind,bad", NON_FINITE, ids=[f"{k}-{b}" for k, b in NON_FINITE])
+def test_quantize_under_jit_carries_non_finite_weights_as_nan(kind, bad):
+    """Under jax.jit quantize cannot refuse a NaN or infinite weight (it sees
+    no values): the group holding it (int8: its column) gets a NaN scale
+    (float NaN, E8M0 255, E4M3 0x7F) and dequantizes to all NaN, every other
+    group to the finite experts' bits, and the tokens routed to that expert
+    come out NaN from the reference and the CPU kernels -- not finite and
+    wrong -- while the others equal the finite run's."""
+    rng = np.random.default_rng(abs(hash((kind, bad))) % 2**32)
+    E, H, I = 4, 128, 128  # K a multiple of every format's default group
+    x, w, _, ex = make_problem(int(rng.integers(1 << 16)), 2, E, 2, H, I)
+    proj = ("gate", "up")[int(rng.integers(2))]  # gate or up: every output column of the token goes NaN
+    e, k, n = int(rng.integers(E)), int(rng.integers(H)), int(rng.integers(I))
+    arrays = {name: np.asarray(getattr(ex, name)).copy() for name in ("gate", "up", "down")}
+    arrays[proj][e, k, n] = float(bad)
+    broken = nbx.Experts(*(jnp.asarray(arrays[name]) for name in ("gate", "up", "down")))
+    quantize = jax.jit(lambda ex: nbx.quantize(ex, kind))
+    q, q_finite = quantize(broken), quantize(ex)
+
+    G = getattr(q, proj).group_size or H  # int8: the whole column
+    in_group = np.zeros((E, H, I), bool)
+    in_group[e, (k // G) * G:(k // G + 1) * G, n] = True
+    for name in ("gate", "up", "down"):
+        got = np.asarray(getattr(q, name).dequantize(jnp.float32))
+        want = np.asarray(getattr(q_finite, name).dequantize(jnp.float32))
+        if name == proj:
+            assert np.isnan(got[in_group]).all(), (name, e, k, n)
+            got, want = got[~in_group], want[~in_group]
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=name)
+    scale = np.asarray(minifloat.as_bytes(getattr(q, proj).scale))
+    nan_scale = {"mxfp4": 0xFF, "mxfp8": 0xFF, "nvfp4": 0x7F}.get(kind)
+    at = (e, n) if kind == "int8" else (e, k // G, n)
+    assert (scale[at] == nan_scale) if nan_scale is not None else np.isnan(scale[at]), scale[at]
+
+    # token 0 routed to expert e (and another), token 1 to two others
+    others = [o for o in range(E) if o != e]
+    ids = jnp.asarray([[others[0], e], [others[1], others[2]]], jnp.int32)
+    for impl in ("xla", "cpu"):
+        y = np.asarray(nbx.fused_moe(x, w, ids, q, implementation=impl))
+        y_finite = np.asarray(nbx.fused_moe(x, w, ids, q_finite, implementation=impl))
+        assert np.isnan(y[0]).all(), (impl, y[0])
+        assert np.isfinite(y[1]).all(), (impl, y[1])
+        np.testing.assert_array_equal(y[1], y_finite[1], err_msg=impl)
 
 
 def test_a_group_size_a_format_does_not_take_is_refused():
