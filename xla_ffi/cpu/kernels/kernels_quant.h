@@ -40,6 +40,18 @@ NBX_AI void AddTwoRows(float* acc, int ncols, const float (&a0)[R], const float 
   }
 }
 
+// acc[r * ncols] += a0[r] * w0 for r < R: a lone last row (K odd).
+template <int R, class W>
+NBX_AI void AddOneRow(float* acc, int ncols, const float (&a0)[R], W w0) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    W v;
+    memcpy(&v, acc + r * ncols, sizeof v);
+    v = MulAdd(a0[r], w0, v);
+    memcpy(acc + r * ncols, &v, sizeof v);
+  }
+}
+
 template <int VL, int R, int kQ, bool kB>
 void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n0, int64_t K,
                      int ncols, float* acc) {
@@ -78,20 +90,8 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
           AddTwoRows<R>(acc + c, ncols, a0, a1, w0, w1);
         }
       } else {
-        for (int c = 0; c < nv; c += VL) {
-          const V w0 = Int8ToFloat<VL>(qr0 + c);
-#pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) {
-            V v;
-            memcpy(&v, acc + r * ncols + c, sizeof v);
-            v = MulAdd(a0[r], w0, v);
-            memcpy(acc + r * ncols + c, &v, sizeof v);
-          }
-        }
-        for (int c = nv; c < ncols; ++c) {
-          const float w0 = static_cast<float>(qr0[c]);
-          for (int r = 0; r < R; ++r) acc[r * ncols + c] = MulAdd(a0[r], w0, acc[r * ncols + c]);
-        }
+        for (int c = 0; c < nv; c += VL) AddOneRow<R>(acc + c, ncols, a0, Int8ToFloat<VL>(qr0 + c));
+        for (int c = nv; c < ncols; ++c) AddOneRow<R>(acc + c, ncols, a0, static_cast<float>(qr0[c]));
       }
     }
     for (int r = 0; r < R; ++r)
@@ -126,20 +126,9 @@ void AccumulateRowsQ(const float* a, int64_t as, const QuantMatrix& m, int64_t n
           AddTwoRows<R>(acc + c, ncols, a0, a1, w0, w1);
         }
       } else {
-        for (int c = 0; c < nv; c += VL) {
-          const V w0 = ByteValues<VL>(qr0 + c) * Load<VL>(sc + c);
-#pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) {
-            V v;
-            memcpy(&v, acc + r * ncols + c, sizeof v);
-            v = MulAdd(a0[r], w0, v);
-            memcpy(acc + r * ncols + c, &v, sizeof v);
-          }
-        }
-        for (int c = nv; c < ncols; ++c) {
-          const float w0 = ByteValue(qr0[c]) * sc[c];
-          for (int r = 0; r < R; ++r) acc[r * ncols + c] = MulAdd(a0[r], w0, acc[r * ncols + c]);
-        }
+        for (int c = 0; c < nv; c += VL)
+          AddOneRow<R>(acc + c, ncols, a0, ByteValues<VL>(qr0 + c) * Load<VL>(sc + c));
+        for (int c = nv; c < ncols; ++c) AddOneRow<R>(acc + c, ncols, a0, ByteValue(qr0[c]) * sc[c]);
       }
     }
   } else {  // 4-bit codes; K and groups even: rows come in pairs (one byte, one group)
