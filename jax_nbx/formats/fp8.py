@@ -43,7 +43,7 @@ class Fp8(Format):
         g = self.grouped_rows(w, group_size)
         bad = self.non_finite(g)  # a group holding NaN/Inf: scale NaN, codes 0 (all NaN)
         amax = jnp.max(jnp.abs(g), axis=-2)
-        scale = jnp.where(bad, jnp.nan, jnp.where(amax > 0, amax / E4M3_MAX, 1.0)).astype(scale_dtype)
+        scale = jnp.where(bad, jnp.nan, jnp.where(amax > 0, self.quotient(amax, E4M3_MAX), 1.0)).astype(scale_dtype)
         q = e4m3_codes(w / self.group_rows(scale.astype(jnp.float32), group_size, K))
         q = jnp.where(self.group_rows(bad, group_size, K), jnp.uint8(0), q)
         return QuantizedWeight(q, scale, None, kind=self.name, group_size=group_size)

@@ -44,7 +44,7 @@ class Int4(Format):
         g = w.reshape(w.shape[:-2] + (K // group_size, group_size, N))
         bad = self.non_finite(g)  # a group holding NaN/Inf: scale and zero NaN, codes 0 (all NaN)
         mn, mx = jnp.min(g, axis=-2), jnp.max(g, axis=-2)
-        scale = (mx - mn) / 15.0
+        scale = self.quotient(mx - mn, 15.0)
         scale = jnp.where(bad, jnp.nan, jnp.where(scale > 0, scale, 1.0)).astype(scale_dtype)
         zero = jnp.where(bad, jnp.nan, mn).astype(scale_dtype)
         s32, z32 = scale.astype(jnp.float32)[..., None, :], zero.astype(jnp.float32)[..., None, :]

@@ -22,7 +22,7 @@ class Int8(Format):
     def quantize_matrix(self, w: jax.Array, group_size, scale_dtype) -> QuantizedWeight:
         self.check_group_size(group_size)
         bad = self.non_finite(w)  # a column holding NaN/Inf: scale NaN, codes 0 (all NaN)
-        scale = jnp.max(jnp.abs(w), axis=-2) / 127.0
+        scale = self.quotient(jnp.max(jnp.abs(w), axis=-2), 127.0)
         scale = jnp.where(bad, jnp.nan, jnp.where(scale > 0, scale, 1.0)).astype(scale_dtype)
         q = jnp.clip(jnp.round(w / scale.astype(jnp.float32)[..., None, :]), -127, 127)
         q = jnp.where(bad[..., None, :], 0.0, q).astype(jnp.int8)

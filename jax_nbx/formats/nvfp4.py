@@ -42,7 +42,7 @@ class Nvfp4(Format):
         self.check_group_size(group_size, K, f"nvfp4 weights {tuple(w.shape)}: ")
         g = w.reshape(w.shape[:-2] + (K // BLOCK, BLOCK, N))
         bad = self.non_finite(g)  # a block holding NaN/Inf: scale 0x7F (E4M3 NaN), codes 0 (all NaN)
-        scale = jnp.where(bad, jnp.uint8(E4M3_NAN), e4m3_codes(jnp.max(jnp.abs(g), axis=-2) / E2M1_MAX))
+        scale = jnp.where(bad, jnp.uint8(E4M3_NAN), e4m3_codes(self.quotient(jnp.max(jnp.abs(g), axis=-2), E2M1_MAX)))
         s = e4m3_values(scale)[..., None, :]  # NaN > 0 is false: a NaN block's codes are 0
         codes = e2m1_codes(jnp.where(s > 0, g / jnp.where(s > 0, s, 1.0), 0.0)).reshape(w.shape)
         return QuantizedWeight(pack_nibbles(codes), scale, None, kind=self.name, group_size=BLOCK)

@@ -116,6 +116,16 @@ class Format:
         return w.reshape(w.shape[:-2] + (G, group, N))
 
     @staticmethod
+    def quotient(x: jax.Array, c: float) -> jax.Array:
+        """``x / c`` rounded once, as IEEE division (torch, numpy, MLX) gives
+        it: the producers' scales (``amax / 448``, ``amax / 127`` ...).  XLA's
+        CPU compiler rewrites a division by a constant into a product with the
+        rounded reciprocal (and a division by a broadcast scalar into a
+        product with its reciprocal), one ulp off for about half of all
+        ``x``: the divisor is a whole array behind a barrier."""
+        return jax.lax.div(x, jax.lax.optimization_barrier(jnp.full_like(x, c)))
+
+    @staticmethod
     def non_finite(groups: jax.Array) -> jax.Array:
         """Whether each group of rows holds a NaN or infinity: ``[..., G,
         group, N]`` -> ``[..., G, N]`` (a matrix ``[..., K, N]``: its columns,
