@@ -54,11 +54,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..checkpoint_files import CheckpointError, CheckpointFiles, check_value, config_value, read_json
 from ..experts import Experts, SharedExperts
 from ..nn.block import MoEConfig, MoEParams
 from . import fp8_import
 from . import quant_import as qi
-from .files import CheckpointError, CheckpointFiles, check_value, config_value, read_json
 from .gpt_oss import from_gpt_oss_mxfp4
 from .nvfp4_import import from_nvfp4, is_compressed_tensors_nvfp4
 
@@ -482,7 +482,7 @@ def load_moe(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], layer:
       CheckpointError (a ValueError) naming the file and the missing,
       mis-shaped or mis-typed tensor, the config.json or index key that
       cannot be read (a value of the wrong type), the byte offset where a
-      file stops being JSON or safetensors (`jax_nbx.loaders.files`: every
+      file stops being JSON or safetensors (`jax_nbx.checkpoint_files`: every
       header is checked against its file's size before anything is read),
       or the format, mode or checkpoint_format that is not read.
       FileNotFoundError for a checkpoint that is not there.

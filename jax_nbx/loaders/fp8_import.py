@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from ..checkpoint_files import CheckpointError, check_value, config_value
 from ..formats import QuantizedWeight
-from .files import CheckpointError, check_value, config_value
 
 __all__ = ["from_fp8", "checkpoint_block"]
 

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from ..checkpoint_files import CheckpointError, check_value, config_value
 from ..formats import QuantizedWeight
-from .files import CheckpointError, check_value, config_value
 
 __all__ = ["from_nvfp4", "is_compressed_tensors_nvfp4"]
 

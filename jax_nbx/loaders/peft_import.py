@@ -71,9 +71,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from ..checkpoint_files import CheckpointError, SafetensorsFile, check_value, config_value, read_json
 from ..experts import FLOAT_DTYPES
 from ..lora import LoRA
-from .files import CheckpointError, SafetensorsFile, check_value, config_value, read_json
 
 __all__ = ["from_peft"]
 

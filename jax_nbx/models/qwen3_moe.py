@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..checkpoint_files import CheckpointFiles, check_value, config_value
 from ..loaders import CheckpointError, load_moe, safetensors_files
-from ..loaders.files import CheckpointFiles, check_value, config_value
 from ..nn.block import MoEConfig, hf_config_path, read_hf_config
 from ..nn.nnx_moe import NNXMoE
 from .moe_baselines import BASELINES, _stacked_in_out, moe_dense, moe_ragged_dot  # noqa: F401  (q3.moe_dense ...)

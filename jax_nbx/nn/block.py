@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import checkpoint_files as files
 from ..activations import Activation, as_activation
 from ..experts import FUSIONS, LAYOUTS, Experts, SharedExperts
 from ..lora import PROJECTIONS, LoRA
@@ -151,7 +152,6 @@ class MoEConfig:
         ``topk_method`` jax_nbx does not have, a ``text_config`` that is not
         an object), the model_type it does not know, or a file that is not a
         JSON object."""
-        files = _files()
         path = None if isinstance(config, dict) else hf_config_path(config)
         where = f"MoEConfig.from_hf: {path or 'config.json'}"
         config = read_hf_config(config)
@@ -253,31 +253,31 @@ HF_ACTIVATIONS: dict[str, str] = {
 
 class _HFReader:
     """The keys of one family's config.json: its class's default where absent, its attribute_map's
-    names read too, each value checked (`jax_nbx.loaders.files.check_value`: a CheckpointError
+    names read too, each value checked (`jax_nbx.checkpoint_files.check_value`: a CheckpointError
     naming the key; ``where``: the file)."""
 
     def __init__(self, c: dict, mt: str, where: str):
         self.c, self.mt, self.where = c, mt, where
 
     def fail(self, key: str, v, what: str):
-        raise _files().CheckpointError(f"{self.where}: {key}={v!r} is not {what}")
+        raise files.CheckpointError(f"{self.where}: {key}={v!r} is not {what}")
 
     def get(self, key: str):
         names = [key] + [a for a, k in HF_ALIASES.get(self.mt, {}).items() if k == key]
         present = [n for n in names if n in self.c]
         if len(present) > 1 and len({json.dumps(self.c[n]) for n in present}) > 1:
-            raise _files().CheckpointError(f"{self.where}: " + " and ".join(f"{n}={self.c[n]!r}" for n in present)
+            raise files.CheckpointError(f"{self.where}: " + " and ".join(f"{n}={self.c[n]!r}" for n in present)
                                            + " disagree (the same attribute of its config class)")
         return self.c[present[0]] if present else HF_DEFAULTS[self.mt][key]
 
     def int(self, key: str, allow_zero: bool = False) -> int:
-        return int(_files().check_value(self.get(key), key, self.where, "int", minimum=0 if allow_zero else 1))
+        return int(files.check_value(self.get(key), key, self.where, "int", minimum=0 if allow_zero else 1))
 
     def float(self, key: str) -> float:
-        return float(_files().check_value(self.get(key), key, self.where, "number"))
+        return float(files.check_value(self.get(key), key, self.where, "number"))
 
     def bool(self, key: str) -> bool:
-        return bool(_files().check_value(self.get(key), key, self.where, "bool"))
+        return bool(files.check_value(self.get(key), key, self.where, "bool"))
 
     def activation(self) -> str:
         v = self.get("hidden_act")
@@ -315,13 +315,6 @@ class RouterAux(NamedTuple):
     expert_counts: jax.Array
 
 
-def _files():
-    """`jax_nbx.loaders.files`, where every loader reads its files (imported when first used:
-    `jax_nbx.loaders` imports this module)."""
-    from ..loaders import files
-    return files
-
-
 def hf_config_path(config: str | os.PathLike) -> str:
     """The ``config.json`` a path names: the file, or the one in the folder."""
     path = os.fspath(config)
@@ -330,11 +323,11 @@ def hf_config_path(config: str | os.PathLike) -> str:
 
 def read_hf_config(config: dict | str | os.PathLike) -> dict:
     """A Hugging Face ``config.json`` as a dict: given as one, as the file, or as its folder
-    (`jax_nbx.loaders.files.read_json`: CheckpointError naming the file when it is not a JSON
+    (`jax_nbx.checkpoint_files.read_json`: CheckpointError naming the file when it is not a JSON
     object, FileNotFoundError when it is not there)."""
     if isinstance(config, dict):
         return config
-    return _files().read_json(hf_config_path(config))
+    return files.read_json(hf_config_path(config))
 
 
 def _normal(key, shape, std, dtype):
