@@ -30,6 +30,10 @@ ffi::Error ForwardPrecision(const ForwardAttrs& a, const ExpertWeights& w, const
                             const DotKernelTable** dot) {
   *dot = nullptr;
   if (a.int8_dot) {
+    if (!NoLora(a.lora))
+      return ffi::Error::InvalidArgument(
+          "LoRA adapters in the CPU handler run in float32 or bfloat16 arithmetic, not "
+          "precision='int8'");
     if (a.bf16_dot)
       return ffi::Error::InvalidArgument("precision is either 'int8' or 'bfloat16', not both");
     if (w.format != abi::WeightFormat::kInt8 && w.format != abi::WeightFormat::kInt4)

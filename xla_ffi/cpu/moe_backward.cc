@@ -360,7 +360,7 @@ ffi::Error FusedMoeBackward(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   Workspace ws;
   RowBand b;
   if (ffi::Error e =
-          AllocateRowBand(band, k, E, H, I, lora.R, true, workers, kt, "backward", &ws, &b);
+          AllocateRowBand(band, k, E, H, I, lora.R, workers, kt, "backward", &ws, &b);
       e.failure())
     return e;
   ForWeightType(w.dtype, [&](auto tag) {
@@ -374,8 +374,7 @@ ffi::Error FusedMoeBackward(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
 size_t BackwardWorkspaceBytes(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
                               int workers, int64_t lora_rank) {
   RowBand unused;
-  return CarveRowBand(nullptr, tokens * k, E, H, I, lora_rank, true, workers, *ActiveKernels(),
-                   &unused);
+  return CarveRowBand(nullptr, tokens * k, E, H, I, lora_rank, workers, *ActiveKernels(), &unused);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedMoeBackwardCpu, FusedMoeBackwardImpl, NBX_BACKWARD_BINDING);

@@ -495,10 +495,6 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
   const bool with_lora = !NoLora(a.lora);
   if (with_lora && a.prepacked)
     return ffi::Error::InvalidArgument("prepacked experts take no LoRA adapters");
-  if (with_lora && a.int8_dot)
-    return ffi::Error::InvalidArgument(
-        "LoRA adapters in the CPU handler run in float32 or bfloat16 arithmetic, not "
-        "precision='int8'");
   int64_t T, H, k;
   if (ffi::Error e = CheckForwardCall(x, topk_w, topk_ids, y, a.activation, a.act_alpha,
                                       a.act_limit, &T, &H, &k);

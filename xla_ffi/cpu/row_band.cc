@@ -11,7 +11,7 @@ namespace ffi = xla::ffi;
 namespace nbx {
 
 size_t CarveRowBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int64_t R,
-                 bool backward, int workers, const KernelTable& kt, RowBand* b) {
+                    int workers, const KernelTable& kt, RowBand* b) {
   const int64_t C = MaxChunks(S, E, kChunkRows);
   // Scratch sized to the problem (the same for every band): N of every
   // product is H, I or a rank; K-blocks of at most max(H, I, R) rows (the
@@ -35,25 +35,24 @@ size_t CarveRowBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int6
   b->chunks.begin = cv.Take<int64_t>(C);
   b->chunks.end = cv.Take<int64_t>(C);
   b->row_token = cv.Take<int32_t>(S);
-  b->O = backward ? nullptr : cv.Take<float>(S, H);
-  b->dY = backward ? cv.Take<float>(S, H) : nullptr;
+  b->dY = cv.Take<float>(S, H);
   b->GU = cv.Take<float>(S, 2 * I);
   b->DA = cv.Take<float>(S, I);
   b->LR = cv.Take<float>(S, R);
-  b->LB = backward ? cv.Take<float>(S, R) : nullptr;
+  b->LB = cv.Take<float>(S, R);
   b->scratch = cv.Take<float>(workers, b->stride);
   return cv.used();
 }
 
 ffi::Error AllocateRowBand(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I, int64_t R,
-                           bool backward, int workers, const KernelTable& kt, const char* tag,
+                           int workers, const KernelTable& kt, const char* tag,
                            Workspace* ws, RowBand* b) {
   if (ffi::Error e = AllocateWorkspace(
-          CarveRowBand(nullptr, tokens * k, E, H, I, R, backward, workers, kt, b),
-          CarveRowBand(nullptr, 0, E, H, I, R, backward, workers, kt, b), tokens, H, tag, ws);
+          CarveRowBand(nullptr, tokens * k, E, H, I, R, workers, kt, b),
+          CarveRowBand(nullptr, 0, E, H, I, R, workers, kt, b), tokens, H, tag, ws);
       e.failure())
     return e;
-  CarveRowBand(ws->data(), tokens * k, E, H, I, R, backward, workers, kt, b);
+  CarveRowBand(ws->data(), tokens * k, E, H, I, R, workers, kt, b);
   return ffi::Error::Success();
 }
 

@@ -1,15 +1,13 @@
-// The row-major band of the CPU backward (moe_backward.cc) and of the CPU
-// forward with LoRA adapters (moe_lora.cc): a band's slots ordered by expert
-// (unpadded), their rows gathered as float32 [S][H], every product a
-// GemmTile (row_gemm.h) per chunk of rows.  The steps both passes share live
-// here: the plan and gather, and the recomputed g | u with the adapters'
-// terms.
+// The row-major band of the CPU backward (moe_backward.cc): a band's slots
+// ordered by expert (unpadded), their rows gathered as float32 [S][H], every
+// product a GemmTile (row_gemm.h) per chunk of rows: the plan and gather, and
+// the recomputed g | u with the adapters' terms.
 //
 // LoRA (abi.h "LoRA adapters"): per adapted projection p, with input z
 // (x for gate and up, a = glu(g, u) for down) and rank r_p,
 //   out_p = z W_p + s_p (z A_p) B_p       A_p [E, in, r_p], B_p [E, r_p, out]
 // The band holds LR [S][R] = s_p z A_p (R = the ranks' sum, one column
-// range per projection) and, in the backward, LB [S][R] = s_p d(out_p) B_p^T
+// range per projection) and LB [S][R] = s_p d(out_p) B_p^T
 // (the down range weighted like the rows); the adapters' gradients are then
 //   dA_p = z^T LB_p,   dB_p = LR_p^T d(out_p),   dz += LB_p A_p^T
 // summed over an expert's rows in global (t, j) order whatever the bands.
@@ -38,12 +36,11 @@ struct RowBand {
   SlotPlan plan;    // rows ordered by expert (slots.h, unpadded); slot_row for the combine
   Chunks chunks;    // [C] row chunks: at most kChunkRows rows of one expert
   int32_t* row_token;  // [S] each row's token: x is read in place through it (RowsOf)
-  float* O;         // forward: [S][H] the weighted output rows
-  float* dY;        // backward: [S][H] gathered dy; then w * dy; then dX rows
+  float* dY;        // [S][H] gathered dy; then w * dy; then dX rows
   float* GU;        // [S][2I] g | u; then dg | du
   float* DA;        // [S][I] dy D^T; then a
   float* LR;        // [S][R] the adapters' s z A
-  float* LB;        // backward: [S][R] the adapters' s d(out) B^T
+  float* LB;        // [S][R] the adapters' s d(out) B^T
   float* scratch;   // [workers][stride]
   int64_t R;
   int64_t stride, kc, nc;  // per-worker scratch floats; its blocking maxima
@@ -55,17 +52,17 @@ struct RowBand {
 };
 
 // Lays a band of S slots out from `base` (nullptr: measures only); returns
-// its bytes.  Per slot, float32: backward H + 3I + 2R, forward H + 3I + R
-// (x is never copied: the GEMMs pack its rows in place).
+// its bytes.  Per slot, float32: H + 3I + 2R (x is never copied: the GEMMs
+// pack its rows in place).
 size_t CarveRowBand(void* base, int64_t S, int64_t E, int64_t H, int64_t I, int64_t R,
-                 bool backward, int workers, const KernelTable& kt, RowBand* b);
+                    int workers, const KernelTable& kt, RowBand* b);
 // Allocates a band of `tokens` tokens (k slots each) in the account
 // (account.h; `tag` names it in a refusal) and carves it.
 xla::ffi::Error AllocateRowBand(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I,
-                                int64_t R, bool backward, int workers, const KernelTable& kt,
+                                int64_t R, int workers, const KernelTable& kt,
                                 const char* tag, Workspace* ws, RowBand* b);
 
-// What the row passes read: the problem and, in the backward, its results.
+// What the backward's row band reads: the problem and its results.
 struct RowProblem {
   int64_t T, H, I, E, k;
   const void* x;
@@ -80,8 +77,6 @@ struct RowProblem {
   const float* const* bias;  // [3] float32 gate, up [E, I], down [E, H] biases, or null
   Glu glu;
   const Lora* lora;
-  void* y = nullptr;  // forward only
-  // backward only
   const void* dy = nullptr;
   void* dx = nullptr;
   float* dw = nullptr;

@@ -1,5 +1,5 @@
-// Row-major GEMM tiles and per-row pieces of the CPU backward and of the
-// forward with LoRA adapters (moe_backward.cc, row_band.h): operands as
+// Row-major GEMM tiles and per-row pieces of the CPU backward
+// (moe_backward.cc, row_band.h): operands as
 // strided views of float32 workspace or weights in their dtype, every
 // element one kk-ordered chain of multiply-adds on the packed GEMM2
 // micro-kernel of the instruction set chosen at run time (epilogue weight
