@@ -103,10 +103,18 @@ def stats() -> dict[str, dict]:
     returned and the account keeps idle, so that the next call of the same
     op reuses one instead of faulting in fresh pages.  They count against the
     budget and are freed first whenever a request needs the room, when the
-    budget is lowered, or by `release_cached`."""
+    budget is lowered, or by `release_cached`.
+
+    ``"cpu:0"`` also has ``mapped``: the mapped experts' figures in bytes
+    (`jax_nbx.loaders.map_moe`): ``mapped`` (every open mapping's experts,
+    as held), ``resident`` (kept between calls), ``streamed`` (read for
+    calls running now) and ``stores``; their blocks are live under the tag
+    ``"mapped experts"``."""
     out = _ffi().all_stats()
     out.setdefault("cpu:0", _ffi().stats("cpu", 0))
-    return {k: dict(v) for k, v in out.items()}
+    out = {k: dict(v) for k, v in out.items()}
+    out["cpu:0"]["mapped"] = dict(_ffi().store_totals())
+    return out
 
 
 def release_cached() -> None:

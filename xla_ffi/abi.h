@@ -145,6 +145,11 @@ inline constexpr int32_t GroupIndex(int32_t part, int32_t proj) {
 //     buffers gate_bias [E, I], up_bias [E, I], down_bias [E, H]:
 //     mlp(x) = glu(x G + bg, x U + bu) D + bd, weighted after the down bias;
 //     the backward returns their float32 gradients after the weights'.
+//   attribute "expert_store" int64 (CPU forward and backward): 0, or the
+//     experts are an expert store's (common/expert_store.h: jax_nbx.loaders.
+//     map_moe), per-expert (stacked false): the weight groups are then one
+//     int32 [1] buffer, the lease of the call's experts, which the handler
+//     reads and ends; biases and tensor scales follow as usual.
 inline constexpr int32_t kNumViewFields = 3;  // offset, stride_k, stride_n
 inline constexpr const char* kViewFieldNames[kNumViewFields] = {"offset", "stride_k", "stride_n"};
 inline constexpr int32_t kNumBiases = 3;      // gate, up, down
@@ -187,7 +192,7 @@ inline constexpr int32_t kNumBiases = 3;      // gate, up, down
   X(I64, band_tokens) X(I64, max_workers) X(BOOL, skip_outside) X(I64, num_experts)      \
   X(FMT, format) X(BOOL, stacked) X(I64, group_size) NBX_ATTRS_VIEWS(X) X(BOOL, bf16_dot)   \
   X(BOOL, int8_dot)                                                                      \
-  X(BOOL, tensor_scales) NBX_ATTRS_LORA(X) X(BOOL, prepacked)
+  X(BOOL, tensor_scales) NBX_ATTRS_LORA(X) X(BOOL, prepacked) X(I64, expert_store)
 // kTargetPrepack: the weights' decoding (as the forward's), x's hidden size
 // and the arithmetic the words are packed for.
 #define NBX_ATTRS_CPU_PREPACK(X)                                                     \
@@ -198,7 +203,7 @@ inline constexpr int32_t kNumBiases = 3;      // gate, up, down
   NBX_ATTRS_ACTIVATION(X)                                                           \
   X(I64, band_tokens) X(I64, max_workers) X(BOOL, skip_outside) X(I64, num_experts) \
   X(BOOL, stacked) NBX_ATTRS_VIEWS(X) NBX_ATTRS_LORA(X) X(BOOL, weight_grads) X(FMT, format) \
-  X(I64, group_size) X(BOOL, tensor_scales)
+  X(I64, group_size) X(BOOL, tensor_scales) X(I64, expert_store)
 // Every CUDA target: the program and its kernels ("CUDA launch program" below).
 #define NBX_ATTRS_CUDA_PROGRAM(X)                                                     \
   X(U8S, blob) X(I64S, kernels) X(I64S, program) X(I64, workspace_bytes)              \

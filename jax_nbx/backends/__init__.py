@@ -80,6 +80,9 @@ def _why_not_shared(backend: Backend, problem: Problem) -> str:
     if problem.lora is not None and not backend.takes_lora:
         takers = ", ".join(repr(n) for n, b in _BACKENDS.items() if b.takes_lora)
         return f"LoRA adapters (lora=) run on {takers} only so far (docs/lora.md)"
+    if problem.expert_store and not backend.takes_mapped:
+        takers = ", ".join(repr(n) for n, b in _BACKENDS.items() if b.takes_mapped)
+        return f"mapped experts (jax_nbx.loaders.map_moe) run on {takers} only"
     if problem.prepacked and not backend.takes_prepacked:
         takers = ", ".join(repr(n) for n, b in _BACKENDS.items() if b.takes_prepacked)
         return f"prepacked experts (jax_nbx.prepack) run on {takers} only"

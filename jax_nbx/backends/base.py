@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from ..activations import Activation
+from ..expert_store import store_of
 from ..experts import Experts, WeightLayout
 from ..lora import LoRA, LoRASpec
 
@@ -53,6 +54,7 @@ class Problem:
     tensor_scales: bool = False  # a quantized matrix carries a tensor scale (nvfp4)
     lora: LoRASpec | None = None  # LoRA adapters on the projections (`jax_nbx.LoRA`)
     prepacked: bool = False  # the forward reads `jax_nbx.prepack`'s words (`PackedExperts`)
+    expert_store: int = 0  # the experts are this expert store's (`jax_nbx.loaders.map_moe`), or 0
 
     @classmethod
     def of(cls, experts: Experts, x_dtype, E: int, H: int, I: int, k: int, activation: Activation,
@@ -62,7 +64,7 @@ class Problem:
         return cls(E=E, H=H, I=I, k=k, x_dtype=np.dtype(x_dtype), w_dtype=np.dtype(experts.dtype),
                    quant=quant_format(experts), lists=experts.is_list, layout=experts.weight_layout(),
                    layout_name=experts.layout, fusion=experts.fusion, activation=activation,
-                   tensor_scales=has_tensor_scale(experts), **options)
+                   tensor_scales=has_tensor_scale(experts), expert_store=store_of(experts), **options)
 
     @property
     def plain(self) -> bool:
@@ -105,6 +107,9 @@ class Backend:
     #: whether `forward` takes prepacked experts (``packed=``, `jax_nbx.prepack`);
     #: the registry refuses a ``problem.prepacked`` on a backend that does not
     takes_prepacked: bool = False
+    #: whether `forward` takes mapped experts (an expert store's,
+    #: ``problem.expert_store``); the registry refuses them on one that does not
+    takes_mapped: bool = False
     #: whose kernels run the experts' formats ("cpu", "metal", "cuda": a
     #: format's `Format.kernels` names them); the registry refuses a format
     #: those kernels do not read.  None: every registered format (the

@@ -11,9 +11,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from .. import contract, memory
 from .._moved import moved_attributes
+from ..expert_store import ExpertStore
 from ..experts import Experts
 from ..lora import LoRA
 from ..planning import plan_band_tokens
@@ -49,11 +51,23 @@ def _lora_rank(problem: Problem) -> int:
     return sum(problem.lora.ranks) if problem.lora is not None else 0
 
 
+def _lease(problem: Problem, ids):
+    """Mapped experts: the lease of the call's experts, fetched by their store
+    on the call's ids when the call runs (`jax_nbx.expert_store`); else None.
+    The handler that reads it is marked side-effecting, so that XLA never
+    drops it while keeping the fetch (whose lease would never end)."""
+    if not problem.expert_store:
+        return None
+    store = ExpertStore.get(problem.expert_store)
+    return io_callback(store.fetch, jax.ShapeDtypeStruct((1,), jnp.int32), ids, ordered=False)
+
+
 class CpuBackend(Backend):
     name = "cpu"
     kernels = "cpu"
     takes_lora = True
     takes_prepacked = True
+    takes_mapped = True
 
     def why_not(self, problem: Problem) -> str:
         platform = jax.default_backend()
@@ -81,22 +95,27 @@ class CpuBackend(Backend):
 
     def forward(self, problem, band_tokens, x, w, ids, experts: Experts, lora: LoRA | None = None,
                 packed=None):
+        lease = _lease(problem, ids)
         name, operands, attrs, out = forward_call(problem, band_tokens, x, w, ids,
                                                   (*experts.flat(), *experts.handler_biases()),
-                                                  lora=lora, packed=packed)
-        return jax.ffi.ffi_call(name, out, vmap_method="sequential")(*operands, **attrs)
+                                                  lora=lora, packed=packed, lease=lease)
+        return jax.ffi.ffi_call(name, out, vmap_method="sequential",
+                                has_side_effect=lease is not None)(*operands, **attrs)
 
     def backward(self, problem, dy, x, w, ids, experts: Experts, lora: LoRA | None = None,
                  weight_grads: bool = True):
-        weight_grads = weight_grads and problem.quant is None  # quantized experts are frozen
+        # quantized and mapped experts are frozen
+        weight_grads = weight_grads and problem.quant is None and not problem.expert_store
         T = x.shape[0]
         band = plan_band_tokens(T, problem.k, problem.E, problem.H, problem.I,
                                 problem.max_workspace_bytes, backward=True,
                                 lora_rank=_lora_rank(problem))
         arrays = (*experts.flat(), *experts.handler_biases())
+        lease = _lease(problem, ids)
         name, operands, attrs, outs = backward_call(problem, band, dy, x, w, ids, arrays, lora=lora,
-                                                    weight_grads=weight_grads)
-        dx, dw, *rest = jax.ffi.ffi_call(name, outs, vmap_method="sequential")(*operands, **attrs)
+                                                    weight_grads=weight_grads, lease=lease)
+        dx, dw, *rest = jax.ffi.ffi_call(name, outs, vmap_method="sequential",
+                                         has_side_effect=lease is not None)(*operands, **attrs)
         n = len(arrays) if weight_grads else 0
         dws = [d.astype(a.dtype) for d, a in zip(rest[:n], arrays)] if weight_grads else None
         return dx, dw, dws, (lora.from_handler_grads(rest[n:]) if lora is not None else None)

@@ -48,13 +48,20 @@ def lora_attrs(spec: LoRASpec | None) -> dict:
                 lora_scale_down=scales[2])
 
 
-def weights_and_attrs(problem: Problem, band_tokens: int, arrays, lora: LoRA | None):
+def weights_and_attrs(problem: Problem, band_tokens: int, arrays, lora: LoRA | None, lease=None):
     """The weight operands (groups, float32 biases, tensor scales, then the
-    adapters) and the attributes the CPU forward and backward share."""
+    adapters) and the attributes the CPU forward and backward share.  Mapped
+    experts (``problem.expert_store``): ``lease`` (int32 ``[1]``, the
+    store's `fetch` of the call's ids) stands for the weight groups."""
     layout = problem.layout
     weights, biases = split_arrays(arrays, layout)
     scales = ()
-    if layout.plain_views:
+    if problem.expert_store:
+        if lease is None:
+            raise ValueError("mapped experts reach the handler through their store's lease; none was given")
+        E, quant, bufs = problem.E, problem.quant, [lease]
+        scales = tensor_scales(weights, True) if quant else ()
+    elif layout.plain_views:
         groups, E, _, quant, _, _ = weight_groups(weights, problem.lists)
         bufs = [b for g in groups for b in (g if problem.lists else g[:1])]
         scales = tensor_scales(weights, problem.lists)
@@ -70,11 +77,11 @@ def weights_and_attrs(problem: Problem, band_tokens: int, arrays, lora: LoRA | N
         format=get(quant[0] if quant else "dense").code, stacked=not problem.lists,
         group_size=quant[1] if quant else 0, views=layout.views, intermediate=layout.intermediate,
         fused_gate_up=layout.fused, has_bias=layout.bias, tensor_scales=bool(scales),
-        **lora_attrs(problem.lora if lora is not None else None))
+        expert_store=problem.expert_store, **lora_attrs(problem.lora if lora is not None else None))
 
 
 def forward_call(problem: Problem, band_tokens: int, x, w, ids, arrays, target: str = "forward",
-                 lora: LoRA | None = None, packed=None, name: str | None = None):
+                 lora: LoRA | None = None, packed=None, name: str | None = None, lease=None):
     """``(target name, operands, attributes, result)`` of the CPU forward, or
     of another target with its attributes (``target="metal_forward"``; a
     ``name`` of the caller's own, e.g. the tests' poisoned twin, takes the
@@ -84,8 +91,8 @@ def forward_call(problem: Problem, band_tokens: int, x, w, ids, arrays, target: 
     the quantized matrices' tensor scales, float32 [E] per projection),
     read in place; then ``lora``'s adapters (`LoRA.handler_arrays`); then
     ``packed``'s two buffers (a `jax_nbx.PackedExperts`: abi.h "prepacked
-    weights")."""
-    bufs, attrs = weights_and_attrs(problem, band_tokens, arrays, lora)
+    weights"); mapped experts: ``lease`` (`weights_and_attrs`)."""
+    bufs, attrs = weights_and_attrs(problem, band_tokens, arrays, lora, lease)
     if packed is not None:
         bufs += [packed.gate_up, packed.down]
     attrs = contract.attributes(target, dict(attrs, bf16_dot=problem.bf16_dot, int8_dot=problem.int8_dot,
@@ -107,16 +114,20 @@ def prepack_call(problem: Problem, arrays, words: tuple[int, int]):
 
 
 def backward_call(problem: Problem, band_tokens: int, dy, x, w, ids, arrays, target: str = "backward",
-                  lora: LoRA | None = None, weight_grads: bool = True, name: str | None = None):
+                  lora: LoRA | None = None, weight_grads: bool = True, name: str | None = None,
+                  lease=None):
     """``(target name, operands, attributes, results)`` of the CPU backward
     (or of a target ``name`` of the caller's own with its attributes):
     results dx, d(topk_weights) (float32), then (``weight_grads``) the
     float32 gradients of ``arrays`` (weights, then biases) in their shapes,
     then those of ``lora``'s adapters (`LoRA.handler_arrays`).  Quantized
-    experts take the forward's operands and are frozen (no ``weight_grads``)."""
+    experts take the forward's operands and are frozen (no ``weight_grads``),
+    and so are mapped ones (``lease``: `weights_and_attrs`)."""
     if problem.quant is not None and weight_grads:
         raise ValueError(f"quantized experts ({problem.quant[0]}) are frozen: weight_grads must be False")
-    bufs, attrs = weights_and_attrs(problem, band_tokens, arrays, lora)
+    if problem.expert_store and weight_grads:
+        raise ValueError("mapped experts (jax_nbx.loaders.map_moe) are frozen: weight_grads must be False")
+    bufs, attrs = weights_and_attrs(problem, band_tokens, arrays, lora, lease)
     grads_of = list(arrays) if weight_grads else []
     adapters = lora.handler_arrays() if lora is not None else []
     outs = ([jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32)]

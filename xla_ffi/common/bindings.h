@@ -76,7 +76,8 @@ struct BackwardAttrs {
   ::nbx::ForwardAttrs {                                                                \
     activation, act_alpha, act_limit, band_tokens, max_workers, skip_outside, num_experts, \
         format, stacked, group_size,                                                   \
-        ::nbx::WeightViewAttrs{views, intermediate, fused_gate_up, has_bias, tensor_scales}, \
+        ::nbx::WeightViewAttrs{views, intermediate, fused_gate_up, has_bias, tensor_scales, \
+                               expert_store},                                          \
         bf16_dot, int8_dot,                                                            \
         ::nbx::LoraAttrs{lora_ranks, {lora_scale_gate, lora_scale_up, lora_scale_down}},    \
         prepacked                                                                      \
@@ -102,7 +103,8 @@ struct BackwardAttrs {
   ::nbx::BackwardAttrs {                                                              \
     activation, act_alpha, act_limit, band_tokens, max_workers, skip_outside, num_experts, \
         stacked,                                                                         \
-        ::nbx::WeightViewAttrs{views, intermediate, fused_gate_up, has_bias, tensor_scales}, \
+        ::nbx::WeightViewAttrs{views, intermediate, fused_gate_up, has_bias, tensor_scales, \
+                               expert_store},                                          \
         ::nbx::LoraAttrs{lora_ranks, {lora_scale_gate, lora_scale_up, lora_scale_down}},   \
         weight_grads, format, group_size                                                 \
   }

@@ -51,6 +51,44 @@ std::string Dims(const std::vector<int64_t>& d) {
   return s + (d.size() == 1 ? ",)" : ")");
 }
 
+// One weight array as the decoder reads it: a buffer's, or a leased block's.
+struct ArrayRef {
+  ffi::DataType type;
+  std::vector<int64_t> dims;
+  const void* data;  // nullptr: an expert the lease does not hold (never read)
+  int64_t elems;
+};
+
+// The arrays of expert store `store`'s lease args[at] (int32 [1]), group-major
+// then expert (E per group, `groups` groups); the lease moves into `out`.
+ffi::Error LeasedArrays(ffi::RemainingArgs args, size_t at, int64_t store_id, int64_t E,
+                        int64_t groups, ExpertWeights* out, std::vector<ArrayRef>* refs) {
+  auto b = args.get<ffi::AnyBuffer>(at);
+  if (b.has_error()) return b.error();
+  if (b->element_type() != ffi::DataType::S32 || b->element_count() != 1)
+    return ffi::Error::InvalidArgument("an expert store's lease must be one int32");
+  std::string error;
+  std::shared_ptr<store::Lease> lease;
+  if (!store::Open(store_id, *static_cast<const int32_t*>(b->untyped_data()), &lease, &error))
+    return ffi::Error::InvalidArgument(error);
+  if (lease->num_experts() != E ||
+      static_cast<int64_t>(lease->arrays().size()) != groups)
+    return ffi::Error::InvalidArgument(
+        "the expert store holds " + std::to_string(lease->num_experts()) + " experts of " +
+        std::to_string(lease->arrays().size()) + " arrays; the call says E=" + std::to_string(E) +
+        " and " + std::to_string(groups) + " groups");
+  refs->reserve(static_cast<size_t>(groups * E));
+  for (int64_t g = 0; g < groups; ++g) {
+    const store::ArraySpec& a = lease->arrays()[g];
+    int64_t n = 1;
+    for (int64_t d : a.dims) n *= d;
+    for (int64_t e = 0; e < E; ++e)
+      refs->push_back(ArrayRef{a.type, a.dims, lease->data(e, static_cast<size_t>(g)), n});
+  }
+  out->lease = std::move(lease);
+  return ffi::Error::Success();
+}
+
 std::string Where(int proj, int part, WeightFormat f, bool stacked, int64_t expert) {
   std::string s = abi::kProjectionNames[proj];
   if (f != WeightFormat::kDense) s += std::string(" ") + abi::kPartNames[part];
@@ -85,18 +123,38 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
   const int64_t nscales = v.tensor_scales ? abi::kNumProjections : 0;
   if (v.tensor_scales && !spec.tensor_scale)
     return ffi::Error::InvalidArgument(std::string(spec.name) + " weights take no tensor scales");
-  const int64_t want = parts * nproj_groups * per + nbias + nscales;
+  const bool mapped = v.expert_store != 0;
+  if (mapped && stacked)
+    return ffi::Error::InvalidArgument("an expert store's experts are per-expert (stacked=false)");
+  const int64_t nweights = mapped ? 1 : parts * nproj_groups * per;
+  const int64_t want = nweights + nbias + nscales;
   if (E < 1 || static_cast<int64_t>(count) != want || first + count > args.size())
     return ffi::Error::InvalidArgument(
         "expected " + std::to_string(want) + " " + abi::kWeightFormatNames[fcode] +
-        " weight buffers (" + std::to_string(parts * nproj_groups) + " groups of " +
-        std::to_string(per) + (nbias ? ", then 3 biases" : "") +
-        (nscales ? ", then 3 tensor scales" : "") + "); got " + std::to_string(count));
-  auto g0 = args.get<ffi::AnyBuffer>(first);
-  if (g0.has_error()) return g0.error();
-  if (g0->dimensions().size() < 1)
+        " weight buffers (" +
+        (mapped ? std::string("the expert store's lease")
+                : std::to_string(parts * nproj_groups) + " groups of " + std::to_string(per)) +
+        (nbias ? ", then 3 biases" : "") + (nscales ? ", then 3 tensor scales" : "") +
+        "); got " + std::to_string(count));
+  // the weight arrays, group-major then expert: the buffers, or the lease's blocks
+  std::vector<ArrayRef> refs;
+  if (mapped) {
+    if (ffi::Error e = LeasedArrays(args, first, v.expert_store, E, parts * nproj_groups, out, &refs);
+        e.failure())
+      return e;
+  } else {
+    refs.reserve(static_cast<size_t>(nweights));
+    for (int64_t i = 0; i < nweights; ++i) {
+      auto b = args.get<ffi::AnyBuffer>(first + i);
+      if (b.has_error()) return b.error();
+      auto d = b->dimensions();
+      refs.push_back(ArrayRef{b->element_type(), std::vector<int64_t>(d.begin(), d.end()),
+                              b->untyped_data(), static_cast<int64_t>(b->element_count())});
+    }
+  }
+  if (refs[0].dims.size() < 1)
     return ffi::Error::InvalidArgument("gate must have at least one axis");
-  const int64_t I = plain_call ? g0->dimensions().back() : v.intermediate;
+  const int64_t I = plain_call ? refs[0].dims.back() : v.intermediate;
   // The views, and whether they are the plain ones (then shapes are checked exactly).
   int64_t view[abi::kNumProjections][abi::kNumViewFields];
   bool plain = !v.fused_gate_up;
@@ -155,11 +213,9 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
       std::vector<int64_t> shape = PartShape(spec, part, K, N, group_size);
       if (stacked) shape.insert(shape.begin(), E);
       for (int64_t i = 0; i < per; ++i) {
-        auto b = args.get<ffi::AnyBuffer>(first + (part * nproj_groups + grp) * per + i);
-        if (b.has_error()) return b.error();
-        const ffi::DataType t = b->element_type();
-        auto d = b->dimensions();
-        const std::vector<int64_t> got(d.begin(), d.end());
+        const ArrayRef* b = &refs[static_cast<size_t>((part * nproj_groups + grp) * per + i)];
+        const ffi::DataType t = b->type;
+        const std::vector<int64_t>& got = b->dims;
         const std::string where =
             v.fused_gate_up && grp == 0 ? (stacked ? std::string("gate_up")
                                                    : "gate_up expert " + std::to_string(i))
@@ -189,7 +245,7 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
         part_type[part][slot] = t;
         if (format == WeightFormat::kDense) dense_type = t;
         const size_t es = ffi::ByteWidth(t);
-        const int64_t elems = static_cast<int64_t>(b->element_count()) / (stacked ? E : 1);
+        const int64_t elems = b->elems / (stacked ? E : 1);
         if (part == 0) out->group_elems[grp] = elems;
         // every element of each view lies inside the expert's array
         for (int pj : projs) {
@@ -206,7 +262,8 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
                 " elements per expert");
         }
         for (int64_t e = stacked ? 0 : i; e < (stacked ? E : i + 1); ++e) {
-          const char* base = static_cast<const char*>(b->untyped_data()) +
+          if (b->data == nullptr) continue;  // not leased: no call of this lease reads it
+          const char* base = static_cast<const char*>(b->data) +
                              (stacked ? e * elems * static_cast<int64_t>(es) : 0);
           if (format == WeightFormat::kDense) {
             for (int pj : projs)

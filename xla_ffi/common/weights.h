@@ -6,10 +6,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
 #include "abi.h"
+#include "common/expert_store.h"
 #include "common/lora_args.h"
 #include "common/quant_matrix.h"
 #include "dtypes.h"
@@ -26,6 +28,10 @@ struct WeightViewAttrs {
   // (not a view) three float32 [E] tensor-scale buffers follow (the biases),
   // one per projection: formats whose spec takes them (FormatSpec::tensor_scale)
   bool tensor_scales = false;
+  // (not a view) nonzero: the weights are the experts of this store
+  // (common/expert_store.h), read through the lease that is the one weight
+  // buffer (int32 [1]) before the biases and tensor scales
+  int64_t expert_store = 0;
 };
 
 struct ExpertWeights {
@@ -47,6 +53,9 @@ struct ExpertWeights {
   std::vector<const void*> table;
   std::vector<QuantMatrix> quant;  // [projection][E], quantized formats only
   bool tensor_scales = false;      // some QuantMatrix::tensor_scale may differ from 1
+  // an expert store's lease (WeightViewAttrs::expert_store): the table's
+  // addresses are its blocks, pinned while this lives
+  std::shared_ptr<store::Lease> lease;
 
   const void* const* gate() const { return table.data(); }
   const void* const* up() const { return table.data() + E; }

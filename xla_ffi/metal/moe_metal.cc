@@ -225,6 +225,8 @@ ffi::Error MetalForwardImpl(ffi::ThreadPool, ffi::AnyBuffer x, ffi::Buffer<ffi::
   if (prepacked) return Fail("prepacked experts (jax_nbx.prepack) run on the CPU handler only");
   if (tensor_scales)
     return Fail("tensor scales (nvfp4's second-level scale) run on the CPU handler only");
+  if (expert_store != 0)
+    return Fail("mapped experts (jax_nbx.loaders.map_moe) run on the CPU handler only");
   if (!IsFloatType(x.element_type()) || y->element_type() != x.element_type())
     return Fail("the Metal path takes x and y of one dtype: float32, bfloat16 or float16");
   ExpertWeights w;

@@ -29,6 +29,7 @@ inline nb::capsule Capsule(T* fn) {
 void CheckFormulaArgs(int64_t tokens, int64_t k, int64_t E, int64_t H, int64_t I, int workers);
 
 void BindAccount(nb::module_& m);
+void BindExpertStore(nb::module_& m);
 void BindCpu(nb::module_& m);
 void BindMetal(nb::module_& m);
 // The capsules of the CPU targets, and of the Metal forward (platform "cpu"

@@ -36,6 +36,7 @@ NB_MODULE(_ffi, m) {
   m.doc() = "jax_nbx XLA FFI handlers (CPU, Metal, CUDA) and the memory account";
   m.def("abi", &nbx::AbiDict, "The cross-language contract (xla_ffi/abi.h) as a dict.");
   nbx::python::BindAccount(m);
+  nbx::python::BindExpertStore(m);
   m.def("cpu_handlers", []() {
     nb::dict d;  // platform "cpu": the CPU handlers and the Metal forward
     nbx::python::AddCpuHandlers(d);

@@ -1,0 +1,89 @@
+// Expert stores: the experts of a checkpoint read from its files, not held as
+// JAX arrays (jax_nbx.loaders.map_moe).  Python reads an expert's arrays from
+// the files (explicit reads, checked against the files' identity) and puts
+// them here, one block per expert counted in the account, resident (kept) or
+// streamed (freed when the last call reading them ends), both under the account's tag "mapped experts".  A call leases the experts it reads: Acquire pins them and
+// returns a lease, the handler opens it (the per-expert addresses the weight
+// decoder takes instead of buffers) and the lease ends with the handler.  A
+// pinned expert is never freed; a closed store refuses new puts and leases
+// and frees its blocks as their leases end.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace nbx::store {
+
+// One expert's array of one buffer group (abi.h's group order).
+struct ArraySpec {
+  xla::ffi::DataType type = xla::ffi::DataType::INVALID;
+  std::vector<int64_t> dims;
+  size_t bytes() const;
+};
+
+struct StoreStats {
+  int64_t resident_bytes = 0, streamed_bytes = 0;  // blocks held, by kind
+  int64_t resident_experts = 0, streamed_experts = 0;
+  int64_t leases = 0;  // open leases
+  bool closed = false;
+};
+
+// A new store of E experts, each holding `arrays` (one per buffer group);
+// `name` (the checkpoint) names it in errors.  Returns its id (> 0).
+int64_t Create(const std::string& name, int64_t E, std::vector<ArraySpec> arrays);
+
+// Expert e's arrays (srcs[i]: arrays[i]'s address and size in bytes, which
+// must be its spec's) copied into one
+// block; `resident`: kept until dropped, else freed when no lease holds it.
+// An expert already held keeps its block (its kind updated).  false and
+// `*error` when the account refuses the block, the store is closed or unknown.
+bool Put(int64_t id, int64_t e, const std::vector<std::pair<const void*, size_t>>& srcs,
+         bool resident, std::string* error);
+bool Has(int64_t id, int64_t e);
+// Expert e becomes resident (kept) or streamed (freed once unpinned).
+void SetResident(int64_t id, int64_t e, bool resident);
+
+// Pins `experts` (each held; repeats allowed) and returns a lease (> 0), or
+// 0 and `*error`.
+int32_t Acquire(int64_t id, const std::vector<int32_t>& experts, std::string* error);
+// Ends a lease that no handler opened (a failed call): unpins its experts.
+void Release(int64_t id, int32_t lease);
+
+// A lease opened by a handler: the store's array specs and each leased
+// expert's arrays; it ends (its experts unpinned) when the Lease goes.
+class Lease {
+ public:
+  const std::vector<ArraySpec>& arrays() const { return *arrays_; }
+  int64_t num_experts() const { return E_; }
+  // Array i of expert e, or nullptr when e is not leased.
+  const void* data(int64_t e, size_t i) const;
+
+ private:
+  friend bool Open(int64_t id, int32_t lease, std::shared_ptr<Lease>* out, std::string* error);
+  struct End;
+  std::shared_ptr<const std::vector<ArraySpec>> arrays_;
+  std::vector<const char*> base_;  // [E]: each leased expert's block
+  std::vector<size_t> offset_;     // [arrays]: each array's offset in a block
+  int64_t E_ = 0;
+  std::shared_ptr<End> end_;
+};
+bool Open(int64_t id, int32_t lease, std::shared_ptr<Lease>* out, std::string* error);
+
+// Refuses new puts and leases; blocks are freed as their leases end.
+void Close(int64_t id);
+StoreStats Stats(int64_t id);
+// Every open store's: mapped (E x ExpertBytes: what their experts would take
+// held), resident and streamed bytes held (StoreStats).
+struct Totals {
+  int64_t mapped = 0, resident = 0, streamed = 0, stores = 0;
+};
+Totals AllStores();
+// The expert's bytes (the sum of its arrays, each 64-byte aligned in its block).
+int64_t ExpertBytes(int64_t id);
+
+}  // namespace nbx::store

@@ -1,0 +1,95 @@
+// jax_nbx._ffi's bindings of the expert stores (common/expert_store.h): what
+// jax_nbx/expert_store.py calls to fill a store and lease a call's experts.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/expert_store.h"
+#include "python/bindings.h"
+
+namespace nbx::python {
+namespace {
+
+namespace ffi = xla::ffi;
+
+ffi::DataType TypeOf(const std::string& name) {
+  if (name == "float32") return ffi::DataType::F32;
+  if (name == "bfloat16") return ffi::DataType::BF16;
+  if (name == "float16") return ffi::DataType::F16;
+  if (name == "int8") return ffi::DataType::S8;
+  if (name == "uint8") return ffi::DataType::U8;
+  throw nb::value_error(("expert store: dtype " + name +
+                         " is not one of float32, bfloat16, float16, int8, uint8").c_str());
+}
+
+using HostArray = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
+
+}  // namespace
+
+void BindExpertStore(nb::module_& m) {
+  m.def("store_create", [](const std::string& name, int64_t E,
+                           const std::vector<std::pair<std::string, std::vector<int64_t>>>& arrays) {
+    if (E < 1) throw nb::value_error("expert store: E must be >= 1");
+    std::vector<store::ArraySpec> specs;
+    for (const auto& [dtype, dims] : arrays) {
+      for (int64_t d : dims)
+        if (d < 0) throw nb::value_error("expert store: negative dimension");
+      specs.push_back(store::ArraySpec{TypeOf(dtype), dims});
+    }
+    return store::Create(name, E, std::move(specs));
+  }, nb::arg("name"), nb::arg("E"), nb::arg("arrays"));
+  // (True, "") or (False, the refusal or error)
+  m.def("store_put", [](int64_t id, int64_t e, const std::vector<HostArray>& arrays,
+                        bool resident) {
+    std::vector<std::pair<const void*, size_t>> srcs;
+    for (const HostArray& a : arrays) srcs.emplace_back(a.data(), a.nbytes());
+    std::string error;
+    bool ok;
+    {
+      nb::gil_scoped_release release;
+      ok = store::Put(id, e, srcs, resident, &error);
+    }
+    return std::make_pair(ok, error);
+  }, nb::arg("store"), nb::arg("expert"), nb::arg("arrays"), nb::arg("resident"));
+  m.def("store_has", &store::Has, nb::arg("store"), nb::arg("expert"));
+  m.def("store_set_resident", &store::SetResident, nb::arg("store"), nb::arg("expert"),
+        nb::arg("resident"));
+  // (lease > 0, "") or (0, why)
+  m.def("store_acquire", [](int64_t id, const std::vector<int32_t>& experts) {
+    std::string error;
+    const int32_t lease = store::Acquire(id, experts, &error);
+    return std::make_pair(lease, error);
+  }, nb::arg("store"), nb::arg("experts"));
+  m.def("store_release", &store::Release, nb::arg("store"), nb::arg("lease"));
+  m.def("store_close", &store::Close, nb::arg("store"));
+  m.def("store_totals", []() {
+    const store::Totals t = store::AllStores();
+    nb::dict d;
+    d["mapped"] = t.mapped;
+    d["resident"] = t.resident;
+    d["streamed"] = t.streamed;
+    d["stores"] = t.stores;
+    return d;
+  });
+  m.def("store_expert_bytes", &store::ExpertBytes, nb::arg("store"));
+  m.def("store_stats", [](int64_t id) {
+    const store::StoreStats s = store::Stats(id);
+    nb::dict d;
+    d["resident_bytes"] = s.resident_bytes;
+    d["streamed_bytes"] = s.streamed_bytes;
+    d["resident_experts"] = s.resident_experts;
+    d["streamed_experts"] = s.streamed_experts;
+    d["leases"] = s.leases;
+    d["closed"] = s.closed;
+    return d;
+  }, nb::arg("store"));
+}
+
+}  // namespace nbx::python
