@@ -1,6 +1,7 @@
 """Loading real checkpoints: one MoE block from safetensors files
 (`checkpoint.load_moe`, `load_experts`; Hugging Face names of every family,
-per-expert tensors kept as lists in the stored layout), and the lossless
+per-expert tensors kept as lists in the stored layout; `mapped.map_moe`: the
+routed experts left in the files, read when routed), and the lossless
 import of other quantizers' tensors into jax_nbx's formats (`quant_import`:
 GPTQ v1, AWQ GEMM, MLX affine into int4, MLX's float modes into mxfp4 / nvfp4
 / mxfp8; `dequantize_mlx` for an MLX matrix kept in float, e.g. mlx-lm's
@@ -14,10 +15,11 @@ from __future__ import annotations
 
 from .checkpoint import CheckpointError, load_experts, load_moe, safetensors_files
 from .fp8_import import from_fp8
+from .mapped import map_moe, unmap
 from .nvfp4_import import from_nvfp4
 from .peft_import import from_peft
 from .quant_import import absorb_act_order, dequantize_mlx, from_awq, from_gptq, from_mlx, permute_columns
 
-__all__ = ["CheckpointError", "load_moe", "load_experts", "safetensors_files", "from_gptq", "from_awq",
-           "from_mlx", "dequantize_mlx", "from_fp8", "from_nvfp4", "from_peft", "permute_columns",
+__all__ = ["CheckpointError", "load_moe", "load_experts", "map_moe", "unmap", "safetensors_files", "from_gptq",
+           "from_awq", "from_mlx", "dequantize_mlx", "from_fp8", "from_nvfp4", "from_peft", "permute_columns",
            "absorb_act_order"]

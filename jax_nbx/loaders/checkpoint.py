@@ -365,30 +365,42 @@ def _mlx_router(reader: _Reader, base: str, quant: _Quant):
         reader.fail(base + "weight", f"{base}* (a quantized router): {err}")
 
 
-def _per_expert(reader: _Reader, pfx: str, E: int, H: int, quant: _Quant) -> Experts:
+def one_expert(reader: CheckpointFiles, pfx: str, e: int, names: tuple[str, str, str], method: str | None,
+               quant: _Quant) -> tuple:
+    """Expert ``e``'s (gate, up, down) of a per-expert checkpoint: dense
+    ``[out, in]`` tensors as stored, or quantized ones (``method``: see
+    `_quant_method`) converted to jax_nbx's formats ``[K, N]``."""
+    if method is None:
+        return tuple(reader.get(f"{pfx}experts.{e}.{n}.weight", float_only=True) for n in names)
+    g, u, d = (_quantized(reader, f"{pfx}experts.{e}.{n}.", method, quant) for n in names)
+    if g[1] is not None or u[1] is not None:
+        reader.fail(f"{pfx}experts.{e}.{names[0]}.qweight",
+                    f"{pfx}experts.{e}.{names[0]}/{names[1]} are act-order GPTQ (g_idx permutes the hidden "
+                    "rows): not absorbable, since every expert would need its own permutation of x; "
+                    "re-quantize without desc_act")
+    gw, uw, dw = g[0], u[0], d[0]
+    if d[1] is not None:  # act-order down: its rows (the intermediate) permuted, gate/up's columns alike
+        gw, uw = qi.permute_columns(gw, d[1]), qi.permute_columns(uw, d[1])
+    return gw, uw, dw
+
+
+def expert_names(reader: CheckpointFiles, pfx: str) -> tuple[str, str, str]:
+    """The projection names of a per-expert checkpoint (``gate_proj``... or ``w1``...)."""
     names = next((n for n in _PROJ_NAMES if any(reader.has(f"{pfx}experts.0.{n[0]}.{t}")
                                                 for t in ("weight", "qweight", "weight_packed"))), None)
     if names is None:
         raise CheckpointError(f"checkpoint: no experts under {pfx!r} in {reader.source}: expected "
                               f"{pfx}experts.0.gate_proj.weight (or .w1.weight, experts.gate_up_proj, "
                               "input_linear.weight)")
+    return names
+
+
+def _per_expert(reader: _Reader, pfx: str, E: int, H: int, quant: _Quant) -> Experts:
+    names = expert_names(reader, pfx)
     method = _quant_method(reader, f"{pfx}experts.0.{names[0]}.", quant)
     projs: list[list] = [[], [], []]
     for e in range(E):
-        if method is None:
-            for j, n in enumerate(names):
-                projs[j].append(reader.get(f"{pfx}experts.{e}.{n}.weight", float_only=True))
-            continue
-        g, u, d = (_quantized(reader, f"{pfx}experts.{e}.{n}.", method, quant) for n in names)
-        if g[1] is not None or u[1] is not None:
-            reader.fail(f"{pfx}experts.{e}.{names[0]}.qweight",
-                        f"{pfx}experts.{e}.{names[0]}/{names[1]} are act-order GPTQ (g_idx permutes the hidden "
-                        "rows): not absorbable, since every expert would need its own permutation of x; "
-                        "re-quantize without desc_act")
-        gw, uw, dw = g[0], u[0], d[0]
-        if d[1] is not None:  # act-order down: its rows (the intermediate) permuted, gate/up's columns alike
-            gw, uw = qi.permute_columns(gw, d[1]), qi.permute_columns(uw, d[1])
-        for j, w in enumerate((gw, uw, dw)):
+        for j, w in enumerate(one_expert(reader, pfx, e, names, method, quant)):
             projs[j].append(w)
     if method is None:
         I = _shape(reader, f"{pfx}experts.0.{names[0]}.weight")[0]
@@ -487,8 +499,42 @@ def load_moe(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], layer:
       or the format, mode or checkpoint_format that is not read.
       FileNotFoundError for a checkpoint that is not there.
     """
+    return read_block(checkpoint, layer, prefix, config, "load_moe",
+                      lambda files, wmap, source: _Reader(files, wmap, progress, source), _experts)
+
+
+def _experts(reader: _Reader, pfx: str, E: int, H: int, quant: _Quant, config: MoEConfig | None,
+             rname: str) -> Experts:
+    """The routed experts of the block under ``pfx``, read whole (`load_moe`)."""
+    if reader.has(pfx + "experts.gate_up_proj_blocks"):  # gpt-oss's MXFP4 (loaders/gpt_oss.py)
+        names = [pfx + "experts." + n for n in ("gate_up_proj_blocks", "gate_up_proj_scales",
+                                                 "down_proj_blocks", "down_proj_scales")]
+        biases = [pfx + "experts." + n for n in ("gate_up_proj_bias", "down_proj_bias")]
+        tensors = [np.asarray(reader.get(n)) for n in names]
+        tensors += [reader.get(n, float_only=True) if reader.has(n) else None for n in biases]
+        try:
+            experts = from_gpt_oss_mxfp4(*tensors)
+        except (ValueError, TypeError) as err:
+            reader.fail(names[0], f"{pfx}experts.*_blocks: {err}")
+        if experts.hidden != H:
+            reader.fail(names[0], f"{names[0]} has H={experts.hidden}; the router {rname!r} has H={H}")
+        return experts
+    if reader.has(pfx + "experts.gate_up_proj") or reader.has(pfx + "input_linear.weight"):
+        return _fused(reader, pfx, E, H, config)
+    if reader.has(pfx + "switch_mlp.gate_proj.weight"):
+        return _switch_mlp(reader, pfx, E, H, quant)
+    return _per_expert(reader, pfx, E, H, quant)
+
+
+def read_block(checkpoint, layer: int | None, prefix: str | None, config: MoEConfig | None, who: str,
+               open_reader, experts_fn) -> MoEParams:
+    """One block's `MoEParams` (`load_moe`'s work): the files, config.json and
+    quantization settings resolved, the router, biases and shared experts
+    read; the routed experts are ``experts_fn(reader, pfx, E, H, quant,
+    config, router_name)``; ``open_reader(files, wmap, source)`` gives the
+    reader (closed at the end unless ``experts_fn`` keeps it: `map_moe`)."""
     if layer is None and prefix is None:
-        raise ValueError("load_moe: pass layer= (an int) or prefix= (e.g. 'model.layers.0.mlp.')")
+        raise ValueError(f"{who}: pass layer= (an int) or prefix= (e.g. 'model.layers.0.mlp.')")
     files, wmap, cfg_path = safetensors_files(checkpoint)
     hf_config = None
     if cfg_path is not None:
@@ -506,10 +552,11 @@ def load_moe(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], layer:
         source = os.path.join(os.fspath(checkpoint), "model.safetensors.index.json")
     elif not isinstance(checkpoint, (list, tuple)):
         source = os.fspath(checkpoint)
-    reader = _Reader(files, wmap, progress, source)
+    reader = open_reader(files, wmap, source)
     try:
         pfx = prefix if prefix is not None else _find_prefix(reader, int(layer))
-        reader.start(sum(1 for n in reader.wmap if n.startswith(pfx)))
+        if isinstance(reader, _Reader):
+            reader.start(sum(1 for n in reader.wmap if n.startswith(pfx)))
         rname = next((pfx + n for n in ("gate.weight", "router.weight", "router.layer.weight")
                       if reader.has(pfx + n)), None)
         if rname is None:
@@ -524,24 +571,7 @@ def load_moe(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], layer:
         E, H = (int(s) for s in router.shape)
         if config is not None:
             reader.expect(rname, router, (config.num_experts, config.hidden_size))
-        if reader.has(pfx + "experts.gate_up_proj_blocks"):  # gpt-oss's MXFP4 (loaders/gpt_oss.py)
-            names = [pfx + "experts." + n for n in ("gate_up_proj_blocks", "gate_up_proj_scales",
-                                                     "down_proj_blocks", "down_proj_scales")]
-            biases = [pfx + "experts." + n for n in ("gate_up_proj_bias", "down_proj_bias")]
-            tensors = [np.asarray(reader.get(n)) for n in names]
-            tensors += [reader.get(n, float_only=True) if reader.has(n) else None for n in biases]
-            try:
-                experts = from_gpt_oss_mxfp4(*tensors)
-            except (ValueError, TypeError) as err:
-                reader.fail(names[0], f"{pfx}experts.*_blocks: {err}")
-            if experts.hidden != H:
-                reader.fail(names[0], f"{names[0]} has H={experts.hidden}; the router {rname!r} has H={H}")
-        elif reader.has(pfx + "experts.gate_up_proj") or reader.has(pfx + "input_linear.weight"):
-            experts = _fused(reader, pfx, E, H, config)
-        elif reader.has(pfx + "switch_mlp.gate_proj.weight"):
-            experts = _switch_mlp(reader, pfx, E, H, quant)
-        else:
-            experts = _per_expert(reader, pfx, E, H, quant)
+        experts = experts_fn(reader, pfx, E, H, quant, config, rname)
         if config is not None and experts.intermediate != config.intermediate_size:
             raise CheckpointError(f"checkpoint: the experts of {pfx!r} in {reader.source} have intermediate size "
                                   f"{experts.intermediate}; the config says {config.intermediate_size}")

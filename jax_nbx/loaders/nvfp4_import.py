@@ -37,6 +37,15 @@ __all__ = ["from_nvfp4", "is_compressed_tensors_nvfp4"]
 _BYTES = (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn))
 
 
+def tensor_scale_of(global_scale: Any) -> np.float32:
+    """The tensor scale (a multiplier) of compressed-tensors' ``weight_global_scale``
+    (a divisor: ``[1]`` or a scalar): 1 / it in float32; ValueError unless positive and finite."""
+    g = np.asarray(global_scale, np.float32).reshape(-1)
+    if g.size != 1 or not np.isfinite(g[0]) or g[0] <= 0:
+        raise ValueError(f"global_scale must be one positive finite float32; got {np.asarray(global_scale)!r}")
+    return np.float32(1.0) / g[0]
+
+
 def from_nvfp4(packed: Any, scale: Any, *, global_scale: Any = None, tensor_scale: Any = None) -> QuantizedWeight:
     """One ``[out, in]`` NVFP4 matrix as a `QuantizedWeight` ``[K/2, N]``.
 
@@ -56,10 +65,7 @@ def from_nvfp4(packed: Any, scale: Any, *, global_scale: Any = None, tensor_scal
         raise ValueError("pass global_scale (compressed-tensors) or tensor_scale (a multiplier), not both")
     ts = None
     if global_scale is not None:
-        g = np.asarray(global_scale, np.float32).reshape(-1)
-        if g.size != 1 or not np.isfinite(g[0]) or g[0] <= 0:
-            raise ValueError(f"global_scale must be one positive finite float32; got {np.asarray(global_scale)!r}")
-        ts = np.float32(1.0) / g[0]
+        ts = tensor_scale_of(global_scale)
     elif tensor_scale is not None:
         ts = np.asarray(tensor_scale, np.float32).reshape(())
     return QuantizedWeight(jnp.asarray(np.ascontiguousarray(packed.T)),

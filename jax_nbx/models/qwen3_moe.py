@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from ..checkpoint_files import CheckpointFiles, check_value, config_value
-from ..loaders import CheckpointError, load_moe, safetensors_files
+from ..loaders import CheckpointError, load_moe, map_moe, safetensors_files
 from ..nn.block import MoEConfig, hf_config_path, read_hf_config
 from ..nn.nnx_moe import NNXMoE
 from .moe_baselines import BASELINES, _stacked_in_out, moe_dense, moe_ragged_dot  # noqa: F401  (q3.moe_dense ...)
@@ -513,7 +513,7 @@ def save_hf(model: Qwen3MoeForCausalLM, folder: str | os.PathLike, *, shards: in
 
 
 def load_hf(folder: str | os.PathLike, *, moe: str = "fused", implementation: str | None = None,
-            dtype=None) -> Qwen3MoeForCausalLM:
+            dtype=None, experts: str = "copied", resident_bytes: int | str | None = None) -> Qwen3MoeForCausalLM:
     """The model of a Hugging Face Qwen3-MoE checkpoint folder (``config.json``
     plus ``model.safetensors`` or the shards of ``model.safetensors.index.json``).
 
@@ -524,7 +524,16 @@ def load_hf(folder: str | os.PathLike, *, moe: str = "fused", implementation: st
     (default: as stored).  Raises `jax_nbx.loaders.CheckpointError`
     naming the file and a missing, mis-shaped or non-float tensor, or what
     is malformed in config.json, the index or a safetensors header (every
-    tensor is checked against the config before the model is built)."""
+    tensor is checked against the config before the model is built).
+
+    ``experts="mapped"`` leaves each layer's routed experts in the files
+    (`jax_nbx.loaders.map_moe`, ``resident_bytes`` per layer; they keep
+    their stored dtype, frozen, on the "cpu" backend with ``moe="fused"``);
+    ``"copied"`` (default) reads them (`load_moe`)."""
+    if experts not in ("copied", "mapped"):
+        raise ValueError(f"load_hf: experts must be 'copied' or 'mapped'; got {experts!r}")
+    if experts == "mapped" and moe != "fused":
+        raise ValueError(f"load_hf: experts='mapped' runs with moe='fused' (the op); got moe={moe!r}")
     folder = os.fspath(folder)
     c = Qwen3MoeConfig.from_hf(folder)
     files, wmap, _ = safetensors_files(folder)
@@ -554,7 +563,8 @@ def load_hf(folder: str | os.PathLike, *, moe: str = "fused", implementation: st
     mcfg = c.moe_config(implementation)
     mlps = []
     for i in range(c.num_hidden_layers):
-        p = load_moe(folder, layer=i, config=mcfg, progress=False)
+        p = (map_moe(folder, layer=i, config=mcfg, resident_bytes=resident_bytes) if experts == "mapped"
+             else load_moe(folder, layer=i, config=mcfg, progress=False))
         if dtype is not None:
             p = jax.tree.map(lambda a: a.astype(dtype), p)
         mlps.append(NNXMoE(mcfg, params=p))

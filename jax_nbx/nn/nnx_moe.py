@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..expert_store import store_of
 from ..lora import PROJECTIONS
 from .block import MoEConfig, MoEParams, RouterAux, init_lora, init_params, moe_block
 
@@ -100,7 +101,8 @@ class NNXMoE(nnx.Module):
         self.router = nnx.Param(params.router)
         self.router_bias = None if params.router_bias is None else nnx.Param(params.router_bias)
         self.correction_bias = None if params.correction_bias is None else Buffer(params.correction_bias)
-        self.experts = _wrap(params.experts, frozen or is_quantized(params.experts))
+        # quantized and mapped experts (an expert store's: jax_nbx.loaders.map_moe) are frozen
+        self.experts = _wrap(params.experts, frozen or is_quantized(params.experts) or bool(store_of(params.experts)))
         self.shared = _wrap(params.shared,
                             frozen or (is_quantized(params.shared.experts) if params.shared else False))
         self.lora = _wrap(params.lora, False)
