@@ -7,8 +7,9 @@ an `Experts` pytree as `MappedArray` placeholders: pytree nodes without
 leaves that carry the store's id, so `jit`, `vmap` and `grad` pass them
 through as static structure.
 
-`ExpertStore.fetch` runs before each handler call (an ``io_callback`` on the
-call's ids): it reads the experts the call routes to that are not held
+Before each handler call a lease handler (abi.h kTargetStoreLease) pins the
+experts the call's ids route to when every one is held; otherwise it calls
+`ExpertStore.fetch` back (the GIL taken on XLA's thread), which reads the experts the call routes to that are not held
 (``read_expert``, the loader's: explicit reads checked against each file's
 identity), keeps the most routed experts resident up to ``resident_bytes``,
 and leases the call's experts to the handler.  An expert that is not kept is
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -32,6 +34,7 @@ __all__ = ["ExpertStore", "MappedArray", "store_of", "totals"]
 
 _ffi = _registry.ffi_module
 _STORES: dict[int, ExpertStore] = {}  # open stores by id (MappedArray finds its store here)
+_CLOSED: dict[int, str] = {}  # closed stores' names, for the errors of later calls
 
 
 class MappedArray:
@@ -110,40 +113,67 @@ class ExpertStore:
     ``resident_bytes``.  ``name`` (the checkpoint) names the store in errors."""
 
     def __init__(self, name: str, E: int, arrays: Sequence[tuple], read_expert: Callable[[int], list],
-                 resident_bytes: int):
+                 resident_bytes: int, stream_bytes: int | None = None):
         self.name, self.E = name, int(E)
         self.arrays = [(np.dtype(d), tuple(int(x) for x in s)) for d, s in arrays]
         self.read_expert = read_expert
         self.resident_bytes = int(resident_bytes)
         self.id = int(_ffi().store_create(name, self.E, [(d.name, list(s)) for d, s in self.arrays]))
         self.expert_bytes = int(_ffi().store_expert_bytes(self.id))
-        self.counts = np.zeros(self.E, np.int64)  # how often each expert was routed
         self.resident: set[int] = set()
         self.hits = self.misses = self.read_bytes = self.calls = 0
         self.closed = False
         self._lock = threading.Lock()
+        # stream_bytes: a call reads its experts in passes of `pass_experts`, the next pass's
+        # read ahead while one computes (two passes' blocks at most); None: one pass
+        self.stream_bytes = None if stream_bytes is None else int(stream_bytes)
+        self.pass_experts = None
+        if self.stream_bytes is not None:
+            self.pass_experts = self.stream_bytes // (2 * self.expert_bytes) if self.expert_bytes else self.E
+            if self.pass_experts < 1:
+                _ffi().store_close(self.id)
+                raise ValueError(f"{name}: stream_bytes={self.stream_bytes} holds no two experts of "
+                                 f"{self.expert_bytes} bytes (a pass and the one read ahead); give at least "
+                                 f"{2 * self.expert_bytes}")
+        self._ahead: dict[int, Future] = {}  # experts being read ahead, by id
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jax_nbx-read-ahead")
+        _ffi().store_set_fetch(self.id, self._fetch_for_handler)
         _STORES[self.id] = self
 
     @classmethod
     def get(cls, store_id: int) -> ExpertStore:
         s = _STORES.get(store_id)
         if s is None:
-            raise ValueError(f"expert store {store_id} is closed (unmapped) or was never opened: map the "
-                             "experts again (jax_nbx.loaders.map_moe)")
+            what = (f"the mapped experts of {_CLOSED[store_id]} are closed (unmapped)" if store_id in _CLOSED
+                    else f"expert store {store_id} was never opened")
+            raise ValueError(f"{what}; map them again (jax_nbx.loaders.map_moe)")
         return s
 
     def placeholders(self) -> list[list[MappedArray]]:
         """Per array (buffer group), the E experts' `MappedArray`s."""
         return [[MappedArray(self.id, e, i, s, d) for e in range(self.E)] for i, (d, s) in enumerate(self.arrays)]
 
-    def _keep(self) -> set[int]:
-        """The experts to keep resident: the most routed that fit
-        ``resident_bytes`` (ties: those resident now, then the lower id)."""
+    def _keep(self) -> np.ndarray:
+        """Which experts to keep resident (uint8 ``[E]``): the most routed that
+        fit ``resident_bytes`` (ties: those resident now, then the lower id)."""
+        keep = np.zeros(self.E, np.uint8)
         n = self.resident_bytes // self.expert_bytes if self.expert_bytes else self.E
         if n <= 0:
-            return set()
-        order = sorted(range(self.E), key=lambda e: (-self.counts[e], e not in self.resident, e))
-        return {e for e in order[:n] if self.counts[e] > 0}
+            return keep
+        now = np.zeros(self.E, bool)
+        now[list(self.resident)] = True
+        counts = self.counts
+        order = np.lexsort((np.arange(self.E), ~now, -counts))[:n]
+        keep[order[counts[order] > 0]] = 1
+        return keep
+
+    @property
+    def counts(self) -> np.ndarray:
+        """How often each expert was routed, by every call so far (int64 ``[E]``)."""
+        return np.asarray(_ffi().store_counts(self.id), np.int64)
+
+    def _count(self, needed, counts) -> None:
+        _ffi().store_add_counts(self.id, [int(e) for e in needed], [int(c) for c in counts])
 
     def read(self, e: int) -> list[np.ndarray]:
         """Expert ``e``'s arrays read from the files (checked against the store's shapes and dtypes)."""
@@ -155,47 +185,107 @@ class ExpertStore:
             raise ValueError(f"{self.name}: expert {e} reads as {got}; the store's experts are {want}")
         return arrays
 
+    def _put(self, e: int, resident: bool) -> None:
+        """Reads expert ``e`` and puts it in the store (the caller holds no lock)."""
+        arrays = self.read(e)
+        raw = [a.reshape(-1).view(np.uint8) for a in arrays]  # (bfloat16 has no DLPack code)
+        with self._lock:
+            self.misses += 1
+            self.read_bytes += sum(a.nbytes for a in arrays)
+            ok, error = _ffi().store_put(self.id, e, raw, resident)
+        if not ok:
+            raise _refusal(error)
+
+    def fetch_pass(self, p, ids, *, skip_outside: bool):
+        """Pass ``p`` of a call in passes (``stream_bytes``): the call's
+        experts (sorted) cut into passes of `pass_experts`; returns (the
+        lease of pass p's experts, int32 ``[1]``; which experts it holds,
+        bool ``[E]``; whether a pass follows).  Pass p+1's experts are read
+        ahead on a background thread before this returns.  An id outside
+        [0, E) is an error here unless ``skip_outside`` (the passes skip
+        every id their pass does not hold)."""
+        p, ids = int(np.asarray(p)), np.asarray(ids).reshape(-1)
+        outside = ids[(ids < 0) | (ids >= self.E)]
+        if outside.size and not skip_outside:
+            raise ValueError(f"topk_ids holds {int(outside[0])}, outside [0, E={self.E}) (pass "
+                             "ids_outside='skip' to skip such ids)")
+        needed = np.unique(ids[(ids >= 0) & (ids < self.E)])
+        n = self.pass_experts
+        chunk, nxt = needed[p * n:(p + 1) * n], needed[(p + 1) * n:(p + 2) * n]
+        if p == 0:
+            with self._lock:
+                self.calls += 1
+                self._count(*np.unique(ids[(ids >= 0) & (ids < self.E)], return_counts=True))
+        lease = self._lease(chunk)
+        with self._lock:
+            keep = self._keep()
+            for e in map(int, nxt):
+                if e not in self._ahead and not _ffi().store_has(self.id, e):
+                    self._ahead[e] = self._reader.submit(self._put, e, bool(keep[e]))
+        mask = np.zeros(self.E, bool)
+        mask[chunk] = True
+        return lease, mask, np.asarray(nxt.size > 0)
+
+    def _lease(self, needed) -> np.ndarray:
+        """Reads what ``needed`` lacks (waiting for experts being read ahead),
+        updates the resident set and leases ``needed``."""
+        ahead = 0  # experts of this lease read ahead (misses counted by the read)
+        for e in map(int, needed):
+            fut = self._ahead.get(e)
+            if fut is not None:
+                ahead += 1
+                try:
+                    fut.result()
+                finally:
+                    self._ahead.pop(e, None)
+        needed = [int(e) for e in needed]
+        for attempt in range(3):  # a block another call freed between the read and the lease: read again
+            with self._lock:
+                if self.closed:
+                    raise ValueError(f"the mapped experts of {self.name} are closed (unmapped); map them again")
+                keep = self._keep()
+                lease, missing, resident, error = _ffi().store_acquire_keeping(self.id, needed, keep)
+                if lease:
+                    if attempt == 0:
+                        self.hits += len(needed) - ahead
+                    self.resident = set(resident)
+                    return np.array([lease], np.int32)
+                if error:
+                    raise ValueError(error)
+                if attempt == 0:
+                    self.hits += len(needed) - len(missing) - ahead
+            for e in missing:
+                self._put(e, bool(keep[e]))
+        raise ValueError(f"{self.name}: the experts {missing} read for a call were freed by others before it "
+                         "could lease them, three times: raise resident_bytes or the budget")
+
+    def _fetch_for_handler(self, raw: bytes) -> int:
+        """`fetch` as the lease handler calls it back: the ids' int32 bytes in, the lease out."""
+        return int(self.fetch(np.frombuffer(raw, np.int32))[0])
+
     def fetch(self, ids) -> np.ndarray:
         """Reads the experts ``ids`` route to that are not held, updates the
         resident set, and leases the call's experts: int32 ``[1]``, the lease
         the handler reads and ends.  Ids outside [0, E) are not fetched."""
         ids = np.asarray(ids).reshape(-1)
-        ids = ids[(ids >= 0) & (ids < self.E)]
-        needed, counts = np.unique(ids, return_counts=True)
+        needed, counts = np.unique(ids[(ids >= 0) & (ids < self.E)], return_counts=True)
         with self._lock:
             if self.closed:
                 raise ValueError(f"the mapped experts of {self.name} are closed (unmapped); map them again")
             self.calls += 1
-            self.counts[needed] += counts
-            keep = self._keep()
-            for e in self.resident - keep:  # no longer among the most routed: freed when unpinned
-                _ffi().store_set_resident(self.id, e, False)
-            for e in map(int, needed):
-                if _ffi().store_has(self.id, e):
-                    self.hits += 1
-                    if e in keep:
-                        _ffi().store_set_resident(self.id, e, True)
-                    continue
-                self.misses += 1
-                arrays = self.read(e)
-                self.read_bytes += sum(a.nbytes for a in arrays)
-                raw = [a.reshape(-1).view(np.uint8) for a in arrays]  # (bfloat16 has no DLPack code)
-                ok, error = _ffi().store_put(self.id, e, raw, e in keep)
-                if not ok:
-                    raise _refusal(error)
-            self.resident = {e for e in keep if _ffi().store_has(self.id, e)}
-            lease, error = _ffi().store_acquire(self.id, [int(e) for e in needed])
-            if not lease:
-                raise ValueError(error)
-        return np.array([lease], np.int32)
+            self._count(needed, counts)
+        return self._lease(needed)
 
     def stats(self) -> dict:
-        """calls, hits and misses (experts a call found held or read),
+        """calls, hits and misses (experts a call found held or read; a call
+        whose experts are all held is leased by the handler alone),
         read_bytes, expert_bytes, resident_bytes (the budget), and the
         store's held figures (resident/streamed bytes and experts, leases)."""
-        d = dict(calls=self.calls, hits=self.hits, misses=self.misses, read_bytes=self.read_bytes,
-                 expert_bytes=self.expert_bytes, resident_budget=self.resident_bytes)
-        d.update(_ffi().store_stats(self.id))
+        held = dict(_ffi().store_stats(self.id))
+        fast_calls, fast_hits = held.pop("fast_calls"), held.pop("fast_hits")
+        d = dict(calls=self.calls + fast_calls, hits=self.hits + fast_hits, misses=self.misses,
+                 read_bytes=self.read_bytes, expert_bytes=self.expert_bytes, resident_budget=self.resident_bytes)
+        d.update(held)
         return d
 
     def set_resident_bytes(self, nbytes: int) -> None:
@@ -208,8 +298,12 @@ class ExpertStore:
         with self._lock:
             self.closed = True
             self.resident.clear()
+        self._reader.shutdown(wait=True)  # reads ahead end before the blocks go
+        with self._lock:
             _ffi().store_close(self.id)
+        _ffi().store_set_fetch(self.id, None)
         _STORES.pop(self.id, None)
+        _CLOSED[self.id] = self.name
 
 
 def _refusal(error: str) -> BaseException:

@@ -5,7 +5,9 @@
 #include <map>
 #include <mutex>
 
+#include "abi.h"
 #include "account.h"
+#include "common/attr_types.h"
 
 namespace ffi = xla::ffi;
 
@@ -35,6 +37,9 @@ struct Store {
   size_t block_bytes = 0;
   std::vector<Slot> slots;
   std::map<int32_t, LeaseRecord> leases;
+  std::vector<int64_t> counts;  // [E]: routed slots per expert
+  std::shared_ptr<FetchFn> fetch;  // reads what a call lacks (SetFetch)
+  int64_t fast_calls = 0, fast_hits = 0;
   int32_t next_lease = 1;
   bool closed = false;
 };
@@ -102,6 +107,7 @@ int64_t Create(const std::string& name, int64_t E, std::vector<ArraySpec> arrays
   s->block_bytes = off;
   s->arrays = std::make_shared<const std::vector<ArraySpec>>(std::move(arrays));
   s->slots.resize(static_cast<size_t>(E));
+  s->counts.assign(static_cast<size_t>(E), 0);
   std::lock_guard<std::mutex> lock(R().mu);
   const int64_t id = R().next_id++;
   R().stores[id] = std::move(s);
@@ -178,6 +184,136 @@ int32_t Acquire(int64_t id, const std::vector<int32_t>& experts, std::string* er
   return lease;
 }
 
+int32_t AcquireKeeping(int64_t id, const std::vector<int32_t>& experts,
+                       const std::vector<uint8_t>& keep, std::vector<int32_t>* missing,
+                       std::vector<int32_t>* resident, std::string* error) {
+  std::lock_guard<std::mutex> lock(R().mu);
+  Store* s = Find(id);
+  if (s == nullptr || s->closed) {
+    *error = "jax_nbx: the mapped experts " + (s ? "of " + s->name + " " : std::string()) +
+             "are closed (unmapped); map them again";
+    return 0;
+  }
+  if (static_cast<int64_t>(keep.size()) != s->E) {
+    *error = "jax_nbx: expert store: keep has " + std::to_string(keep.size()) + " flags; E=" +
+             std::to_string(s->E);
+    return 0;
+  }
+  missing->clear();
+  for (int32_t e : experts) {
+    if (e < 0 || e >= s->E) {
+      *error = "jax_nbx: expert " + std::to_string(e) + " is outside the " + std::to_string(s->E) +
+               " experts of " + s->name;
+      return 0;
+    }
+    if (s->slots[e].block.data() == nullptr) missing->push_back(e);
+  }
+  if (!missing->empty()) return 0;
+  for (int32_t e : experts) ++s->slots[e].pins;
+  resident->clear();
+  for (int64_t e = 0; e < s->E; ++e) {
+    Slot& slot = s->slots[e];
+    if (slot.block.data() == nullptr) continue;
+    slot.resident = keep[e] != 0;
+    MaybeFree(*s, e);
+    if (slot.resident) resident->push_back(static_cast<int32_t>(e));
+  }
+  int32_t lease = s->next_lease++;
+  if (s->next_lease <= 0) s->next_lease = 1;
+  s->leases[lease] = LeaseRecord{experts, false};
+  return lease;
+}
+
+int32_t TryAcquire(int64_t id, const int32_t* ids, int64_t n, bool skip_outside) {
+  std::lock_guard<std::mutex> lock(R().mu);
+  Store* s = Find(id);
+  if (s == nullptr || s->closed) return 0;
+  std::vector<int32_t> slots(static_cast<size_t>(s->E), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t e = ids[i];
+    if (e < 0 || e >= s->E) {
+      if (!skip_outside) return 0;
+      continue;
+    }
+    if (s->slots[e].block.data() == nullptr) return 0;
+    ++slots[e];
+  }
+  std::vector<int32_t> experts;
+  for (int64_t e = 0; e < s->E; ++e)
+    if (slots[e]) {
+      experts.push_back(static_cast<int32_t>(e));
+      ++s->slots[e].pins;
+      s->counts[e] += slots[e];
+    }
+  ++s->fast_calls;
+  s->fast_hits += static_cast<int64_t>(experts.size());
+  int32_t lease = s->next_lease++;
+  if (s->next_lease <= 0) s->next_lease = 1;
+  s->leases[lease] = LeaseRecord{std::move(experts), false};
+  return lease;
+}
+
+void SetFetch(int64_t id, std::shared_ptr<FetchFn> fetch) {
+  std::shared_ptr<FetchFn> old;  // released after the lock (it may hold a Python object)
+  std::lock_guard<std::mutex> lock(R().mu);
+  Store* s = Find(id);
+  if (s == nullptr) return;
+  old = std::move(s->fetch);
+  s->fetch = std::move(fetch);
+}
+
+std::vector<int64_t> Counts(int64_t id) {
+  std::lock_guard<std::mutex> lock(R().mu);
+  Store* s = Find(id);
+  return s == nullptr ? std::vector<int64_t>() : s->counts;
+}
+
+void AddCounts(int64_t id, const std::vector<int32_t>& experts, const std::vector<int64_t>& counts) {
+  std::lock_guard<std::mutex> lock(R().mu);
+  Store* s = Find(id);
+  if (s == nullptr) return;
+  for (size_t i = 0; i < experts.size() && i < counts.size(); ++i)
+    if (experts[i] >= 0 && experts[i] < s->E) s->counts[experts[i]] += counts[i];
+}
+
+namespace {
+
+ffi::Error StoreLeaseImpl(ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::Buffer<ffi::S32>> lease,
+                          int64_t expert_store, bool skip_outside, int64_t call) {
+  (void)call;  // (only keeps two leases apart)
+  if (lease->element_count() != 1)
+    return ffi::Error::InvalidArgument("the store lease's result must be one int32");
+  const int64_t n = static_cast<int64_t>(ids.element_count());
+  int32_t l = TryAcquire(expert_store, ids.typed_data(), n, skip_outside);
+  if (l == 0) {  // something is not held: the store's fetch reads it (no lock held)
+    std::shared_ptr<FetchFn> fetch;
+    {
+      std::lock_guard<std::mutex> lock(R().mu);
+      Store* s = Find(expert_store);
+      if (s != nullptr) fetch = s->fetch;
+    }
+    if (!fetch)
+      return ffi::Error::InvalidArgument("expert_store " + std::to_string(expert_store) +
+                                         " has no reader (closed, or never opened)");
+    std::string error;
+    bool exhausted = false;
+    l = (*fetch)(ids.typed_data(), n, &error, &exhausted);
+    if (l == 0)
+      return exhausted ? ffi::Error(ffi::ErrorCode::kResourceExhausted, error)
+                       : ffi::Error::InvalidArgument(error);
+  }
+  lease->typed_data()[0] = l;
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StoreLeaseCpu, StoreLeaseImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // ids
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // lease [1]
+                                  NBX_ATTRS_STORE_LEASE(NBX_BIND_ATTR));
+
 void Release(int64_t id, int32_t lease) {
   std::lock_guard<std::mutex> lock(R().mu);
   Store* s = Find(id);
@@ -244,6 +380,8 @@ StoreStats Stats(int64_t id) {
     ++(slot.resident ? st.resident_experts : st.streamed_experts);
   }
   st.leases = static_cast<int64_t>(s->leases.size());
+  st.fast_calls = s->fast_calls;
+  st.fast_hits = s->fast_hits;
   st.closed = s->closed;
   return st;
 }

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -30,6 +31,7 @@ struct StoreStats {
   int64_t resident_bytes = 0, streamed_bytes = 0;  // blocks held, by kind
   int64_t resident_experts = 0, streamed_experts = 0;
   int64_t leases = 0;  // open leases
+  int64_t fast_calls = 0, fast_hits = 0;  // TryAcquire's leases and the experts they held
   bool closed = false;
 };
 
@@ -51,6 +53,21 @@ void SetResident(int64_t id, int64_t e, bool resident);
 // Pins `experts` (each held; repeats allowed) and returns a lease (> 0), or
 // 0 and `*error`.
 int32_t Acquire(int64_t id, const std::vector<int32_t>& experts, std::string* error);
+// Acquire and the resident set in one step: when every expert of `experts`
+// is held, pins them, makes each held expert resident iff keep[e] (those
+// that stop being resident and are unpinned are freed), fills `*resident`
+// with the resident experts and returns the lease; else returns 0 with the
+// experts not held in `*missing` (nothing changed), or 0 and `*error`.
+int32_t AcquireKeeping(int64_t id, const std::vector<int32_t>& experts,
+                       const std::vector<uint8_t>& keep, std::vector<int32_t>* missing,
+                       std::vector<int32_t>* resident, std::string* error);
+// The lease of the experts `ids` route to (ids outside [0, E) skipped when
+// `skip_outside`, else the answer is 0), when every one is held: pins them
+// and counts each routed slot (Counts); else 0, nothing changed.
+int32_t TryAcquire(int64_t id, const int32_t* ids, int64_t n, bool skip_outside);
+// How often each expert was routed (TryAcquire's and AddCounts').
+std::vector<int64_t> Counts(int64_t id);
+void AddCounts(int64_t id, const std::vector<int32_t>& experts, const std::vector<int64_t>& counts);
 // Ends a lease that no handler opened (a failed call): unpins its experts.
 void Release(int64_t id, int32_t lease);
 
@@ -85,5 +102,16 @@ struct Totals {
 Totals AllStores();
 // The expert's bytes (the sum of its arrays, each 64-byte aligned in its block).
 int64_t ExpertBytes(int64_t id);
+
+// What reads a store's missing experts and leases a call's (set by the
+// Python module: jax_nbx/expert_store.py's fetch): the lease, or 0 with
+// `*error` (`*exhausted`: the account refused).
+using FetchFn = std::function<int32_t(const int32_t* ids, int64_t n, std::string* error,
+                                      bool* exhausted)>;
+void SetFetch(int64_t id, std::shared_ptr<FetchFn> fetch);
+
+// kTargetStoreLease (abi.h): ids S32 [T, k] -> lease S32 [1]: TryAcquire, else
+// the store's FetchFn.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(StoreLeaseCpu);
 
 }  // namespace nbx::store

@@ -67,6 +67,44 @@ void BindExpertStore(nb::module_& m) {
     const int32_t lease = store::Acquire(id, experts, &error);
     return std::make_pair(lease, error);
   }, nb::arg("store"), nb::arg("experts"));
+  // (lease, missing, resident, error): store::AcquireKeeping
+  m.def("store_acquire_keeping", [](int64_t id, const std::vector<int32_t>& experts,
+                                    const std::vector<uint8_t>& keep) {
+    std::vector<int32_t> missing, resident;
+    std::string error;
+    const int32_t lease = store::AcquireKeeping(id, experts, keep, &missing, &resident, &error);
+    return std::make_tuple(lease, missing, resident, error);
+  }, nb::arg("store"), nb::arg("experts"), nb::arg("keep"));
+  // fetch(ids: bytes of int32) -> lease (int): called from the lease handler
+  // (an XLA thread) with the GIL taken; its exception becomes the handler's
+  // error (a MemoryError: the account's refusal).  None removes it.
+  m.def("store_set_fetch", [](int64_t id, nb::object fetch) {
+    if (fetch.is_none()) {
+      store::SetFetch(id, nullptr);
+      return;
+    }
+    std::shared_ptr<nb::object> fn(new nb::object(fetch), [](nb::object* p) {
+      nb::gil_scoped_acquire gil;
+      delete p;
+    });
+    auto call = [fn](const int32_t* ids, int64_t n, std::string* error, bool* exhausted) -> int32_t {
+      nb::gil_scoped_acquire gil;
+      try {
+        nb::bytes raw(reinterpret_cast<const char*>(ids), static_cast<size_t>(n) * sizeof(int32_t));
+        return nb::cast<int32_t>((*fn)(raw));
+      } catch (nb::python_error& e) {
+        *exhausted = e.matches(PyExc_MemoryError);
+        *error = std::string(nb::str(e.value()).c_str());
+        return 0;
+      } catch (const std::exception& e) {
+        *error = e.what();
+        return 0;
+      }
+    };
+    store::SetFetch(id, std::make_shared<store::FetchFn>(std::move(call)));
+  }, nb::arg("store"), nb::arg("fetch").none());
+  m.def("store_counts", &store::Counts, nb::arg("store"));
+  m.def("store_add_counts", &store::AddCounts, nb::arg("store"), nb::arg("experts"), nb::arg("counts"));
   m.def("store_release", &store::Release, nb::arg("store"), nb::arg("lease"));
   m.def("store_close", &store::Close, nb::arg("store"));
   m.def("store_totals", []() {
@@ -87,6 +125,8 @@ void BindExpertStore(nb::module_& m) {
     d["resident_experts"] = s.resident_experts;
     d["streamed_experts"] = s.streamed_experts;
     d["leases"] = s.leases;
+    d["fast_calls"] = s.fast_calls;
+    d["fast_hits"] = s.fast_hits;
     d["closed"] = s.closed;
     return d;
   }, nb::arg("store"));
