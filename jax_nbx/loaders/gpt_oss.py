@@ -27,7 +27,7 @@ import numpy as np
 from ..experts import Experts
 from ..formats import QuantizedWeight
 
-__all__ = ["from_gpt_oss_mxfp4"]
+__all__ = ["from_gpt_oss_mxfp4", "gpt_oss_biases"]
 
 
 def _mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str) -> QuantizedWeight:
@@ -63,6 +63,13 @@ def from_gpt_oss_mxfp4(gate_up_blocks: Any, gate_up_scales: Any, down_blocks: An
     E, H, I = gate.shape
     if down.shape != (E, I, H):
         raise ValueError(f"down_proj_blocks gives [E, I, H] = {down.shape}; expected {(E, I, H)} from gate_up_proj")
+    return Experts(gate, up, down, **gpt_oss_biases(gate_up_bias, down_bias, E, H, I))
+
+
+def gpt_oss_biases(gate_up_bias: Any, down_bias: Any, E: int, H: int, I: int) -> dict:
+    """gpt-oss's ``gate_up_proj_bias [E, 2I]`` (gate and up interleaved) and
+    ``down_proj_bias [E, H]`` (either None) as `Experts`' float32
+    ``gate_bias``, ``up_bias``, ``down_bias``; ValueError naming a misshaped one."""
     biases = {}
     if gate_up_bias is not None:
         b = np.asarray(gate_up_bias).astype(np.float32)
@@ -74,4 +81,4 @@ def from_gpt_oss_mxfp4(gate_up_blocks: Any, gate_up_scales: Any, down_blocks: An
         if b.shape != (E, H):
             raise ValueError(f"down_proj_bias has shape {b.shape}; expected {(E, H)}")
         biases["down_bias"] = jnp.asarray(b)
-    return Experts(gate, up, down, **biases)
+    return biases

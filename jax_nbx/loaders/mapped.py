@@ -30,7 +30,8 @@ from ..experts import Experts
 from ..formats import QuantizedWeight, get
 from ..formats.minifloat import as_bytes
 from ..nn.block import MoEConfig, MoEParams
-from .checkpoint import _quant_method, expert_names, one_expert, read_block
+from .checkpoint import _experts, _quant_method, expert_names, one_expert, read_block
+from .gpt_oss import gpt_oss_biases
 from .nvfp4_import import tensor_scale_of
 
 __all__ = ["map_moe", "unmap"]
@@ -122,85 +123,133 @@ def _per_expert_reader(reader: _MappedFiles, pfx: str, quant):
     return (lambda e: one_expert(reader, pfx, e, names, method, quant)), names, method
 
 
+class _ExpertView:
+    """One expert of a block whose expert tensors are stacked ``[E, ...]``
+    (gpt-oss's MXFP4 blocks, transformers 5's fused tensors, mlx-lm's
+    ``switch_mlp``), as a reader of a 1-expert block: each such tensor (a name
+    under the block's prefix other than the router's, with E rows) reads as
+    expert ``e``'s slab ``[1, ...]``, only its bytes; `load_moe`'s builders
+    run on it unchanged."""
+
+    def __init__(self, reader: _MappedFiles, pfx: str, rname: str, E: int, e: int):
+        self.reader, self.pfx, self.rname, self.E, self.e = reader, pfx, rname, E, e
+        self.wmap, self.source = reader.wmap, reader.source
+
+    def has(self, name: str) -> bool:
+        return self.reader.has(name)
+
+    def fail(self, name: str, msg: str):
+        self.reader.fail(name, msg)
+
+    def _stacked(self, name: str, info) -> bool:
+        return (name.startswith(self.pfx) and name != self.rname and len(info.shape) >= 1
+                and info.shape[0] == self.E)
+
+    def info(self, name: str):
+        info = self.reader.info(name)
+        return info._replace(shape=(1,) + info.shape[1:]) if self._stacked(name, info) else info
+
+    def get(self, name: str, *, float_only: bool = False, shape: tuple | None = None):
+        info = self.info(name)
+        if shape is not None:
+            self.expect(name, info, shape)
+        if not self._stacked(name, self.reader.info(name)):
+            return self.reader.get(name, float_only=float_only)
+        return self.reader.get(name, float_only=float_only, expert=self.e)[None]
+
+    def expect(self, name: str, t, shape: tuple) -> None:
+        self.reader.expect(name, t, shape)
+
+
+def _stacked_reader(reader: _MappedFiles, pfx: str, E: int, H: int, quant, config: MoEConfig | None,
+                    rname: str):
+    """read(e) -> expert e's 1-expert `Experts` as `load_moe` builds the whole block's."""
+    return lambda e: _experts(_ExpertView(reader, pfx, rname, E, e), pfx, 1, H, quant, config, rname)
+
+
+def _projections(experts: Experts, stacked: bool) -> list:
+    """The projections of a 1-expert `Experts` (`Experts.flat` order: gate, up, down or gate_up,
+    down), one expert's each."""
+    return [m[0] for m in experts.flat()] if stacked else list(experts.flat())
+
+
 def _mapped_experts(reader: _MappedFiles, pfx: str, E: int, H: int, quant, config: MoEConfig | None,
-                    rname: str, resident_bytes: int) -> Experts:
-    if reader.has(pfx + "experts.gate_up_proj_blocks") or reader.has(pfx + "switch_mlp.gate_proj.weight"):
-        kind = "gpt-oss MXFP4 blocks" if reader.has(pfx + "experts.gate_up_proj_blocks") else "mlx-lm switch_mlp"
-        raise CheckpointError(f"checkpoint: {reader.source}: map_moe does not map {kind} experts yet; "
-                              "load_moe reads them (a copy)")
-    if reader.has(pfx + "experts.gate_up_proj") or reader.has(pfx + "input_linear.weight"):
-        return _mapped_fused(reader, pfx, E, H, config, resident_bytes)
-    read, names, method = _per_expert_reader(reader, pfx, quant)
-    g, u, d = read(0)
-    quantized = isinstance(d, QuantizedWeight)
-    projs = (g, u, d)
+                    rname: str, budgets: tuple[int, int | None]) -> Experts:
+    per_expert = not (reader.has(pfx + "experts.gate_up_proj_blocks") or reader.has(pfx + "experts.gate_up_proj")
+                      or reader.has(pfx + "input_linear.weight") or reader.has(pfx + "switch_mlp.gate_proj.weight"))
+    if per_expert:
+        read, names, _ = _per_expert_reader(reader, pfx, quant)
+    else:
+        one = _stacked_reader(reader, pfx, E, H, quant, config, rname)
+        first = one(0)
+        read = lambda e: _projections(one(e), True)  # noqa: E731
+    projs = list(read(0))
+    quantized = isinstance(projs[-1], QuantizedWeight)
     per_proj = [_parts(m) for m in projs]
-    nparts = len(per_proj[0])
+    nparts, ngroups = len(per_proj[0]), len(projs)
     # the handlers' group order: part-major, then projection
-    template = [per_proj[j][p] for p in range(nparts) for j in range(3)]
-    I = int(d.shape[0]) if quantized else int(g.shape[0])
-    want = [(H, I), (H, I), (I, H)] if quantized else [(I, H), (I, H), (H, I)]
-    for j, (m, w) in enumerate(zip(projs, want)):
-        if tuple(m.shape) != w:
-            reader.fail(f"{pfx}experts.0.{names[j]}.weight",
-                        f"{pfx}experts.0.{names[j]}.* has shape {tuple(m.shape)}; expected {w}")
+    template = [per_proj[j][p] for p in range(nparts) for j in range(ngroups)]
+    if per_expert:
+        g, u, d = projs
+        I = int(d.shape[0]) if quantized else int(g.shape[0])
+        want = [(H, I), (H, I), (I, H)] if quantized else [(I, H), (I, H), (H, I)]
+        for j, (m, w) in enumerate(zip(projs, want)):
+            if tuple(m.shape) != w:
+                reader.fail(f"{pfx}experts.0.{names[j]}.weight",
+                            f"{pfx}experts.0.{names[j]}.* has shape {tuple(m.shape)}; expected {w}")
 
     def read_expert(e: int) -> list[np.ndarray]:
         per = [_parts(m) for m in read(e)]
-        return [per[j][p] for p in range(nparts) for j in range(3)]
+        return [per[j][p] for p in range(nparts) for j in range(ngroups)]
 
-    store = _open_store(reader, pfx, E, template, read_expert, resident_bytes)
+    store = _open_store(reader, pfx, E, template, read_expert, budgets)
     ph = store.placeholders()
+    biases = {} if per_expert else _biases(reader, pfx, first, E, H)
     if not quantized:
-        return Experts(*ph, layout="out_in")
+        if per_expert:
+            return Experts(*ph, layout="out_in")
+        if first.is_fused:
+            return Experts.fused(ph[0], ph[1], fusion=first.fusion, layout=first.layout, **biases)
+        return Experts(*ph, layout=first.layout, **biases)
+    d = projs[-1]
     scales = None
-    if any(m.tensor_scale is not None for m in projs):
+    if per_expert and any(m.tensor_scale is not None for m in projs):
         scales = [[tensor_scale_of(reader.get(f"{pfx}experts.{e}.{n}.weight_global_scale")) for e in range(E)]
                   for n in names]
+    elif any(m.tensor_scale is not None for m in projs):
+        raise CheckpointError(f"checkpoint: {reader.source}: stacked experts with tensor scales are not mapped yet; "
+                              "load_moe reads them")
     projections = []
     for j in range(3):
         parts = [ph[p * 3 + j] for p in range(nparts)] + [None] * (3 - nparts)
         projections.append([QuantizedWeight(*(pp[e] if pp is not None else None for pp in parts),
                                             None if scales is None else np.float32(scales[j][e]),
                                             kind=d.kind, group_size=d.group_size) for e in range(E)])
-    return Experts(*projections)
+    return Experts(*projections, **biases)
 
 
-def _mapped_fused(reader: _MappedFiles, pfx: str, E: int, H: int, config: MoEConfig | None,
-                  resident_bytes: int) -> Experts:
-    """transformers 5's fused ``gate_up_proj`` / ``down_proj`` (or Granite's
-    ``input_linear`` / ``output_linear``): each expert's slab of the stacked
-    tensors, in their stored layout."""
-    if reader.has(pfx + "input_linear.weight"):
-        gu_name, d_name, gub, db = pfx + "input_linear.weight", pfx + "output_linear.weight", None, None
-    else:
-        gu_name, d_name = pfx + "experts.gate_up_proj", pfx + "experts.down_proj"
-        gub, db = gu_name + "_bias", d_name + "_bias"
-    gu, down = reader.info(gu_name), reader.info(d_name)
-    for n, t in ((gu_name, gu), (d_name, down)):
-        if t.dtype not in ("F32", "BF16", "F16"):
-            reader.fail(n, f"tensor {n!r} has dtype {t.dtype}; expected F32, BF16, F16")
-    if len(gu.shape) != 3 or gu.shape[0] != E or H not in gu.shape[1:]:
-        reader.fail(gu_name, f"tensor {gu_name!r} has shape {gu.shape}; expected [{E}, 2I, {H}] or [{E}, {H}, 2I]")
-    layout = config.layout if config is not None and config.fusion else ("out_in" if gu.shape[2] == H else "in_out")
-    fusion = config.fusion if config is not None and config.fusion else "concat"
-    I = (gu.shape[1] if layout == "out_in" else gu.shape[2]) // 2
-    reader.expect(gu_name, gu, (E, 2 * I, H) if layout == "out_in" else (E, H, 2 * I))
-    reader.expect(d_name, down, (E, H, I) if layout == "out_in" else (E, I, H))
-    template = [reader.get(gu_name, expert=0), reader.get(d_name, expert=0)]
-    store = _open_store(reader, pfx, E, template,
-                        lambda e: [reader.get(gu_name, expert=e), reader.get(d_name, expert=e)], resident_bytes)
-    biases = {}
-    if gub and reader.has(gub):
-        biases["gate_up_bias"] = reader.get(gub, float_only=True, shape=(E, 2 * I))
-    if db and reader.has(db):
-        biases["down_bias"] = reader.get(db, float_only=True, shape=(E, H))
-    ph = store.placeholders()
-    return Experts.fused(ph[0], ph[1], fusion=fusion, layout=layout, **biases)
+def _biases(reader: _MappedFiles, pfx: str, first: Experts, E: int, H: int) -> dict:
+    """The biases of a stacked block, all E experts' (small: read at map time), as `load_moe` gives them."""
+    if not first.has_bias:
+        return {}
+    I = first.intermediate
+    if reader.has(pfx + "experts.gate_up_proj_blocks"):  # gpt-oss: de-interleaved, float32
+        names = [pfx + "experts.gate_up_proj_bias", pfx + "experts.down_proj_bias"]
+        try:
+            return gpt_oss_biases(*(reader.get(n, float_only=True) if reader.has(n) else None for n in names),
+                                  E, H, I)
+        except ValueError as err:
+            reader.fail(names[0], f"{pfx}experts.*_bias: {err}")
+    out = {}
+    for key, name, shape in (("gate_up_bias", "experts.gate_up_proj_bias", (E, 2 * I)),
+                             ("down_bias", "experts.down_proj_bias", (E, H))):
+        if getattr(first, key) is not None:
+            out[key] = reader.get(pfx + name, float_only=True, shape=shape)
+    return out
 
 
 def _open_store(reader: _MappedFiles, pfx: str, E: int, template: list, read_expert,
-                resident_bytes: int) -> ExpertStore:
+                budgets: tuple[int, int | None]) -> ExpertStore:
     where = f"{reader.source} ({pfx}experts)"
 
     def checked(e: int) -> list:
@@ -211,14 +260,14 @@ def _open_store(reader: _MappedFiles, pfx: str, E: int, template: list, read_exp
         except (ValueError, TypeError) as err:
             raise CheckpointError(f"checkpoint: {where}: expert {e} cannot be read: {err}") from err
 
-    store = ExpertStore(where, E, [(t.dtype, t.shape) for t in template], checked, resident_bytes)
+    store = ExpertStore(where, E, [(t.dtype, t.shape) for t in template], checked, *budgets)
     store.reader = reader
     return store
 
 
 def map_moe(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], layer: int | None = None, *,
             prefix: str | None = None, config: MoEConfig | None = None,
-            resident_bytes: int | str | None = None) -> MoEParams:
+            resident_bytes: int | str | None = None, stream_bytes: int | str | None = None) -> MoEParams:
     """One MoE block whose routed experts stay in the checkpoint's files.
 
     Arguments as `load_moe`'s (families, formats and names alike), and:
@@ -228,6 +277,13 @@ def map_moe(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], layer: 
         a size (``"2GB"``).  Default: the account's CPU budget
         (`jax_nbx.memory.budget`: everything stays once read while it fits).
         0 keeps nothing: every call reads its experts and frees them after.
+      stream_bytes: the most bytes of experts that are not resident a call
+        holds at once: its experts are then read in passes of
+        ``stream_bytes / 2`` (the next pass's read ahead while one computes),
+        one handler call per pass, the passes' outputs summed in float32
+        (one pass: the same bits; more: the sum's rounding).  Default None:
+        one pass, every expert the call routes to held at once (the
+        account's budget still refuses what does not fit).
 
     Returns:
       `jax_nbx.nn.MoEParams` as `load_moe`'s, whose ``experts`` hold
@@ -237,13 +293,14 @@ def map_moe(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], layer: 
       bit.  The experts are frozen (no gradient; LoRA adapters train over
       them).  `unmap` ends them.
 
-    Not mapped yet (CheckpointError naming them): gpt-oss's MXFP4 blocks and
-    mlx-lm's stacked ``switch_mlp``; `load_moe` reads them.
+    Stacked checkpoints (gpt-oss's MXFP4 blocks, transformers 5's fused
+    tensors, mlx-lm's ``switch_mlp``) are read one expert's slab at a time.
     """
-    budget = memory.budget() if resident_bytes is None else memory.parse_bytes(resident_bytes)
+    budgets = (memory.budget() if resident_bytes is None else memory.parse_bytes(resident_bytes),
+               None if stream_bytes is None else memory.parse_bytes(stream_bytes))
     return read_block(checkpoint, layer, prefix, config, "map_moe", _MappedFiles,
                       lambda reader, pfx, E, H, quant, cfg, rname:
-                      _mapped_experts(reader, pfx, E, H, quant, cfg, rname, budget))
+                      _mapped_experts(reader, pfx, E, H, quant, cfg, rname, budgets))
 
 
 def store_of_experts(experts: Experts) -> ExpertStore:

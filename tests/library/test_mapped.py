@@ -28,7 +28,8 @@ from test_families import FAMILIES  # noqa: E402
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 FIXTURES = ("fp8/qwen3_moe_fp8_block", "fp8/qwen3_moe_fp8_channel", "gptqmodel/qwen3_moe_awq",
-            "nvfp4/qwen3_moe_nvfp4", "transformers/qwen3_moe_tiny")
+            "nvfp4/qwen3_moe_nvfp4", "transformers/qwen3_moe_tiny", "gpt_oss/gpt_oss_mxfp4",
+            "mlx_lm/qwen3_moe_q4_g32", "mlx_lm/qwen3_moe_mxfp4", "mlx_lm/qwen3_moe_mxfp8", "mlx_lm/qwen3_moe_nvfp4")
 
 
 @pytest.fixture(autouse=True)
@@ -57,8 +58,10 @@ def _same(params_a, params_b, dtype=np.float32, T=9):
 
 @pytest.mark.parametrize("fixture", FIXTURES)
 def test_mapped_equals_copied_on_producers_files(fixture):
-    """FP8 (block, channel), AWQ, compressed-tensors NVFP4 and transformers'
-    own dense checkpoint (tests/data/): mapped bits == load_moe's."""
+    """The producers' files of tests/data/: FP8 (block, channel), AWQ,
+    compressed-tensors NVFP4, transformers' own dense checkpoint, gpt-oss's
+    MXFP4 blocks (stacked, biases) and mlx-lm's stacked switch_mlp (affine
+    int4, mxfp4, mxfp8, nvfp4): mapped bits == load_moe's."""
     folder = DATA / fixture
     mapped = map_moe(folder, layer=0)
     try:
@@ -256,3 +259,40 @@ def test_qwen3_moe_model_generates_over_mapped_experts(tmp_path):
     assert nbx.memory.stats()["cpu:0"]["mapped"]["stores"] == CONFIG.num_hidden_layers
     with pytest.raises(ValueError, match="experts must be 'copied' or 'mapped'"):
         q3.load_hf(tmp_path, experts="lazy")
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_a_call_in_passes_holds_its_stream_budget(k, tmp_path):
+    """stream_bytes: a call's experts in passes of stream_bytes / 2 (the next
+    read ahead), outputs and gradients summed over the passes: equal to the
+    copied experts' (k=2: bits; k=4: the sum's rounding), nothing resident,
+    every routed expert read once per call."""
+    folder = _olmoe(tmp_path)
+    copied = load_moe(folder, layer=1)
+    probe = map_moe(folder, layer=1)
+    per = store_of_experts(probe.experts).expert_bytes
+    unmap(probe.experts)
+    mapped = map_moe(folder, layer=1, resident_bytes=0, stream_bytes=6 * per)  # 3 experts a pass
+    store = store_of_experts(mapped.experts)
+    assert store.pass_experts == 3
+    E, H = mapped.router.shape
+    x, w, ids = _routing(E, H, T=12, k=k, seed=k)
+    distinct = len(np.unique(ids))
+    assert distinct > 2 * store.pass_experts  # three passes or more
+    y = jax.jit(lambda x: nbx.fused_moe(x, w, ids, mapped.experts))(x)
+    y0 = nbx.fused_moe(x, w, ids, copied.experts)
+    if k == 2:
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y0), rtol=1e-5, atol=1e-6)
+    s = store.stats()
+    assert s["misses"] == distinct and s["read_bytes"] > 0 and s["resident_bytes"] == s["streamed_bytes"] == 0
+    g = jax.grad(lambda x, e: jnp.sum(nbx.fused_moe(x, w, ids, e) ** 2))
+    np.testing.assert_allclose(np.asarray(g(x, mapped.experts)), np.asarray(g(x, copied.experts)), rtol=1e-5,
+                               atol=1e-5)
+    assert store.stats()["leases"] == 0
+    bad = ids.copy()
+    bad[0, 0] = E
+    with pytest.raises(Exception, match="outside"):
+        np.asarray(nbx.fused_moe(x, w, bad, mapped.experts))
+    with pytest.raises(ValueError, match="stream_bytes"):
+        map_moe(folder, layer=1, stream_bytes=per)
