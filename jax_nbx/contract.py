@@ -27,7 +27,6 @@ TARGET_CUDA_FORWARD_TABLES: str = _d["targets"]["cuda_forward_tables"]
 TARGET_CUDA_BACKWARD: str = _d["targets"]["cuda_backward"]
 TARGET_METAL_FORWARD: str = _d["targets"]["metal_forward"]
 TARGET_PREPACK: str = _d["targets"]["prepack"]
-TARGET_STORE_LEASE: str = _d["targets"]["store_lease"]
 
 # activations: name -> code (the enum attribute "activation", int32)
 ACTIVATIONS: tuple[str, ...] = tuple(_d["activations"])

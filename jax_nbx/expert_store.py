@@ -7,9 +7,9 @@ an `Experts` pytree as `MappedArray` placeholders: pytree nodes without
 leaves that carry the store's id, so `jit`, `vmap` and `grad` pass them
 through as static structure.
 
-Before each handler call a lease handler (abi.h kTargetStoreLease) pins the
-experts the call's ids route to when every one is held; otherwise it calls
-`ExpertStore.fetch` back (the GIL taken on XLA's thread), which reads the experts the call routes to that are not held
+Each handler call leases the experts its ids route to for its run (C++,
+``expert_store.h`` LeaseCall): when every one is held it pins them; otherwise
+it calls `ExpertStore.fetch` back (the GIL taken on XLA's thread), which reads the experts the call routes to that are not held
 (``read_expert``, the loader's: explicit reads checked against each file's
 identity), keeps the most routed experts resident up to ``resident_bytes``,
 and leases the call's experts to the handler.  An expert that is not kept is
@@ -198,9 +198,9 @@ class ExpertStore:
 
     def fetch_pass(self, p, ids, *, skip_outside: bool):
         """Pass ``p`` of a call in passes (``stream_bytes``): the call's
-        experts (sorted) cut into passes of `pass_experts`; returns (the
-        lease of pass p's experts, int32 ``[1]``; which experts it holds,
-        bool ``[E]``; whether a pass follows).  Pass p+1's experts are read
+        experts (sorted) cut into passes of `pass_experts`; reads pass p's
+        that are not held and returns (which experts the pass has, bool
+        ``[E]``; whether a pass follows).  Pass p+1's experts are read
         ahead on a background thread before this returns.  An id outside
         [0, E) is an error here unless ``skip_outside`` (the passes skip
         every id their pass does not hold)."""
@@ -216,7 +216,7 @@ class ExpertStore:
             with self._lock:
                 self.calls += 1
                 self._count(*np.unique(ids[(ids >= 0) & (ids < self.E)], return_counts=True))
-        lease = self._lease(chunk)
+        self._hold(chunk)
         with self._lock:
             keep = self._keep()
             for e in map(int, nxt):
@@ -224,7 +224,22 @@ class ExpertStore:
                     self._ahead[e] = self._reader.submit(self._put, e, bool(keep[e]))
         mask = np.zeros(self.E, bool)
         mask[chunk] = True
-        return lease, mask, np.asarray(nxt.size > 0)
+        return mask, np.asarray(nxt.size > 0)
+
+    def _hold(self, needed) -> None:
+        """Reads what ``needed`` lacks (waiting for its reads ahead); the
+        pass's handler leases them (a block freed before it does is read
+        again by its lease)."""
+        for e in map(int, needed):
+            fut = self._ahead.pop(e, None)
+            if fut is not None:
+                fut.result()
+        with self._lock:
+            keep = self._keep()
+            missing = [int(e) for e in needed if not _ffi().store_has(self.id, int(e))]
+            self.hits += len(needed) - len(missing)
+        for e in missing:
+            self._put(e, bool(keep[e]))
 
     def _lease(self, needed) -> np.ndarray:
         """Reads what ``needed`` lacks (waiting for experts being read ahead),
@@ -260,7 +275,7 @@ class ExpertStore:
                          "could lease them, three times: raise resident_bytes or the budget")
 
     def _fetch_for_handler(self, raw: bytes) -> int:
-        """`fetch` as the lease handler calls it back: the ids' int32 bytes in, the lease out."""
+        """`fetch` as a handler calls it back: the ids' int32 bytes in, the lease out."""
         return int(self.fetch(np.frombuffer(raw, np.int32))[0])
 
     def fetch(self, ids) -> np.ndarray:

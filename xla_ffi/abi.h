@@ -31,10 +31,6 @@ inline constexpr const char* kTargetMetalForward = "nbx_fused_moe_fwd_metal";
 // The CPU forward's weights packed once into its kernels' layout
 // ("prepacked weights" below; cpu/prepack.cc).
 inline constexpr const char* kTargetPrepack = "nbx_prepack";
-// An expert store's lease of the experts a call's ids route to
-// (common/expert_store.h): int32 [1]; when one is not held, the store's
-// fetch (jax_nbx/expert_store.py, called back) reads it first.  Platform "cpu".
-inline constexpr const char* kTargetStoreLease = "nbx_store_lease";
 
 // ---------------------------------------------------------------- activations
 // The gated unit glu(gate, up), then @ down.  Decoded as a typed enum
@@ -151,9 +147,10 @@ inline constexpr int32_t GroupIndex(int32_t part, int32_t proj) {
 //     the backward returns their float32 gradients after the weights'.
 //   attribute "expert_store" int64 (CPU forward and backward): 0, or the
 //     experts are an expert store's (common/expert_store.h: jax_nbx.loaders.
-//     map_moe), per-expert (stacked false): the weight groups are then one
-//     int32 [1] buffer, the lease of the call's experts, which the handler
-//     reads and ends; biases and tensor scales follow as usual.
+//     map_moe), per-expert (stacked false): there are then no weight groups
+//     (biases and tensor scales follow as usual); the handler leases the
+//     experts its ids route to for its run (the store's fetch, called back,
+//     reads those it does not hold).
 inline constexpr int32_t kNumViewFields = 3;  // offset, stride_k, stride_n
 inline constexpr const char* kViewFieldNames[kNumViewFields] = {"offset", "stride_k", "stride_n"};
 inline constexpr int32_t kNumBiases = 3;      // gate, up, down
@@ -222,16 +219,13 @@ inline constexpr int32_t kNumBiases = 3;      // gate, up, down
 #define NBX_ATTRS_CUDA_FORWARD_TABLES(X) NBX_ATTRS_CUDA_TABLES(X) NBX_ATTRS_LORA(X)
 // kTargetCudaBackward: the tables' attributes and the gradients' dtype.
 #define NBX_ATTRS_CUDA_BACKWARD(X) NBX_ATTRS_CUDA_TABLES(X) X(BOOL, grad_f32)
-// kTargetStoreLease: the store, whether ids outside [0, E) are skipped, and
-// a number unique to the call site (two leases are never merged as one).
-#define NBX_ATTRS_STORE_LEASE(X) X(I64, expert_store) X(BOOL, skip_outside) X(I64, call)
 // Each target's list, by the exporter's name for it:
 //   X(key, list macro) -- key: the targets dict's key of the target (see above).
 #define NBX_TARGET_ATTRS(X)                                                        \
   X(forward, NBX_ATTRS_CPU_FORWARD) X(backward, NBX_ATTRS_CPU_BACKWARD)            \
   X(metal_forward, NBX_ATTRS_CPU_FORWARD) X(cuda_forward, NBX_ATTRS_CUDA_PROGRAM)       \
   X(cuda_forward_tables, NBX_ATTRS_CUDA_FORWARD_TABLES) X(cuda_backward, NBX_ATTRS_CUDA_BACKWARD) \
-  X(prepack, NBX_ATTRS_CPU_PREPACK) X(store_lease, NBX_ATTRS_STORE_LEASE)
+  X(prepack, NBX_ATTRS_CPU_PREPACK)
 
 // ---------------------------------------------------------------- limits
 // Slots (T * k routed pairs) of one call.  The handlers and kernels index

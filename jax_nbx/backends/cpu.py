@@ -9,7 +9,6 @@ every backend shares; this module is the CPU backend alone.
 from __future__ import annotations
 
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -58,21 +57,20 @@ def _in_passes(problem: Problem, ids, run_pass, zeros):
     """A call on mapped experts whose store reads in passes (``stream_bytes``,
     `ExpertStore.fetch_pass`): a loop over the passes, each pass's handler
     call on its own experts' slots (every other id skipped), the results
-    (``run_pass(problem, ids, lease)``: a tuple) summed in float32 over
+    (``run_pass(problem, ids)``: a tuple) summed in float32 over
     ``zeros``.  One pass gives the one call's bits (0 + y is exact)."""
     store = ExpertStore.get(problem.expert_store)
     E = problem.E
     each = problem.replace(skip_outside=True)
-    shapes = (jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((E,), jnp.bool_),
-              jax.ShapeDtypeStruct((), jnp.bool_))
+    shapes = (jax.ShapeDtypeStruct((E,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.bool_))
     fetch = functools.partial(store.fetch_pass, skip_outside=problem.skip_outside)
     valid = (ids >= 0) & (ids < E)
 
     def body(carry):
         p, acc, _ = carry
-        lease, mask, more = io_callback(fetch, shapes, p, ids, ordered=False)
+        mask, more = io_callback(fetch, shapes, p, ids, ordered=False)
         mine = jnp.where(valid & mask[jnp.clip(ids, 0, E - 1)], ids, -1)
-        out = run_pass(each, mine, lease)
+        out = run_pass(each, mine)
         return p + 1, tuple(a + o.astype(jnp.float32) for a, o in zip(acc, out)), more
 
     _, acc, _ = jax.lax.while_loop(lambda c: c[2], body, (jnp.int32(0), zeros, jnp.bool_(True)))
@@ -81,22 +79,6 @@ def _in_passes(problem: Problem, ids, run_pass, zeros):
 
 def _passes(problem: Problem) -> bool:
     return bool(problem.expert_store) and ExpertStore.get(problem.expert_store).pass_experts is not None
-
-
-def _lease(problem: Problem, ids):
-    """Mapped experts: the lease of the call's experts when the call runs
-    (abi.h kTargetStoreLease: the lease handler pins them when every one is
-    held, else calls the store's `fetch`, which reads what is missing); else
-    None.  Each lease carries a number of its own (``call``), so that XLA
-    never merges two (a forward's and its backward's) into one."""
-    if not problem.expert_store:
-        return None
-    attrs = dict(expert_store=problem.expert_store, skip_outside=problem.skip_outside, call=next(_CALLS))
-    return jax.ffi.ffi_call(contract.TARGET_STORE_LEASE, jax.ShapeDtypeStruct((1,), jnp.int32))(
-        ids, **contract.attributes("store_lease", attrs))
-
-
-_CALLS = itertools.count(1)
 
 
 class CpuBackend(Backend):
@@ -135,17 +117,16 @@ class CpuBackend(Backend):
         arrays = (*experts.flat(), *experts.handler_biases())
         passes = _passes(problem)
 
-        def call(problem, ids, lease):
+        def call(problem, ids):
             name, operands, attrs, out = forward_call(problem, band_tokens, x, w, ids, arrays, lora=lora,
-                                                      packed=packed, lease=lease)
-            return jax.ffi.ffi_call(name, out, vmap_method="sequential",
-                                    has_side_effect=passes)(*operands, **attrs)
+                                                      packed=packed)
+            return jax.ffi.ffi_call(name, out, vmap_method="sequential")(*operands, **attrs)
 
         if passes:
-            (y,) = _in_passes(problem, ids, lambda p, i, lease: (call(p, i, lease),),
+            (y,) = _in_passes(problem, ids, lambda p, i: (call(p, i),),
                               (jnp.zeros(x.shape, jnp.float32),))
             return y.astype(x.dtype)
-        return call(problem, ids, _lease(problem, ids))
+        return call(problem, ids)
 
     def backward(self, problem, dy, x, w, ids, experts: Experts, lora: LoRA | None = None,
                  weight_grads: bool = True):
@@ -158,19 +139,17 @@ class CpuBackend(Backend):
         arrays = (*experts.flat(), *experts.handler_biases())
         passes = _passes(problem)
 
-        def call(problem, ids, lease):
+        def call(problem, ids):
             name, operands, attrs, outs = backward_call(problem, band, dy, x, w, ids, arrays, lora=lora,
-                                                        weight_grads=weight_grads, lease=lease)
-            return tuple(jax.ffi.ffi_call(name, outs, vmap_method="sequential",
-                                          has_side_effect=passes)(*operands, **attrs))
+                                                        weight_grads=weight_grads)
+            return tuple(jax.ffi.ffi_call(name, outs, vmap_method="sequential")(*operands, **attrs))
 
         if passes:  # (mapped experts: no weight gradients)
-            outs = backward_call(problem, band, dy, x, w, ids, arrays, lora=lora, weight_grads=False,
-                                 lease=jnp.zeros((1,), jnp.int32))[3]
+            outs = backward_call(problem, band, dy, x, w, ids, arrays, lora=lora, weight_grads=False)[3]
             sums = _in_passes(problem, ids, call, tuple(jnp.zeros(o.shape, jnp.float32) for o in outs))
             dx, dw, *rest = (s.astype(o.dtype) for s, o in zip(sums, outs))
         else:
-            dx, dw, *rest = call(problem, ids, _lease(problem, ids))
+            dx, dw, *rest = call(problem, ids)
         n = len(arrays) if weight_grads else 0
         dws = [d.astype(a.dtype) for d, a in zip(rest[:n], arrays)] if weight_grads else None
         return dx, dw, dws, (lora.from_handler_grads(rest[n:]) if lora is not None else None)

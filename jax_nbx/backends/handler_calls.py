@@ -48,18 +48,16 @@ def lora_attrs(spec: LoRASpec | None) -> dict:
                 lora_scale_down=scales[2])
 
 
-def weights_and_attrs(problem: Problem, band_tokens: int, arrays, lora: LoRA | None, lease=None):
+def weights_and_attrs(problem: Problem, band_tokens: int, arrays, lora: LoRA | None):
     """The weight operands (groups, float32 biases, tensor scales, then the
     adapters) and the attributes the CPU forward and backward share.  Mapped
-    experts (``problem.expert_store``): ``lease`` (int32 ``[1]``, the
-    store's `fetch` of the call's ids) stands for the weight groups."""
+    experts (``problem.expert_store``) have no weight groups: the handler
+    leases them from their store (abi.h "weight views")."""
     layout = problem.layout
     weights, biases = split_arrays(arrays, layout)
     scales = ()
     if problem.expert_store:
-        if lease is None:
-            raise ValueError("mapped experts reach the handler through their store's lease; none was given")
-        E, quant, bufs = problem.E, problem.quant, [lease]
+        E, quant, bufs = problem.E, problem.quant, []
         scales = tensor_scales(weights, True) if quant else ()
     elif layout.plain_views:
         groups, E, _, quant, _, _ = weight_groups(weights, problem.lists)
@@ -81,7 +79,7 @@ def weights_and_attrs(problem: Problem, band_tokens: int, arrays, lora: LoRA | N
 
 
 def forward_call(problem: Problem, band_tokens: int, x, w, ids, arrays, target: str = "forward",
-                 lora: LoRA | None = None, packed=None, name: str | None = None, lease=None):
+                 lora: LoRA | None = None, packed=None, name: str | None = None):
     """``(target name, operands, attributes, result)`` of the CPU forward, or
     of another target with its attributes (``target="metal_forward"``; a
     ``name`` of the caller's own, e.g. the tests' poisoned twin, takes the
@@ -91,8 +89,8 @@ def forward_call(problem: Problem, band_tokens: int, x, w, ids, arrays, target: 
     the quantized matrices' tensor scales, float32 [E] per projection),
     read in place; then ``lora``'s adapters (`LoRA.handler_arrays`); then
     ``packed``'s two buffers (a `jax_nbx.PackedExperts`: abi.h "prepacked
-    weights"); mapped experts: ``lease`` (`weights_and_attrs`)."""
-    bufs, attrs = weights_and_attrs(problem, band_tokens, arrays, lora, lease)
+    weights")."""
+    bufs, attrs = weights_and_attrs(problem, band_tokens, arrays, lora)
     if packed is not None:
         bufs += [packed.gate_up, packed.down]
     attrs = contract.attributes(target, dict(attrs, bf16_dot=problem.bf16_dot, int8_dot=problem.int8_dot,
@@ -114,20 +112,19 @@ def prepack_call(problem: Problem, arrays, words: tuple[int, int]):
 
 
 def backward_call(problem: Problem, band_tokens: int, dy, x, w, ids, arrays, target: str = "backward",
-                  lora: LoRA | None = None, weight_grads: bool = True, name: str | None = None,
-                  lease=None):
+                  lora: LoRA | None = None, weight_grads: bool = True, name: str | None = None):
     """``(target name, operands, attributes, results)`` of the CPU backward
     (or of a target ``name`` of the caller's own with its attributes):
     results dx, d(topk_weights) (float32), then (``weight_grads``) the
     float32 gradients of ``arrays`` (weights, then biases) in their shapes,
     then those of ``lora``'s adapters (`LoRA.handler_arrays`).  Quantized
     experts take the forward's operands and are frozen (no ``weight_grads``),
-    and so are mapped ones (``lease``: `weights_and_attrs`)."""
+    and so are mapped ones."""
     if problem.quant is not None and weight_grads:
         raise ValueError(f"quantized experts ({problem.quant[0]}) are frozen: weight_grads must be False")
     if problem.expert_store and weight_grads:
         raise ValueError("mapped experts (jax_nbx.loaders.map_moe) are frozen: weight_grads must be False")
-    bufs, attrs = weights_and_attrs(problem, band_tokens, arrays, lora, lease)
+    bufs, attrs = weights_and_attrs(problem, band_tokens, arrays, lora)
     grads_of = list(arrays) if weight_grads else []
     adapters = lora.handler_arrays() if lora is not None else []
     outs = ([jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32)]

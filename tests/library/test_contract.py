@@ -26,7 +26,6 @@ pytestmark = pytest.mark.fast
 @pytest.mark.arm64
 def test_target_names_are_the_abis():
     assert set(ffi.cpu_handlers()) == {contract.TARGET_FORWARD, contract.TARGET_BACKWARD, contract.TARGET_METAL_FORWARD,
-                                       contract.TARGET_STORE_LEASE,
                                        contract.TARGET_PREPACK}
     testing = ffi_testing.load()
     assert set(testing.handlers()) == {testing.target_forward_poisoned, testing.target_backward_poisoned}
@@ -104,9 +103,7 @@ def test_attributes_are_built_from_the_contract_alone():
     one builder refuses a missing or an unknown name before XLA sees it."""
     assert set(contract.TARGET_ATTRIBUTES) == {
         "forward", "backward", "metal_forward",
-        "cuda_forward", "cuda_forward_tables", "cuda_backward", "prepack", "store_lease"}
-    assert contract.TARGET_ATTRIBUTES["store_lease"] == {"expert_store": "I64", "skip_outside": "BOOL",
-                                                         "call": "I64"}
+        "cuda_forward", "cuda_forward_tables", "cuda_backward", "prepack"}
     fwd = contract.TARGET_ATTRIBUTES["forward"]
     # the prepack handler decodes the weights with the forward's attributes
     assert set(contract.TARGET_ATTRIBUTES["prepack"]) - set(fwd) == {"hidden"}

@@ -5,9 +5,7 @@
 #include <map>
 #include <mutex>
 
-#include "abi.h"
 #include "account.h"
-#include "common/attr_types.h"
 
 namespace ffi = xla::ffi;
 
@@ -276,44 +274,6 @@ void AddCounts(int64_t id, const std::vector<int32_t>& experts, const std::vecto
     if (experts[i] >= 0 && experts[i] < s->E) s->counts[experts[i]] += counts[i];
 }
 
-namespace {
-
-ffi::Error StoreLeaseImpl(ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::Buffer<ffi::S32>> lease,
-                          int64_t expert_store, bool skip_outside, int64_t call) {
-  (void)call;  // (only keeps two leases apart)
-  if (lease->element_count() != 1)
-    return ffi::Error::InvalidArgument("the store lease's result must be one int32");
-  const int64_t n = static_cast<int64_t>(ids.element_count());
-  int32_t l = TryAcquire(expert_store, ids.typed_data(), n, skip_outside);
-  if (l == 0) {  // something is not held: the store's fetch reads it (no lock held)
-    std::shared_ptr<FetchFn> fetch;
-    {
-      std::lock_guard<std::mutex> lock(R().mu);
-      Store* s = Find(expert_store);
-      if (s != nullptr) fetch = s->fetch;
-    }
-    if (!fetch)
-      return ffi::Error::InvalidArgument("expert_store " + std::to_string(expert_store) +
-                                         " has no reader (closed, or never opened)");
-    std::string error;
-    bool exhausted = false;
-    l = (*fetch)(ids.typed_data(), n, &error, &exhausted);
-    if (l == 0)
-      return exhausted ? ffi::Error(ffi::ErrorCode::kResourceExhausted, error)
-                       : ffi::Error::InvalidArgument(error);
-  }
-  lease->typed_data()[0] = l;
-  return ffi::Error::Success();
-}
-
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StoreLeaseCpu, StoreLeaseImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // ids
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // lease [1]
-                                  NBX_ATTRS_STORE_LEASE(NBX_BIND_ATTR));
-
 void Release(int64_t id, int32_t lease) {
   std::lock_guard<std::mutex> lock(R().mu);
   Store* s = Find(id);
@@ -405,6 +365,27 @@ int64_t ExpertBytes(int64_t id) {
   std::lock_guard<std::mutex> lock(R().mu);
   Store* s = Find(id);
   return s == nullptr ? 0 : static_cast<int64_t>(s->block_bytes);
+}
+
+bool LeaseCall(int64_t id, const int32_t* ids, int64_t n, bool skip_outside,
+               std::shared_ptr<Lease>* out, std::string* error, bool* exhausted) {
+  *exhausted = false;
+  int32_t lease = TryAcquire(id, ids, n, skip_outside);
+  if (lease == 0) {  // something is not held: the store's fetch reads it (no lock held)
+    std::shared_ptr<FetchFn> fetch;
+    {
+      std::lock_guard<std::mutex> lock(R().mu);
+      Store* s = Find(id);
+      if (s != nullptr) fetch = s->fetch;
+    }
+    if (!fetch) {
+      *error = "expert_store " + std::to_string(id) + " has no reader (closed, or never opened)";
+      return false;
+    }
+    lease = (*fetch)(ids, n, error, exhausted);
+    if (lease == 0) return false;
+  }
+  return Open(id, lease, out, error);
 }
 
 }  // namespace nbx::store

@@ -110,8 +110,10 @@ using FetchFn = std::function<int32_t(const int32_t* ids, int64_t n, std::string
                                       bool* exhausted)>;
 void SetFetch(int64_t id, std::shared_ptr<FetchFn> fetch);
 
-// kTargetStoreLease (abi.h): ids S32 [T, k] -> lease S32 [1]: TryAcquire, else
-// the store's FetchFn.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(StoreLeaseCpu);
+// The lease of the experts `n` ids route to, opened for a handler's run:
+// TryAcquire, else the store's FetchFn (which reads what is missing).  false
+// and `*error` (`*exhausted`: the account refused) when it cannot be had.
+bool LeaseCall(int64_t id, const int32_t* ids, int64_t n, bool skip_outside,
+               std::shared_ptr<Lease>* out, std::string* error, bool* exhausted);
 
 }  // namespace nbx::store

@@ -59,18 +59,11 @@ struct ArrayRef {
   int64_t elems;
 };
 
-// The arrays of expert store `store`'s lease args[at] (int32 [1]), group-major
-// then expert (E per group, `groups` groups); the lease moves into `out`.
-ffi::Error LeasedArrays(ffi::RemainingArgs args, size_t at, int64_t store_id, int64_t E,
-                        int64_t groups, ExpertWeights* out, std::vector<ArrayRef>* refs) {
-  auto b = args.get<ffi::AnyBuffer>(at);
-  if (b.has_error()) return b.error();
-  if (b->element_type() != ffi::DataType::S32 || b->element_count() != 1)
-    return ffi::Error::InvalidArgument("an expert store's lease must be one int32");
-  std::string error;
-  std::shared_ptr<store::Lease> lease;
-  if (!store::Open(store_id, *static_cast<const int32_t*>(b->untyped_data()), &lease, &error))
-    return ffi::Error::InvalidArgument(error);
+// The arrays of a store's lease, group-major then expert (E per group,
+// `groups` groups); `out` keeps the lease.
+ffi::Error LeasedArrays(const std::shared_ptr<store::Lease>& lease, int64_t E, int64_t groups,
+                        ExpertWeights* out, std::vector<ArrayRef>* refs) {
+  if (!lease) return ffi::Error::InvalidArgument("mapped experts without their lease (LeaseWeights)");
   if (lease->num_experts() != E ||
       static_cast<int64_t>(lease->arrays().size()) != groups)
     return ffi::Error::InvalidArgument(
@@ -85,7 +78,7 @@ ffi::Error LeasedArrays(ffi::RemainingArgs args, size_t at, int64_t store_id, in
     for (int64_t e = 0; e < E; ++e)
       refs->push_back(ArrayRef{a.type, a.dims, lease->data(e, static_cast<size_t>(g)), n});
   }
-  out->lease = std::move(lease);
+  out->lease = lease;
   return ffi::Error::Success();
 }
 
@@ -126,21 +119,20 @@ ffi::Error DecodeWeights(ffi::RemainingArgs args, size_t first, size_t count, in
   const bool mapped = v.expert_store != 0;
   if (mapped && stacked)
     return ffi::Error::InvalidArgument("an expert store's experts are per-expert (stacked=false)");
-  const int64_t nweights = mapped ? 1 : parts * nproj_groups * per;
+  const int64_t nweights = mapped ? 0 : parts * nproj_groups * per;
   const int64_t want = nweights + nbias + nscales;
   if (E < 1 || static_cast<int64_t>(count) != want || first + count > args.size())
     return ffi::Error::InvalidArgument(
         "expected " + std::to_string(want) + " " + abi::kWeightFormatNames[fcode] +
         " weight buffers (" +
-        (mapped ? std::string("the expert store's lease")
+        (mapped ? std::string("none: the expert store's")
                 : std::to_string(parts * nproj_groups) + " groups of " + std::to_string(per)) +
         (nbias ? ", then 3 biases" : "") + (nscales ? ", then 3 tensor scales" : "") +
         "); got " + std::to_string(count));
   // the weight arrays, group-major then expert: the buffers, or the lease's blocks
   std::vector<ArrayRef> refs;
   if (mapped) {
-    if (ffi::Error e = LeasedArrays(args, first, v.expert_store, E, parts * nproj_groups, out, &refs);
-        e.failure())
+    if (ffi::Error e = LeasedArrays(v.lease, E, parts * nproj_groups, out, &refs); e.failure())
       return e;
   } else {
     refs.reserve(static_cast<size_t>(nweights));
@@ -364,6 +356,16 @@ ffi::Error DecodeGradients(ffi::RemainingRets rets, size_t first, size_t trailin
     out->bias[j] = static_cast<float*>((*g)->untyped_data());
     out->buffers.emplace_back(out->bias[j], (*g)->size_bytes());
   }
+  return ffi::Error::Success();
+}
+
+ffi::Error LeaseWeights(WeightViewAttrs* v, const int32_t* ids, int64_t n, bool skip_outside) {
+  if (v->expert_store == 0) return ffi::Error::Success();
+  std::string error;
+  bool exhausted = false;
+  if (!store::LeaseCall(v->expert_store, ids, n, skip_outside, &v->lease, &error, &exhausted))
+    return exhausted ? ffi::Error(ffi::ErrorCode::kResourceExhausted, error)
+                     : ffi::Error::InvalidArgument(error);
   return ffi::Error::Success();
 }
 

@@ -29,9 +29,10 @@ struct WeightViewAttrs {
   // one per projection: formats whose spec takes them (FormatSpec::tensor_scale)
   bool tensor_scales = false;
   // (not a view) nonzero: the weights are the experts of this store
-  // (common/expert_store.h), read through the lease that is the one weight
-  // buffer (int32 [1]) before the biases and tensor scales
+  // (common/expert_store.h): no weight buffers before the biases and tensor
+  // scales; `lease` (LeaseWeights) holds the call's experts
   int64_t expert_store = 0;
+  std::shared_ptr<store::Lease> lease;
 };
 
 struct ExpertWeights {
@@ -127,6 +128,11 @@ struct GradientTable {
 };
 xla::ffi::Error DecodeGradients(xla::ffi::RemainingRets rets, size_t first, size_t trailing,
                                 const ExpertWeights& w, bool stacked, GradientTable* out);
+
+// Mapped experts (v->expert_store): the lease of the experts the ids (n,
+// int32) route to, into v->lease, for the handler's run; a refusal of the
+// account is RESOURCE_EXHAUSTED.  Nothing otherwise.
+xla::ffi::Error LeaseWeights(WeightViewAttrs* v, const int32_t* ids, int64_t n, bool skip_outside);
 
 // The weights args[0, size - trailing - adapters) (DecodeWeights)
 // and the adapters after them (DecodeLora); `nlora`: the adapters' buffers.

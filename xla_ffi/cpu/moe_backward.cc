@@ -297,8 +297,13 @@ ffi::Error FusedMoeBackward(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuf
   ExpertWeights w;
   Lora lora;
   size_t nlora = 0;
+  WeightViewAttrs views = a.views;  // mapped experts: their lease for this run
+  if (ffi::Error e = LeaseWeights(&views, topk_ids.typed_data(),
+                                  static_cast<int64_t>(topk_ids.element_count()), a.skip_outside);
+      e.failure())
+    return e;
   if (ffi::Error e = DecodeWeightsAndLora(weights, trailing, a.num_experts, H, a.format, a.stacked,
-                                          a.group_size, a.views, a.lora, &w, &lora, &nlora);
+                                          a.group_size, views, a.lora, &w, &lora, &nlora);
       e.failure())
     return e;
   if (w.quantized() && a.weight_grads)

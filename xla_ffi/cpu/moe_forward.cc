@@ -508,11 +508,16 @@ ffi::Error FusedMoeForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
   ExpertWeights w;
   Lora lora;
   size_t nlora = 0;
+  WeightViewAttrs views = a.views;  // mapped experts: their lease for this run
+  if (ffi::Error e = LeaseWeights(&views, topk_ids.typed_data(),
+                                  static_cast<int64_t>(topk_ids.element_count()), a.skip_outside);
+      e.failure())
+    return e;
   if (ffi::Error e = with_lora ? DecodeWeightsAndLora(weights, trailing, a.num_experts, H, a.format,
-                                                      a.stacked, a.group_size, a.views, a.lora,
+                                                      a.stacked, a.group_size, views, a.lora,
                                                       &w, &lora, &nlora)
                                : DecodeWeights(weights, 0, nw, a.num_experts, H, a.format,
-                                               a.stacked, a.group_size, a.views, &w);
+                                               a.stacked, a.group_size, views, &w);
       e.failure())
     return e;
   const int32_t* ids = topk_ids.typed_data();

@@ -91,7 +91,6 @@ nb::dict AbiDict() {
   targets["cuda_backward"] = abi::kTargetCudaBackward;
   targets["metal_forward"] = abi::kTargetMetalForward;
   targets["prepack"] = abi::kTargetPrepack;
-  targets["store_lease"] = abi::kTargetStoreLease;
   d["targets"] = targets;
 
   d["activations"] = Names(abi::kActivationNames);

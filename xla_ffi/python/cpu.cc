@@ -13,7 +13,6 @@
 #include "cpu/moe_backward.h"
 #include "cpu/moe_forward.h"
 #include "cpu/prepack.h"
-#include "common/expert_store.h"
 #include "python/bindings.h"
 
 namespace nbx::python {
@@ -22,7 +21,6 @@ void AddCpuHandlers(nb::dict& d) {
   d[nbx::abi::kTargetForward] = Capsule(nbx::FusedMoeForwardCpu);
   d[nbx::abi::kTargetBackward] = Capsule(nbx::FusedMoeBackwardCpu);
   d[nbx::abi::kTargetPrepack] = Capsule(nbx::PrepackCpu);
-  d[nbx::abi::kTargetStoreLease] = Capsule(nbx::store::StoreLeaseCpu);
 }
 
 void BindCpu(nb::module_& m) {
