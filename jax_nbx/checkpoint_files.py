@@ -20,6 +20,7 @@ the previous one ends), as the ``safetensors`` library (0.8) requires.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
@@ -179,12 +180,32 @@ class TensorInfo(NamedTuple):
     end: int
 
 
+_HEADERS: collections.OrderedDict = collections.OrderedDict()  # (path, identity) -> checked header
+_HEADER_CACHE = 64  # files whose checked headers are kept (a sharded checkpoint's, read once per layer)
+
+
 def safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     """The tensors of safetensors file ``path``, its header checked against
     the file's size (only the 8 length bytes and the header are read).
     FileNotFoundError when there is no such file; CheckpointError naming the
-    file and the byte offset or tensor for anything else."""
+    file and the byte offset or tensor for anything else.  The last 64
+    files' checked headers are kept, each under the file's identity (device,
+    inode, size, modification time): a file that changed is read again."""
     path = os.fspath(path)
+    with _reading(path):
+        st = os.stat(path)
+    key = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key in _HEADERS:
+        _HEADERS.move_to_end(key)
+        return dict(_HEADERS[key])
+    out = _read_header(path)
+    _HEADERS[key] = out
+    while len(_HEADERS) > _HEADER_CACHE:
+        _HEADERS.popitem(last=False)
+    return dict(out)
+
+
+def _read_header(path: str) -> dict[str, TensorInfo]:
 
     def bad(msg):
         raise CheckpointError(f"checkpoint: {path}: {msg}")
