@@ -9,13 +9,14 @@ through as static structure.
 
 Each handler call leases the experts its ids route to for its run (C++,
 ``expert_store.h`` LeaseCall): when every one is held it pins them; otherwise
-it calls `ExpertStore.fetch` back (the GIL taken on XLA's thread), which reads the experts the call routes to that are not held
-(``read_expert``, the loader's: explicit reads checked against each file's
-identity), keeps the most routed experts resident up to ``resident_bytes``,
-and leases the call's experts to the handler.  An expert that is not kept is
-*streamed*: its block is freed when the call that read it ends.  Every block
-is counted in the account (tag ``"mapped experts"``): a call whose experts do
-not fit the budget is refused with the account's advice.  `close` refuses
+it calls `ExpertStore.fetch` back (the GIL taken on XLA's thread), which
+reads the experts the call routes to that are not held (``read_expert``, the
+loader's: explicit reads checked against each file's identity), keeps the
+most routed experts resident up to ``resident_bytes``, and leases the call's
+experts to the handler.  An expert that is not kept is *streamed*: its block
+is freed when the call that read it ends.  Every block is counted in the
+account (tag ``"mapped experts"``): a call whose experts do not fit the
+budget is refused with the account's advice.  `close` refuses
 later calls by name; blocks still leased are freed when their call ends.
 """
 from __future__ import annotations
@@ -185,14 +186,15 @@ class ExpertStore:
             raise ValueError(f"{self.name}: expert {e} reads as {got}; the store's experts are {want}")
         return arrays
 
-    def _put(self, e: int, resident: bool) -> None:
-        """Reads expert ``e`` and puts it in the store (the caller holds no lock)."""
+    def _put(self, e: int, resident: bool, lease: int = 0) -> None:
+        """Reads expert ``e`` and puts it in the store, pinned by ``lease``
+        when one is being built (the caller holds no lock)."""
         arrays = self.read(e)
         raw = [a.reshape(-1).view(np.uint8) for a in arrays]  # (bfloat16 has no DLPack code)
         with self._lock:
             self.misses += 1
             self.read_bytes += sum(a.nbytes for a in arrays)
-            ok, error = _ffi().store_put(self.id, e, raw, resident)
+            ok, error = _ffi().store_put(self.id, e, raw, resident, lease)
         if not ok:
             raise _refusal(error)
 
@@ -254,25 +256,27 @@ class ExpertStore:
                 finally:
                     self._ahead.pop(e, None)
         needed = [int(e) for e in needed]
-        for attempt in range(3):  # a block another call freed between the read and the lease: read again
-            with self._lock:
-                if self.closed:
-                    raise ValueError(f"the mapped experts of {self.name} are closed (unmapped); map them again")
-                keep = self._keep()
-                lease, missing, resident, error = _ffi().store_acquire_keeping(self.id, needed, keep)
-                if lease:
-                    if attempt == 0:
-                        self.hits += len(needed) - ahead
-                    self.resident = set(resident)
-                    return np.array([lease], np.int32)
-                if error:
-                    raise ValueError(error)
-                if attempt == 0:
-                    self.hits += len(needed) - len(missing) - ahead
-            for e in missing:
-                self._put(e, bool(keep[e]))
-        raise ValueError(f"{self.name}: the experts {missing} read for a call were freed by others before it "
-                         "could lease them, three times: raise resident_bytes or the budget")
+        with self._lock:
+            if self.closed:
+                raise ValueError(f"the mapped experts of {self.name} are closed (unmapped); map them again")
+            keep = self._keep()
+            lease, missing, error = _ffi().store_begin(self.id, needed)  # pins what is held
+            if not lease:
+                raise ValueError(error)
+            self.hits += len(needed) - len(missing) - ahead
+        try:
+            for e in missing:  # each pinned by the lease as it is put: no other call frees it
+                self._put(e, bool(keep[e]), lease)
+        except BaseException:
+            _ffi().store_release(self.id, lease)
+            raise
+        with self._lock:
+            resident, error = _ffi().store_finish(self.id, lease, keep)
+            if error:
+                _ffi().store_release(self.id, lease)
+                raise ValueError(error)
+            self.resident = set(resident)
+        return np.array([lease], np.int32)
 
     def _fetch_for_handler(self, raw: bytes) -> int:
         """`fetch` as a handler calls it back: the ids' int32 bytes in, the lease out."""

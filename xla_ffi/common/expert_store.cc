@@ -113,7 +113,7 @@ int64_t Create(const std::string& name, int64_t E, std::vector<ArraySpec> arrays
 }
 
 bool Put(int64_t id, int64_t e, const std::vector<std::pair<const void*, size_t>>& srcs,
-         bool resident, std::string* error) {
+         bool resident, int32_t lease, std::string* error) {
   std::lock_guard<std::mutex> lock(R().mu);
   Store* s = Find(id);
   if (s == nullptr || s->closed) {
@@ -134,17 +134,30 @@ bool Put(int64_t id, int64_t e, const std::vector<std::pair<const void*, size_t>
                " bytes; the store's experts have " + std::to_string((*s->arrays)[i].bytes());
       return false;
     }
+  LeaseRecord* rec = nullptr;
+  if (lease > 0) {
+    auto it = s->leases.find(lease);
+    if (it == s->leases.end() || it->second.opened) {
+      *error = "jax_nbx: expert store put: lease " + std::to_string(lease) + " is not being built";
+      return false;
+    }
+    rec = &it->second;
+  }
   Slot& slot = s->slots[e];
-  slot.resident = resident;
-  if (slot.block.data() != nullptr) return true;
-  Workspace block;
-  if (!Workspace::Allocate(Device{}, s->block_bytes, kTag,
-                           WorkShape{}, &block, error))
-    return false;
-  char* base = static_cast<char*>(block.data());
-  for (size_t i = 0; i < srcs.size(); ++i)
-    std::memcpy(base + s->offsets[i], srcs[i].first, srcs[i].second);
-  slot.block = std::move(block);
+  if (slot.block.data() == nullptr) {
+    Workspace block;
+    if (!Workspace::Allocate(Device{}, s->block_bytes, kTag, WorkShape{}, &block, error))
+      return false;
+    char* base = static_cast<char*>(block.data());
+    for (size_t i = 0; i < srcs.size(); ++i)
+      std::memcpy(base + s->offsets[i], srcs[i].first, srcs[i].second);
+    slot.block = std::move(block);
+  }
+  slot.resident = slot.resident || resident;  // (Finish settles it; a put never frees)
+  if (rec != nullptr) {
+    ++slot.pins;
+    rec->experts.push_back(static_cast<int32_t>(e));
+  }
   return true;
 }
 
@@ -162,64 +175,50 @@ void SetResident(int64_t id, int64_t e, bool resident) {
   MaybeFree(*s, e);
 }
 
-int32_t Acquire(int64_t id, const std::vector<int32_t>& experts, std::string* error) {
+int32_t Begin(int64_t id, const std::vector<int32_t>& experts, std::vector<int32_t>* missing,
+              std::string* error) {
   std::lock_guard<std::mutex> lock(R().mu);
   Store* s = Find(id);
   if (s == nullptr || s->closed) {
     *error = "jax_nbx: the mapped experts " + (s ? "of " + s->name + " " : std::string()) +
              "are closed (unmapped); map them again";
-    return 0;
-  }
-  for (int32_t e : experts)
-    if (e < 0 || e >= s->E || s->slots[e].block.data() == nullptr) {
-      *error = "jax_nbx: expert " + std::to_string(e) + " of " + s->name + " is not read";
-      return 0;
-    }
-  for (int32_t e : experts) ++s->slots[e].pins;
-  int32_t lease = s->next_lease++;
-  if (s->next_lease <= 0) s->next_lease = 1;
-  s->leases[lease] = LeaseRecord{experts, false};
-  return lease;
-}
-
-int32_t AcquireKeeping(int64_t id, const std::vector<int32_t>& experts,
-                       const std::vector<uint8_t>& keep, std::vector<int32_t>* missing,
-                       std::vector<int32_t>* resident, std::string* error) {
-  std::lock_guard<std::mutex> lock(R().mu);
-  Store* s = Find(id);
-  if (s == nullptr || s->closed) {
-    *error = "jax_nbx: the mapped experts " + (s ? "of " + s->name + " " : std::string()) +
-             "are closed (unmapped); map them again";
-    return 0;
-  }
-  if (static_cast<int64_t>(keep.size()) != s->E) {
-    *error = "jax_nbx: expert store: keep has " + std::to_string(keep.size()) + " flags; E=" +
-             std::to_string(s->E);
     return 0;
   }
   missing->clear();
+  std::vector<int32_t> held;
   for (int32_t e : experts) {
     if (e < 0 || e >= s->E) {
       *error = "jax_nbx: expert " + std::to_string(e) + " is outside the " + std::to_string(s->E) +
                " experts of " + s->name;
       return 0;
     }
-    if (s->slots[e].block.data() == nullptr) missing->push_back(e);
+    (s->slots[e].block.data() != nullptr ? held : *missing).push_back(e);
   }
-  if (!missing->empty()) return 0;
-  for (int32_t e : experts) ++s->slots[e].pins;
+  for (int32_t e : held) ++s->slots[e].pins;
+  int32_t lease = s->next_lease++;
+  if (s->next_lease <= 0) s->next_lease = 1;
+  s->leases[lease] = LeaseRecord{std::move(held), false};
+  return lease;
+}
+
+bool Finish(int64_t id, int32_t lease, const std::vector<uint8_t>& keep,
+            std::vector<int32_t>* resident, std::string* error) {
+  std::lock_guard<std::mutex> lock(R().mu);
+  Store* s = Find(id);
+  if (s == nullptr || static_cast<int64_t>(keep.size()) != s->E || !s->leases.count(lease)) {
+    *error = "jax_nbx: expert store finish: no such store or lease, or keep has " +
+             std::to_string(keep.size()) + " flags";
+    return false;
+  }
   resident->clear();
   for (int64_t e = 0; e < s->E; ++e) {
     Slot& slot = s->slots[e];
     if (slot.block.data() == nullptr) continue;
-    slot.resident = keep[e] != 0;
+    slot.resident = keep[e] != 0 && !s->closed;
     MaybeFree(*s, e);
     if (slot.resident) resident->push_back(static_cast<int32_t>(e));
   }
-  int32_t lease = s->next_lease++;
-  if (s->next_lease <= 0) s->next_lease = 1;
-  s->leases[lease] = LeaseRecord{experts, false};
-  return lease;
+  return true;
 }
 
 int32_t TryAcquire(int64_t id, const int32_t* ids, int64_t n, bool skip_outside) {

@@ -1,12 +1,15 @@
 // Expert stores: the experts of a checkpoint read from its files, not held as
 // JAX arrays (jax_nbx.loaders.map_moe).  Python reads an expert's arrays from
 // the files (explicit reads, checked against the files' identity) and puts
-// them here, one block per expert counted in the account, resident (kept) or
-// streamed (freed when the last call reading them ends), both under the account's tag "mapped experts".  A call leases the experts it reads: Acquire pins them and
-// returns a lease, the handler opens it (the per-expert addresses the weight
-// decoder takes instead of buffers) and the lease ends with the handler.  A
-// pinned expert is never freed; a closed store refuses new puts and leases
-// and frees its blocks as their leases end.
+// them here, one block per expert counted in the account under the tag
+// "mapped experts", resident (kept) or streamed (freed when the last call
+// reading it ends).  A handler run leases the experts its ids route to
+// (LeaseCall: TryAcquire pins them when all are held, else the store's
+// FetchFn, Python, reads what is missing through Begin / Put / Finish), opens
+// the lease (the per-expert addresses the weight decoder takes instead of
+// buffers) and ends it when it returns.  A pinned expert is never freed; a
+// closed store refuses new puts and leases and frees its blocks as their
+// leases end.
 #pragma once
 
 #include <cstdint>
@@ -44,23 +47,23 @@ int64_t Create(const std::string& name, int64_t E, std::vector<ArraySpec> arrays
 // block; `resident`: kept until dropped, else freed when no lease holds it.
 // An expert already held keeps its block (its kind updated).  false and
 // `*error` when the account refuses the block, the store is closed or unknown.
+// `lease` (> 0, from Begin): the expert is pinned by it too.
 bool Put(int64_t id, int64_t e, const std::vector<std::pair<const void*, size_t>>& srcs,
-         bool resident, std::string* error);
+         bool resident, int32_t lease, std::string* error);
 bool Has(int64_t id, int64_t e);
 // Expert e becomes resident (kept) or streamed (freed once unpinned).
 void SetResident(int64_t id, int64_t e, bool resident);
 
-// Pins `experts` (each held; repeats allowed) and returns a lease (> 0), or
-// 0 and `*error`.
-int32_t Acquire(int64_t id, const std::vector<int32_t>& experts, std::string* error);
-// Acquire and the resident set in one step: when every expert of `experts`
-// is held, pins them, makes each held expert resident iff keep[e] (those
-// that stop being resident and are unpinned are freed), fills `*resident`
-// with the resident experts and returns the lease; else returns 0 with the
-// experts not held in `*missing` (nothing changed), or 0 and `*error`.
-int32_t AcquireKeeping(int64_t id, const std::vector<int32_t>& experts,
-                       const std::vector<uint8_t>& keep, std::vector<int32_t>* missing,
-                       std::vector<int32_t>* resident, std::string* error);
+// A call's lease in three steps, so that nothing it reads is freed before it
+// holds it: Begin pins the experts of `experts` that are held and returns the
+// lease (> 0) with the others in `*missing`; Put(..., lease) adds each one
+// read to it; Finish makes each held expert resident iff keep[e] (those that
+// stop being resident and are unpinned are freed) and fills `*resident`.
+// 0 and `*error` when the store is closed or an expert is outside it.
+int32_t Begin(int64_t id, const std::vector<int32_t>& experts, std::vector<int32_t>* missing,
+              std::string* error);
+bool Finish(int64_t id, int32_t lease, const std::vector<uint8_t>& keep,
+            std::vector<int32_t>* resident, std::string* error);
 // The lease of the experts `ids` route to (ids outside [0, E) skipped when
 // `skip_outside`, else the answer is 0), when every one is held: pins them
 // and counts each routed slot (Counts); else 0, nothing changed.

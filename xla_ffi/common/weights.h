@@ -32,7 +32,7 @@ struct WeightViewAttrs {
   // (common/expert_store.h): no weight buffers before the biases and tensor
   // scales; `lease` (LeaseWeights) holds the call's experts
   int64_t expert_store = 0;
-  std::shared_ptr<store::Lease> lease;
+  std::shared_ptr<store::Lease> lease = nullptr;
 };
 
 struct ExpertWeights {
@@ -56,7 +56,7 @@ struct ExpertWeights {
   bool tensor_scales = false;      // some QuantMatrix::tensor_scale may differ from 1
   // an expert store's lease (WeightViewAttrs::expert_store): the table's
   // addresses are its blocks, pinned while this lives
-  std::shared_ptr<store::Lease> lease;
+  std::shared_ptr<store::Lease> lease = nullptr;
 
   const void* const* gate() const { return table.data(); }
   const void* const* up() const { return table.data() + E; }

@@ -47,36 +47,36 @@ void BindExpertStore(nb::module_& m) {
   }, nb::arg("name"), nb::arg("E"), nb::arg("arrays"));
   // (True, "") or (False, the refusal or error)
   m.def("store_put", [](int64_t id, int64_t e, const std::vector<HostArray>& arrays,
-                        bool resident) {
+                        bool resident, int32_t lease) {
     std::vector<std::pair<const void*, size_t>> srcs;
     for (const HostArray& a : arrays) srcs.emplace_back(a.data(), a.nbytes());
     std::string error;
     bool ok;
     {
       nb::gil_scoped_release release;
-      ok = store::Put(id, e, srcs, resident, &error);
+      ok = store::Put(id, e, srcs, resident, lease, &error);
     }
     return std::make_pair(ok, error);
-  }, nb::arg("store"), nb::arg("expert"), nb::arg("arrays"), nb::arg("resident"));
+  }, nb::arg("store"), nb::arg("expert"), nb::arg("arrays"), nb::arg("resident"), nb::arg("lease") = 0);
   m.def("store_has", &store::Has, nb::arg("store"), nb::arg("expert"));
   m.def("store_set_resident", &store::SetResident, nb::arg("store"), nb::arg("expert"),
         nb::arg("resident"));
-  // (lease > 0, "") or (0, why)
-  m.def("store_acquire", [](int64_t id, const std::vector<int32_t>& experts) {
+  // (lease, missing, error): store::Begin
+  m.def("store_begin", [](int64_t id, const std::vector<int32_t>& experts) {
+    std::vector<int32_t> missing;
     std::string error;
-    const int32_t lease = store::Acquire(id, experts, &error);
-    return std::make_pair(lease, error);
+    const int32_t lease = store::Begin(id, experts, &missing, &error);
+    return std::make_tuple(lease, missing, error);
   }, nb::arg("store"), nb::arg("experts"));
-  // (lease, missing, resident, error): store::AcquireKeeping
-  m.def("store_acquire_keeping", [](int64_t id, const std::vector<int32_t>& experts,
-                                    const std::vector<uint8_t>& keep) {
-    std::vector<int32_t> missing, resident;
+  // (resident experts, error): store::Finish
+  m.def("store_finish", [](int64_t id, int32_t lease, const std::vector<uint8_t>& keep) {
+    std::vector<int32_t> resident;
     std::string error;
-    const int32_t lease = store::AcquireKeeping(id, experts, keep, &missing, &resident, &error);
-    return std::make_tuple(lease, missing, resident, error);
-  }, nb::arg("store"), nb::arg("experts"), nb::arg("keep"));
-  // fetch(ids: bytes of int32) -> lease (int): called from the lease handler
-  // (an XLA thread) with the GIL taken; its exception becomes the handler's
+    store::Finish(id, lease, keep, &resident, &error);
+    return std::make_pair(resident, error);
+  }, nb::arg("store"), nb::arg("lease"), nb::arg("keep"));
+  // fetch(ids: bytes of int32) -> lease (int): called from a handler's
+  // LeaseCall (an XLA thread) with the GIL taken; its exception becomes the handler's
   // error (a MemoryError: the account's refusal).  None removes it.
   m.def("store_set_fetch", [](int64_t id, nb::object fetch) {
     if (fetch.is_none()) {
