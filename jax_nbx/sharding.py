@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .activations import Activation
+from .expert_store import store_of
 from .experts import Experts
 from .ops import fused_moe
 from .quantization import is_quantized, quant_format
@@ -128,6 +129,10 @@ def sharded_moe(x: jax.Array, topk_weights: jax.Array, topk_ids: jax.Array, expe
     if not isinstance(experts, Experts):
         raise TypeError(f"sharded_moe takes a jax_nbx.Experts; got {type(experts).__name__} (prepacked "
                         "experts run unsharded on the CPU handler: jax_nbx.fused_moe)")
+    if store_of(experts):
+        raise TypeError("sharded_moe does not take mapped experts (jax_nbx.loaders.map_moe) yet: their "
+                        "blocks live in this process's store, not in arrays a mesh can shard; run them "
+                        "unsharded (jax_nbx.fused_moe) or load the experts (load_moe)")
     if experts.is_list:
         raise TypeError("sharded_moe takes stacked experts ([E, ...] arrays, sharded on E); "
                         "got per-expert lists")

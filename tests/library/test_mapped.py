@@ -99,6 +99,7 @@ def _olmoe(tmp_path, dtype=np.float32):
     return tmp_path
 
 
+@pytest.mark.sanitize
 def test_a_changed_file_is_named_not_read(tmp_path):
     folder = _olmoe(tmp_path)
     mapped = map_moe(folder, layer=1, resident_bytes=0)
@@ -191,6 +192,7 @@ def test_lora_trains_over_a_mapped_base(tmp_path):
     unmap(mapped.experts)
 
 
+@pytest.mark.sanitize
 def test_jit_vmap_grad_and_threads(tmp_path):
     folder = _olmoe(tmp_path)
     copied, mapped = load_moe(folder, layer=1), map_moe(folder, layer=1, resident_bytes=0)
@@ -228,6 +230,8 @@ def test_closed_mapping_refuses_by_name_and_other_backends_refuse(tmp_path):
     x, w, ids = _routing(E, H)
     with pytest.raises(ValueError, match=r"mapped experts \(jax_nbx.loaders.map_moe\) run on 'cpu' only"):
         nbx.fused_moe(x, w, ids, mapped.experts, implementation="xla")
+    with pytest.raises(TypeError, match="sharded_moe does not take mapped experts"):
+        nbx.sharded_moe(x, w, ids, mapped.experts, mesh=None)
     f = jax.jit(lambda x: nbx.fused_moe(x, w, ids, mapped.experts))
     f(x)
     unmap(mapped.experts)
