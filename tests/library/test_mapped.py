@@ -21,6 +21,7 @@ from test_checkpoint import _quant_checkpoint, _tensors, _write  # noqa: E402
 
 import jax_nbx as nbx  # noqa: E402
 from jax_nbx import expert_store  # noqa: E402
+from jax_nbx.checkpoint_files import safetensors_header  # noqa: E402
 from jax_nbx.loaders import load_moe, map_moe, unmap  # noqa: E402
 from jax_nbx.loaders.mapped import store_of_experts  # noqa: E402
 
@@ -87,6 +88,9 @@ def test_mapped_dense_lists_and_fused(name, dtype, tmp_path):
     p = FAMILIES[name](np.random.default_rng(sum(map(ord, name))))[0]
     t = {k: v.astype(dtype) if "experts" in k else v for k, v in _tensors(name, p).items()}
     _write(tmp_path, name, t, shards=2)
+    starts = [i.start for f in tmp_path.glob("*.safetensors") for n, i in safetensors_header(f).items()
+              if "experts" in n]
+    assert any(s % 64 for s in starts)  # safetensors aligns to 8 bytes at most: misaligned tensors read too
     mapped = map_moe(tmp_path, layer=1)
     assert store_of_experts(mapped.experts).stats()["resident_experts"] == 0  # nothing read yet
     _same(load_moe(tmp_path, layer=1), mapped, dtype=np.float32)
