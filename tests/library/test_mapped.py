@@ -304,3 +304,20 @@ def test_a_call_in_passes_holds_its_stream_budget(k, tmp_path):
         np.asarray(nbx.fused_moe(x, w, bad, mapped.experts))
     with pytest.raises(ValueError, match="stream_bytes"):
         map_moe(folder, layer=1, stream_bytes=per)
+
+
+def test_layers_take_mapped_experts(tmp_path):
+    """moe_block, NNXMoE and EqxMoE on a mapped block give the copied block's bits."""
+    nnx = pytest.importorskip("flax.nnx")
+    eqx = pytest.importorskip("equinox")
+    from jax_nbx import nn
+
+    folder = _olmoe(tmp_path)
+    config = nn.MoEConfig.from_hf(folder)
+    copied, mapped = load_moe(folder, layer=1), map_moe(folder, layer=1)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((5, config.hidden_size)), jnp.float32)
+    for layer in (lambda p: nnx.jit(lambda m, x: m(x))(nn.NNXMoE(config, params=p), x),
+                  lambda p: eqx.filter_jit(lambda m, x: m(x))(nn.EqxMoE(config, params=p), x),
+                  lambda p: jax.jit(lambda p, x: nn.moe_block(p, x, config))(p, x)):
+        (y_m, _), (y_c, _) = layer(mapped), layer(copied)
+        np.testing.assert_array_equal(np.asarray(y_m), np.asarray(y_c))
