@@ -211,13 +211,13 @@ class ExpertStore:
         if outside.size and not skip_outside:
             raise ValueError(f"topk_ids holds {int(outside[0])}, outside [0, E={self.E}) (pass "
                              "ids_outside='skip' to skip such ids)")
-        needed = np.unique(ids[(ids >= 0) & (ids < self.E)])
+        needed, counts = np.unique(ids[(ids >= 0) & (ids < self.E)], return_counts=True)
         n = self.pass_experts
         chunk, nxt = needed[p * n:(p + 1) * n], needed[(p + 1) * n:(p + 2) * n]
         if p == 0:
             with self._lock:
                 self.calls += 1
-                self._count(*np.unique(ids[(ids >= 0) & (ids < self.E)], return_counts=True))
+                self._count(needed, counts)
         self._hold(chunk)
         with self._lock:
             keep = self._keep()
@@ -232,29 +232,29 @@ class ExpertStore:
         """Reads what ``needed`` lacks (waiting for its reads ahead); the
         pass's handler leases them (a block freed before it does is read
         again by its lease)."""
-        for e in map(int, needed):
-            fut = self._ahead.pop(e, None)
-            if fut is not None:
-                fut.result()
+        ahead = self._wait_ahead(needed)
         with self._lock:
             keep = self._keep()
             missing = [int(e) for e in needed if not _ffi().store_has(self.id, int(e))]
-            self.hits += len(needed) - len(missing)
+            self.hits += len(needed) - len(missing) - ahead
         for e in missing:
             self._put(e, bool(keep[e]))
 
-    def _lease(self, needed) -> np.ndarray:
-        """Reads what ``needed`` lacks (waiting for experts being read ahead),
-        updates the resident set and leases ``needed``."""
-        ahead = 0  # experts of this lease read ahead (misses counted by the read)
+    def _wait_ahead(self, needed) -> int:
+        """Waits for the experts of ``needed`` being read ahead (a failed read
+        raises here); how many there were (their misses counted by the read)."""
+        ahead = 0
         for e in map(int, needed):
-            fut = self._ahead.get(e)
+            fut = self._ahead.pop(e, None)
             if fut is not None:
                 ahead += 1
-                try:
-                    fut.result()
-                finally:
-                    self._ahead.pop(e, None)
+                fut.result()
+        return ahead
+
+    def _lease(self, needed) -> int:
+        """Reads what ``needed`` lacks (waiting for experts being read ahead),
+        updates the resident set and leases ``needed``."""
+        ahead = self._wait_ahead(needed)
         needed = [int(e) for e in needed]
         with self._lock:
             if self.closed:
@@ -276,21 +276,19 @@ class ExpertStore:
                 _ffi().store_release(self.id, lease)
                 raise ValueError(error)
             self.resident = set(resident)
-        return np.array([lease], np.int32)
+        return lease
 
     def _fetch_for_handler(self, raw: bytes) -> int:
         """`fetch` as a handler calls it back: the ids' int32 bytes in, the lease out."""
-        return int(self.fetch(np.frombuffer(raw, np.int32))[0])
+        return self.fetch(np.frombuffer(raw, np.int32))
 
-    def fetch(self, ids) -> np.ndarray:
+    def fetch(self, ids) -> int:
         """Reads the experts ``ids`` route to that are not held, updates the
-        resident set, and leases the call's experts: int32 ``[1]``, the lease
-        the handler reads and ends.  Ids outside [0, E) are not fetched."""
+        resident set, and leases the call's experts: the lease (> 0) the
+        handler opens and ends.  Ids outside [0, E) are not fetched."""
         ids = np.asarray(ids).reshape(-1)
         needed, counts = np.unique(ids[(ids >= 0) & (ids < self.E)], return_counts=True)
         with self._lock:
-            if self.closed:
-                raise ValueError(f"the mapped experts of {self.name} are closed (unmapped); map them again")
             self.calls += 1
             self._count(needed, counts)
         return self._lease(needed)
@@ -306,10 +304,6 @@ class ExpertStore:
                  read_bytes=self.read_bytes, expert_bytes=self.expert_bytes, resident_budget=self.resident_bytes)
         d.update(held)
         return d
-
-    def set_resident_bytes(self, nbytes: int) -> None:
-        """A new resident budget (applied at the next call)."""
-        self.resident_bytes = int(nbytes)
 
     def close(self) -> None:
         """Refuses later calls (naming the checkpoint); blocks still leased

@@ -64,6 +64,35 @@ void MaybeFree(Store& s, int64_t e) {
   if (slot.pins == 0 && (!slot.resident || s.closed)) slot.block = Workspace();
 }
 
+std::string ClosedError(const Store* s) {
+  return "jax_nbx: the mapped experts " + (s ? "of " + s->name + " " : std::string()) +
+         "are closed (unmapped); map them again";
+}
+
+// A new lease of `experts` (already pinned).
+int32_t NewLease(Store& s, std::vector<int32_t> experts) {
+  const int32_t lease = s.next_lease++;
+  if (s.next_lease <= 0) s.next_lease = 1;
+  s.leases[lease] = LeaseRecord{std::move(experts), false};
+  return lease;
+}
+
+// A put's end for expert e, held: resident if asked (Finish settles it; a put
+// never frees), pinned by `lease` when one is being built.
+bool Keep(Store& s, int64_t e, bool resident, int32_t lease, std::string* error) {
+  Slot& slot = s.slots[e];
+  slot.resident = slot.resident || resident;
+  if (lease <= 0) return true;
+  auto it = s.leases.find(lease);
+  if (it == s.leases.end() || it->second.opened) {
+    *error = "jax_nbx: expert store put: lease " + std::to_string(lease) + " is not being built";
+    return false;
+  }
+  ++slot.pins;
+  it->second.experts.push_back(static_cast<int32_t>(e));
+  return true;
+}
+
 void Unpin(Store& s, const LeaseRecord& rec) {
   for (int32_t e : rec.experts) {
     --s.slots[e].pins;
@@ -114,51 +143,47 @@ int64_t Create(const std::string& name, int64_t E, std::vector<ArraySpec> arrays
 
 bool Put(int64_t id, int64_t e, const std::vector<std::pair<const void*, size_t>>& srcs,
          bool resident, int32_t lease, std::string* error) {
+  size_t block_bytes;
+  std::vector<size_t> offsets;
+  {
+    std::lock_guard<std::mutex> lock(R().mu);
+    Store* s = Find(id);
+    if (s == nullptr || s->closed) {
+      *error = ClosedError(s);
+      return false;
+    }
+    if (e < 0 || e >= s->E || srcs.size() != s->arrays->size()) {
+      *error = "jax_nbx: expert store put: expert " + std::to_string(e) + " with " +
+               std::to_string(srcs.size()) + " arrays; the store has " + std::to_string(s->E) +
+               " experts of " + std::to_string(s->arrays->size());
+      return false;
+    }
+    for (size_t i = 0; i < srcs.size(); ++i)
+      if (srcs[i].second != (*s->arrays)[i].bytes()) {
+        *error = "jax_nbx: expert " + std::to_string(e) + " of " + s->name + ": array " +
+                 std::to_string(i) + " has " + std::to_string(srcs[i].second) +
+                 " bytes; the store's experts have " + std::to_string((*s->arrays)[i].bytes());
+        return false;
+      }
+    if (s->slots[e].block.data() != nullptr) return Keep(*s, e, resident, lease, error);
+    block_bytes = s->block_bytes;
+    offsets = s->offsets;
+  }
+  // the block is filled without the registry's lock: other calls lease and end meanwhile
+  Workspace block;
+  if (!Workspace::Allocate(Device{}, block_bytes, kTag, WorkShape{}, &block, error)) return false;
+  char* base = static_cast<char*>(block.data());
+  for (size_t i = 0; i < srcs.size(); ++i)
+    std::memcpy(base + offsets[i], srcs[i].first, srcs[i].second);
   std::lock_guard<std::mutex> lock(R().mu);
   Store* s = Find(id);
   if (s == nullptr || s->closed) {
-    *error = "jax_nbx: the mapped experts " + (s ? "of " + s->name + " " : std::string()) +
-             "are closed (unmapped); map them again";
+    *error = ClosedError(s);
     return false;
   }
-  if (e < 0 || e >= s->E || srcs.size() != s->arrays->size()) {
-    *error = "jax_nbx: expert store put: expert " + std::to_string(e) + " with " +
-             std::to_string(srcs.size()) + " arrays; the store has " + std::to_string(s->E) +
-             " experts of " + std::to_string(s->arrays->size());
-    return false;
-  }
-  for (size_t i = 0; i < srcs.size(); ++i)
-    if (srcs[i].second != (*s->arrays)[i].bytes()) {
-      *error = "jax_nbx: expert " + std::to_string(e) + " of " + s->name + ": array " +
-               std::to_string(i) + " has " + std::to_string(srcs[i].second) +
-               " bytes; the store's experts have " + std::to_string((*s->arrays)[i].bytes());
-      return false;
-    }
-  LeaseRecord* rec = nullptr;
-  if (lease > 0) {
-    auto it = s->leases.find(lease);
-    if (it == s->leases.end() || it->second.opened) {
-      *error = "jax_nbx: expert store put: lease " + std::to_string(lease) + " is not being built";
-      return false;
-    }
-    rec = &it->second;
-  }
-  Slot& slot = s->slots[e];
-  if (slot.block.data() == nullptr) {
-    Workspace block;
-    if (!Workspace::Allocate(Device{}, s->block_bytes, kTag, WorkShape{}, &block, error))
-      return false;
-    char* base = static_cast<char*>(block.data());
-    for (size_t i = 0; i < srcs.size(); ++i)
-      std::memcpy(base + s->offsets[i], srcs[i].first, srcs[i].second);
-    slot.block = std::move(block);
-  }
-  slot.resident = slot.resident || resident;  // (Finish settles it; a put never frees)
-  if (rec != nullptr) {
-    ++slot.pins;
-    rec->experts.push_back(static_cast<int32_t>(e));
-  }
-  return true;
+  // (another put of e may have come first: then this block goes)
+  if (s->slots[e].block.data() == nullptr) s->slots[e].block = std::move(block);
+  return Keep(*s, e, resident, lease, error);
 }
 
 bool Has(int64_t id, int64_t e) {
@@ -167,21 +192,12 @@ bool Has(int64_t id, int64_t e) {
   return s != nullptr && e >= 0 && e < s->E && s->slots[e].block.data() != nullptr;
 }
 
-void SetResident(int64_t id, int64_t e, bool resident) {
-  std::lock_guard<std::mutex> lock(R().mu);
-  Store* s = Find(id);
-  if (s == nullptr || e < 0 || e >= s->E) return;
-  s->slots[e].resident = resident;
-  MaybeFree(*s, e);
-}
-
 int32_t Begin(int64_t id, const std::vector<int32_t>& experts, std::vector<int32_t>* missing,
               std::string* error) {
   std::lock_guard<std::mutex> lock(R().mu);
   Store* s = Find(id);
   if (s == nullptr || s->closed) {
-    *error = "jax_nbx: the mapped experts " + (s ? "of " + s->name + " " : std::string()) +
-             "are closed (unmapped); map them again";
+    *error = ClosedError(s);
     return 0;
   }
   missing->clear();
@@ -195,10 +211,7 @@ int32_t Begin(int64_t id, const std::vector<int32_t>& experts, std::vector<int32
     (s->slots[e].block.data() != nullptr ? held : *missing).push_back(e);
   }
   for (int32_t e : held) ++s->slots[e].pins;
-  int32_t lease = s->next_lease++;
-  if (s->next_lease <= 0) s->next_lease = 1;
-  s->leases[lease] = LeaseRecord{std::move(held), false};
-  return lease;
+  return NewLease(*s, std::move(held));
 }
 
 bool Finish(int64_t id, int32_t lease, const std::vector<uint8_t>& keep,
@@ -244,10 +257,7 @@ int32_t TryAcquire(int64_t id, const int32_t* ids, int64_t n, bool skip_outside)
     }
   ++s->fast_calls;
   s->fast_hits += static_cast<int64_t>(experts.size());
-  int32_t lease = s->next_lease++;
-  if (s->next_lease <= 0) s->next_lease = 1;
-  s->leases[lease] = LeaseRecord{std::move(experts), false};
-  return lease;
+  return NewLease(*s, std::move(experts));
 }
 
 void SetFetch(int64_t id, std::shared_ptr<FetchFn> fetch) {

@@ -51,8 +51,6 @@ int64_t Create(const std::string& name, int64_t E, std::vector<ArraySpec> arrays
 bool Put(int64_t id, int64_t e, const std::vector<std::pair<const void*, size_t>>& srcs,
          bool resident, int32_t lease, std::string* error);
 bool Has(int64_t id, int64_t e);
-// Expert e becomes resident (kept) or streamed (freed once unpinned).
-void SetResident(int64_t id, int64_t e, bool resident);
 
 // A call's lease in three steps, so that nothing it reads is freed before it
 // holds it: Begin pins the experts of `experts` that are held and returns the

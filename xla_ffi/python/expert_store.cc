@@ -59,8 +59,6 @@ void BindExpertStore(nb::module_& m) {
     return std::make_pair(ok, error);
   }, nb::arg("store"), nb::arg("expert"), nb::arg("arrays"), nb::arg("resident"), nb::arg("lease") = 0);
   m.def("store_has", &store::Has, nb::arg("store"), nb::arg("expert"));
-  m.def("store_set_resident", &store::SetResident, nb::arg("store"), nb::arg("expert"),
-        nb::arg("resident"));
   // (lease, missing, error): store::Begin
   m.def("store_begin", [](int64_t id, const std::vector<int32_t>& experts) {
     std::vector<int32_t> missing;
