@@ -383,13 +383,18 @@ class CheckpointFiles:
         """Tensor ``name``; ``float_only``: its dtype must be float32, bfloat16 or
         float16; ``shape``: its shape must be this (both checked from the header,
         before reading)."""
+        self.checked_info(name, float_only, shape)
+        return self._file(self.wmap[name]).get(name)
+
+    def checked_info(self, name: str, float_only: bool = False, shape: tuple | None = None) -> TensorInfo:
+        """`info` of tensor ``name``, its dtype and shape checked as `get` checks them."""
         info = self.info(name)
         if float_only and info.dtype not in FLOAT_CODES:
             self.fail(name, f"tensor {name!r} has dtype {info.dtype}; expected {', '.join(FLOAT_CODES)} "
                             "(float32, bfloat16, float16)")
         if shape is not None:
             self.expect(name, info, shape)
-        return self._file(self.wmap[name]).get(name)
+        return info
 
     def expect(self, name: str, t, shape: tuple) -> None:
         """CheckpointError naming the file unless ``t`` (an array or TensorInfo) has ``shape``."""

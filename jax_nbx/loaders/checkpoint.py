@@ -503,9 +503,19 @@ def load_moe(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], layer:
                       lambda files, wmap, source: _Reader(files, wmap, progress, source), _experts)
 
 
+def stacked_experts(reader: CheckpointFiles, pfx: str) -> bool:
+    """Whether the block under ``pfx`` stores its experts stacked ``[E, ...]``
+    (gpt-oss's MXFP4 blocks, transformers 5's fused tensors or Granite's,
+    mlx-lm's ``switch_mlp``), not per expert."""
+    return any(reader.has(pfx + n) for n in ("experts.gate_up_proj_blocks", "experts.gate_up_proj",
+                                             "input_linear.weight", "switch_mlp.gate_proj.weight"))
+
+
 def _experts(reader: _Reader, pfx: str, E: int, H: int, quant: _Quant, config: MoEConfig | None,
              rname: str) -> Experts:
     """The routed experts of the block under ``pfx``, read whole (`load_moe`)."""
+    if not stacked_experts(reader, pfx):
+        return _per_expert(reader, pfx, E, H, quant)
     if reader.has(pfx + "experts.gate_up_proj_blocks"):  # gpt-oss's MXFP4 (loaders/gpt_oss.py)
         names = [pfx + "experts." + n for n in ("gate_up_proj_blocks", "gate_up_proj_scales",
                                                  "down_proj_blocks", "down_proj_scales")]
@@ -521,9 +531,7 @@ def _experts(reader: _Reader, pfx: str, E: int, H: int, quant: _Quant, config: M
         return experts
     if reader.has(pfx + "experts.gate_up_proj") or reader.has(pfx + "input_linear.weight"):
         return _fused(reader, pfx, E, H, config)
-    if reader.has(pfx + "switch_mlp.gate_proj.weight"):
-        return _switch_mlp(reader, pfx, E, H, quant)
-    return _per_expert(reader, pfx, E, H, quant)
+    return _switch_mlp(reader, pfx, E, H, quant)
 
 
 def read_block(checkpoint, layer: int | None, prefix: str | None, config: MoEConfig | None, who: str,

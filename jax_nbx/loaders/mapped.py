@@ -30,7 +30,7 @@ from ..experts import Experts
 from ..formats import QuantizedWeight, get
 from ..formats.minifloat import as_bytes
 from ..nn.block import MoEConfig, MoEParams
-from .checkpoint import _experts, _quant_method, expert_names, one_expert, read_block
+from .checkpoint import _experts, _quant_method, expert_names, one_expert, read_block, stacked_experts
 from .gpt_oss import gpt_oss_biases
 from .nvfp4_import import tensor_scale_of
 
@@ -61,12 +61,7 @@ class _MappedFiles(CheckpointFiles):
         super().__init__(files, wmap, source, framework="numpy")
 
     def get(self, name: str, *, float_only: bool = False, shape: tuple | None = None, expert: int | None = None):
-        info = self.info(name)
-        if float_only and info.dtype not in ("F32", "BF16", "F16"):
-            self.fail(name, f"tensor {name!r} has dtype {info.dtype}; expected F32, BF16, F16 "
-                            "(float32, bfloat16, float16)")
-        if shape is not None:
-            self.expect(name, info, shape)
+        info = self.checked_info(name, float_only, shape)
         if info.dtype not in _NUMPY:
             self.fail(name, f"tensor {name!r} has dtype {info.dtype}, which jax_nbx does not read")
         start, end, dims = info.start, info.end, info.shape
@@ -117,10 +112,10 @@ def _parts(m) -> list[np.ndarray]:
 
 def _per_expert_reader(reader: _MappedFiles, pfx: str, quant):
     """(read(e) -> expert e's (gate, up, down) as `load_moe` gives them, the
-    projection names, the quantization method or None) of a per-expert checkpoint."""
+    projection names) of a per-expert checkpoint."""
     names = expert_names(reader, pfx)
     method = _quant_method(reader, f"{pfx}experts.0.{names[0]}.", quant)
-    return (lambda e: one_expert(reader, pfx, e, names, method, quant)), names, method
+    return (lambda e: one_expert(reader, pfx, e, names, method, quant)), names
 
 
 class _ExpertView:
@@ -167,23 +162,23 @@ def _stacked_reader(reader: _MappedFiles, pfx: str, E: int, H: int, quant, confi
     return lambda e: _experts(_ExpertView(reader, pfx, rname, E, e), pfx, 1, H, quant, config, rname)
 
 
-def _projections(experts: Experts, stacked: bool) -> list:
-    """The projections of a 1-expert `Experts` (`Experts.flat` order: gate, up, down or gate_up,
-    down), one expert's each."""
-    return [m[0] for m in experts.flat()] if stacked else list(experts.flat())
+def _projections(experts: Experts) -> list:
+    """The projections of a stacked 1-expert `Experts` (`Experts.flat` order: gate, up, down or
+    gate_up, down), its one expert's each."""
+    return [m[0] for m in experts.flat()]
 
 
 def _mapped_experts(reader: _MappedFiles, pfx: str, E: int, H: int, quant, config: MoEConfig | None,
                     rname: str, budgets: tuple[int, int | None]) -> Experts:
-    per_expert = not (reader.has(pfx + "experts.gate_up_proj_blocks") or reader.has(pfx + "experts.gate_up_proj")
-                      or reader.has(pfx + "input_linear.weight") or reader.has(pfx + "switch_mlp.gate_proj.weight"))
+    per_expert = not stacked_experts(reader, pfx)
     if per_expert:
-        read, names, _ = _per_expert_reader(reader, pfx, quant)
+        read, names = _per_expert_reader(reader, pfx, quant)
+        projs = list(read(0))
     else:
         one = _stacked_reader(reader, pfx, E, H, quant, config, rname)
         first = one(0)
-        read = lambda e: _projections(one(e), True)  # noqa: E731
-    projs = list(read(0))
+        read = lambda e: _projections(one(e))  # noqa: E731
+        projs = _projections(first)
     quantized = isinstance(projs[-1], QuantizedWeight)
     per_proj = [_parts(m) for m in projs]
     nparts, ngroups = len(per_proj[0]), len(projs)
