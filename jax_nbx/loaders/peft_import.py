@@ -187,6 +187,11 @@ def _fused(t: dict, pfx: str, c: dict, E: int, H: int, I: int, dtype, where: str
             _fail(f"tensor {n!r} is not read (expected {base}[base_layer.]lora_A.weight / lora_B.weight)")
         depth.setdefault(m.group(1).count("base_layer."), {})[m.group(2)] = n
     targets = [str(p) for p in (c.get("target_parameters") or [])]
+
+    def targeted(param: str) -> bool:  # BaseTuner._inject_parameters: key == target or key.endswith("." + target)
+        key = base[len(_ROOT):] + param
+        return any(key == p or key.endswith("." + p) for p in targets)
+
     dims = {"gate_up_proj": (H, 2 * I), "down_proj": (I, H)}
     pairs, scales = {}, {}
     found: dict[str, int] = {}
@@ -206,9 +211,9 @@ def _fused(t: dict, pfx: str, c: dict, E: int, H: int, I: int, dtype, where: str
         if param in found:
             _fail(f"two adapters of experts.{param} (wrapper depths {found[param]} and {d})")
         found[param] = d
-        if not any(p == param or p.endswith("." + param) for p in targets):
-            _fail(f"{where}: target_parameters={targets!r} does not name {param}, whose adapter "
-                  f"{ab['lora_A']!r} the file holds")
+        if not targeted(param):
+            _fail(f"{where}: target_parameters={targets!r} does not name {param} of this block "
+                  f"({base[len(_ROOT):]}{param}), whose adapter {ab['lora_A']!r} the file holds")
         r = A.shape[0] // E
         key = base[len(_ROOT):] + param
         s = _scale_for(c, key, r, f"{ab['lora_A']!r}", where)
@@ -223,7 +228,7 @@ def _fused(t: dict, pfx: str, c: dict, E: int, H: int, I: int, dtype, where: str
             pairs["gate"] = (aj, _as(np.ascontiguousarray(b[:, :, :I]), ab["lora_B"], dtype))
             pairs["up"] = (aj, _as(np.ascontiguousarray(b[:, :, I:]), ab["lora_B"], dtype))
             scales["gate"] = scales["up"] = s
-    missing = [p for p in _FUSED_PARAMS if p not in found and any(t == p or t.endswith("." + p) for t in targets)]
+    missing = [p for p in _FUSED_PARAMS if p not in found and targeted(p)]
     if missing:
         _fail(f"{where}: target_parameters={targets!r} names {missing[0]}, but the file holds no adapter of "
               f"{base}{missing[0]}")
