@@ -156,7 +156,7 @@ def test_quantized_experts_equal_keras_hub_on_the_dequantized_weights(family):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mixtral"])
-def test_lora_equals_keras_hub_on_the_merged_weights_and_trains_under_fit(family):
+def test_lora_equals_keras_hub_on_the_merged_weights_and_trains_under_fit(family, tmp_path):
     batch = token_batch(family)
     model = kh.patch_moe(tiny_causal_lm(family), lora_rank=3, lora_alpha=6.0)
     rng = np.random.default_rng(5)
@@ -174,6 +174,15 @@ def test_lora_equals_keras_hub_on_the_merged_weights_and_trains_under_fit(family
               for i, b, kind, _ in kh._blocks(model)]
     _set_experts(ref_model, merged)
     np.testing.assert_allclose(got, _logits(ref_model, batch), **F32)
+    if family != "gpt_oss":   # exported to PEFT and read back: the same merged experts (gpt-oss: refused by to_peft)
+        from jax_nbx.loaders import from_peft, to_peft
+        to_peft(loras, tmp_path / "peft", form="per_expert", model_type=family)
+        for i, b, kind, _ in kh._blocks(model):
+            base = kind.experts(b, [np.asarray(getattr(kind.owner_of(b), n).numpy()) for n in kind.weights])
+            E, H, I = b.num_experts, b.hidden_dim, base.down.shape[-2]
+            back = from_peft(tmp_path / "peft", layer=i, num_experts=E, hidden_size=H, intermediate_size=I)
+            for x, y in zip(_layout(kind, nbx.merge_lora(base.canonical()[0], back)), merged[i]):
+                np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
 
     step = _fit_step(model, batch)
     lora_moved = [p for p, d in step if "nbx_lora" in p and np.abs(d).max() > 0]
