@@ -17,9 +17,10 @@ Ways, each in a fresh subprocess (its own peak RSS):
 Per way: ``generate`` of ``--new`` tokens after a ``--prompt``-token prompt (batch 1, greedy; keras-hub
 pads the prompt to ``prompt + new`` and prefills that, then decodes token by token), the median of
 ``--repeats`` warm runs, divided by ``--new``: the time per generated token, prefill included; a
-``predict`` of the prompt alone (prefill, warm median); peak RSS while running (VmHWM reset after the
-build and after the patch: compile and runs) and RSS after the runs (VmRSS), with the build's and the
-patch's own peaks printed on the line; the prefill logits' max |difference| from the unpatched
+``predict`` of the prompt alone (prefill, warm median); peak RSS of the first ``generate`` (compile and
+run; it also frees what the build left) and of the warm runs after it (VmHWM reset after the build, the
+patch and the first call; the build's and the patch's own peaks on the line); the prefill logits' max
+|difference| from the unpatched
 model's, over max |logits| (bfloat16: keras-hub rounds its per-expert intermediates to bf16, the
 fused op accumulates in float32; greedy tokens may then differ on random weights).
 Ratios: unpatched ÷ way (speed-up).
@@ -53,7 +54,15 @@ def _status(field: str) -> float:
 
 
 def _reset_peak() -> None:
-    """VmHWM back to the current RSS (Linux: 5 > /proc/self/clear_refs), so that each phase has its own peak."""
+    """VmHWM back to the current RSS (Linux: 5 > /proc/self/clear_refs), so that each phase has its own
+    peak; garbage collected and freed heap returned to the system first (the build leaves temporaries)."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -100,14 +109,39 @@ def run_one(model_name: str, way: str, layers: int, prompt: int, new: int, repea
         return time.perf_counter() - t, out
 
     first, out = timed(lambda: lm.generate(gen_in, stop_token_ids=None))
+    first_peak = _status("VmHWM")
+    _reset_peak()
     gen = sorted(timed(lambda: lm.generate(gen_in, stop_token_ids=None))[0] for _ in range(repeats))[repeats // 2]
     np.save(logits_to, np.asarray(lm.predict_on_batch(pre_in), np.float32))
     pre = sorted(timed(lambda: np.asarray(lm.predict_on_batch(pre_in)))[0] for _ in range(repeats))[repeats // 2]
     tokens = np.asarray(out["token_ids"])[0, prompt:].tolist()
     return {"model": model_name, "way": way, "format": fmt if way == "quant" else "bf16", "build_s": build,
             "patch_s": patch, "first_generate_s": first, "per_token_s": gen / new, "prefill_s": pre,
-            "build_peak_gb": build_peak, "patch_peak_gb": patch_peak, "peak_gb": _status("VmHWM"),
+            "build_peak_gb": build_peak, "patch_peak_gb": patch_peak, "first_peak_gb": first_peak,
+            "peak_gb": _status("VmHWM"),
             "rss_gb": _status("VmRSS"), "tokens": tokens}
+
+
+def check_f32(model_name: str, prompt: int) -> dict:
+    """One decoder layer in float32, the real layer shapes: the patched model's prefill logits against
+    the unpatched model's, same weights, same process (bfloat16 runs cannot be compared this way:
+    keras-hub's router rounds its probabilities to bfloat16 and ties among them pick other experts)."""
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    import keras_hub
+    import numpy as np
+
+    from jax_nbx.integrations.keras_hub import patch_moe
+    lm_name, bb_name, kwargs, _ = MODELS[model_name]
+    backbone = getattr(keras_hub.models, bb_name)(num_layers=1, **kwargs, dtype="float32")
+    lm = getattr(keras_hub.models, lm_name)(backbone=backbone, preprocessor=None)
+    ids = np.random.default_rng(0).integers(1, kwargs["vocabulary_size"], (1, prompt)).astype("int32")
+    inp = {"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}
+    ref = np.asarray(lm.predict_on_batch(inp), np.float64)
+    patch_moe(lm)
+    got = np.asarray(lm.predict_on_batch(inp), np.float64)
+    return {"model": model_name, "f32_rel": float(np.abs(got - ref).max() / np.abs(ref).max())}
 
 
 def main() -> None:
@@ -123,7 +157,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.one:
         m, w = args.one.split(":")
-        print("RESULT " + json.dumps(run_one(m, w, args.layers, args.prompt, args.new, args.repeats, args.logits)))
+        r = (check_f32(m, args.prompt) if w == "check" else
+             run_one(m, w, args.layers, args.prompt, args.new, args.repeats, args.logits))
+        print("RESULT " + json.dumps(r))
         return
 
     import tempfile
@@ -134,7 +170,14 @@ def main() -> None:
     print(f"# keras-hub {_version('keras-hub')}, keras {_version('keras')}, jax {_version('jax')}; {machine()}")
     print(f"# {args.layers} decoder layers, batch 1, prompt {args.prompt}, {args.new} new tokens, "
           f"median of {args.repeats}; bfloat16")
-    rows = []
+    rows, checks = [], {}
+    for m in args.models.split(","):
+        cmd = [sys.executable, __file__, "--one", f"{m}:check", "--prompt", str(args.prompt)]
+        p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, KERAS_BACKEND="jax"))
+        line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        checks[m] = json.loads(line[0][7:])["f32_rel"] if line and not p.returncode else float("nan")
+        print(f"  {m:9s} float32, 1 layer: patched prefill logits vs unpatched, max|diff|/max|logits| "
+              f"{checks[m]:.2e}", flush=True)
     for m in args.models.split(","):
         base = None
         for w in args.ways.split(","):
@@ -158,16 +201,21 @@ def main() -> None:
             rows.append(r)
             print(f"  {m:9s} {w:9s} {r['format']:5s} per token {r['per_token_s'] * 1e3:8.1f} ms "
                   f"(x{r['speedup']:.2f})  prefill {r['prefill_s'] * 1e3:8.1f} ms (x{r['prefill_speedup']:.2f})  "
-                  f"peak {r['peak_gb']:.2f} GB  rss {r['rss_gb']:.2f} GB  patch {r['patch_s']:.1f} s  "
-                  f"first generate {r['first_generate_s']:.1f} s  same tokens: {r['same_tokens']}", flush=True)
+                  f"warm peak {r['peak_gb']:.2f} GB  rss {r['rss_gb']:.2f} GB  first call peak "
+                  f"{r['first_peak_gb']:.2f} GB  build {r['build_s']:.1f} s "
+                  f"(peak {r['build_peak_gb']:.2f} GB)  patch {r['patch_s']:.1f} s (peak {r['patch_peak_gb']:.2f} GB)  "
+                  f"first generate {r['first_generate_s']:.1f} s  same tokens: {r['same_tokens']}  "
+                  f"prefill logits max|diff|/max|logits| {r.get('logits_diff', 0):.2e}", flush=True)
     print()
-    print("| model | way | per generated token | ÷ unpatched | prefill (prompt) | ÷ unpatched | peak RSS running "
-          "| RSS after | prefill logits vs unpatched |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("float32 check (1 layer, the prompt): " + ", ".join(f"{m} {v:.1e}" for m, v in checks.items()))
+    print("| model | way | per generated token | ÷ unpatched | prefill (prompt) | ÷ unpatched | peak RSS, warm "
+          "| peak RSS, first call | patch time (peak) | prefill logits vs unpatched |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['way']} ({r['format']}) | {r['per_token_s'] * 1e3:.1f} ms | "
               f"{r['speedup']:.2f}× | {r['prefill_s'] * 1e3:.1f} ms | {r['prefill_speedup']:.2f}× | "
-              f"{r['peak_gb']:.2f} GB | {r['rss_gb']:.2f} GB | {r.get('logits_diff', 0):.1e} |")
+              f"{r['peak_gb']:.2f} GB | {r['first_peak_gb']:.2f} GB | {r['patch_s']:.1f} s "
+              f"({r['patch_peak_gb']:.2f} GB) | {r.get('logits_diff', 0):.1e} |")
 
 
 def _version(dist: str) -> str:

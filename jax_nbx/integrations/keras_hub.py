@@ -136,13 +136,27 @@ def _variable(keras, block, name: str, value, *, trainable: bool, autocast: bool
     return v
 
 
+_QUANTIZE_EXPERTS = 8   # experts quantized at a time: the transient float copies stay a few experts' worth
+
+
+def _quantize_stacked(ex, fmt: str, group_size):
+    """`quantize` of stacked experts, ``_QUANTIZE_EXPERTS`` at a time (every format quantizes each
+    expert on its own, so the codes and scales are the same as in one call), concatenated."""
+    E = ex.down.shape[0]
+    parts = []
+    for lo in range(0, E, _QUANTIZE_EXPERTS):
+        chunk = jax.tree.map(lambda a: a[lo:lo + _QUANTIZE_EXPERTS], ex)
+        leaves, treedef = jax.tree_util.tree_flatten(quantize(chunk, fmt, group_size=group_size))
+        parts.append([np.asarray(a) for a in leaves])
+    return treedef, [np.concatenate(col) if len(parts) > 1 else col[0] for col in zip(*parts)]
+
+
 def _quantize(keras, block, p: _Patch, fmt: str, group_size):
     own = p.kind.owner_of(block)
-    ex = p.kind.experts(block, [np.asarray(getattr(own, n).numpy()) for n in p.kind.weights])
+    ex = p.kind.experts(block, [getattr(own, n).numpy() for n in p.kind.weights])
     if ex.fusion is not None:   # quantize takes experts without biases: the weights alone
         ex = type(ex).fused(ex.gate_up, ex.down, fusion=ex.fusion)
-    q = quantize(ex, fmt, group_size=group_size)
-    leaves, treedef = jax.tree_util.tree_flatten(q)
+    treedef, leaves = _quantize_stacked(ex, fmt, group_size)
     vs = [_variable(keras, own, f"nbx_q{j}", a, trainable=False, autocast=False) for j, a in enumerate(leaves)]
     own._tracker.unlock()
     try:

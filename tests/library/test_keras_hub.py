@@ -255,3 +255,23 @@ def test_implementation_option_reaches_the_op():
     with pytest.raises(Exception, match="implementation"):
         kh.patch_moe(model, implementation="tpu")
         _logits(model, batch)
+
+
+@pytest.mark.parametrize("fmt, group_size", [("int8", None), ("int4", 32), ("mxfp4", None), ("fp8", 32),
+                                             ("mxfp8", None), ("nvfp4", None)])
+def test_quantized_a_few_experts_at_a_time_equals_one_quantize(fmt, group_size):
+    """patch_moe(format=...) quantizes a block's experts a few at a time (its transient float copies
+    stay small): the same codes and scales as one `quantize` of them all, in every layout."""
+    rng = np.random.default_rng(0)
+    E, H, I = kh._QUANTIZE_EXPERTS * 2 + 3, 64, 32
+    for fusion in ("concat", "interleaved", None):
+        if fusion:
+            ex = nbx.Experts.fused(rng.standard_normal((E, H, 2 * I), np.float32),
+                                   rng.standard_normal((E, I, H), np.float32), fusion=fusion)
+        else:
+            ex = nbx.Experts(*(rng.standard_normal(s, np.float32) for s in [(E, H, I), (E, H, I), (E, I, H)]))
+        leaves, treedef = jax.tree_util.tree_flatten(nbx.quantize(ex, fmt, group_size=group_size))
+        got_def, got = kh._quantize_stacked(ex, fmt, group_size)
+        assert got_def == treedef
+        for a, b in zip(leaves, got):
+            np.testing.assert_array_equal(np.asarray(a), b)
