@@ -84,6 +84,8 @@ def run_one(model_name: str, way: str, layers: int, prompt: int, new: int, repea
     t0 = time.perf_counter()
     backbone = getattr(keras_hub.models, bb_name)(num_layers=layers, **kwargs, dtype="bfloat16")
     lm = getattr(keras_hub.models, lm_name)(backbone=backbone, preprocessor=None)
+    import jax
+    jax.block_until_ready([v.value for v in lm.weights])   # the initializers run asynchronously
     build, build_peak = time.perf_counter() - t0, _status("VmHWM")
     _reset_peak()
     t0 = time.perf_counter()

@@ -153,7 +153,7 @@ def _quantize_stacked(ex, fmt: str, group_size):
 
 def _quantize(keras, block, p: _Patch, fmt: str, group_size):
     own = p.kind.owner_of(block)
-    ex = p.kind.experts(block, [getattr(own, n).numpy() for n in p.kind.weights])
+    ex = p.kind.experts(block, [np.asarray(getattr(own, n).value) for n in p.kind.weights])  # no copy (.numpy() made 3)
     if ex.fusion is not None:   # quantize takes experts without biases: the weights alone
         ex = type(ex).fused(ex.gate_up, ex.down, fusion=ex.fusion)
     treedef, leaves = _quantize_stacked(ex, fmt, group_size)
