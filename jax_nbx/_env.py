@@ -17,6 +17,7 @@ is handed to them by the Python side (``apply_at_load``).
 | ``JAX_NBX_CUDA_DECODE_SLOTS`` | at most this many slots take the CUDA decode path | 16 |
 | ``JAX_NBX_CUDA_DECODE_PROGRAMS`` | programs the CUDA decode path's split-K aims at | 1024 |
 | ``JAX_NBX_TRITON_CONFIGS`` | a tile-config JSON file instead of ``configs/<device>.json`` | - |
+| ``JAX_NBX_CUBIN_CACHE`` | the CUDA kernels' cubin cache folder; ``0``: none | ``$XDG_CACHE_HOME/jax_nbx/cubins`` |
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 __all__ = ["budget", "isa", "profile", "table_cache", "metal", "cuda_check_ids", "cuda_graphs", "cuda_decode_slots",
-           "cuda_decode_programs", "triton_configs", "parse", "parse_bytes", "available_memory"]
+           "cuda_decode_programs", "triton_configs", "cubin_cache", "trace_settings", "parse", "parse_bytes",
+           "available_memory"]
 
 T = TypeVar("T")
 
@@ -197,3 +199,26 @@ def cuda_decode_programs() -> int:
 def triton_configs() -> str | None:
     """``JAX_NBX_TRITON_CONFIGS``: a path, or None."""
     return _get("JAX_NBX_TRITON_CONFIGS")
+
+
+def cubin_cache() -> str | None:
+    """``JAX_NBX_CUBIN_CACHE``: the folder of the CUDA kernels' cubin cache (default
+    ``$XDG_CACHE_HOME/jax_nbx/cubins``, ``~/.cache/...`` without it), or None for ``0``/``off``/...:
+    no cache on disk."""
+    v = _get("JAX_NBX_CUBIN_CACHE")
+    if v is not None:
+        try:
+            if not _flag(v):
+                return None
+        except ValueError:
+            return os.path.abspath(os.path.expanduser(v))
+    base = _get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jax_nbx", "cubins")
+
+
+def trace_settings() -> tuple:
+    """The settings a backend reads while a call is traced (today the CUDA path's: the id check, graphs,
+    the decode path's slots and programs, a tile-config file), each validated: part of the op's static
+    key (`jax_nbx.backends.Problem.settings`), so that a call traced after one of them changed never
+    reuses a function (`transforms.op`) or a trace of it made under the old value."""
+    return (cuda_check_ids(), cuda_graphs(), cuda_decode_slots(), cuda_decode_programs(), triton_configs())

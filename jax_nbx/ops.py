@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import backends, cpu, memory
+from . import _env, backends, cpu, memory
 from .activations import Activation, as_activation
 from .backends.cpu import why_no_bf16_dot
 from .experts import Experts, SharedExperts
@@ -268,7 +268,8 @@ def _resolve(x, topk_weights, topk_ids, experts, activation, implementation, max
     E, H, I, k = validate(x, topk_weights, topk_ids, experts, activation, ids_outside == "skip")
     lora_spec = None if lora is None else validate_lora(lora, E, H, I)
     activation = as_activation(activation)
-    options = dict(skip_outside=ids_outside == "skip", max_workspace_bytes=max_workspace_bytes)
+    options = dict(skip_outside=ids_outside == "skip", max_workspace_bytes=max_workspace_bytes,
+                   settings=_env.trace_settings())
     k_pass = 1 if weights_on == "input" else k
     problem = backends.Problem.of(experts, x.dtype, E, H, I, k_pass, activation,
                                   bf16_dot=precision == "bfloat16", int8_dot=precision == "int8",

@@ -55,6 +55,7 @@ class Problem:
     lora: LoRASpec | None = None  # LoRA adapters on the projections (`jax_nbx.LoRA`)
     prepacked: bool = False  # the forward reads `jax_nbx.prepack`'s words (`PackedExperts`)
     expert_store: int = 0  # the experts are this expert store's (`jax_nbx.loaders.map_moe`), or 0
+    settings: tuple = ()  # `_env.trace_settings()` when the call was traced: a changed one is another problem
 
     @classmethod
     def of(cls, experts: Experts, x_dtype, E: int, H: int, I: int, k: int, activation: Activation,

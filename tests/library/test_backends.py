@@ -193,6 +193,35 @@ def test_a_setting_read_when_a_call_is_traced_is_read_again_on_the_next_trace(mo
     assert seen[-2:] == ["deferred", "sync"]
 
 
+@pytest.mark.parametrize("var, values", [("JAX_NBX_CUDA_CHECK_IDS", ("sync", "deferred")),
+                                         ("JAX_NBX_CUDA_GRAPHS", ("0", "1")),
+                                         ("JAX_NBX_CUDA_DECODE_SLOTS", ("16", "4")),
+                                         ("JAX_NBX_CUDA_DECODE_PROGRAMS", ("1024", "64")),
+                                         ("JAX_NBX_TRITON_CONFIGS", ("", "/tmp/tiles.json"))])
+def test_a_changed_trace_setting_is_another_problem_and_another_op(monkeypatch, var, values):
+    """On an H200 (2026-12-04, jax 0.11.2) the deferred id check's bad call failed with the synchronous
+    check's message: it ran with the synchronous check.  The setting is read when a call is traced, but
+    the op's functions are cached per (backend, problem, band) (`transforms.op`) and the problem did not
+    hold the setting: a call of the same shapes traced after ``JAX_NBX_CUDA_CHECK_IDS=deferred`` was set
+    got the function made under the old value, and with it any trace JAX keeps of that function (the
+    likely cause there; jax 0.10.2 here re-traces, and 0.11.2 is not in this machine's registry, so
+    the GPU rerun is what confirms it).  Every setting read at trace time is now part of the problem:
+    another value, another op."""
+    from jax_nbx import transforms
+
+    x, w, ids, ex = make_problem(31, 3, 4, 2, 16, 8, jnp.float32, jnp.float32)
+    seen = []
+    for v in values:
+        monkeypatch.setenv(var, v)
+        backend, problem = nbx.ops.resolve(x, w, ids, ex, implementation="cpu")
+        seen.append((problem, transforms.op(backend, problem, 3)))
+    (p1, op1), (p2, op2) = seen
+    assert p1 != p2 and op1 is not op2
+    monkeypatch.setenv(var, values[0])
+    backend, problem = nbx.ops.resolve(x, w, ids, ex, implementation="cpu")
+    assert problem == p1 and transforms.op(backend, problem, 3) is op1     # the same setting: the cached op
+
+
 def test_backends_option_names_a_runner_by_its_own_id_or_a_prefix():
     """``--backends``: a runner's own id names it alone ("cuda" is the GPU's,
     not also "cuda-interpret"); another prefix names every runner it starts

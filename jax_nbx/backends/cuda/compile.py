@@ -1,21 +1,32 @@
 """Ahead-of-time compilation of the CUDA path's Triton kernels.
 
 `triton.compile` makes a cubin for the device's compute capability (it needs
-no GPU: Triton ships ptxas).  Compiled kernels are cached on disk by Triton
-itself (``TRITON_CACHE_DIR``, default ``~/.triton/cache``: the key covers the
-kernel source, signature, constexprs, options, Triton version and target) and
-in this process.  `pack` turns a program's kernels into the two attributes
-the CUDA handler takes: one byte blob (names and cubins) and an int64 table.
+no GPU: Triton ships ptxas).  Compiled kernels are kept in this process and
+in jax_nbx's **cubin cache** on disk (``JAX_NBX_CUBIN_CACHE``, default
+``$XDG_CACHE_HOME/jax_nbx/cubins``; docs/backends.md): one file per kernel,
+named by a key over everything the cubin depends on -- the installed Triton's
+version, the target (compute capability), the text of the kernels' modules
+(``kernels.py``, ``kernels_backward.py``), the kernel's name, argument types,
+alignments, constexprs, warps and stages, and this cache's format -- so that a
+change to any of them misses rather than loads a stale cubin.  A hit imports
+neither Triton's compiler nor the kernels: a cache filled on a machine without
+a GPU (`precompile`) serves a GPU machine's first call.  `pack` turns a
+program's kernels into the two attributes the CUDA handler takes: one byte
+blob (names and cubins) and an int64 table.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import inspect
+import json
+import os
+import tempfile
 
 import numpy as np
 
-from ... import contract
+from ... import _env, contract
 from . import plan as P
 
 # int64 fields per kernel in the handler's table (abi::kKernelFieldNames;
@@ -34,8 +45,91 @@ def kernel_function(name: str):
     raise ValueError(f"the program names a kernel {name!r} that neither kernels nor kernels_backward has")
 
 
+#: this cache's file format; part of every key
+CACHE_FORMAT = 1
+_KERNEL_MODULES = ("jax_nbx.backends.cuda.kernels", "jax_nbx.backends.cuda.kernels_backward")
+_stats = {"hits": 0, "misses": 0, "writes": 0}
+
+
+def cache_stats() -> dict:
+    """This process's cubin-cache lookups: hits and misses on disk, cubins written."""
+    return dict(_stats)
+
+
+@functools.cache
+def _source_digest() -> str:
+    """The kernels' modules' text, hashed (read from the files: Triton is not imported)."""
+    h = hashlib.blake2b(digest_size=16)
+    for mod in _KERNEL_MODULES:
+        with open(importlib.util.find_spec(mod).origin, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def _triton_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("triton")
+    except PackageNotFoundError:
+        return "none"
+
+
+def cache_key(kernel: P.Kernel, ptypes: tuple[str, ...], aligned: tuple[bool, ...], cc: int) -> str:
+    """The cubin cache's file name of one compiled kernel (see the module's docstring)."""
+    desc = json.dumps({"format": CACHE_FORMAT, "triton": _triton_version(), "cc": int(cc),
+                       "source": _source_digest(), "kernel": kernel.name, "ptypes": list(ptypes),
+                       "aligned": [bool(a) for a in aligned], "constexprs": sorted((k, repr(v)) for k, v in
+                                                                                   kernel.constexprs),
+                       "num_warps": kernel.num_warps, "num_stages": kernel.num_stages}, sort_keys=True)
+    return f"{kernel.name}-sm{int(cc)}-{hashlib.blake2b(desc.encode(), digest_size=16).hexdigest()}"
+
+
+def _load(folder: str, key: str):
+    try:
+        with open(os.path.join(folder, key + ".json")) as f:
+            meta = json.load(f)
+        with open(os.path.join(folder, key + ".cubin"), "rb") as f:
+            cubin = f.read()
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("cubin_len") != len(cubin) or meta.get("key") != key:
+        return None  # torn or foreign: compiled again and rewritten
+    return meta["name"], cubin, int(meta["num_warps"]), int(meta["shared"])
+
+
+def _store(folder: str, key: str, name: str, cubin: bytes, warps: int, shared: int) -> None:
+    """Written atomically (a temporary file renamed), cubin first: a reader sees both files or a miss."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        meta = json.dumps({"key": key, "name": name, "num_warps": warps, "shared": shared,
+                           "cubin_len": len(cubin)})
+        for ext, data in ((".cubin", cubin), (".json", meta.encode())):
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, os.path.join(folder, key + ext))
+        _stats["writes"] += 1
+    except OSError:
+        pass  # a read-only or full cache folder costs a compile next time, nothing else
+
+
 @functools.cache
 def _compile(kernel: P.Kernel, ptypes: tuple[str, ...], aligned: tuple[bool, ...], cc: int):
+    folder = _env.cubin_cache()
+    key = cache_key(kernel, ptypes, aligned, cc) if folder else None
+    if folder:
+        hit = _load(folder, key)
+        if hit is not None:
+            _stats["hits"] += 1
+            return hit
+        _stats["misses"] += 1
+    out = _triton_compile(kernel, ptypes, aligned, cc)
+    if folder:
+        _store(folder, key, *out)
+    return out
+
+
+def _triton_compile(kernel: P.Kernel, ptypes: tuple[str, ...], aligned: tuple[bool, ...], cc: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
