@@ -17,6 +17,9 @@
 #   5. if at least 200 s are left (raise GPU_CHECK_SECONDS for it): benchmarks/tune_gpu.py on OLMoE and Qwen3 at T=4096
 #      (writes $LOGS/tuned_configs.json; copy it to jax_nbx/backends/cuda/configs/<device>.json to
 #      keep it) and those rows timed again with the tuned configs.
+# Kernels: read from the cubin cache JAX_NBX_CUBIN_CACHE (default ./gpu_cubins: fill it on a CPU
+# machine with `python benchmarks/gpu_precompile.py` under Triton 3.6.0, the GPU machines', and carry
+# it along); what the tests still compile here is counted in "cubins compiled here" below.
 # Each stage's timeout is cut to what is left of the deadline.  Logs go to the folder
 # given as $1 or $JAX_NBX_BENCH_OUT (default ./gpu_logs); the tables are printed last.
 #   usage: bash benchmarks/gpu_check.sh [LOG_DIR]
@@ -43,6 +46,10 @@ if ! CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "$(left 240)" $PY -m pip instal
   tail -40 "$LOGS/build.log"; echo "BUILD FAILED"; exit 1
 fi
 echo "built in $(( $(date +%s) - START )) s"
+export JAX_NBX_CUBIN_CACHE=${JAX_NBX_CUBIN_CACHE:-$PWD/gpu_cubins}
+cubins() { ls "$JAX_NBX_CUBIN_CACHE" 2>/dev/null | grep -c '\.cubin$'; }
+CUBINS_BEFORE=$(cubins)
+echo "== cubin cache $JAX_NBX_CUBIN_CACHE: $CUBINS_BEFORE cubins"
 echo "== GPU tests and the shared suite on the cuda runner"
 # -v: each test's name and result as it ends (a run cut off by its stage's timeout still
 # shows how far it got); a per-test timeout where pytest-timeout is installed (the image has it).
@@ -50,7 +57,8 @@ PER_TEST=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${GPU_T
 XLA_PYTHON_CLIENT_MEM_FRACTION=${GPU_TEST_MEM_FRACTION:-0.08} timeout "$(left ${GPU_TEST_SECONDS:-240})" \
   $PY -m pytest -v -n 8 -rfE --maxfail=25 --durations=15 $PER_TEST tests/cuda/test_cuda_gpu.py tests/suite \
   --backends cuda -p no:cacheprovider > "$LOGS/tests.log" 2>&1
-echo "pytest exit $? after $(( $(date +%s) - START )) s; $(grep -c ' PASSED' "$LOGS/tests.log") passed"
+echo "pytest exit $? after $(( $(date +%s) - START )) s; $(grep -c ' PASSED' "$LOGS/tests.log") passed;" \
+  "cubins compiled here: $(( $(cubins) - CUBINS_BEFORE )) (the cache's misses)"
 grep -E "^(FAILED|ERROR)| (FAILED|ERROR) " "$LOGS/tests.log" | cut -c1-300 | head -30
 tail -3 "$LOGS/tests.log"
 echo "== CPU micro-kernels of every ISA this machine's CPU has (its flags: machine.txt)"

@@ -1,7 +1,8 @@
 """The CUDA kernels' cubin cache (jax_nbx/backends/cuda/compile.py): compiled for sm_90 on this
 machine (Triton ships ptxas; no GPU needed), stored under JAX_NBX_CUBIN_CACHE, served again without
-Triton's compiler, and missed -- never a stale cubin -- when the Triton version, the target, the
-kernels' source or the kernel's options change, or a file is torn."""
+Triton's compiler, and missed -- never a stale cubin -- when the Triton version or its TRITON_*
+settings, the target, the kernels' source or the kernel's options change, or a file is torn; and
+the GPU check's cache filled from the programs the interpreter ran (benchmarks/gpu_precompile.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -48,13 +49,15 @@ def test_a_cubin_compiled_once_is_served_from_the_cache(cache, monkeypatch):
     np.testing.assert_array_equal(table2, table)
 
 
-@pytest.mark.parametrize("change", ["triton", "target", "source", "options", "torn"])
+@pytest.mark.parametrize("change", ["triton", "triton_env", "target", "source", "options", "torn"])
 def test_a_changed_key_or_a_torn_file_misses(cache, monkeypatch, change):
     C.pack(_prog(), 90)
     C._compile.cache_clear()
     cc, prog = 90, _prog()
     if change == "triton":
         monkeypatch.setattr(C, "_triton_version", lambda: "0.0.1")
+    elif change == "triton_env":
+        monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
     elif change == "target":
         cc = 80
     elif change == "source":
@@ -96,3 +99,35 @@ def test_the_default_folder_is_under_xdg_cache_home(tmp_path, monkeypatch):
     assert _env.cubin_cache() == os.path.join(str(tmp_path), "jax_nbx", "cubins")
     monkeypatch.setenv("JAX_NBX_CUBIN_CACHE", "~/x")
     assert _env.cubin_cache() == os.path.expanduser("~/x")
+
+
+def test_precompile_fills_the_cache_with_the_interpreted_programs_kernels(tmp_path, monkeypatch):
+    """The rehearsal of the GPU check's cache: a test run under the interpreter records its programs'
+    kernels, gpu_precompile.py compiles them for sm_90 (in a process without the interpreter), and
+    every kernel the interpreter ran is then a hit: its file is in the cache, under the key this
+    process computes."""
+    import pickle
+    import subprocess
+    import sys
+    cache, rec = tmp_path / "cubins", tmp_path / "records"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gpu_precompile.py"), "--cache", str(cache),
+                        "--tests", "tests/suite/test_forward.py", "-m", "not sweep", "--backends", "cuda-interpret",
+                        "-k", "bf16 or bfloat16", "-p", "no:xdist"],
+                       cwd=root, capture_output=True, text=True, env=dict(os.environ, JAX_NBX_KERNEL_RECORD=""),
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "sm_90:" in r.stdout and " 0 compiled" not in r.stdout
+    # the same programs' kernels, recorded again here, are all in the cache
+    monkeypatch.setenv("JAX_NBX_KERNEL_RECORD", str(rec))
+    monkeypatch.setenv("JAX_NBX_CUBIN_CACHE", str(cache))
+    from support.cuda_interpret import _record
+    prog = P.build(3, 3, 2, 5, 64, 32, np.float32, np.float32, 0)
+    _record(prog)
+    with open(next(rec.iterdir()), "rb") as f:
+        kernels = pickle.load(f)
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gpu_precompile.py"), "--cache", str(cache),
+                        "--records", str(rec)], cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "sm_90:" in r.stdout, r.stdout + r.stderr
+    for kernel, ptypes, aligned in kernels:
+        assert (cache / (C.cache_key(kernel, ptypes, aligned, 90) + ".cubin")).exists()

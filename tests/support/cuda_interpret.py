@@ -54,6 +54,19 @@ def _tables(groups, lists: bool):
     return firsts, tables
 
 
+def _record(prog) -> None:
+    """``JAX_NBX_KERNEL_RECORD=DIR``: the kernels of every program run here are appended to
+    ``DIR/kernels-<pid>.pkl`` (pickled `Program.kernels` lists), for ``benchmarks/gpu_precompile.py``
+    to compile into the cubin cache a GPU machine then reads: the interpreter builds the programs the
+    GPU builds (the same plan; the default tile configs, as long as configs/ has no file for the device)."""
+    folder = os.environ.get("JAX_NBX_KERNEL_RECORD")
+    if folder:
+        import pickle
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"kernels-{os.getpid()}.pkl"), "ab") as f:
+            pickle.dump(prog.kernels(), f)
+
+
 def _bad_slot(ids: np.ndarray, err: int, E: int) -> str:
     """The CUDA handler's message for the first bad slot (its sync check)."""
     k = ids.shape[1]
@@ -92,6 +105,7 @@ class InterpretedCuda(Backend):
                            problem.activation, None, w_aligned=strides_ok, quant=problem.quant,
                            layout=None if problem.layout.native else problem.layout,
                            lora=problem.lora if n_ad else None)
+            _record(prog)
             y = np.full((T, H), np.nan, x.dtype)
             firsts, tables = _tables(groups, problem.lists)
             err = interpret.run(prog, [x, w, ids, *firsts, *biases, *adapters], y, tables=tables)
@@ -117,6 +131,7 @@ class InterpretedCuda(Backend):
                                     problem.activation, None, w_aligned=strides_ok,
                                     layout=None if problem.layout.native else problem.layout,
                                     grad_dtype="float32")
+            _record(prog)
             dx = np.full((T, H), np.nan, x.dtype)
             dw = np.full(w.shape, np.nan, np.float32)
             grads = [[np.full(b.shape, np.nan, np.float32) for b in g] for g in groups]

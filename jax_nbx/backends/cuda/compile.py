@@ -5,7 +5,7 @@ no GPU: Triton ships ptxas).  Compiled kernels are kept in this process and
 in jax_nbx's **cubin cache** on disk (``JAX_NBX_CUBIN_CACHE``, default
 ``$XDG_CACHE_HOME/jax_nbx/cubins``; docs/backends.md): one file per kernel,
 named by a key over everything the cubin depends on -- the installed Triton's
-version, the target (compute capability), the text of the kernels' modules
+version and its ``TRITON_*`` settings, the target (compute capability), the text of the kernels' modules
 (``kernels.py``, ``kernels_backward.py``), the kernel's name, argument types,
 alignments, constexprs, warps and stages, and this cache's format -- so that a
 change to any of them misses rather than loads a stale cubin.  A hit imports
@@ -74,9 +74,20 @@ def _triton_version() -> str:
         return "none"
 
 
+# Triton's variables that say where files go or how to debug, not what a cubin holds
+_TRITON_ENV_IGNORED = frozenset({"TRITON_CACHE_DIR", "TRITON_DUMP_DIR", "TRITON_OVERRIDE_DIR", "TRITON_HOME",
+                                 "TRITON_INTERPRET", "TRITON_PRINT_AUTOTUNING"})
+
+
+def _triton_env() -> list:
+    """Triton's environment knobs (``TRITON_*``, e.g. ``TRITON_DEFAULT_FP_FUSION``) that may change
+    what it compiles: part of the key, conservatively all but the ones that only place files."""
+    return sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON_") and k not in _TRITON_ENV_IGNORED)
+
+
 def cache_key(kernel: P.Kernel, ptypes: tuple[str, ...], aligned: tuple[bool, ...], cc: int) -> str:
     """The cubin cache's file name of one compiled kernel (see the module's docstring)."""
-    desc = json.dumps({"format": CACHE_FORMAT, "triton": _triton_version(), "cc": int(cc),
+    desc = json.dumps({"format": CACHE_FORMAT, "triton": _triton_version(), "env": _triton_env(), "cc": int(cc),
                        "source": _source_digest(), "kernel": kernel.name, "ptypes": list(ptypes),
                        "aligned": [bool(a) for a in aligned], "constexprs": sorted((k, repr(v)) for k, v in
                                                                                    kernel.constexprs),
@@ -156,6 +167,20 @@ def _triton_compile(kernel: P.Kernel, ptypes: tuple[str, ...], aligned: tuple[bo
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         raise NotImplementedError(f"kernel {kernel.name} needs Triton scratch memory; not supported")
     return md.name, bytes(ck.asm["cubin"]), int(md.num_warps), int(md.shared)
+
+
+def precompile(kernels, cc: int) -> dict:
+    """Compiles ``kernels`` (`Program.kernels` entries: (kernel, argument types, alignments)) for
+    compute capability ``cc`` into the cubin cache, each once; returns how many were found there
+    already and how many were compiled.  Needs Triton's compiler (not its interpreter: run it in a
+    process without ``TRITON_INTERPRET``), no GPU; ``benchmarks/gpu_precompile.py`` uses it."""
+    if _env.cubin_cache() is None:
+        raise ValueError("precompile: JAX_NBX_CUBIN_CACHE is off ('0'): there is no cache to fill")
+    before = cache_stats()
+    for key in dict.fromkeys(kernels):
+        _compile(*key, int(cc))
+    after = cache_stats()
+    return {"found": after["hits"] - before["hits"], "compiled": after["misses"] - before["misses"]}
 
 
 def pack(prog: P.Program, cc: int) -> tuple[np.ndarray, np.ndarray]:
