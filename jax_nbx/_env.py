@@ -28,8 +28,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 __all__ = ["budget", "isa", "profile", "table_cache", "metal", "cuda_check_ids", "cuda_graphs", "cuda_decode_slots",
-           "cuda_decode_programs", "triton_configs", "cubin_cache", "trace_settings", "parse", "parse_bytes",
-           "available_memory"]
+           "cuda_decode_programs", "triton_configs", "cubin_cache", "triton_settings", "trace_settings", "parse",
+           "parse_bytes", "available_memory"]
 
 T = TypeVar("T")
 
@@ -214,6 +214,18 @@ def cubin_cache() -> str | None:
             return os.path.abspath(os.path.expanduser(v))
     base = _get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "jax_nbx", "cubins")
+
+
+# Triton's variables that say where files go or how to debug, not what a cubin holds
+_TRITON_PLACES = frozenset({"TRITON_CACHE_DIR", "TRITON_DUMP_DIR", "TRITON_OVERRIDE_DIR", "TRITON_HOME",
+                            "TRITON_INTERPRET", "TRITON_PRINT_AUTOTUNING"})
+
+
+def triton_settings() -> list:
+    """Triton's own ``TRITON_*`` variables that may change what it compiles (e.g.
+    ``TRITON_DEFAULT_FP_FUSION``), as sorted (name, value) pairs: part of the cubin cache's key
+    (`jax_nbx.backends.cuda.compile`); conservatively every one but those that only place files."""
+    return sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON_") and k not in _TRITON_PLACES)
 
 
 def trace_settings() -> tuple:

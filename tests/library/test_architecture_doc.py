@@ -60,7 +60,8 @@ DOC_BASES = (ROOT, ROOT / "tests", ROOT / "jax_nbx", ROOT / "xla_ffi", ROOT / "b
 TREES = ("jax_nbx", "xla_ffi", "tests", "benchmarks", "docs", "notebooks", "cmake", ".ci")
 # Paths in other projects, written from the project's name (`peft/utils/...`, or its source tree's
 # `src/transformers/...`): not ours.
-OTHER_PROJECTS = tuple(f"{src}{p}/" for p in ("transformers", "peft", "mlx", "mlx_lm", "triton", "xla", "jaxlib")
+OTHER_PROJECTS = tuple(f"{src}{p}/" for p in ("transformers", "peft", "mlx", "mlx_lm", "triton", "xla", "jaxlib",
+                                              "keras_hub")
                        for src in ("", "src/"))
 # Build outputs: they exist only in a build tree.
 GENERATED = ("build/", "generated/")

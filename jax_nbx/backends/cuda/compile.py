@@ -74,21 +74,10 @@ def _triton_version() -> str:
         return "none"
 
 
-# Triton's variables that say where files go or how to debug, not what a cubin holds
-_TRITON_ENV_IGNORED = frozenset({"TRITON_CACHE_DIR", "TRITON_DUMP_DIR", "TRITON_OVERRIDE_DIR", "TRITON_HOME",
-                                 "TRITON_INTERPRET", "TRITON_PRINT_AUTOTUNING"})
-
-
-def _triton_env() -> list:
-    """Triton's environment knobs (``TRITON_*``, e.g. ``TRITON_DEFAULT_FP_FUSION``) that may change
-    what it compiles: part of the key, conservatively all but the ones that only place files."""
-    return sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON_") and k not in _TRITON_ENV_IGNORED)
-
-
 def cache_key(kernel: P.Kernel, ptypes: tuple[str, ...], aligned: tuple[bool, ...], cc: int) -> str:
     """The cubin cache's file name of one compiled kernel (see the module's docstring)."""
-    desc = json.dumps({"format": CACHE_FORMAT, "triton": _triton_version(), "env": _triton_env(), "cc": int(cc),
-                       "source": _source_digest(), "kernel": kernel.name, "ptypes": list(ptypes),
+    desc = json.dumps({"format": CACHE_FORMAT, "triton": _triton_version(), "env": _env.triton_settings(),
+                       "cc": int(cc), "source": _source_digest(), "kernel": kernel.name, "ptypes": list(ptypes),
                        "aligned": [bool(a) for a in aligned], "constexprs": sorted((k, repr(v)) for k, v in
                                                                                    kernel.constexprs),
                        "num_warps": kernel.num_warps, "num_stages": kernel.num_stages}, sort_keys=True)

@@ -1,6 +1,6 @@
 """keras-hub models, unpatched against patched (`jax_nbx.integrations.keras_hub.patch_moe`).
 
-    python benchmarks/keras_hub.py [--models qwen3_moe,gpt_oss] [--layers 2] [--prompt 32] \
+    python benchmarks/keras_models.py [--models qwen3_moe,gpt_oss] [--layers 2] [--prompt 32] \
         [--new 16] [--repeats 3] [--ways unpatched,bf16,quant]
 
 Models: keras-hub's ``Qwen3MoeCausalLM`` with Qwen3-30B-A3B's layer shapes (H 2048, expert I 768,
@@ -73,8 +73,6 @@ def _reset_peak() -> None:
 def run_one(model_name: str, way: str, layers: int, prompt: int, new: int, repeats: int, logits_to: str) -> dict:
     """One (model, way) in this process; returns its figures."""
     os.environ.setdefault("KERAS_BACKEND", "jax")
-    here = os.path.dirname(os.path.abspath(__file__))   # this file's name would shadow the package
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     import keras_hub
     import numpy as np
 
@@ -129,8 +127,6 @@ def check_f32(model_name: str, prompt: int) -> dict:
     the unpatched model's, same weights, same process (bfloat16 runs cannot be compared this way:
     keras-hub's router rounds its probabilities to bfloat16 and ties among them pick other experts)."""
     os.environ.setdefault("KERAS_BACKEND", "jax")
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     import keras_hub
     import numpy as np
 
