@@ -463,6 +463,23 @@ def test_cuda_forward_groups_match_the_handlers_inputs():
         _cuda._view_groups(q.flat(), ex.weight_layout()._replace(bias=False), False)
 
 
+@pytest.mark.parametrize("quant", [None, ("int8", 0), ("int4", 32), ("mxfp4", 32), ("fp8", 32), ("mxfp8", 32),
+                                   ("nvfp4", 16)])
+def test_quantized_decode_is_the_same_three_launches_as_bf16(quant):
+    """#56: decode's fixed cost per call is its launches; a quantized decode must not pay more of them
+    than bf16's: decode1 -> decode2 -> combine (the split-K partials of both GEMMs, then their sum in a
+    fixed order -- fewer would need atomics, which the bit-for-bit sums across bands forbid), on the
+    same grids, at OLMoE's decode shape (T 1, k 8, E 64, H 2048, I 1024)."""
+    bf = np.dtype("bfloat16") if hasattr(np, "bfloat16") else __import__("ml_dtypes").bfloat16
+    kw = {} if quant is None else {"quant": quant if quant[0] != "int8" else ("int8", 0)}
+    prog = plan.build(1, 1, 8, 64, 2048, 1024, bf, bf if quant is None or quant[0] in ("int8", "int4", "fp8")
+                      else np.float32, 0, **kw)
+    names = [ln.kernel.name for ln in prog.launches]
+    assert names == ["decode1", "decode2", "combine"], names
+    dense = plan.build(1, 1, 8, 64, 2048, 1024, bf, bf, 0)
+    assert [ln.grid for ln in prog.launches] == [ln.grid for ln in dense.launches]   # the same programs
+
+
 def test_decode_path_is_three_launches_with_a_check_word_per_slot():
     """Decode: decode1 -> decode2 (the gated unit formed from decode1's
     partials) -> combine, no fill launch: decode1 writes each slot's check
