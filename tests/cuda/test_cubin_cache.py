@@ -8,8 +8,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import numpy as np
-import pytest
+# As every test module of tests/cuda: Triton's kernels in this process are the interpreter's (a
+# module importing Triton first, outside it, would make them compiled kernels for the whole worker)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -25,35 +29,47 @@ def cache(tmp_path, monkeypatch):
     C._compile.cache_clear()
 
 
+@pytest.fixture
+def compiler(monkeypatch):
+    """Triton's compile stood in for in this process (its kernels, once imported here outside the
+    interpreter, would break the interpreter's tests in the same worker): a cubin made of the
+    compile's arguments, and the calls counted.  The real compile runs in the precompile test's
+    subprocess below."""
+    calls = []
+
+    def fake(kernel, ptypes, aligned, cc):
+        calls.append(kernel.name)
+        return kernel.name, repr((kernel, ptypes, aligned, cc)).encode(), kernel.num_warps, 0
+    monkeypatch.setattr(C, "_triton_compile", fake)
+    return calls
+
+
 def _prog():
-    return P.build(0, 0, 2, 5, 40, 24, np.float32, np.float32, 0)   # no tokens: one fill_i32 kernel
+    return P.build(3, 3, 2, 5, 64, 32, np.float32, np.float32, 0)   # decode: decode1, decode2, combine
 
 
-def _refuse_compiles(monkeypatch):
-    def refuse(*a):
-        raise AssertionError("compiled: the cache missed")
-    monkeypatch.setattr(C, "_triton_compile", refuse)
-
-
-def test_a_cubin_compiled_once_is_served_from_the_cache(cache, monkeypatch):
+def test_a_cubin_compiled_once_is_served_from_the_cache(cache, compiler):
     before = C.cache_stats()
     blob, table = C.pack(_prog(), 90)
+    n = len(_prog().kernels())
+    assert len(compiler) == n == 3
     files = sorted(os.listdir(cache))
-    assert [f.split("-sm90-")[0] for f in files] == ["fill_i32", "fill_i32"]        # .cubin and .json
-    assert C.cache_stats()["misses"] == before["misses"] + 1 and C.cache_stats()["writes"] == before["writes"] + 1
+    assert len(files) == 2 * n and all("-sm90-" in f for f in files)      # a .cubin and a .json each
+    assert C.cache_stats()["misses"] == before["misses"] + n and C.cache_stats()["writes"] == before["writes"] + n
     C._compile.cache_clear()
-    _refuse_compiles(monkeypatch)
     blob2, table2 = C.pack(_prog(), 90)
-    assert C.cache_stats()["hits"] == before["hits"] + 1
+    assert len(compiler) == n                                            # nothing compiled again
+    assert C.cache_stats()["hits"] == before["hits"] + n
     np.testing.assert_array_equal(blob2, blob)
     np.testing.assert_array_equal(table2, table)
 
 
 @pytest.mark.parametrize("change", ["triton", "triton_env", "target", "source", "options", "torn"])
-def test_a_changed_key_or_a_torn_file_misses(cache, monkeypatch, change):
+def test_a_changed_key_or_a_torn_file_misses(cache, compiler, monkeypatch, change):
     C.pack(_prog(), 90)
     C._compile.cache_clear()
     cc, prog = 90, _prog()
+    n = len(prog.kernels())
     if change == "triton":
         monkeypatch.setattr(C, "_triton_version", lambda: "0.0.1")
     elif change == "triton_env":
@@ -63,30 +79,30 @@ def test_a_changed_key_or_a_torn_file_misses(cache, monkeypatch, change):
     elif change == "source":
         monkeypatch.setattr(C, "_source_digest", lambda: "another source")
     elif change == "options":
-        ln = prog.launches[0]
-        kernel = dataclasses.replace(ln.kernel, num_warps=ln.kernel.num_warps * 2)
-        prog = dataclasses.replace(prog, launches=[dataclasses.replace(ln, kernel=kernel)])
+        prog = dataclasses.replace(prog, launches=[
+            dataclasses.replace(ln, kernel=dataclasses.replace(ln.kernel, num_warps=ln.kernel.num_warps * 2))
+            for ln in prog.launches])
     else:
-        cubin = [f for f in os.listdir(cache) if f.endswith(".cubin")][0]
-        with open(cache / cubin, "r+b") as f:
-            f.truncate(10)
-    calls = []
-    real = C._triton_compile
-    monkeypatch.setattr(C, "_triton_compile", lambda *a: calls.append(a) or real(*a))
+        for f in os.listdir(cache):
+            if f.endswith(".cubin"):
+                with open(cache / f, "r+b") as fh:
+                    fh.truncate(10)
     C.pack(prog, cc)
-    assert len(calls) == 1                      # compiled again, not loaded
-    if change == "torn":                        # and rewritten whole
+    assert len(compiler) == 2 * n                  # compiled again, not loaded
+    if change == "torn":                           # and rewritten whole: served next time
         C._compile.cache_clear()
-        _refuse_compiles(monkeypatch)
         C.pack(prog, cc)
+        assert len(compiler) == 2 * n
 
 
-def test_no_cache_folder_with_0(tmp_path, monkeypatch):
+def test_no_cache_folder_with_0(tmp_path, monkeypatch, compiler):
     monkeypatch.setenv("JAX_NBX_CUBIN_CACHE", "0")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     C._compile.cache_clear()
     try:
         C.pack(_prog(), 90)
+        with pytest.raises(ValueError, match="JAX_NBX_CUBIN_CACHE is off"):
+            C.precompile(_prog().kernels(), 90)
     finally:
         C._compile.cache_clear()
     assert not os.listdir(tmp_path)
