@@ -112,50 +112,50 @@ def _mlp_shared(mlp, gate_layer) -> SharedExperts:
 
 # ----------------------------------------------------------------- families
 
-def _mixtral_call(block, state, hidden_states, attention_mask=None, training=False):
-    # keras_hub/src/models/mixtral/mixtral_decoder.py, MixtralSparseMoeBlock.call
-    import keras
+def _softmax_routed(block, state, hidden_states, router, *, normalize: bool, coefficient: float, shared=None,
+                    attention_mask=None, training=None, router_input=None):
+    """The softmax-top-k blocks' call (`route`): the router on the flattened tokens (or on
+    ``router_input(x)``), the routed experts (and ``shared``) through the op, keras-hub's aux loss
+    in training; returns (out [B, S, H], router logits) as those blocks do."""
     B, S, _ = hidden_states.shape
     x2 = _flat(block, hidden_states)
-    xr = x2
-    if training and block.router_jitter_noise > 0:
-        xr = x2 * keras.ops.random.uniform(x2.shape, minval=1.0 - block.router_jitter_noise,
-                                           maxval=1.0 + block.router_jitter_noise, dtype=x2.dtype)
-    logits = block._sparse_feedforward_gate_dense(xr)
-    w, ids = route(logits, block.top_k, normalize=True)
-    y = state.moe(block, x2, w, ids)
+    logits = router(x2 if router_input is None else router_input(x2))
+    w, ids = route(logits, block.top_k, normalize=normalize)
+    y = state.moe(block, x2, w, ids, shared=shared)
     if training:
-        _aux(block, logits, attention_mask, block.router_aux_loss_coef)
+        _aux(block, logits, attention_mask, coefficient)
     return jnp.reshape(y, (B, S, block.hidden_dim)), logits
+
+
+def _mixtral_call(block, state, hidden_states, attention_mask=None, training=False):
+    # keras_hub/src/models/mixtral/mixtral_decoder.py, MixtralSparseMoeBlock.call (router jitter in training)
+    import keras
+    jitter = block.router_jitter_noise
+
+    def noisy(x2):
+        return x2 * keras.ops.random.uniform(x2.shape, minval=1.0 - jitter, maxval=1.0 + jitter, dtype=x2.dtype)
+    return _softmax_routed(block, state, hidden_states, block._sparse_feedforward_gate_dense, normalize=True,
+                           coefficient=block.router_aux_loss_coef, attention_mask=attention_mask,
+                           training=training, router_input=noisy if training and jitter > 0 else None)
 
 
 def _qwen_call(block, state, hidden_states, attention_mask=None, training=None):
     # keras_hub/src/models/qwen_moe/qwen_moe_decoder.py, QwenSparseMoeBlock.call (Qwen2-MoE), and
     # keras_hub/src/models/qwen3_moe/qwen3_moe_decoder.py, Qwen3SparseMoeBlock.call (no shared expert)
-    B, S, _ = hidden_states.shape
-    x2 = _flat(block, hidden_states)
-    logits = block._sparse_feedforward_gate_dense(x2)
-    w, ids = route(logits, block.top_k, normalize=bool(block.norm_top_k_prob))
     shared = None
     if hasattr(block, "shared_expert_dense"):
         shared = _mlp_shared(block.shared_expert_dense, block.shared_expert_gate_dense)
-    y = state.moe(block, x2, w, ids, shared=shared)
-    if training:
-        _aux(block, logits, attention_mask, block.router_aux_loss_coefficient)
-    return jnp.reshape(y, (B, S, block.hidden_dim)), logits
+    return _softmax_routed(block, state, hidden_states, block._sparse_feedforward_gate_dense,
+                           normalize=bool(block.norm_top_k_prob), coefficient=block.router_aux_loss_coefficient,
+                           shared=shared, attention_mask=attention_mask, training=training)
 
 
 def _qwen3_5_call(block, state, hidden_states, attention_mask=None, training=None):
     # keras_hub/src/models/qwen3_5_moe/qwen3_5_moe_decoder.py, Qwen3_5MoeSparseMoeBlock.call
-    B, S, _ = hidden_states.shape
-    x2 = _flat(block, hidden_states)
-    shared = _mlp_shared(block.shared_expert, block._shared_expert_gate)
-    logits = block._router_gate(x2)
-    w, ids = route(logits, block.top_k, normalize=True)
-    y = state.moe(block, x2, w, ids, shared=shared)
-    if training:
-        _aux(block, logits, attention_mask, block.router_aux_loss_coefficient)
-    return jnp.reshape(y, (B, S, block.hidden_dim)), logits
+    return _softmax_routed(block, state, hidden_states, block._router_gate, normalize=True,
+                           coefficient=block.router_aux_loss_coefficient,
+                           shared=_mlp_shared(block.shared_expert, block._shared_expert_gate),
+                           attention_mask=attention_mask, training=training)
 
 
 def _gpt_oss_call(block, state, hidden_states):
