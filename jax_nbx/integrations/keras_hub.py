@@ -61,9 +61,6 @@ class _Patch:
     lora: tuple | None = None           # ({projection: (A variable, B variable)}, scale)
     frozen: list = dataclasses.field(default_factory=list)   # (variable, its trainable flag before)
 
-    def top_k(self, block) -> int:
-        return self.k
-
     def experts(self, block):
         if self.quant is None:
             return self.kind.experts(block)

@@ -176,7 +176,7 @@ def _gemma4_call(block, state, x, dispatch_weights):
     # block scales each expert's output by its per_expert_scale.  The k entries are found again by
     # top-k (an entry the router chose but rounded to 0 contributes 0 either way), and the scale is
     # folded into the weights: sum_j w_j s_{e_j} mlp_{e_j}(x) is the block's sum.
-    w, ids = jax.lax.top_k(dispatch_weights.astype(jnp.float32), state.top_k(block))
+    w, ids = jax.lax.top_k(dispatch_weights.astype(jnp.float32), state.k)
     scale = _value(block.per_expert_scale).astype(jnp.float32)
     return state.moe(block, x, w * scale[ids], ids).astype(x.dtype)
 
