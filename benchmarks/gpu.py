@@ -17,7 +17,7 @@ measured beside each row, in the same way as the row (a jitted loop, median of
 5): the GEMM rate is XLA's own bf16 matmul (cuBLAS) of --gemm-n (8192) cubed;
 the floor is the active experts' weight bytes / the bandwidth of a
 device-to-device copy of --copy-mib (1024 MiB; read + write counted).
-Then the quantized decode rows (bf16, int8, int4 experts at --quant-tokens)
+Then the quantized decode rows (bf16, int8, int4, mxfp4 experts at --quant-tokens)
 and the training-step rows (forward + backward of sum(y^2) with respect to x,
 the routing weights and the experts, at --train-tokens; ours vs a ragged_dot
 MoE's step; 3x the routed forward FLOPs as a fraction of the GEMM rate).
@@ -131,21 +131,23 @@ def _deferred_check(x, ex):
         return ("PASS" if "topk_ids[2, 1] = 9" in str(e) and "earlier call" in str(e) else "FAIL"), msg
 
 
+CHECK_CASES = [
+    # T, E, k, H, I, x dtype, w dtype, activation, band cap
+    (1, 8, 2, 4096, 1408, jnp.bfloat16, jnp.bfloat16, "swiglu", None),
+    (33, 8, 2, 129, 99, jnp.float32, jnp.float32, "swiglu", None),
+    (222, 16, 4, 257, 130, jnp.bfloat16, jnp.bfloat16, "geglu", None),
+    (222, 16, 4, 256, 128, jnp.float32, jnp.bfloat16, "swiglu", None),
+    (222, 16, 4, 256, 128, jnp.float16, jnp.float16, "swiglu", None),
+    (1024, 64, 8, 2048, 1024, jnp.bfloat16, jnp.bfloat16, "swiglu", None),
+    (1024, 64, 8, 2048, 1024, jnp.bfloat16, jnp.bfloat16, "swiglu", "40MB"),
+    (3, 64, 8, 2048, 1024, jnp.bfloat16, jnp.bfloat16, "swiglu", None),
+    (600, 128, 8, 2048, 768, jnp.bfloat16, jnp.bfloat16, "swiglu", None),
+]
+
+
 def run_checks(rows):
-    cases = [
-        # T, E, k, H, I, x dtype, w dtype, activation, band cap
-        (1, 8, 2, 4096, 1408, jnp.bfloat16, jnp.bfloat16, "swiglu", None),
-        (33, 8, 2, 129, 99, jnp.float32, jnp.float32, "swiglu", None),
-        (222, 16, 4, 257, 130, jnp.bfloat16, jnp.bfloat16, "geglu", None),
-        (222, 16, 4, 256, 128, jnp.float32, jnp.bfloat16, "swiglu", None),
-        (222, 16, 4, 256, 128, jnp.float16, jnp.float16, "swiglu", None),
-        (1024, 64, 8, 2048, 1024, jnp.bfloat16, jnp.bfloat16, "swiglu", None),
-        (1024, 64, 8, 2048, 1024, jnp.bfloat16, jnp.bfloat16, "swiglu", "40MB"),
-        (3, 64, 8, 2048, 1024, jnp.bfloat16, jnp.bfloat16, "swiglu", None),
-        (600, 128, 8, 2048, 768, jnp.bfloat16, jnp.bfloat16, "swiglu", None),
-    ]
     ok_all = True
-    for i, (T, E, k, H, I, xd, wd, act, band) in enumerate(cases):
+    for i, (T, E, k, H, I, xd, wd, act, band) in enumerate(CHECK_CASES):
         t0 = time.perf_counter()
         try:
             err, ok, tol = check_case(T, E, k, H, I, xd, wd, act, band, seed=i)
@@ -343,6 +345,18 @@ def copy_bandwidth(mib=1024, reps=10):
     return 2.0 * x.size * 4 / _median_loop_time(run, x, reps)
 
 
+BENCH_VARIANTS = (("ours", ours), ("deferred", ours_deferred), ("graph", ours_graph),
+                  ("prefill", ours_prefill), ("ragged", ragged_moe), ("dense", dense_moe))
+
+
+def variant_runs(label: str, m, T: int) -> bool:
+    """Whether a timing row times this variant: the dense einsum only where it fits, the
+    decode-path variants (deferred check, graph, forced prefill path) at T <= 16."""
+    if label == "dense":
+        return T * m.E * m.I * 2 * 3 <= 8e9
+    return label not in ("prefill", "deferred", "graph") or T <= 16
+
+
 def run_bench(models, tokens, rows, budget_s, gemm_n=8192, copy_mib=1024):
     t_start = time.perf_counter()
     for name in models:
@@ -355,10 +369,8 @@ def run_bench(models, tokens, rows, budget_s, gemm_n=8192, copy_mib=1024):
             reps = 50 if T <= 16 else (20 if T <= 512 else 5)
             base = norm_time(x, reps)
             res = {}
-            for label, fn in (("ours", ours), ("deferred", ours_deferred), ("graph", ours_graph),
-                              ("prefill", ours_prefill), ("ragged", ragged_moe), ("dense", dense_moe)):
-                if (label == "dense" and T * m.E * m.I * 2 * 3 > 8e9) or (
-                        label in ("prefill", "deferred", "graph") and T > 16):
+            for label, fn in BENCH_VARIANTS:
+                if not variant_runs(label, m, T):
                     res[label] = float("nan")
                     continue
                 try:
@@ -432,9 +444,20 @@ def run_train(models, tokens, rows, budget_s, gemm_n=8192):
             log(rows[-1])
 
 
+QUANT_FORMATS = ("bf16", "int8", "int4", "mxfp4")
+
+
+def quantized(ex, fmt: str):
+    """The quantized decode rows' experts: bf16 as they are; int8, int4 (group 128) with bf16
+    scales; mxfp4 (group 32, E8M0 scales)."""
+    if fmt == "bf16":
+        return ex
+    return nbx.quantize(ex, fmt, scale_dtype=jnp.bfloat16, **({"group_size": 128} if fmt == "int4" else {}))
+
+
 def run_quant_decode(models, tokens, rows, copy_mib=1024):
-    """Decode with bf16, int8 and int4 (group 128) experts: ms per call and
-    each format's speed relative to bf16 (issue #20's target: int4 >= 2.5x)."""
+    """Decode with bf16, int8, int4 and mxfp4 experts: ms per call and each format's
+    speed relative to bf16 (issue #56's target: int4 and mxfp4 >= 2x)."""
     for name in models:
         m = MODELS[name]
         for T in tokens:
@@ -442,9 +465,8 @@ def run_quant_decode(models, tokens, rows, copy_mib=1024):
             reps = 50
             base = norm_time(x, reps)
             res = {}
-            for fmt in ("bf16", "int8", "int4"):
-                e = ex if fmt == "bf16" else nbx.quantize(
-                    ex, fmt, scale_dtype=jnp.bfloat16, **({"group_size": 128} if fmt == "int4" else {}))
+            for fmt in QUANT_FORMATS:
+                e = quantized(ex, fmt)
                 try:
                     res[fmt] = max(loop_time(ours, x, w, ids, e, reps) - base, 1e-9)
                 except Exception as err:
@@ -453,9 +475,8 @@ def run_quant_decode(models, tokens, rows, copy_mib=1024):
             bw = copy_bandwidth(copy_mib)
             active = len(np.unique(np.asarray(ids)))
             floor = active * 3 * m.H * m.I * 2 / bw
-            rows.append([name, str(T)] + [f"{res[f] * 1e3:.3f}" for f in ("bf16", "int8", "int4")]
-                        + [f"{res['bf16'] / res['int8']:.2f}", f"{res['bf16'] / res['int4']:.2f}",
-                           f"{res['bf16'] / floor:.2f}"])
+            rows.append([name, str(T)] + [f"{res[f] * 1e3:.3f}" for f in QUANT_FORMATS]
+                        + [f"{res['bf16'] / res[f]:.2f}" for f in QUANT_FORMATS[1:]] + [f"{res['bf16'] / floor:.2f}"])
             log(rows[-1])
 
 
@@ -469,7 +490,8 @@ def _tables(check_rows, bench_rows, quant_rows, train_rows, with_checks=True) ->
              "copy TB/s", "t/bw floor", "deferred t/bw floor", "graph t/bw floor"], bench_rows))
     if quant_rows:
         text += ("\n== quantized decode (ms per layer call; speed relative to bf16)\n" + format_table(
-            ["model", "T", "bf16 ms", "int8 ms", "int4 ms", "int8 speed", "int4 speed", "bf16 t/bw floor"],
+            ["model", "T", *(f"{f} ms" for f in QUANT_FORMATS), *(f"{f} speed" for f in QUANT_FORMATS[1:]),
+             "bf16 t/bw floor"],
             quant_rows))
     if train_rows:
         text += ("\n== training step, bf16 (forward + backward of sum(y^2); ms per step)\n" + format_table(

@@ -128,6 +128,7 @@ def test_precompile_fills_the_cache_with_the_interpreted_programs_kernels(tmp_pa
     cache, rec = tmp_path / "cubins", tmp_path / "records"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gpu_precompile.py"), "--cache", str(cache),
+                        "--no-bench", "--any-triton",
                         "--tests", "tests/suite/test_forward.py", "-m", "not sweep", "--backends", "cuda-interpret",
                         "-k", "bf16 or bfloat16", "-p", "no:xdist"],
                        cwd=root, capture_output=True, text=True, env=dict(os.environ, JAX_NBX_KERNEL_RECORD=""),
@@ -142,8 +143,37 @@ def test_precompile_fills_the_cache_with_the_interpreted_programs_kernels(tmp_pa
     _record(prog)
     with open(next(rec.iterdir()), "rb") as f:
         kernels = pickle.load(f)
-    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gpu_precompile.py"), "--cache", str(cache),
-                        "--records", str(rec)], cwd=root, capture_output=True, text=True, timeout=600)
+    script = [sys.executable, os.path.join(root, "benchmarks", "gpu_precompile.py"), "--records", str(rec),
+              "--no-bench", "--any-triton"]
+    r = subprocess.run(script + ["--cache", str(cache)], cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "sm_90:" in r.stdout, r.stdout + r.stderr
     for kernel, ptypes, aligned in kernels:
         assert (cache / (C.cache_key(kernel, ptypes, aligned, 90) + ".cubin")).exists()
+    # --check compiles nothing: every kernel found here; an empty cache lacks them all (exit 1)
+    r = subprocess.run(script + ["--cache", str(cache), "--check"], cwd=root, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and " 0 missing" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(script + ["--cache", str(tmp_path / "empty"), "--check"], cwd=root, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 1 and f"0 of {len(set(kernels))} kernels" in r.stdout, r.stdout + r.stderr
+    assert not (tmp_path / "empty").exists() or not any((tmp_path / "empty").iterdir())
+
+
+def test_the_benchmarks_programs_are_traced_as_on_a_gpu():
+    """benchmarks/gpu_programs.py: gpu.py's rows traced against a stand-in H200 name the kernels the
+    CUDA handler would launch -- decode at T=1, the ordered GEMMs at T=512, the backward for the
+    training step, each quantized format's own kernels -- and run nothing; outside the block the
+    CUDA backend is unavailable again."""
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+    if bench not in sys.path:
+        sys.path.append(bench)  # appended: benchmarks' module names never shadow a package
+    import gpu_programs
+    ks = gpu_programs.record(["olmoe-1b-7b"], [1, 512], [1], [16], checks=False)
+    names = {k.name for k, _, _ in ks}
+    assert {"decode1", "decode2", "gemm1", "gemm2", "bwd_gemm1", "bwd_dw", "bwd_dx"} <= names, names
+    # the quantized rows' decode kernels differ from bf16's (their constexprs or argument types)
+    decodes = {(k, p) for k, p, _ in ks if k.name == "decode1"}
+    assert len(decodes) >= 1 + len(__import__("gpu").QUANT_FORMATS[1:]), decodes
+    import jax
+    assert jax.default_backend() == "cpu"

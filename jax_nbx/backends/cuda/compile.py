@@ -172,6 +172,15 @@ def precompile(kernels, cc: int) -> dict:
     return {"found": after["hits"] - before["hits"], "compiled": after["misses"] - before["misses"]}
 
 
+def missing(kernels, cc: int) -> list:
+    """The ``kernels`` (`Program.kernels` entries) that the cubin cache lacks for compute
+    capability ``cc``, each once (read only: nothing is compiled, Triton is not imported)."""
+    folder = _env.cubin_cache()
+    if folder is None:
+        raise ValueError("missing: JAX_NBX_CUBIN_CACHE is off ('0'): there is no cache to read")
+    return [key for key in dict.fromkeys(kernels) if _load(folder, cache_key(*key, int(cc))) is None]
+
+
 def pack(prog: P.Program, cc: int) -> tuple[np.ndarray, np.ndarray]:
     """(blob uint8, table int64 [n_kernels, len(KERNEL_FIELDS)]) for the handler."""
     blob, rows = bytearray(), []
