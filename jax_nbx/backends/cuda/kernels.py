@@ -184,70 +184,90 @@ def _e8m0(s):
 
 
 @triton.jit
-def _wtile(qtbl, stbl, ztbl, e, wref, sref, kk, offs_n, N: tl.constexpr, mask,
+def _wtile(qtbl, stbl, ztbl, e, wref, sref, k0, kk, offs_n, K: tl.constexpr, N: tl.constexpr, mask,
            QUANT: tl.constexpr, GS: tl.constexpr, W_ALIGNED: tl.constexpr,
-           OFF: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr):
-    """Expert e's weights at rows kk [BK] and columns offs_n [BN], as float32,
-    each value the format's scalar reference (xla_ffi/formats/<name>.h, one
-    float32 product).  One branch per format the kernels know (a code they
-    do not know fails the compile by its static_assert; plan.build refuses it
-    by name first).  QUANT dense: wref's dtype, element (k, n) at
-    OFF + k*SK + n*SN (the view); the quantized formats take the plain
-    layout only: int8 times scale[n]; fp8 E4M3 bytes times a float
-    scale[k // GS, n]; mxfp8 E4M3 bytes times an E8M0 scale; int4, mxfp4 and
-    nvfp4 4-bit codes packed two per byte along K (low nibble = even row):
-    int4 times scale[k // GS, n] plus min[k // GS, n], mxfp4 E2M1 times an
-    E8M0 scale, nvfp4 E2M1 times an E4M3 scale.  qtbl/stbl/ztbl: tables of
-    the expert's q, scale and min arrays (float scales typed like sref, byte
-    scales like wref, the q part's uint8)."""
+           OFF: tl.constexpr, SK: tl.constexpr, SN: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """Expert e's weights at rows kk = k0 + [0, BK) (k0 a multiple of BK) of K and columns offs_n
+    [BN] of N, as float32, each value the format's scalar reference (xla_ffi/formats/<name>.h, one
+    float32 product); 0 where ``mask`` is off.  One branch per format the kernels know (a code
+    they do not know fails the compile by its static_assert; plan.build refuses it by name
+    first).  QUANT dense: wref's dtype, element (k, n) at OFF + k*SK + n*SN (the view); the
+    quantized formats take the plain layout only: int8 times scale[n]; fp8 E4M3 bytes times a
+    float scale[k // GS, n]; mxfp8 E4M3 bytes times an E8M0 scale; int4, mxfp4 and nvfp4 4-bit
+    codes packed two per byte along K (low nibble = even row): int4 times scale[k // GS, n] plus
+    min[k // GS, n], mxfp4 E2M1 times an E8M0 scale, nvfp4 E2M1 times an E4M3 scale.  Every byte
+    of codes and every group's scale is loaded once per tile (`_codes`, `_group_tile`: #56, the
+    decode path is bound by its loads).  qtbl/stbl/ztbl: tables of the expert's q, scale and min
+    arrays (float scales typed like sref, byte scales like wref, the q part's uint8)."""
     p = _expert_ptr(qtbl, e, wref, W_ALIGNED)
     if QUANT == QUANT_DENSE:
         w = tl.load(p + _view(kk, offs_n, OFF, SK, SN), mask=mask, other=0.0).to(tl.float32)
     elif QUANT == QUANT_INT8:
         sp = _expert_ptr(stbl, e, sref, W_ALIGNED)
         sc = tl.load(sp + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        w = _codes(p, kk, offs_n, N, mask, 1).to(tl.float32) * sc[None, :]
+        w = _codes(p, k0, offs_n, K, N, 1, BK, BN).to(tl.float32) * sc[None, :]
     elif QUANT == QUANT_FP8:
-        sc = _group_part(_expert_ptr(stbl, e, sref, W_ALIGNED), kk, offs_n, N, GS, mask)
-        w = _e4m3(_codes(p, kk, offs_n, N, mask, 1)) * sc.to(tl.float32)
+        sc = _group_tile(_expert_ptr(stbl, e, sref, W_ALIGNED), k0, offs_n, K, N, GS, BK, BN)
+        w = _e4m3(_codes(p, k0, offs_n, K, N, 1, BK, BN)) * sc.to(tl.float32)
     elif QUANT == QUANT_MXFP8:
-        s = _group_part(_expert_ptr(stbl, e, wref, W_ALIGNED), kk, offs_n, N, GS, mask)
-        w = _e4m3(_codes(p, kk, offs_n, N, mask, 1)) * _e8m0(s.to(tl.int32))
+        s = _group_tile(_expert_ptr(stbl, e, wref, W_ALIGNED), k0, offs_n, K, N, GS, BK, BN)
+        w = _e4m3(_codes(p, k0, offs_n, K, N, 1, BK, BN)) * _e8m0(s.to(tl.int32))
     elif QUANT == QUANT_MXFP4:
-        s = _group_part(_expert_ptr(stbl, e, wref, W_ALIGNED), kk, offs_n, N, GS, mask)
-        w = _e2m1(_codes(p, kk, offs_n, N, mask, 2)) * _e8m0(s.to(tl.int32))
+        s = _group_tile(_expert_ptr(stbl, e, wref, W_ALIGNED), k0, offs_n, K, N, GS, BK, BN)
+        w = _e2m1(_codes(p, k0, offs_n, K, N, 2, BK, BN)) * _e8m0(s.to(tl.int32))
     elif QUANT == QUANT_NVFP4:
-        s = _group_part(_expert_ptr(stbl, e, wref, W_ALIGNED), kk, offs_n, N, GS, mask)
-        w = _e2m1(_codes(p, kk, offs_n, N, mask, 2)) * _e4m3(s.to(tl.int32))
+        s = _group_tile(_expert_ptr(stbl, e, wref, W_ALIGNED), k0, offs_n, K, N, GS, BK, BN)
+        w = _e2m1(_codes(p, k0, offs_n, K, N, 2, BK, BN)) * _e4m3(s.to(tl.int32))
     else:
         tl.static_assert(QUANT == QUANT_INT4, "_wtile: a weight format code the kernels do not know")
-        sc = _group_part(_expert_ptr(stbl, e, sref, W_ALIGNED), kk, offs_n, N, GS, mask)
-        mn = _group_part(_expert_ptr(ztbl, e, sref, W_ALIGNED), kk, offs_n, N, GS, mask)
-        w = _codes(p, kk, offs_n, N, mask, 2).to(tl.float32) * sc.to(tl.float32) + mn.to(tl.float32)
+        sc = _group_tile(_expert_ptr(stbl, e, sref, W_ALIGNED), k0, offs_n, K, N, GS, BK, BN)
+        mn = _group_tile(_expert_ptr(ztbl, e, sref, W_ALIGNED), k0, offs_n, K, N, GS, BK, BN)
+        w = _codes(p, k0, offs_n, K, N, 2, BK, BN).to(tl.float32) * sc.to(tl.float32) + mn.to(tl.float32)
+    if QUANT != QUANT_DENSE:
+        w = tl.where(mask, w, 0.0)
     return w
 
 
 @triton.jit
-def _codes(p, kk, offs_n, N: tl.constexpr, mask, PER_BYTE: tl.constexpr):
-    """The codes at rows kk, columns offs_n of a q part [K / PER_BYTE, N]: its
-    elements (PER_BYTE 1, as loaded: int8, or uint8 widened to int32), or
-    4-bit codes packed two per byte along K (low nibble = even row) as int32."""
+def _codes(p, k0, offs_n, K: tl.constexpr, N: tl.constexpr, PER_BYTE: tl.constexpr, BK: tl.constexpr,
+           BN: tl.constexpr):
+    """The codes at rows k0 + [0, BK), columns offs_n of a q part [K / PER_BYTE, N]: its elements
+    (PER_BYTE 1, as loaded: int8, or uint8 widened to int32), or 4-bit codes packed two per byte
+    along K (low nibble = even row; K even) as int32, each byte loaded once and split into the two
+    rows it holds; 0 outside K and N."""
+    nmask = (offs_n < N)[None, :]
     if PER_BYTE == 1:
-        c = tl.load(p + kk[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0)
+        kk = k0 + tl.arange(0, BK)
+        c = tl.load(p + kk[:, None].to(tl.int64) * N + offs_n[None, :], mask=(kk < K)[:, None] & nmask, other=0)
         if c.dtype == tl.uint8:
             c = c.to(tl.int32)
     else:
-        byte = tl.load(p + (kk // 2)[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask,
+        rows = k0 // 2 + tl.arange(0, BK // 2)
+        byte = tl.load(p + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=(rows < K // 2)[:, None] & nmask,
                        other=0).to(tl.int32)
-        c = tl.where((kk % 2 == 0)[:, None], byte & 15, byte >> 4)
+        # [BK/2, BN, 2] (low, high) -> [BK/2, 2, BN] -> rows 2i, 2i+1
+        c = tl.reshape(tl.permute(tl.join(byte & 15, byte >> 4), (0, 2, 1)), (BK, BN))
     return c
 
 
 @triton.jit
-def _group_part(sp, kk, offs_n, N: tl.constexpr, GS: tl.constexpr, mask):
-    """Row kk // GS, columns offs_n of a per-group part [K / GS, N] (as stored;
-    0 where masked)."""
-    return tl.load(sp + (kk // GS)[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0)
+def _group_tile(sp, k0, offs_n, K: tl.constexpr, N: tl.constexpr, GS: tl.constexpr, BK: tl.constexpr,
+                BN: tl.constexpr):
+    """Rows (k0 + i) // GS, i in [0, BK), columns offs_n of a per-group part [ceil(K / GS), N] (as
+    stored; 0 outside N), each group's row loaded once and broadcast over its GS rows: the tile
+    lies in one group when GS >= BK (both powers of two, k0 a multiple of BK), else it holds BK / GS
+    whole groups."""
+    nmask = (offs_n < N)[None, :]
+    if GS >= BK:
+        g = k0 // GS
+        s = tl.load(sp + g.to(tl.int64) * N + offs_n[None, :], mask=nmask, other=0)
+        s = tl.broadcast_to(s, (BK, BN))
+    else:
+        rows = k0 // GS + tl.arange(0, BK // GS)
+        s = tl.load(sp + rows[:, None].to(tl.int64) * N + offs_n[None, :],
+                    mask=(rows < (K + GS - 1) // GS)[:, None] & nmask, other=0)
+        s = tl.reshape(tl.broadcast_to(s[:, None, :], (BK // GS, GS, BN)), (BK, BN))
+    return s
 
 
 @triton.jit
@@ -377,10 +397,10 @@ def gemm1(x, sorted_slots, block_expert, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tb
             bg = tl.load(gp + OFF_G + woff, mask=wmask, other=0.0)
             bu = tl.load(upp + OFF_U + woff, mask=wmask, other=0.0)
         else:
-            bg = _wtile(gate_tbl, gs_tbl, gz_tbl, e, wref, sref, kk, offs_n, I, wmask, QUANT, GS,
-                        W_ALIGNED, 0, I, 1).to(sref.dtype.element_ty)
-            bu = _wtile(up_tbl, us_tbl, uz_tbl, e, wref, sref, kk, offs_n, I, wmask, QUANT, GS,
-                        W_ALIGNED, 0, I, 1).to(sref.dtype.element_ty)
+            bg = _wtile(gate_tbl, gs_tbl, gz_tbl, e, wref, sref, k0, kk, offs_n, H, I, wmask, QUANT, GS,
+                        W_ALIGNED, 0, I, 1, BK, BN).to(sref.dtype.element_ty)
+            bu = _wtile(up_tbl, us_tbl, uz_tbl, e, wref, sref, k0, kk, offs_n, H, I, wmask, QUANT, GS,
+                        W_ALIGNED, 0, I, 1, BK, BN).to(sref.dtype.element_ty)
         if IEEE:
             acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
             acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
@@ -431,8 +451,8 @@ def gemm2(h, sorted_slots, block_expert, down_tbl, ds_tbl, dz_tbl, wref, sref, d
             b = tl.load(dp + _view(kk, offs_n, OFF, SK, SN), mask=kmask[:, None] & nmask[None, :],
                         other=0.0)
         else:
-            b = _wtile(down_tbl, ds_tbl, dz_tbl, e, wref, sref, kk, offs_n, H,
-                       kmask[:, None] & nmask[None, :], QUANT, GS, W_ALIGNED, 0, H, 1
+            b = _wtile(down_tbl, ds_tbl, dz_tbl, e, wref, sref, k0, kk, offs_n, I, H,
+                       kmask[:, None] & nmask[None, :], QUANT, GS, W_ALIGNED, 0, H, 1, BK, BN
                        ).to(sref.dtype.element_ty)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
@@ -500,10 +520,10 @@ def decode1(x, ids, slot0, err, gate_tbl, up_tbl, gs_tbl, us_tbl, gz_tbl, uz_tbl
         if RU > 0:
             xau += tl.sum(xv[:, None] * _lora_a(lau, e, kk, kmask, H, RU, RP), axis=0)
         wmask = kmask[:, None] & nmask[None, :]
-        bg = _wtile(gate_tbl, gs_tbl, gz_tbl, e, wref, sref, kk, offs_n, I, wmask, QUANT, GS, W_ALIGNED,
-                    OFF_G, SK, SN)
-        bu = _wtile(up_tbl, us_tbl, uz_tbl, e, wref, sref, kk, offs_n, I, wmask, QUANT, GS, W_ALIGNED,
-                    OFF_U, SK, SN)
+        bg = _wtile(gate_tbl, gs_tbl, gz_tbl, e, wref, sref, c * KCH + j, kk, offs_n, H, I, wmask, QUANT, GS,
+                    W_ALIGNED, OFF_G, SK, SN, BK, BN)
+        bu = _wtile(up_tbl, us_tbl, uz_tbl, e, wref, sref, c * KCH + j, kk, offs_n, H, I, wmask, QUANT, GS,
+                    W_ALIGNED, OFF_U, SK, SN, BK, BN)
         acc_g += tl.sum(xv[:, None] * bg, axis=0)
         acc_u += tl.sum(xv[:, None] * bu, axis=0)
     if RG > 0:
@@ -550,8 +570,8 @@ def decode2(part, ids, down_tbl, ds_tbl, dz_tbl, wref, sref, db, lad, lbd, w, ou
             hv = tl.where(kmask, _glu(g, u, ACT, ALPHA, LIMIT), 0.0)
             if RD > 0:
                 xad += tl.sum(hv[:, None] * _lora_a(lad, e, kk, kmask, I, RD, RP), axis=0)
-            b = _wtile(down_tbl, ds_tbl, dz_tbl, e, wref, sref, kk, offs_n, H,
-                       kmask[:, None] & nmask[None, :], QUANT, GS, W_ALIGNED, OFF, SK, SN)
+            b = _wtile(down_tbl, ds_tbl, dz_tbl, e, wref, sref, c * KCH + j, kk, offs_n, I, H,
+                       kmask[:, None] & nmask[None, :], QUANT, GS, W_ALIGNED, OFF, SK, SN, BK, BN)
             acc += tl.sum(hv[:, None] * b, axis=0)
         if RD > 0:
             acc += tl.sum((xad * SD)[:, None] * _lora_b(lbd, e, offs_n, nmask, H, RD, RP), axis=0)
