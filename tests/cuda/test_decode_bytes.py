@@ -57,7 +57,7 @@ def _weight_bytes_read(monkeypatch, experts, x, w, ids):
     return counts, [a for _, _, a in ranges]
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "mxfp4"])
 def test_decode_reads_each_active_experts_bytes_once(monkeypatch, fmt):
     rng = np.random.default_rng(3)
     bf = jnp.bfloat16

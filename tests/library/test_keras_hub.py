@@ -184,11 +184,12 @@ def test_lora_equals_keras_hub_on_the_merged_weights_and_trains_under_fit(family
             for x, y in zip(_layout(kind, nbx.merge_lora(base.canonical()[0], back)), merged[i]):
                 np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
 
-    step = _fit_step(model, batch)
-    lora_moved = [p for p, d in step if "nbx_lora" in p and np.abs(d).max() > 0]
-    assert len(lora_moved) == 2 * 3 * 2          # A and B of gate, up, down in both layers
-    assert not any(p.endswith(n.lstrip("_")) for p, _ in step for _, _, kind, _ in kh._blocks(model)
-                   for n in kind.weights)        # the adapted experts are frozen
+    if family == "gpt_oss":  # fit trains the adapters alone (once: on the fused interleaved experts)
+        step = _fit_step(model, batch)
+        lora_moved = [p for p, d in step if "nbx_lora" in p and np.abs(d).max() > 0]
+        assert len(lora_moved) == 2 * 3 * 2          # A and B of gate, up, down in both layers
+        assert not any(p.endswith(n.lstrip("_")) for p, _ in step for _, _, kind, _ in kh._blocks(model)
+                       for n in kind.weights)        # the adapted experts are frozen
 
     kh.unpatch_moe(model)
     assert not any("nbx_lora" in v.path for v in model.weights)
@@ -257,11 +258,13 @@ def test_implementation_option_reaches_the_op():
         _logits(model, batch)
 
 
-@pytest.mark.parametrize("fmt, group_size", [("int8", None), ("int4", 32), ("mxfp4", None), ("fp8", 32),
-                                             ("mxfp8", None), ("nvfp4", None)])
+@pytest.mark.parametrize("fmt, group_size", [("int8", None), ("int4", 32), ("mxfp4", None)])
 def test_quantized_a_few_experts_at_a_time_equals_one_quantize(fmt, group_size):
     """patch_moe(format=...) quantizes a block's experts a few at a time (its transient float copies
-    stay small): the same codes and scales as one `quantize` of them all, in every layout."""
+    stay small): the same codes and scales as one `quantize` of them all, in every layout.  (The
+    chunking concatenates whatever leaves a format has: one format of each kind of leaves -- per-column
+    scales, scales and mins, byte scales -- stands for the rest, which test_quantized_experts_equal_...
+    runs through the patch.)"""
     rng = np.random.default_rng(0)
     E, H, I = kh._QUANTIZE_EXPERTS * 2 + 3, 64, 32
     for fusion in ("concat", "interleaved", None):
