@@ -190,8 +190,17 @@ def test_choose_keeps_the_default_within_tolerance():
         choose({}, "avx2", 0.03)
 
 
-def test_calibrate_isa_measures_every_family_and_applies():
+def test_calibrate_isa_measures_every_family_and_applies(monkeypatch):
+    from jax_nbx import isa_calibration
     from jax_nbx.isa_calibration import candidates
+
+    # the mechanics, on problems a tenth the size (each still runs its family's kernels: packed
+    # 48 rows per expert, the streaming ones T = 1; int4's groups of 128 divide H and I)
+    small = {"packed": (48, 2, 2, 128, 64, "f32"), "stream": (1, 4, 2, 256, 128, "bf16"),
+             "stream_f32": (1, 4, 2, 256, 128, "f32"), "qstream": (1, 4, 2, 256, 128, "int4"),
+             "dot": (48, 2, 2, 128, 64, "bf16dot"), "qdot": (1, 4, 2, 256, 128, "int8x8")}
+    assert set(small) == set(isa_calibration.PROBLEMS)
+    monkeypatch.setattr(isa_calibration, "PROBLEMS", small)
 
     want = [i for i in ISAS if i != "generic"] or ISAS  # generic (no FMA on x86) only where it is all
     assert candidates() == want
