@@ -270,7 +270,7 @@ def main(argv=None) -> int:
                 if kt is not None and kt_layer is not None:
                     kfmt, arrays = kt_layer
                     for n in (1, 2):
-                        kt.load((model, kfmt, id(arrays)), kfmt, m.k, n, arrays)
+                        kt.load((model, kfmt), kfmt, m.k, n, arrays)  # (one seed: every T, the same weights)
                     kt.stage(x, w, ids)
                     for n in (1, 2):
                         runs[f"kt{n}"] = (lambda n=n: (kt.run(n), kt.output())[1])
