@@ -15,7 +15,7 @@ and a workspace cap that forces bands.  It checks:
 
 ``JAX_NBX_FUZZ_CASES`` / ``JAX_NBX_FUZZ_FIRST`` / ``JAX_NBX_FUZZ_SEED`` run
 more cases, cases from another index, or another seed.  CI runs cases 0-19
-here and .ci/sanitize cases 20-49 under ASan + UBSan (50 distinct cases per
+here and .ci/sanitize cases 20-29 under ASan + UBSan (30 distinct cases per
 run; a failure prints its case, whose index and seed rerun it).
 """
 from __future__ import annotations
