@@ -82,11 +82,12 @@ def main() -> int:
     kernels = records(folder)
     print(f"== tests: {len(kernels)} kernel uses recorded, {len(set(kernels))} distinct; Triton {triton}")
     from jax_nbx.backends.cuda import compile as C
+    if not args.no_bench:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import gpu_programs
     for cc in (int(c) for c in args.cc.split(",")):
         ks = list(kernels)
         if not args.no_bench:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-            import gpu_programs
             bench = gpu_programs.record(**BENCH, cc=cc)
             print(f"== gpu.py (sm_{cc}): {len(bench)} kernel uses, {len(set(bench))} distinct")
             ks += bench

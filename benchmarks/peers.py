@@ -92,9 +92,10 @@ def kt_int4(w) -> tuple[np.ndarray, np.ndarray, object]:
     amax = np.abs(g).max(2)                                            # [E, K/32, N]
     s = np.asarray(jnp.asarray(np.where(amax > 0, amax / 7, 1), jnp.bfloat16).astype(jnp.float32))
     q = (np.clip(np.rint(g / s[:, :, None, :]), -7, 7).astype(np.int8) + 8).astype(np.uint8).reshape(E, K, N)
-    kt_q = np.ascontiguousarray(np.swapaxes(q[:, 0::2] | (q[:, 1::2] << 4), 1, 2))
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)                           # [E, K/2, N], low nibble = even row
+    kt_q = np.ascontiguousarray(np.swapaxes(packed, 1, 2))
     kt_s = np.ascontiguousarray(np.swapaxes(_bf16_bits(s), 1, 2))
-    ours = nbx.QuantizedWeight(jnp.asarray(q[:, 0::2] | (q[:, 1::2] << 4)), jnp.asarray(s, jnp.bfloat16),
+    ours = nbx.QuantizedWeight(jnp.asarray(packed), jnp.asarray(s, jnp.bfloat16),
                                jnp.asarray(-8 * s, jnp.bfloat16), kind="int4", group_size=KT_GROUP)
     return kt_q, kt_s, ours
 
@@ -200,22 +201,25 @@ def _ours(x, w, ids, ex, precision=None):
     return lambda: jax.block_until_ready(f(x, w, ids, ex))
 
 
+def _kt_bf16(ex) -> dict:
+    """The experts' bf16 bits in kt-kernel's layout (nn.Linear weights: gate, up [E, I, H], down [E, H, I])."""
+    return {n: np.ascontiguousarray(np.swapaxes(_bf16_bits(a), 1, 2))
+            for n, a in zip(("gate", "up", "down"), (ex.gate, ex.up, ex.down))}
+
+
 def _layer(m, row, with_kt: bool):
     """(T, x, w, ids, experts, quantized experts or None, kt's format and arrays or None) of a row."""
     if row in ROWS:
         T, dt = ROWS[row]
         x, w, ids, ex = make_layer(m, T, dt)
         ex = nbx.Experts(ex.gate.astype(dt), ex.up.astype(dt), ex.down.astype(dt))
-        kt = ("bf16", {n: np.ascontiguousarray(np.swapaxes(_bf16_bits(a), 1, 2))
-                       for n, a in zip(("gate", "up", "down"), (ex.gate, ex.up, ex.down))}) \
-            if dt == jnp.bfloat16 and with_kt else None
+        kt = ("bf16", _kt_bf16(ex)) if dt == jnp.bfloat16 and with_kt else None
         return T, x, w, ids, ex, None, kt
     T, fmt = QROWS[row]
     x, w, ids, ex = make_layer(m, T, jnp.bfloat16)
     ex = nbx.Experts(ex.gate.astype(jnp.bfloat16), ex.up.astype(jnp.bfloat16), ex.down.astype(jnp.bfloat16))
     if fmt == "int8":
-        arrays = {n: np.ascontiguousarray(np.swapaxes(_bf16_bits(a), 1, 2))
-                  for n, a in zip(("gate", "up", "down"), (ex.gate, ex.up, ex.down))} if with_kt else {}
+        arrays = _kt_bf16(ex) if with_kt else {}
         q8 = nbx.quantize(ex, "int8", scale_dtype=jnp.bfloat16)
         return T, x, w, ids, ex, q8, ("int8", arrays) if with_kt else None
     arrays, parts = {}, []
